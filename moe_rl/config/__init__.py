@@ -1,0 +1,6 @@
+"""Typed recipe configuration. Imports without torch, vLLM or Megatron."""
+
+from moe_rl.config.loader import ConfigError, load_recipe, to_dict, to_yaml
+from moe_rl.config.schema import RecipeConfig
+
+__all__ = ["ConfigError", "RecipeConfig", "load_recipe", "to_dict", "to_yaml"]

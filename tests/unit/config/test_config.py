@@ -1,0 +1,153 @@
+"""Recipe loading, validation and the `moe-rl config` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import ConfigError, load_recipe, to_yaml
+from moe_rl.config.loader import recipes_root
+from moe_rl.config.validate import CHOICES
+
+REPO = Path(__file__).resolve().parents[3]
+RECIPES = REPO / "recipes"
+TINY = RECIPES / "tiny_moe.yaml"
+ALL_YAML = sorted(RECIPES.rglob("*.yaml"))
+
+
+def test_config_imports_without_heavy_libraries():
+    code = textwrap.dedent(
+        """
+        import sys
+        import moe_rl.config
+        from moe_rl.config import load_recipe
+        load_recipe("recipes/tiny_moe.yaml")
+        heavy = sorted(m for m in ("torch", "vllm", "megatron", "modelopt", "ray", "transformers")
+                       if m in sys.modules)
+        print(",".join(heavy))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"moe_rl.config imported {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize("path", ALL_YAML, ids=[str(p.relative_to(RECIPES)) for p in ALL_YAML])
+def test_every_recipe_yaml_loads(path: Path, tmp_path: Path):
+    if path.parent.name == "quant":
+        config = load_recipe(TINY, [f"rollout.quant={path.stem}"])
+        assert config.quant.name == path.stem
+    else:
+        config = load_recipe(path)
+    # the resolved YAML loads back to the same config
+    root = tmp_path / "recipes"
+    root.mkdir()
+    (root / "quant").symlink_to(recipes_root(path) / "quant")
+    (root / "resolved.yaml").write_text(to_yaml(config))
+    assert load_recipe(root / "resolved.yaml") == config
+
+
+def test_layers_and_overrides_take_precedence():
+    config = load_recipe(TINY, ["algo.objective=espo", "trainer.lr=2e-6", "quant.block_size=64"])
+    assert config.algo.objective == "espo"
+    assert config.trainer.lr == pytest.approx(2e-6)
+    assert config.model.num_experts == 8  # from the model piece
+    assert config.algo.routing_replay == "r3"  # from the algo piece
+    assert config.quant.method == "fp8" and config.quant.block_size == 64  # quant file, then override
+
+
+def test_quant_recipe_switch_is_one_override():
+    assert load_recipe(TINY, ["rollout.quant=bf16"]).quant.method == "none"
+    assert load_recipe(TINY, ["rollout.quant=int4_awq"]).quant.method == "int4_awq"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        pytest.param(["trainer.lrr=1"], "did you mean `trainer.lr`", id="misspelt-key"),
+        pytest.param(["lr=1"], "did you mean `trainer.lr`", id="key-without-section"),
+        pytest.param(["algo.corrections.icepop.hgh=3"], "algo.corrections.icepop.high", id="nested-key"),
+        pytest.param(["trainer.lr=abc"], "`trainer.lr` expects float", id="wrong-type"),
+        pytest.param(["rollout.batch_size=1.5"], "`rollout.batch_size` expects int", id="float-for-int"),
+        pytest.param(["algo.objective=ppo"], "algo.objective='ppo' is not one of", id="bad-choice"),
+        pytest.param(["rollout.quant=fp9"], "no quantization recipe `fp9`", id="unknown-quant"),
+        pytest.param(
+            ["trainer.compute_entropy=false"], "trainer.compute_entropy=true", id="espo-needs-entropy"
+        ),
+        pytest.param(["rollout.group_size=7"], "divisible by rollout.group_size=7", id="batch-vs-group"),
+        pytest.param(["trainer.num_mini_batches=3"], "trainer.num_mini_batches=3", id="batch-vs-minibatch"),
+        pytest.param(["trainer.moe_router_fusion=true"], "moe_router_fusion", id="fusion-with-replay"),
+        pytest.param(["rollout.engine=vllm"], "rollout.engine=megatron", id="vllm-cpu-capabilities"),
+        pytest.param(["algo.corrections.icepop.low=6"], "low < high", id="icepop-band"),
+        pytest.param(["model.moe_router_topk=9"], "model.moe_router_topk=9", id="topk-over-experts"),
+        pytest.param(["parallel.expert_model_parallel_size=3"], "expert_model_parallel_size=3", id="ep"),
+        pytest.param(["quant.name=int8"], "switch recipes with rollout.quant", id="quant-name-direct"),
+        pytest.param(["rollout.max_new_tokens=200"], "max_position_embeddings", id="too-long"),
+        pytest.param(["model.moe_router_num_groups=4"], "set together", id="group-routing-pair"),
+        pytest.param(["trainer.lr"], "section.key=value", id="override-without-value"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, expected):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_recipe(TINY, overrides)
+    assert expected in str(info.value)
+
+
+def test_unknown_key_in_a_file_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  lrr: 1.0\n")
+    with pytest.raises(
+        ConfigError, match=r"bad\.yaml: unknown key `trainer\.lrr`; did you mean `trainer\.lr`"
+    ):
+        load_recipe(bad)
+
+
+def test_defaults_cycle_is_an_error(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: [b]\n")
+    (tmp_path / "b.yaml").write_text("defaults: [a]\n")
+    (tmp_path / "quant").mkdir()
+    (tmp_path / "quant" / "bf16.yaml").write_text("quant: {name: bf16}\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+def test_choices_are_known_to_the_schema():
+    config = load_recipe(TINY)
+    for path in CHOICES:
+        obj = config
+        for part in path.split("."):
+            obj = getattr(obj, part)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_cli_config_show_prints_yaml():
+    import yaml
+
+    out = _cli("config", "show", "recipes/tiny_moe.yaml", "algo.objective=espo")
+    assert out.returncode == 0, out.stderr
+    data = yaml.safe_load(out.stdout)
+    assert data["algo"]["objective"] == "espo"
+    assert data["quant"]["name"] == "fp8_block128"
+
+
+def test_cli_misspelt_key_fails_fast_naming_the_key():
+    start = time.monotonic()
+    out = _cli("config", "show", "recipes/tiny_moe.yaml", "trainer.lrr=1")
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0
+    assert "trainer.lr" in out.stderr
+    assert elapsed < 5, f"a bad recipe took {elapsed:.1f}s to fail"
+
+
+def test_cli_config_check_reports_each_recipe():
+    out = _cli("config", "check", "recipes/tiny_moe.yaml")
+    assert out.returncode == 0 and out.stdout.startswith("OK")
