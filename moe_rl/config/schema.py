@@ -173,8 +173,18 @@ class QuantConfig:
     """Block edge for blockwise scales (fp8_block128: 128x128 blocks, fp32 scales)."""
     weight_only: bool = True
     """Quantize weights only (activations stay in the compute dtype)."""
-    exclude: list[str] = field(default_factory=lambda: ["*router*", "*embedding*", "*output_layer*"])
-    """Parameter-name patterns kept unquantized (routers, embeddings, LM head by default)."""
+    exclude: list[str] = field(
+        default_factory=lambda: [
+            "*router*",
+            "*.mlp.gate.weight",
+            "*shared_expert_gate*",
+            "*embed*",
+            "*output_layer*",
+            "*lm_head*",
+        ]
+    )
+    """Parameter-name patterns (Megatron or HF names) kept unquantized: routers, embeddings and
+    the LM head by default."""
     exclude_first_layers: int = 0
     """Keep the first N transformer layers unquantized."""
     exclude_last_layers: int = 0
@@ -329,7 +339,7 @@ class TrainerConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "synthetic:copy_digit"
+    task: str = "synthetic:repeat_digit"
     """Prompt source: `synthetic:<task>` (made locally) or `file:<path>` (JSONL / Parquet with
     prompt and answer columns)."""
     reward: str = "synthetic"

@@ -1,0 +1,39 @@
+"""Reward functions on decoded text: math answers (math-verify), exact match, user functions."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+TextReward = Callable[[str, str], float]
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 when the response, stripped of surrounding white space, equals the answer."""
+    return float(response.strip() == answer.strip())
+
+
+def math_answer(response: str, answer: str) -> float:
+    """1.0 when math-verify finds the response's final answer equivalent to the reference."""
+    from math_verify import parse, verify
+
+    gold = parse(answer)
+    if not gold:
+        raise ValueError(f"math reward: the reference answer {answer!r} does not parse as math")
+    predicted = parse(response)
+    return float(bool(predicted) and verify(gold, predicted))
+
+
+def load_user_function(spec: str) -> TextReward:
+    """`package.module:function` → the function (called as `fn(response_text, answer_text)`)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"data.reward={spec!r}: a user reward is given as `package.module:function`")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"data.reward={spec!r}: cannot import {module_name}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"data.reward={spec!r}: {module_name} has no function {attr}")
+    return fn

@@ -1,0 +1,193 @@
+"""Rollout weight quantization recipes, done by NVIDIA ModelOpt.
+
+At each weight sync the trainer's weights pass through the recipe of `rollout.quant`:
+
+- engines that run quantized kernels (vLLM CUDA build) get real low-precision tensors
+  (`real_quantize_fp8_block`: e4m3 weights plus one fp32 scale per 128x128 block, the layout of
+  vLLM's block-FP8 linear method, `weight` + `weight_scale_inv`);
+- engines that cannot (the Megatron engine on CPU) get fake-quantized weights
+  (`fake_quantize`: quantize then dequantize with ModelOpt's `TensorQuantizer`), so they compute
+  with exactly the values a quantized engine would hold.
+
+Routers, embeddings, the LM head, norms and biases stay unquantized by default
+(`quant.exclude`), as do the first / last N layers when asked. Every sync reports the error of
+what it sent (`QuantReport`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_rl.config.schema import QuantConfig
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass
+class QuantReport:
+    """What one sync sent: counts, bytes and the relative error of the quantized weights."""
+
+    recipe: str
+    num_quantized: int = 0
+    num_kept: int = 0
+    bytes_full: int = 0
+    bytes_sent: int = 0
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+    max_rel_err: float = 0.0
+    worst_tensor: str = ""
+    per_tensor: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, original: torch.Tensor, sent: torch.Tensor | None, bits: float) -> None:
+        self.bytes_full += original.numel() * original.element_size()
+        if sent is None:
+            self.num_kept += 1
+            self.bytes_sent += original.numel() * original.element_size()
+            return
+        self.num_quantized += 1
+        self.bytes_sent += int(original.numel() * bits / 8)
+        diff = (sent.float() - original.float()).pow(2).sum()
+        ref = original.float().pow(2).sum()
+        self.err_sq += float(diff)
+        self.ref_sq += float(ref)
+        rel = float((diff / ref.clamp_min(1e-30)).sqrt())
+        self.per_tensor[name] = rel
+        if rel >= self.max_rel_err:
+            self.max_rel_err, self.worst_tensor = rel, name
+
+    @property
+    def rel_err(self) -> float:
+        """Relative Frobenius error over every quantized tensor together."""
+        return (self.err_sq / self.ref_sq) ** 0.5 if self.ref_sq else 0.0
+
+    def summary(self) -> dict[str, float | int | str]:
+        return {
+            "quant/recipe": self.recipe,
+            "quant/num_quantized": self.num_quantized,
+            "quant/num_kept": self.num_kept,
+            "quant/rel_err": self.rel_err,
+            "quant/max_rel_err": self.max_rel_err,
+            "quant/bytes_sent": self.bytes_sent,
+            "quant/compression": self.bytes_full / max(self.bytes_sent, 1),
+        }
+
+
+def _bits(cfg: QuantConfig) -> float:
+    return {"none": 16.0, "fp8": 8.0, "int8": 8.0, "int4_awq": 4.0, "nvfp4": 4.0}[cfg.method]
+
+
+def quantizer_attributes(cfg: QuantConfig) -> dict:
+    """ModelOpt `QuantizerAttributeConfig` arguments of the recipe's weight quantizer."""
+    block = cfg.block_size
+    if cfg.method == "fp8":
+        if cfg.granularity == "block":
+            return {"num_bits": (4, 3), "block_sizes": {-1: block, -2: block}}
+        if cfg.granularity == "channel":
+            return {"num_bits": (4, 3), "axis": 0}
+        return {"num_bits": (4, 3), "axis": None}
+    if cfg.method == "int8":
+        return {"num_bits": 8, "axis": 0 if cfg.granularity == "channel" else None}
+    if cfg.method == "int4_awq":
+        return {"num_bits": 4, "block_sizes": {-1: block}}
+    if cfg.method == "nvfp4":
+        return {"num_bits": (2, 1), "block_sizes": {-1: block, "type": "dynamic", "scale_bits": (4, 3)}}
+    raise ValueError(f"quant.method={cfg.method!r} has no weight quantizer")
+
+
+def check_quant_supported(cfg: QuantConfig, cuda: bool) -> None:
+    """Refuse recipes this machine cannot run, naming the alternatives."""
+    if (cfg.requires_cuda or cfg.method == "nvfp4") and not cuda:
+        raise ValueError(
+            f"rollout.quant={cfg.name} ({cfg.method}) needs a CUDA GPU (ModelOpt's NVFP4 kernels); "
+            "on CPU use fp8_block128, fp8_tensor, int8 or int4_awq"
+        )
+
+
+def should_quantize(name: str, tensor: torch.Tensor, cfg: QuantConfig, num_layers: int) -> bool:
+    """Whether parameter `name` is quantized by the recipe (2-D weights outside the exclusions)."""
+    if cfg.method == "none" or tensor.dim() != 2 or not tensor.is_floating_point():
+        return False
+    if any(fnmatch.fnmatch(name, pattern) for pattern in cfg.exclude):
+        return False
+    match = _LAYER.search(name)
+    if match:
+        layer = int(match.group(1))
+        if layer < cfg.exclude_first_layers or layer >= num_layers - cfg.exclude_last_layers:
+            return False
+    return True
+
+
+class WeightQuantizer:
+    """Fake-quantizes (quantize → dequantize) named weights with ModelOpt's `TensorQuantizer`."""
+
+    def __init__(self, cfg: QuantConfig, num_layers: int):
+        self.cfg = cfg
+        self.num_layers = num_layers
+        self._attrs = quantizer_attributes(cfg) if cfg.method != "none" else None
+
+    def _qdq(self, weight: torch.Tensor) -> torch.Tensor:
+        from modelopt.torch.quantization.config import QuantizerAttributeConfig
+        from modelopt.torch.quantization.nn import TensorQuantizer
+
+        quantizer = TensorQuantizer(QuantizerAttributeConfig(**self._attrs))
+        with torch.no_grad():
+            return quantizer(weight.float()).to(weight.dtype)
+
+    def fake_quantize(
+        self, named: Iterable[tuple[str, torch.Tensor]], report: QuantReport | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(name, tensor)` with quantized weights replaced by their dequantized values."""
+        for name, tensor in named:
+            if self._attrs is None or not should_quantize(name, tensor, self.cfg, self.num_layers):
+                if report is not None:
+                    report.add(name, tensor, None, 16)
+                yield name, tensor
+                continue
+            sent = self._qdq(tensor)
+            if report is not None:
+                report.add(name, tensor, sent, _bits(self.cfg))
+            yield name, sent
+
+
+def real_quantize_fp8_block(weight: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 weight and fp32 dequantization scales per `block_size`² block (ModelOpt `FP8QTensor`).
+
+    Returns `(weight_fp8 [out, in], scale [ceil(out/b), ceil(in/b)])` with
+    `weight ≈ weight_fp8.float() * scale` blockwise: vLLM's block-FP8 `weight` and
+    `weight_scale_inv`.
+    """
+    from modelopt.torch.quantization.qtensor import FP8QTensor
+
+    if weight.dim() != 2:
+        raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
+    qtensor, scale = FP8QTensor.quantize(weight.float(), block_sizes={-1: block_size, -2: block_size})
+    data = qtensor._quantized_data.view(torch.float8_e4m3fn)
+    rows = -(-weight.shape[0] // block_size)
+    cols = -(-weight.shape[1] // block_size)
+    return data, scale.reshape(rows, cols).float()
+
+
+def vllm_fp8_block_weights(
+    named: Iterable[tuple[str, torch.Tensor]], cfg: QuantConfig, num_layers: int, report: QuantReport
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named weights as vLLM's block-FP8 checkpoint layout (`*.weight` + `*.weight_scale_inv`)."""
+    for name, tensor in named:
+        if not should_quantize(name, tensor, cfg, num_layers):
+            report.add(name, tensor, None, 16)
+            yield name, tensor
+            continue
+        data, scale = real_quantize_fp8_block(tensor, cfg.block_size)
+        b = cfg.block_size
+        deq = (
+            data.float()
+            * scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[: data.shape[0], : data.shape[1]]
+        )
+        report.add(name, tensor, deq, 8)
+        yield name, data
+        yield name.removesuffix(".weight") + ".weight_scale_inv", scale
