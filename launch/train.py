@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_rl.config import RecipeConfig, load_recipe, to_yaml
+from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 
 log = logging.getLogger("moe_rl.train")
 
@@ -39,15 +39,22 @@ def prepare_run_dir(config: RecipeConfig) -> Path:
 
 
 def train(recipe: str, overrides: Sequence[str] = (), resume: str | None = None) -> int:
-    """Run the job of `recipe`; returns the process exit code."""
-    config = load_recipe((resume and Path(resume) / "config.yaml") or recipe, overrides)
+    """Run the job of `recipe` (or continue the run directory `resume`); returns the exit code."""
+    if resume:
+        run_dir = Path(resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume {run_dir}: not a run directory (no config.yaml)")
+        config = load_recipe(run_dir / "config.yaml", overrides)
+    else:
+        config = load_recipe(recipe, overrides)
+        run_dir = prepare_run_dir(config)
     missing = [stage for stage, module in STAGES if not _has_module(module)]
-    run_dir = prepare_run_dir(config)
     log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
     if missing:
         log.warning("not built yet: %s. Nothing was trained.", ", ".join(missing))
-        built = [stage for stage, _ in STAGES if stage not in missing]
-        log.info("built: %s", ", ".join(built) or "configuration only")
         return 0
+    from moe_rl.log import setup_logging
+
+    setup_logging(config.logging.level)
     driver = importlib.import_module("moe_rl.orchestration.driver")
     return driver.run(config, run_dir, resume=resume is not None)

@@ -180,8 +180,12 @@ def load_recipe(recipe: str | Path, overrides: Sequence[str] = (), validate: boo
     cli = _overrides_to_dict(overrides)
     check_keys(cli, "override")
     layers.append(("override", cli))
-    quant_name = OmegaConf.select(_merge(layers), "rollout.quant")
-    merged = _merge([_quant_layer(root, quant_name), *layers])
+    first = _merge(layers)
+    quant_name = first.rollout.quant
+    if (root / "quant" / f"{quant_name}.yaml").is_file() or first.quant.name != quant_name:
+        layers.insert(0, _quant_layer(root, quant_name))
+    # else: a resolved recipe (e.g. a run directory's config.yaml) that carries its quant section
+    merged = _merge(layers)
     config: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     if validate:
         from moe_rl.config.validate import validate_recipe

@@ -101,6 +101,8 @@ class ModelConfig:
     """Share input embedding and output head."""
     init_std: float = 0.02
     """Initializer standard deviation for models created from config."""
+    eos_token_id: int | None = 2
+    """End-of-sequence id: generation stops when it is sampled (null: only at max_new_tokens)."""
 
 
 @dataclass
@@ -339,7 +341,7 @@ class TrainerConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "synthetic:repeat_digit"
+    task: str = "synthetic:count_up"
     """Prompt source: `synthetic:<task>` (made locally) or `file:<path>` (JSONL / Parquet with
     prompt and answer columns)."""
     reward: str = "synthetic"
@@ -379,6 +381,12 @@ class ClusterConfig:
     """Seconds to wait for all nodes to join Ray."""
     extra_sbatch: list[str] = field(default_factory=list)
     """Extra `#SBATCH` options (`--qos=high`, ...)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU in GiB (H100: 80, H200: 141); `moe-rl plan` budgets trainer and rollout
+    memory against it."""
+    signal_grace_s: int = 120
+    """Seconds before the time limit at which Slurm signals the job (`--signal=B:USR1@N`): the
+    driver saves a checkpoint and, with `requeue`, the job requeues itself."""
 
 
 @dataclass

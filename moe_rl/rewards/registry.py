@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
-from moe_rl.rewards.datasets import Tokenizer
+from moe_rl.rewards.datasets import ByteTokenizer, PromptSource, Tokenizer
 from moe_rl.rewards.functions import exact_match, load_user_function, math_answer
-from moe_rl.rewards.tasks import EOS, Prompt, SyntheticTask
+from moe_rl.rewards.tasks import EOS, Prompt, SyntheticTask, get_task
 
 TEXT_REWARDS = {"exact_match": exact_match, "math": math_answer}
 
@@ -41,3 +42,41 @@ class RewardScorer:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         return [self.score(p, r) for p, r in zip(prompts, responses)]
+
+
+def build_tokenizer(config) -> Tokenizer | None:
+    """The model's own tokenizer (a local HF folder), a byte tokenizer for text data on a model
+    without one, or None for synthetic tasks (their prompts are token ids)."""
+    if config.model.hf_path and (Path(config.model.hf_path) / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.model.hf_path)
+    if config.data.task.startswith("synthetic:"):
+        return None
+    tokenizer = ByteTokenizer()
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"data.task={config.data.task} on a model without a tokenizer uses bytes (vocabulary "
+            f"{tokenizer.vocab_size}); model.vocab_size={config.model.vocab_size} is too small"
+        )
+    return tokenizer
+
+
+def build_scorer(config) -> RewardScorer:
+    """The scorer of `data.reward` for `data.task` (config meets rewards here)."""
+    kind, _, name = config.data.task.partition(":")
+    task = get_task(name) if kind == "synthetic" else None
+    return RewardScorer(config.data.reward, task=task, tokenizer=build_tokenizer(config))
+
+
+def build_prompt_source(config) -> PromptSource:
+    """The seeded prompt stream of `data.task`."""
+    d = config.data
+    return PromptSource(
+        d.task,
+        seed=config.run.seed,
+        tokenizer=build_tokenizer(config),
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        max_prompt_len=d.max_prompt_len,
+    )

@@ -1,0 +1,143 @@
+"""Group-relative advantages, the zero-variance-group report and RL-ZVP shaping.
+
+Sequence-level functions take ``rewards`` [S] (one per response) and ``group_ids`` [S] (any
+integer ids; responses with the same id answer the same prompt). They return per-response
+advantages [S]; broadcast to tokens with ``adv[seq_ids]`` (`to_tokens`).
+
+A group of one response has advantage 0 under every estimator (nothing to compare with) and
+counts as a zero-variance group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moe_rl.algo._ops import check_1d, check_num_seqs, check_tokens, segment_amax, segment_amin, segment_sum
+
+
+def _groups(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, int]:
+    check_1d("rewards", rewards)
+    check_1d("group_ids", group_ids, rewards.numel())
+    if group_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    if not rewards.is_floating_point():
+        raise ValueError(f"rewards must be a float tensor, got {rewards.dtype}")
+    uniq, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, uniq.numel()
+
+
+def _group_mean_count(rewards: Tensor, inverse: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
+    count = segment_sum(torch.ones_like(rewards), inverse, num_groups)
+    mean = segment_sum(rewards, inverse, num_groups) / count
+    return mean, count
+
+
+def grpo(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -> Tensor:
+    """GRPO [DeepSeekMath, arXiv 2402.03300]: ``A_i = (R_i − mean_g) / (std_g + eps)``.
+
+    ``std_g`` is the unbiased (n−1) standard deviation, as ``torch.std`` in the reference
+    implementations; a group of one response gets A = 0, and so does a zero-variance group
+    even with eps = 0.
+    """
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    inverse, num_groups = _groups(rewards, group_ids)
+    mean, count = _group_mean_count(rewards, inverse, num_groups)
+    centered = rewards - mean[inverse]
+    var = segment_sum(centered**2, inverse, num_groups) / (count - 1).clamp_min(1.0)
+    scale = var.sqrt()[inverse] + eps
+    return torch.where(scale > 0, centered / scale.clamp_min(torch.finfo(scale.dtype).tiny), 0.0)
+
+
+def dr_grpo(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Dr.GRPO [arXiv 2503.20783] / DeepSeek-V3.2: ``A_i = R_i − mean_g`` (no std division)."""
+    inverse, num_groups = _groups(rewards, group_ids)
+    mean, _ = _group_mean_count(rewards, inverse, num_groups)
+    return rewards - mean[inverse]
+
+
+def rloo(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO [Ahmadian et al., arXiv 2402.14740]: ``A_i = R_i − mean_{j≠i} R_j = n/(n−1)·(R_i − mean_g)``."""
+    inverse, num_groups = _groups(rewards, group_ids)
+    mean, count = _group_mean_count(rewards, inverse, num_groups)
+    n = count[inverse]
+    return (rewards - mean[inverse]) * n / (n - 1).clamp_min(1.0)
+
+
+@dataclass
+class ZeroVarianceReport:
+    """Groups whose rewards are all equal (they carry no GRPO signal).
+
+    Attributes:
+        num_groups: number of groups (0-d long tensor).
+        num_zero_variance: number of groups with all rewards equal (0-d long tensor).
+        seq_zero_variance: [S] bool, the response belongs to a zero-variance group.
+    """
+
+    num_groups: Tensor
+    num_zero_variance: Tensor
+    seq_zero_variance: Tensor
+
+    def metrics(self) -> dict[str, Tensor]:
+        share = self.num_zero_variance.float() / self.num_groups.float().clamp_min(1.0)
+        return {"zero_variance_groups": self.num_zero_variance.float(), "zero_variance_group_share": share}
+
+
+def zero_variance_groups(rewards: Tensor, group_ids: Tensor) -> ZeroVarianceReport:
+    """Count groups whose rewards are exactly equal (``max_g == min_g``; a group of one counts)."""
+    inverse, num_groups = _groups(rewards, group_ids)
+    ones = torch.ones_like(rewards, dtype=torch.bool)
+    hi = segment_amax(rewards, ones, inverse, num_groups, -torch.inf)
+    lo = segment_amin(rewards, ones, inverse, num_groups, torch.inf)
+    flat = hi == lo
+    return ZeroVarianceReport(
+        num_groups=torch.tensor(num_groups, device=rewards.device),
+        num_zero_variance=flat.sum(),
+        seq_zero_variance=flat[inverse],
+    )
+
+
+def to_tokens(seq_values: Tensor, seq_ids: Tensor) -> Tensor:
+    """Broadcast a per-response value [S] to tokens: ``seq_values[seq_ids]``."""
+    return seq_values[seq_ids]
+
+
+def rl_zvp(
+    token_advantages: Tensor,
+    entropy: Tensor,
+    loss_mask: Tensor,
+    seq_ids: Tensor,
+    *,
+    num_seqs: int,
+    rewards: Tensor,
+    group_ids: Tensor,
+    alpha: float = 0.1,
+    correct_threshold: float = 0.5,
+) -> Tensor:
+    """RL-ZVP entropy-guided advantages for zero-variance groups [arXiv 2509.21880].
+
+    For a response whose group is zero-variance (all rewards equal):
+    all-correct (group reward ≥ `correct_threshold`): ``A_t = α·sg(H_t)``;
+    all-wrong: ``A_t = −α·(max_k H_k − H_t)``, max over the response's tokens with
+    `loss_mask` True. Other responses keep `token_advantages` unchanged.
+
+    Args:
+        token_advantages: [T] advantages already broadcast to tokens (e.g. GRPO's, 0 on ZVP groups).
+        entropy: [T] token entropy H_t (detached here).
+        rewards, group_ids: [S] per-response rewards and prompt-group ids.
+        alpha: scale α (ours: 0.1; the paper tunes it per model).
+        correct_threshold: reward at or above which a zero-variance group counts as all-correct
+            (0.5 suits {0, 1} rewards).
+    """
+    check_num_seqs(num_seqs)
+    check_tokens(loss_mask, seq_ids, token_advantages=token_advantages, entropy=entropy)
+    check_1d("rewards", rewards, num_seqs)
+    report = zero_variance_groups(rewards, group_ids)
+    h = entropy.detach().to(token_advantages.dtype)
+    h_max = segment_amax(h, loss_mask, seq_ids, num_seqs, 0.0)[seq_ids]
+    correct = (rewards >= correct_threshold)[seq_ids]
+    shaped = torch.where(correct, alpha * h, -alpha * (h_max - h))
+    return torch.where(report.seq_zero_variance[seq_ids] & loss_mask, shaped, token_advantages)

@@ -1,0 +1,111 @@
+"""Per-step metrics of a run: `metrics.jsonl` (one JSON object per step), TensorBoard events,
+optional W&B, and a one-line step summary in the log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("moe_rl.metrics")
+
+SUMMARY_KEYS = (
+    ("reward/mean", "reward {:.3f}"),
+    ("response/length_mean", "len {:.1f}"),
+    ("old/kl_k3", "kl {:.2e}"),
+    ("train/icepop_masked_frac", "icepop {:.2%}"),
+    ("old/routing_agreement", "route {:.3f}"),
+    ("train/grad_norm", "gnorm {:.3f}"),
+    ("time/step_s", "{:.1f}s"),
+)
+
+
+def _scalar(value: Any) -> float | int | str | None:
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return None
+
+
+class MetricsSink:
+    """Writes one record per step; `resume_from(step)` drops records after a checkpoint."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        run_name: str = "",
+        config: Mapping[str, Any] | None = None,
+    ):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self.wandb = None
+        if wandb_project:
+            import wandb  # the key comes from WANDB_API_KEY in the environment, never from files
+
+            if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+                raise ValueError("logging.wandb_project is set but WANDB_API_KEY is not in the environment")
+            self.wandb = wandb.init(project=wandb_project, name=run_name, config=dict(config or {}))
+
+    def resume_from(self, step: int) -> None:
+        """Keep only the records of steps < `step` (a resumed run rewrites the rest)."""
+        if not self.path.exists():
+            return
+        kept = [
+            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] < step
+        ]
+        self.path.write_text("".join(f"{line}\n" for line in kept))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        record: dict[str, Any] = {"step": step}
+        for key, value in metrics.items():
+            scalar = _scalar(value)
+            if scalar is None:
+                raise ValueError(f"metric {key!r} is not a scalar: {type(value).__name__}")
+            record[key] = scalar
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb is not None:
+            for key, value in numeric.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=step)
+        log.info("step %d | %s", step, summary_line(record))
+        return record
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def summary_line(record: Mapping[str, Any]) -> str:
+    parts = [
+        fmt.format(record[key]) for key, fmt in SUMMARY_KEYS if isinstance(record.get(key), (int, float))
+    ]
+    return " | ".join(parts)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of `run_dir/metrics.jsonl`, in order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise ValueError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

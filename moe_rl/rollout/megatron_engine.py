@@ -1,0 +1,219 @@
+"""The Megatron engine: generation with the trainer's own Megatron-core model.
+
+It is the CPU path for R3 and keep-sampling-mask, and the zero-mismatch reference: with the
+`bf16` recipe its weights are the trainer's, bit for bit. Quantized recipes run through ModelOpt
+fake quantization at each weight sync (`moe_rl.rollout.quant`), so the engine computes with the
+values a quantized engine would hold.
+
+Decoding recomputes the whole prefix each step (no KV cache; the tiny models this engine serves
+on CPU make that cheap) as one packed sequence per step (Megatron ``thd`` layout). Every step
+runs under RouterReplay RECORD; the routing of a position is taken from the step that first
+computed it, which is exactly the routing its next token was sampled with. As in vLLM, the last
+sampled token is never forwarded, so a trace has ``prompt_len + response_len − 1`` rows.
+Sampling follows vLLM's semantics (`moe_rl.rollout.sampler`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.data.trajectory import Sample, TrajectoryBatch
+from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
+from moe_rl.rollout.quant import QuantReport, WeightQuantizer, check_quant_supported
+from moe_rl.rollout.sampler import SampleOutput, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Packed:
+    """The fields `moe_rl.trainer.logprobs.forward_logits` reads from a micro-batch."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def _pack(seqs: Sequence[list[int]]) -> _Packed:
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+    return _Packed(ids, positions, cu)
+
+
+@dataclass
+class _Rollout:
+    """One sequence being decoded."""
+
+    prompt: list[int]
+    group_id: int
+    response: list[int]
+    logp: list[float]
+    kept: list[torch.Tensor]
+    routing: list[torch.Tensor]
+    finish: str = ""
+
+
+class MegatronEngine:
+    """Rollout engine over a Megatron GPT model built from the recipe (see module docstring)."""
+
+    name = "megatron"
+
+    def __init__(self, config: RecipeConfig, seed: int | None = None):
+        from moe_rl.trainer.cpu_compat import cuda_available
+        from moe_rl.trainer.model import build_gpt_model
+        from moe_rl.trainer.parallel import init_parallel
+        from moe_rl.trainer.replay import RoutingReplay
+
+        check_quant_supported(config.quant, cuda_available())
+        init_parallel(config.parallel)
+        self.config = config
+        self.model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
+        self.model.eval()
+        self.replay = RoutingReplay(self.model) if config.model.num_experts else None
+        self.quantizer = WeightQuantizer(config.quant, config.model.num_layers)
+        self.version = 0
+        self.generator = torch.Generator().manual_seed(config.run.seed if seed is None else seed)
+        self.last_quant_report: QuantReport | None = None
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        from moe_rl.trainer.cpu_compat import cuda_available
+
+        return EngineCapabilities(
+            engine=self.name,
+            device="cuda" if cuda_available() else "cpu",
+            routing=self.replay is not None,
+            sampling_mask=True,
+            quant_methods=("none", "fp8", "int8", "int4_awq", *(("nvfp4",) if cuda_available() else ())),
+            fake_quant=True,
+            weight_transfer="in-process",
+        )
+
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
+    def is_alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.model = None
+
+    # ------------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """Load HF-named weights through the quantization recipe (fake-quantized by ModelOpt)."""
+        from moe_rl.trainer.hf_weights import load_hf_weights
+
+        start = time.perf_counter()
+        report = QuantReport(self.config.quant.name)
+        weights = dict(self.quantizer.fake_quantize(named_tensors, report))
+        load_hf_weights(self.model, weights, strict=True)
+        self.version = version
+        self.last_quant_report = report
+        return {"seconds": time.perf_counter() - start, "bytes": report.bytes_sent, **report.summary()}
+
+    # ------------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def _step(self, rollouts: list[_Rollout]) -> None:
+        from moe_rl.trainer.logprobs import forward_logits
+
+        packed = _pack([r.prompt + r.response for r in rollouts])
+        if self.replay is not None:
+            with self.replay.record() as rec:
+                logits = forward_logits(self.model, packed)
+            trace = rec.topk_idx_TLK
+        else:
+            logits, trace = forward_logits(self.model, packed), None
+        last = packed.cu_seqlens[1:].long() - 1
+        spec = self._spec
+        out = self._sample(logits[last], spec)
+        for i, r in enumerate(rollouts):
+            if trace is not None:
+                start = int(packed.cu_seqlens[i]) if not r.response else int(last[i])
+                r.routing.append(trace[start : int(last[i]) + 1])
+            token = int(out.tokens[i])
+            r.response.append(token)
+            r.logp.append(float(out.logprobs[i]))
+            r.kept.append(out.kept_ids[out.kept_offsets[i] : out.kept_offsets[i + 1]])
+            if token in spec.stop_token_ids:
+                r.finish = "stop"
+            elif len(r.response) >= spec.max_new_tokens:
+                r.finish = "length"
+
+    def _sample(self, logits: torch.Tensor, spec: SamplingSpec):
+        if spec.greedy:  # argmax; log-probs of the unprocessed distribution, nothing filtered
+            rows, vocab = logits.shape
+            tokens = logits.argmax(-1)
+            return SampleOutput(
+                tokens=tokens,
+                logprobs=logits.float().log_softmax(-1).gather(1, tokens[:, None]).squeeze(1),
+                kept_ids=torch.arange(vocab, dtype=torch.int32).repeat(rows),
+                kept_offsets=torch.arange(rows + 1, dtype=torch.int64) * vocab,
+            )
+        return sample(logits, spec.temperature, spec.top_k, spec.top_p, self.generator)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, group_ids: Sequence[int] | None = None
+    ) -> TrajectoryBatch:
+        """``sampling.n`` responses per prompt, prompt by prompt (see `RolloutEngine.generate`)."""
+        model = self.config.model
+        checked = check_prompts(
+            prompts,
+            max_new_tokens=sampling.max_new_tokens,
+            max_model_len=model.max_position_embeddings,
+            vocab_size=model.vocab_size,
+        )
+        groups = expand_group_ids(group_ids, len(checked), sampling.n)
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        self._spec = sampling
+        rollouts = [
+            _Rollout(list(p), g, [], [], [], [])
+            for p, g in zip((p for p in checked for _ in range(sampling.n)), groups)
+        ]
+        active = list(rollouts)
+        while active:
+            self._step(active)
+            active = [r for r in active if not r.finish]
+        return self._to_batch(rollouts)
+
+    def _to_batch(self, rollouts: list[_Rollout]) -> TrajectoryBatch:
+        samples = []
+        for r in rollouts:
+            kept_offsets = torch.zeros(len(r.kept) + 1, dtype=torch.int64)
+            kept_offsets[1:] = torch.tensor([len(k) for k in r.kept]).cumsum(0)
+            samples.append(
+                Sample(
+                    prompt_ids=torch.tensor(r.prompt, dtype=torch.int32),
+                    response_ids=torch.tensor(r.response, dtype=torch.int32),
+                    rollout_logp=torch.tensor(r.logp, dtype=torch.float32),
+                    reward=0.0,
+                    group_id=r.group_id,
+                    finish_reason=r.finish,
+                    version_spans=[(0, self.version)],
+                    sampling_mask_ids=torch.cat(r.kept).to(torch.int32),
+                    sampling_mask_offsets=kept_offsets,
+                    routed_experts=torch.cat(r.routing) if r.routing else None,
+                )
+            )
+        return TrajectoryBatch.from_samples(
+            samples,
+            engine=self.name,
+            quant_recipe=self.config.quant.name,
+            policy_version=self.version,
+            num_experts=self.config.model.num_experts or None,
+        )

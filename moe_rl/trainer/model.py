@@ -1,0 +1,424 @@
+"""Build a Megatron-core ``GPTModel`` Mixture-of-Experts from the recipe's `ModelConfig`.
+
+Two families:
+
+* ``qwen3_moe`` (Qwen3-MoE): GQA attention with per-head RMSNorm on queries and keys
+  (``qk_layernorm``), RoPE, SwiGLU experts, no biases, a softmax router. Qwen3 takes the
+  softmax over all experts, picks the top-k and (``norm_topk_prob``) renormalizes them; that is
+  Megatron's ``moe_router_pre_softmax=False`` (softmax over the top-k logits). Without
+  renormalization it is ``moe_router_pre_softmax=True``.
+* ``deepseek_v3`` (DeepSeek-V3, Kimi-K2): multi-head latent attention (``MLATransformerConfig``),
+  shared experts, sigmoid scores with the aux-loss-free expert bias used for selection only,
+  group-limited routing, a routed scaling factor and ``first_k_dense_layers`` dense MLP layers.
+
+On CUDA with transformer-engine the TE layer specs are used; otherwise the local specs with the
+CPU core attention (`cpu_compat.SDPACoreAttention`). Initialization is deterministic: the seed
+is set before construction and, on CPU, ``use_cpu_initialization=True`` draws every weight
+from the torch CPU generator.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moe_rl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
+from moe_rl.trainer.cpu_compat import SDPACoreAttention, apply_cpu_shims, cpu_token_dispatcher, cuda_available
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("qwen3_moe", "deepseek_v3")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def te_available() -> bool:
+    """True where transformer-engine imports (and CUDA is present)."""
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def moe_layer_pattern(model: ModelConfig) -> list[int]:
+    """Megatron ``moe_layer_freq`` as a list: 0 for a dense layer, 1 for an MoE layer."""
+    if model.num_experts == 0:
+        return [0] * model.num_layers
+    dense = min(model.first_k_dense_layers, model.num_layers)
+    return [0] * dense + [1] * (model.num_layers - dense)
+
+
+def _check_model(model: ModelConfig) -> None:
+    if model.family not in FAMILIES:
+        raise ValueError(f"model.family={model.family!r} is not supported; valid: {', '.join(FAMILIES)}")
+    if model.num_experts <= 0:
+        raise ValueError(
+            f"model.num_experts={model.num_experts}: the trainer builds MoE models (>= 1 expert)"
+        )
+    if not 0 < model.moe_router_topk <= model.num_experts:
+        raise ValueError(
+            f"model.moe_router_topk={model.moe_router_topk} must be in 1..num_experts={model.num_experts}"
+        )
+    if (
+        model.moe_router_score_function == "sigmoid"
+        and not model.norm_topk_prob
+        and model.moe_router_topk > 1
+    ):
+        raise ValueError(
+            "model.norm_topk_prob=false with moe_router_score_function=sigmoid: Megatron-core always "
+            "renormalizes sigmoid top-k scores; set norm_topk_prob=true"
+        )
+    if model.family == "deepseek_v3" and model.attention != "mla":
+        raise ValueError(f"model.family=deepseek_v3 needs model.attention='mla', got {model.attention!r}")
+    if model.family == "qwen3_moe" and model.attention != "gqa":
+        raise ValueError(f"model.family=qwen3_moe needs model.attention='gqa', got {model.attention!r}")
+
+
+def _moe_kwargs(model: ModelConfig, trainer: TrainerConfig) -> dict[str, Any]:
+    dispatcher = trainer.moe_token_dispatcher_type
+    if not cuda_available():
+        dispatcher = cpu_token_dispatcher(dispatcher)
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.moe_router_topk,
+        "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
+        "moe_layer_freq": moe_layer_pattern(model),
+        "moe_router_score_function": model.moe_router_score_function,
+        "moe_router_pre_softmax": model.moe_router_score_function == "softmax" and not model.norm_topk_prob,
+        "moe_router_enable_expert_bias": model.moe_router_enable_expert_bias,
+        # The expert bias is a rollout-time balancing device; RL keeps it as loaded.
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_num_groups": model.moe_router_num_groups,
+        "moe_router_group_topk": model.moe_router_group_topk,
+        "moe_router_topk_scaling_factor": model.moe_router_topk_scaling_factor,
+        "moe_router_load_balancing_type": "aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        "moe_aux_loss_coeff": model.moe_aux_loss_coeff,
+        "moe_router_dtype": "fp32",
+        "moe_shared_expert_intermediate_size": (
+            model.num_shared_experts * model.moe_ffn_hidden_size if model.num_shared_experts else None
+        ),
+        "moe_token_dispatcher_type": dispatcher,
+        "moe_grouped_gemm": te_available(),
+        "moe_router_fusion": trainer.moe_router_fusion,
+        "moe_permute_fusion": False,
+        "moe_enable_routing_replay": True,
+    }
+
+
+def _parallel_kwargs(parallel: ParallelConfig) -> dict[str, Any]:
+    return {
+        "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline_model_parallel_size,
+        "expert_model_parallel_size": parallel.expert_model_parallel_size,
+        "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size,
+        "context_parallel_size": parallel.context_parallel_size,
+        "sequence_parallel": parallel.sequence_parallel,
+    }
+
+
+def _mla_kwargs(model: ModelConfig) -> dict[str, Any]:
+    return {
+        "q_lora_rank": model.q_lora_rank,
+        "kv_lora_rank": model.kv_lora_rank,
+        "qk_head_dim": model.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": model.qk_rope_head_dim,
+        "v_head_dim": model.v_head_dim,
+        "rope_type": "rope",
+        "rotary_scaling_factor": 1.0,
+        "rotary_base": model.rope_theta,
+        "qk_layernorm": True,
+    }
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig | None = None,
+    trainer: TrainerConfig | None = None,
+):
+    """The Megatron ``TransformerConfig`` (``MLATransformerConfig`` for MLA) of a recipe model."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    _check_model(model)
+    parallel = parallel or ParallelConfig()
+    trainer = trainer or TrainerConfig()
+    if trainer.precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision={trainer.precision!r}; valid: {', '.join(PRECISIONS)}")
+    dtype = PRECISIONS[trainer.precision]
+    kwargs: dict[str, Any] = {
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "ffn_hidden_size": model.ffn_hidden_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": model.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "init_method_std": model.init_std,
+        "use_cpu_initialization": not cuda_available(),
+        "params_dtype": dtype,
+        "bf16": dtype == torch.bfloat16,
+        "pipeline_dtype": dtype,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "masked_softmax_fusion": False,
+        "gradient_accumulation_fusion": False,
+        # Losses are sums divided by a global count (finalize_model_grads(num_tokens=...)), so
+        # DistributedDataParallel must sum gradients over data-parallel ranks, not average them.
+        "calculate_per_token_loss": True,
+        **_parallel_kwargs(parallel),
+        **_moe_kwargs(model, trainer),
+    }
+    if trainer.recompute_activations:
+        kwargs |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if model.attention == "mla":
+        return MLATransformerConfig(**kwargs, **_mla_kwargs(model))
+    kwargs |= {
+        "num_query_groups": model.num_key_value_heads,
+        "kv_channels": model.head_dim,
+        "qk_layernorm": True,
+    }
+    return TransformerConfig(**kwargs)
+
+
+def _layer_spec(config, use_te: bool, vp_stage: int | None = None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    if not use_te:
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return block
+
+
+def build_gpt_model(
+    model: ModelConfig,
+    parallel: ParallelConfig | None = None,
+    trainer: TrainerConfig | None = None,
+    seed: int = 1234,
+    vp_stage: int | None = None,
+):
+    """A Megatron ``GPTModel`` MoE for this pipeline stage, initialized from ``seed``.
+
+    Megatron's parallel state must be initialized (`moe_rl.trainer.parallel.init_parallel`).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if not cuda_available():
+        apply_cpu_shims()
+    config = transformer_config(model, parallel, trainer)
+    use_te = te_available()
+    torch.manual_seed(seed)
+    if cuda_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(config, use_te, vp_stage),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=model.rope_theta,
+        vp_stage=vp_stage,
+    )
+    if cuda_available():
+        gpt = gpt.cuda()
+    log.debug("built %s: %d parameters on this rank", model.family, sum(p.numel() for p in gpt.parameters()))
+    return gpt
+
+
+def _hf_get(cfg: dict, *names: str, default: Any = None) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
+
+
+def _qwen3_fields(cfg: dict) -> dict[str, Any]:
+    decoder_step = cfg.get("decoder_sparse_step", 1)
+    mlp_only = cfg.get("mlp_only_layers") or []
+    if decoder_step != 1 or mlp_only:
+        raise ValueError(
+            f"Qwen3-MoE config with decoder_sparse_step={decoder_step}, mlp_only_layers={mlp_only}: "
+            "only all-MoE layer layouts are supported"
+        )
+    heads = cfg["num_attention_heads"]
+    return {
+        "family": "qwen3_moe",
+        "attention": "gqa",
+        "num_key_value_heads": _hf_get(cfg, "num_key_value_heads", default=heads),
+        "head_dim": _hf_get(cfg, "head_dim", default=cfg["hidden_size"] // heads),
+        "ffn_hidden_size": _hf_get(cfg, "intermediate_size", default=cfg["moe_intermediate_size"]),
+        "num_experts": _hf_get(cfg, "num_experts", "num_local_experts"),
+        "moe_router_topk": cfg["num_experts_per_tok"],
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "moe_router_score_function": "softmax",
+        "moe_aux_loss_coeff": 0.0,
+    }
+
+
+def _deepseek_fields(cfg: dict) -> dict[str, Any]:
+    scoring = cfg.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ValueError(f"DeepSeek-V3 config scoring_func={scoring!r}: only 'sigmoid' is supported")
+    method = cfg.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ValueError(f"DeepSeek-V3 config topk_method={method!r}: only 'noaux_tc' is supported")
+    groups = cfg.get("n_group")
+    topk, group_topk = cfg["num_experts_per_tok"], cfg.get("topk_group")
+    if groups and groups > 1 and topk // group_topk != 2:
+        # DeepSeek scores a group by its top-2 experts; Megatron by its top-(topk/group_topk).
+        raise ValueError(
+            f"DeepSeek-V3 config num_experts_per_tok={topk}, topk_group={group_topk}: Megatron scores an "
+            f"expert group by its top-{topk // group_topk} experts, DeepSeek by its top-2; "
+            "num_experts_per_tok / topk_group must be 2"
+        )
+    return {
+        "family": "deepseek_v3",
+        "attention": "mla",
+        "num_key_value_heads": cfg["num_attention_heads"],
+        "ffn_hidden_size": cfg["intermediate_size"],
+        "num_experts": cfg["n_routed_experts"],
+        "moe_router_topk": cfg["num_experts_per_tok"],
+        "first_k_dense_layers": cfg.get("first_k_dense_replace", 0),
+        "num_shared_experts": cfg.get("n_shared_experts") or 0,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": groups if groups and groups > 1 else None,
+        "moe_router_group_topk": cfg.get("topk_group") if groups and groups > 1 else None,
+        "moe_router_topk_scaling_factor": cfg.get("routed_scaling_factor"),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "q_lora_rank": cfg.get("q_lora_rank"),
+        "kv_lora_rank": cfg["kv_lora_rank"],
+        "qk_nope_head_dim": cfg["qk_nope_head_dim"],
+        "qk_rope_head_dim": cfg["qk_rope_head_dim"],
+        "v_head_dim": cfg["v_head_dim"],
+        "head_dim": cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
+    }
+
+
+HF_MODEL_TYPES = {
+    "qwen3_moe": _qwen3_fields,
+    "deepseek_v3": _deepseek_fields,
+    "kimi_k2": _deepseek_fields,
+}
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
+    if kind not in ("default", None):
+        raise ValueError(
+            f"HF config rope scaling {kind!r} is not supported by ModelConfig (plain RoPE only); "
+            f"rope_scaling={scaling or params}"
+        )
+    return float(_hf_get(cfg, "rope_theta", default=params.get("rope_theta", 10000.0)))
+
+
+def hf_config_to_model_config(cfg: dict) -> ModelConfig:
+    """A `ModelConfig` from a Hugging Face ``config.json`` dict (Qwen3-MoE, DeepSeek-V3, Kimi-K2).
+
+    Raises ValueError naming the field for architectures or options the trainer cannot express
+    (other model types, rope scaling, partial MoE layouts, softmax DeepSeek routers).
+    """
+    model_type = cfg.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"HF config model_type={model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}")
+    fields = HF_MODEL_TYPES[model_type](cfg)
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        init_std=cfg.get("initializer_range", 0.02),
+        **fields,
+    )
+
+
+def _qwen3_hf_fields(model: ModelConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_key_value_heads": model.num_key_value_heads,
+        "head_dim": model.head_dim,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_experts": model.num_experts,
+        "norm_topk_prob": model.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": model.moe_aux_loss_coeff,
+        "attention_bias": False,
+    }
+
+
+def _deepseek_hf_fields(model: ModelConfig) -> dict[str, Any]:
+    grouped = model.moe_router_num_groups is not None
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": model.num_attention_heads,
+        "intermediate_size": model.ffn_hidden_size,
+        "n_routed_experts": model.num_experts,
+        "n_shared_experts": model.num_shared_experts,
+        "first_k_dense_replace": model.first_k_dense_layers,
+        "n_group": model.moe_router_num_groups if grouped else 1,
+        "topk_group": model.moe_router_group_topk if grouped else 1,
+        "routed_scaling_factor": model.moe_router_topk_scaling_factor or 1.0,
+        "norm_topk_prob": model.norm_topk_prob,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "q_lora_rank": model.q_lora_rank,
+        "kv_lora_rank": model.kv_lora_rank,
+        "qk_nope_head_dim": model.qk_nope_head_dim,
+        "qk_rope_head_dim": model.qk_rope_head_dim,
+        "v_head_dim": model.v_head_dim,
+        "head_dim": model.qk_rope_head_dim,
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 0,
+        "attention_bias": False,
+    }
+
+
+def model_config_to_hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The HF ``config.json`` dict of a recipe model (inverse of `hf_config_to_model_config`),
+    for `hf_weights.save_hf_checkpoint` and engines that load HF folders (vLLM)."""
+    _check_model(model)
+    family = _qwen3_hf_fields(model) if model.family == "qwen3_moe" else _deepseek_hf_fields(model)
+    return {
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "moe_intermediate_size": model.moe_ffn_hidden_size,
+        "num_experts_per_tok": model.moe_router_topk,
+        "hidden_act": "silu",
+        "rope_theta": model.rope_theta,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.rms_norm_eps,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "initializer_range": model.init_std,
+        "torch_dtype": dtype,
+        **family,
+    }

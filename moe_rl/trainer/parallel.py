@@ -1,0 +1,137 @@
+"""torch.distributed + Megatron-core parallel state for the trainer, idempotent, with teardown.
+
+`init_parallel` starts (or joins) the process group and calls
+``megatron.core.parallel_state.initialize_model_parallel`` with the recipe's TP / PP / VPP /
+CP / EP / ETP sizes; data parallelism is what is left of the world. Without CUDA the backend is
+gloo and the CPU shims are applied. A process launched by ``torchrun`` (or any launcher that
+sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``) joins that world; a plain process
+gets a world of one on an in-memory store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config.schema import ParallelConfig
+from moe_rl.trainer.cpu_compat import apply_cpu_shims, cuda_available
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this process sits in the Megatron layout."""
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    ep_size: int
+    backend: str
+
+
+def _sizes(parallel: ParallelConfig) -> dict[str, int | None]:
+    return {
+        "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline_model_parallel_size,
+        "context_parallel_size": parallel.context_parallel_size,
+        "expert_model_parallel_size": parallel.expert_model_parallel_size,
+        "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size,
+    }
+
+
+def _init_process_group(backend: str) -> None:
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend=backend, init_method="env://")
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    log.debug("process group %s: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+def _check_divisible(parallel: ParallelConfig, world: int) -> None:
+    model = (
+        parallel.tensor_model_parallel_size
+        * parallel.pipeline_model_parallel_size
+        * parallel.context_parallel_size
+    )
+    if world % model:
+        raise ValueError(
+            f"world size {world} is not divisible by TP*PP*CP = {model} "
+            f"(parallel.tensor_model_parallel_size={parallel.tensor_model_parallel_size}, "
+            f"pipeline_model_parallel_size={parallel.pipeline_model_parallel_size}, "
+            f"context_parallel_size={parallel.context_parallel_size})"
+        )
+
+
+def _check_matches(parallel: ParallelConfig) -> None:
+    from megatron.core import parallel_state as ps
+
+    have = {
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+    }
+    want = _sizes(parallel)
+    for name, value in have.items():
+        if value != want[name]:
+            raise ValueError(
+                f"Megatron parallel state is already initialized with {name}={value}; "
+                f"parallel.{name}={want[name]} differs (call teardown_parallel() first)"
+            )
+
+
+def init_parallel(parallel: ParallelConfig, backend: str | None = None) -> ParallelInfo:
+    """Initialize torch.distributed and Megatron's parallel groups once; later calls check and
+    return the same layout. ``backend`` defaults to nccl with CUDA, gloo without."""
+    from megatron.core import parallel_state as ps
+
+    if not cuda_available():
+        apply_cpu_shims()
+    backend = backend or ("nccl" if cuda_available() else "gloo")
+    _init_process_group(backend)
+    _check_divisible(parallel, dist.get_world_size())
+    if ps.model_parallel_is_initialized():
+        _check_matches(parallel)
+    else:
+        if cuda_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        ps.initialize_model_parallel(**_sizes(parallel))
+    return current_info()
+
+
+def current_info() -> ParallelInfo:
+    """The layout of this process (Megatron's parallel state must be initialized)."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        backend=dist.get_backend(),
+    )
+
+
+def teardown_parallel(destroy_process_group: bool = True) -> None:
+    """Destroy Megatron's parallel groups and (unless told not to) the default process group."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,442 @@
+"""`TrainerWorker`: the Megatron-core side of an RL step.
+
+One worker per trainer process. It owns the model (``GPTModel`` in Megatron's
+``DistributedDataParallel``), the optimizer and learning-rate schedule (`optim`), the routing
+replay adapter (`replay`), and binds the recipe's objective and corrections through
+`moe_rl.algo.registry` (the one place config meets the loss math).
+
+A step reads as the algorithm:
+
+* `compute_old_logp`: π_old on every micro-batch (no grad; replaying the engine's routing under
+  R3, recording the trainer's under R2; over the kept sets under KSM; full-vocabulary entropy
+  for ESPO), plus training–inference mismatch diagnostics.
+* `train_step`: for one mini-batch, per micro-batch the ``logp`` pass (same routing and mask
+  rules), corrections and objective → ``loss_sum``; backward; gradients summed over
+  micro-batches and data-parallel ranks and divided by the global denominator
+  (``finalize_model_grads(num_tokens=...)``: the local count is all-reduced over DP×CP);
+  clipping and the optimizer step (optionally with the VCPO learning-rate scale).
+
+Denominator: the aggregation's count over the mini-batch's response tokens (token-mean) or
+responses (sequence means), known before any forward. Correction masks (IcePop, rejection,
+OPSM) zero a token's loss without removing it from the denominator — verl's choice for IcePop,
+applied to all of them so the denominator never depends on the current policy.
+
+Pipeline parallelism: the micro-batch loop here is the no-pipelining schedule (PP = 1).
+Megatron's pipelined schedules allocate ``device="cuda"`` tensors
+(``schedules.py``: ``total_num_tokens``), so they cannot run on CPU; PP > 1 is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moe_rl.algo import registry
+from moe_rl.algo.aggregate import local_denominator
+from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.trainer.batch import TrainMicroBatch
+from moe_rl.trainer.hf_weights import iter_hf_weights, load_hf_checkpoint
+from moe_rl.trainer.logprobs import LogprobOutput, PassOptions, logprob_pass, old_logprobs, routing_mode
+from moe_rl.trainer.model import build_gpt_model
+from moe_rl.trainer.optim import build_optimizer, build_scheduler
+from moe_rl.trainer.parallel import init_parallel
+from moe_rl.trainer.replay import RoutingReplay
+
+log = logging.getLogger(__name__)
+
+REPLAY_MODES = ("off", "r2", "r3")
+
+
+def _objective_params(config: RecipeConfig) -> dict:
+    algo = config.algo
+    names = {k for spec in registry.OBJECTIVE_PARAMS.values() for k in spec}
+    return {k: getattr(algo, k) for k in names if hasattr(algo, k)}
+
+
+def _correction_params(config: RecipeConfig) -> dict:
+    corrections = dataclasses.asdict(config.algo.corrections)
+    corrections.pop("keep_sampling_mask")
+    return {**corrections, "mode": config.algo.policy_mode}
+
+
+def _check_recipe(config: RecipeConfig) -> None:
+    algo, trainer = config.algo, config.trainer
+    if algo.routing_replay not in REPLAY_MODES:
+        raise ValueError(f"algo.routing_replay={algo.routing_replay!r}; valid: {', '.join(REPLAY_MODES)}")
+    if algo.routing_replay != "off" and trainer.moe_router_fusion:
+        raise ValueError(
+            f"algo.routing_replay={algo.routing_replay!r} with trainer.moe_router_fusion=true: the fused "
+            "router skips Megatron's RouterReplay silently; set trainer.moe_router_fusion=false"
+        )
+    if algo.objective == "espo" and not trainer.compute_entropy:
+        raise ValueError("algo.objective=espo needs trainer.compute_entropy=true (entropy of π_old)")
+    if algo.kl.coef > 0:
+        raise ValueError(f"algo.kl.coef={algo.kl.coef}: the trainer keeps no reference model; use 0")
+    if config.parallel.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"parallel.pipeline_model_parallel_size={config.parallel.pipeline_model_parallel_size}: the "
+            "trainer's micro-batch loop is the no-pipelining schedule; use 1"
+        )
+
+
+class _Timer:
+    """Accumulates wall time per named phase (for the step-time breakdown)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def section(self, name: str):
+        timer = self
+
+        class _Section:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[name] += time.perf_counter() - self.start
+
+        return _Section()
+
+
+class TrainerWorker:
+    """Model, optimizer, schedule and the RL passes of one trainer process."""
+
+    def __init__(self, config: RecipeConfig, total_steps: int | None = None, diagnostics: bool = True):
+        """``total_steps``: optimizer steps of the run (for the LR schedule; default
+        ``run.steps * trainer.num_mini_batches``). ``diagnostics``: mismatch metrics in the
+        old-logp pass and routing agreement under replay (one extra router GEMM per MoE layer)."""
+        _check_recipe(config)
+        self.diagnostics = diagnostics
+        self.config = config
+        self.info = init_parallel(config.parallel)
+        self.model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
+        if config.model.hf_path:
+            load_hf_checkpoint(self.model, config.model.hf_path)
+        self.ddp = self._wrap_ddp(self.model)
+        trainer = config.trainer
+        self.optimizer = build_optimizer([self.ddp], trainer, config.parallel.use_distributed_optimizer)
+        steps = total_steps or config.run.steps * trainer.num_mini_batches
+        self.scheduler = build_scheduler(self.optimizer, trainer, steps)
+        self.replay = RoutingReplay(self.model) if config.algo.routing_replay != "off" else None
+        self.objective = registry.bind_objective(
+            config.algo.objective, _objective_params(config), aggregation=config.algo.aggregation
+        )
+        self.corrections = registry.bind_corrections(_correction_params(config))
+        self.options = PassOptions(
+            temperature=config.rollout.temperature,
+            chunk_size=trainer.logprob_chunk_size,
+            keep_sampling_mask=config.algo.corrections.keep_sampling_mask,
+        )
+        self.step = 0
+        self.timer = _Timer()
+
+    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.config.parallel.use_distributed_optimizer,
+        )
+        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+    # ------------------------------------------------------------------ routing
+    def _trace_for(self, mb: TrainMicroBatch) -> tuple[Tensor | None, bool]:
+        """The routing to replay for ``mb`` and whether it is this stage's layers only."""
+        mode = self.config.algo.routing_replay
+        if mode == "r3":
+            if mb.micro.routed_experts is None:
+                raise ValueError(
+                    f"algo.routing_replay=r3 but samples {mb.micro.sample_indices.tolist()} carry no "
+                    "routed_experts; the rollout engine must return routing (rollout.return_routing)"
+                )
+            return mb.micro.routed_experts, False
+        if mode == "r2" and mb.recorded_routing is not None:
+            return mb.recorded_routing, True
+        return None, False
+
+    def _agreement(self, natural: Tensor | None, trace: Tensor | None, local: bool, mb) -> dict[str, Tensor]:
+        if natural is None or trace is None or self.replay is None:
+            return {}
+        replayed = trace.long() if local else self.replay.local_layers(trace.long())
+        valid = mb.micro.routing_valid
+        return routing_agreement(natural, replayed[: natural.shape[0]], valid)
+
+    # ------------------------------------------------------------------ π_old
+    def compute_old_logp(self, micro_batches: Sequence[TrainMicroBatch]) -> dict[str, float]:
+        """Fill ``old_logp`` (and ``old_entropy`` for ESPO, ``recorded_routing`` for R2) of each
+        micro-batch in place; return mismatch and routing diagnostics (means over micro-batches)."""
+        self.ddp.eval()
+        options = dataclasses.replace(self.options, entropy=self.config.trainer.compute_entropy)
+        record = self.config.algo.routing_replay == "r2"
+        metrics: list[dict[str, Tensor]] = []
+        for mb in micro_batches:
+            trace, local = self._trace_for(mb) if not record else (None, False)
+            natural = trace is not None and self.diagnostics
+            with self.timer.section("old_logp"):
+                out = old_logprobs(
+                    self.model, mb.micro, options, self.replay, trace, record, natural,
+                    mb.sample_of_token, self._pad_length(mb),
+                )  # fmt: skip
+            mb.old_logp, mb.old_entropy = out.logp.detach(), out.entropy
+            mb.old_weights_version = self.step
+            if record:
+                mb.recorded_routing = out.recorded_routing
+            if self.diagnostics:
+                with self.timer.section("diagnostics"):
+                    metrics.append(self._old_metrics(mb, out, trace, local))
+        return self._reduce_metrics(metrics, prefix="old/")
+
+    def _old_metrics(self, mb: TrainMicroBatch, out: LogprobOutput, trace, local) -> dict[str, Tensor]:
+        mask = torch.ones_like(mb.old_logp, dtype=torch.bool)
+        found = mismatch_metrics(
+            mb.old_logp, mb.micro.rollout_logp, mask, mb.seq_ids, num_seqs=mb.num_samples
+        )
+        mb.old_routing_metrics = self._agreement(out.natural_routing, trace, local, mb)
+        found.update(mb.old_routing_metrics)
+        return found
+
+    # ------------------------------------------------------------------ update
+    def _denominator(self, mb: TrainMicroBatch) -> Tensor:
+        mask = torch.ones(mb.micro.response_positions.numel(), dtype=torch.bool)
+        mode = self.config.algo.aggregation
+        if mode not in registry.AGGREGATIONS:
+            mode = "seq_mean_token_mean"  # any sequence mode: the count of responses
+        return local_denominator(mask, mb.seq_ids, num_seqs=mb.num_samples, mode=mode)
+
+    def _micro_loss(self, mb: TrainMicroBatch, logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Corrections and objective on one micro-batch: ``(loss_sum, metrics)``."""
+        seq_ids, num_seqs = mb.seq_ids, mb.num_samples
+        mask = torch.ones_like(logp, dtype=torch.bool)
+        rollout = mb.micro.rollout_logp.to(logp.device)
+        old = self.corrections.old_logp(mb.old_logp, rollout)
+        with self.timer.section("corrections"):
+            corr = self.corrections(
+                logp=logp, old_logp=old, rollout_logp=rollout, advantages=mb.advantages,
+                loss_mask=mask, seq_ids=seq_ids, num_seqs=num_seqs,
+            )  # fmt: skip
+        with self.timer.section("objective"):
+            out = self.objective(
+                logp=logp, old_logp=old, advantages=mb.advantages, loss_mask=corr.mask, seq_ids=seq_ids,
+                num_seqs=num_seqs, weights=corr.weights, entropy=mb.old_entropy,
+                vocab_size=self.config.model.vocab_size,
+            )  # fmt: skip
+        return out.loss_sum, {**corr.metrics, **out.metrics}
+
+    def _pad_length(self, mb: TrainMicroBatch) -> int | None:
+        """Token count every expert-parallel rank pads this micro-batch to (None: no padding).
+
+        Megatron's allgather dispatcher gathers equal-sized blocks over the EP group, so the
+        ranks of one EP group agree on the largest micro-batch (one small all-reduce)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_expert_model_parallel_world_size() == 1:
+            return None
+        length = torch.tensor([mb.micro.num_tokens], dtype=torch.int64)
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+        return int(length)
+
+    def _known_agreement(self, mb: TrainMicroBatch) -> dict | None:
+        """The old-logp pass's routing agreement when the weights have not moved since: the
+        update pass would replay the same ids through the same routers (no need to recompute)."""
+        if mb.old_weights_version == self.step and mb.old_routing_metrics:
+            return mb.old_routing_metrics
+        return None
+
+    def _micro_step(self, mb: TrainMicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward, loss and backward of one micro-batch under the recipe's routing."""
+        trace, local = self._trace_for(mb)
+        pad_to = self._pad_length(mb)
+        known = self._known_agreement(mb)
+        natural = trace is not None and self.diagnostics and known is None
+        with routing_mode(
+            self.replay, trace, pad_to or mb.micro.num_tokens, natural=natural,
+            sample_of_token=mb.sample_of_token, local=local,
+        ) as routing:  # fmt: skip
+            # the old-logp pass has checked this micro-batch's sampling mask already
+            options = dataclasses.replace(self.options, validate_mask=mb.old_logp is None)
+            with self.timer.section("forward"):
+                out = logprob_pass(self.ddp, mb.micro, options, pad_to)
+            loss_sum, metrics = self._micro_loss(mb, out.logp)
+            if trace is not None:
+                self.replay.forward_done()
+            with self.timer.section("backward"):
+                loss_sum.backward()
+        captured = routing.get("natural")
+        if captured is not None:
+            known = self._agreement(captured[: mb.micro.num_tokens], trace, local, mb)
+        metrics.update(known or {})
+        return loss_sum.detach(), metrics
+
+    def accumulate_gradients(
+        self, mini_batch: Sequence[TrainMicroBatch]
+    ) -> tuple[Tensor, Tensor, list[dict]]:
+        """Forward and backward over the mini-batch; gradients summed over micro-batches and DP
+        ranks and divided by the global denominator, left in ``param.main_grad``.
+
+        Returns ``(local loss_sum, global denominator, per-micro-batch metrics)``.
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        if any(mb.old_logp is None for mb in mini_batch) and self.config.algo.policy_mode != "bypass":
+            raise ValueError("train_step needs old_logp on every micro-batch: call compute_old_logp first")
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        denom = torch.stack([self._denominator(mb) for mb in mini_batch]).sum()
+        loss_sum = torch.zeros(())
+        metrics: list[dict[str, Tensor]] = []
+        for mb in mini_batch:
+            micro_loss, micro_metrics = self._micro_step(mb)
+            loss_sum += micro_loss.float().cpu()
+            metrics.append(micro_metrics)
+        with self.timer.section("grad_sync"):
+            finalize_model_grads([self.ddp], num_tokens=denom)  # all-reduces denom over DP x CP
+        return loss_sum, denom, metrics
+
+    def train_step(self, mini_batch: Sequence[TrainMicroBatch]) -> dict[str, float]:
+        """One optimizer step on a mini-batch of micro-batches (this rank's share); metrics."""
+        loss_sum, global_denom, metrics = self.accumulate_gradients(mini_batch)
+        lr_scale = self._vcpo_scale(mini_batch)
+        with self.timer.section("optimizer"):
+            ok, grad_norm = self._optimizer_step(lr_scale)
+        result = self._reduce_metrics(metrics, prefix="train/")
+        result.update(self._step_metrics(loss_sum, global_denom, ok, grad_norm, lr_scale))
+        self.step += 1
+        return result
+
+    def _optimizer_step(self, lr_scale: float) -> tuple[bool, float | None]:
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= lr_scale
+        ok, grad_norm, _ = self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.scheduler.step(1)
+        return ok, grad_norm
+
+    def _vcpo_scale(self, mini_batch: Sequence[TrainMicroBatch]) -> float:
+        """VCPO: ``sqrt(ESS / ESS_ref)`` of the rollout-vs-old token ratios over the mini-batch
+        (all DP ranks), with ``ESS_ref = 1`` (the on-policy value of the normalized ESS)."""
+        if not self.config.trainer.vcpo_lr_scaling:
+            return 1.0
+        sums = torch.zeros(3, dtype=torch.float64)
+        for mb in mini_batch:
+            log_rho = (mb.old_logp - mb.micro.rollout_logp).double().clamp(-20, 20)
+            w = log_rho.exp()
+            sums += torch.stack([w.sum(), (w * w).sum(), torch.tensor(float(w.numel()), dtype=torch.float64)])
+        self._all_reduce(sums)
+        ess = sums[0] ** 2 / (sums[2] * sums[1]).clamp_min(1e-300)
+        return float(torch.sqrt(ess.clamp(max=1.0)))
+
+    # ------------------------------------------------------------------ metrics
+    def _all_reduce(self, tensor: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
+        from megatron.core import parallel_state as ps
+
+        if dist.is_initialized() and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+            dist.all_reduce(tensor, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
+        return tensor
+
+    def _reduce_metrics(self, metrics: list[dict[str, Tensor]], prefix: str) -> dict[str, float]:
+        """Mean over micro-batches, then over data-parallel ranks."""
+        names = sorted({k for m in metrics for k in m})
+        if not names:
+            return {}
+        table = torch.zeros(len(names), 2, dtype=torch.float64)
+        for m in metrics:
+            for i, name in enumerate(names):
+                if name in m:
+                    table[i, 0] += float(m[name])
+                    table[i, 1] += 1
+        self._all_reduce(table)
+        return {prefix + n: float(table[i, 0] / table[i, 1].clamp_min(1)) for i, n in enumerate(names)}
+
+    def _step_metrics(self, loss_sum: Tensor, denom: Tensor, ok: bool, grad_norm, lr_scale: float) -> dict:
+        total = self._all_reduce(loss_sum.double().clone())
+        return {
+            "train/loss": float(total / denom.double().clamp_min(1e-12)),
+            "train/denominator": float(denom),
+            "train/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+            "train/update_ok": float(ok),
+            "train/lr": float(self.optimizer.param_groups[0]["lr"]),
+            "train/lr_scale": lr_scale,
+            "train/step": float(self.step + 1),
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def _rng_state(self) -> dict:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            state["cuda"] = torch.cuda.get_rng_state()
+            state["cuda_tracker"] = get_cuda_rng_tracker().get_states()
+        return state
+
+    def _set_rng_state(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            torch.cuda.set_rng_state(state["cuda"])
+            get_cuda_rng_tracker().set_states(state["cuda_tracker"])
+
+    def _sharded_state(self, is_loading: bool) -> dict:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        model_sd = self.model.sharded_state_dict()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return {
+            "model": model_sd,
+            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "rng": ShardedObject("rng_state", self._rng_state(), (world,), (rank,), replica_id=0),
+        }
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Save model, optimizer, schedule, RNG and step with Megatron ``dist_checkpointing``."""
+        from megatron.core import dist_checkpointing
+
+        directory = Path(directory)
+        if dist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(is_loading=False), str(directory))
+        log.info("saved checkpoint of step %d to %s", self.step, directory)
+        return directory
+
+    def load_checkpoint(self, directory: str | Path) -> int:
+        """Restore everything `save_checkpoint` wrote; returns the step."""
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(directory))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        log.info("loaded checkpoint of step %d from %s", self.step, directory)
+        return self.step
+
+    # ------------------------------------------------------------------ weights
+    def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Stream this rank's weights with HF names (`hf_weights.iter_hf_weights`)."""
+        return iter_hf_weights(self.model)
+
+    def step_time_breakdown(self) -> dict[str, float]:
+        """Seconds spent per phase since the worker started (forward, backward, corrections, …)."""
+        return dict(self.timer.seconds)

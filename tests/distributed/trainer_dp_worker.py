@@ -1,0 +1,74 @@
+"""Rank body for tests/distributed/test_trainer_dp.py: one gradient accumulation of the tiny MoE
+on a share of a fixed global batch, gradients saved under global (HF) tensor names."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "trainer"))
+
+GLOBAL_MICRO_BATCHES = 4
+
+
+def recipe(world: int, ep: int, hf_path: str | None = None):
+    from trainer_testing import tiny_recipe
+
+    overrides = [f"model.hf_path={hf_path}"] if hf_path else []
+    return tiny_recipe(
+        f"parallel.trainer_world_size={world}",
+        f"parallel.expert_model_parallel_size={ep}",
+        "trainer.grad_clip=0",
+        *overrides,
+    )
+
+
+def write_weights(folder: str) -> None:
+    """One set of weights for every layout (random init depends on how experts are split)."""
+    from moe_rl.trainer.hf_weights import save_hf_checkpoint
+    from moe_rl.trainer.model import build_gpt_model, model_config_to_hf_config
+
+    config = recipe(1, 1)
+    save_hf_checkpoint(build_gpt_model(config.model, seed=3), folder, model_config_to_hf_config(config.model))
+
+
+def global_batch(config):
+    from trainer_testing import micro_batches
+
+    return micro_batches(21, 16, config.model, max_tokens=40, num_microbatches=GLOBAL_MICRO_BATCHES)
+
+
+def shard(batches, rank: int, world: int, even: bool):
+    """Uneven token counts per rank; with ``even`` the same number of micro-batches per rank
+    (expert parallelism runs collectives inside every forward)."""
+    if world == 1:
+        return list(batches)
+    return [batches[0], batches[3]] if rank == 0 and even else ([batches[0]] if rank == 0 else batches[1:])
+
+
+def gradients(world: int, rank: int, ep: int, hf_path: str) -> dict[str, torch.Tensor]:
+    from moe_rl.trainer.hf_weights import hf_names_for
+    from moe_rl.trainer.worker import TrainerWorker
+
+    config = recipe(world, ep, hf_path)
+    worker = TrainerWorker(config)
+    batches = global_batch(config)
+    if ep > 1:
+        mine = [batches[0], batches[3]] if rank == 0 else [batches[1], batches[2]]
+    else:
+        mine = shard(batches, rank, world, even=False)
+    worker.compute_old_logp(mine)
+    worker.accumulate_gradients(mine)
+    grads = {}
+    for name, param in worker.model.named_parameters():
+        key = "+".join(hf_names_for(worker.model, name).hf)
+        grads[key] = param.main_grad.detach().clone()
+    return grads
+
+
+def rank_main(rank: int, world: int, port: int, ep: int, hf_path: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.save(gradients(world, rank, ep, hf_path), Path(out_dir) / f"grads.{rank}.pt")

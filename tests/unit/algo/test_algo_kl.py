@@ -1,0 +1,57 @@
+"""moe_rl.algo.kl: k1, k2, k3, abs and the IS-corrected k3 of DeepSeek-V3.2 Eq. 7."""
+
+import math
+
+import pytest
+import torch
+
+from moe_rl.algo.kl import KL_ESTIMATORS, kl_k3, kl_k3_is, kl_penalty
+from tests.unit.algo.algo_testing import grad_of, t
+
+LOG_R = math.log(0.5)  # ref_logp − logp with π_θ = 0.5, π_ref = 0.25
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    [
+        ("k1", -LOG_R),
+        ("k2", 0.5 * LOG_R**2),
+        ("k3", 0.5 - LOG_R - 1),
+        ("abs", abs(LOG_R)),
+        ("k3_is", 2.0 * (0.5 - LOG_R - 1)),  # π_θ/π_old = 0.5/0.25 = 2
+    ],
+    ids=list(KL_ESTIMATORS),
+)
+def test_kl_hand_values(estimator, expected):
+    got = kl_penalty(
+        t([math.log(0.5)]), t([math.log(0.25)]), estimator=estimator, old_logp=t([math.log(0.25)])
+    )
+    assert got.item() == pytest.approx(expected)
+
+
+def test_k3_is_has_gradient_through_the_ratio():
+    x = t([math.log(0.5)], requires_grad=True)
+    ref, old = t([math.log(0.25)]), t([math.log(0.4)])
+    g = grad_of(kl_k3_is(x, ref, old).sum(), x).item()
+    # f = e^{x−o}·(e^{r−x} − (r−x) − 1) → f' = f + e^{x−o}·(1 − e^{r−x})
+    ratio, k3 = 0.5 / 0.4, 0.5 - math.log(0.5) - 1
+    assert g == pytest.approx(ratio * k3 + ratio * (1 - 0.5))
+    g_detached = grad_of(
+        (kl_k3_is(x, ref, old).detach() / kl_k3(x, ref).detach() * kl_k3(x, ref)).sum(), x
+    ).item()
+    assert g != pytest.approx(g_detached)  # a stop-gradient on the ratio would change it
+
+
+def test_kl_finite_at_extreme_log_probs():
+    logp, ref = t([-80.0, 0.0, -80.0]), t([0.0, -80.0, -80.0])
+    for est in KL_ESTIMATORS:
+        assert torch.isfinite(kl_penalty(logp, ref, estimator=est, old_logp=ref)).all(), est
+
+
+def test_kl_rejects_bad_input():
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        kl_penalty(t([0.0]), t([0.0]), estimator="k4")
+    with pytest.raises(ValueError, match="needs old_logp"):
+        kl_penalty(t([0.0]), t([0.0]), estimator="k3_is")
+    with pytest.raises(ValueError, match="ref_logp shape"):
+        kl_penalty(t([0.0]), t([0.0, 1.0]), estimator="k1")

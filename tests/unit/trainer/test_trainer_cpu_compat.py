@@ -1,0 +1,82 @@
+"""The CPU shims: idempotent, and the SDPA core attention computes Megatron's attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_rl.trainer import cpu_compat
+from moe_rl.trainer.cpu_compat import SDPACoreAttention, apply_cpu_shims
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply only without CUDA")
+
+
+def test_shims_are_applied_once():
+    apply_cpu_shims()
+    assert apply_cpu_shims() == []
+    assert torch.cuda.current_device() == "cpu"
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.te_general_gemm is None
+    assert multi_latent_attention.HAVE_TE is False
+
+
+class _Config:
+    context_parallel_size = 1
+    kv_channels = 8
+    attention_dropout = 0.0
+
+
+class _Causal:
+    name = "causal"
+
+
+class _Packed:
+    qkv_format = "thd"
+    cu_seqlens_q_padded = None
+
+    def __init__(self, cu):
+        self.cu_seqlens_q = cu
+
+
+def _reference(q, k, v, scale):
+    """Plain causal attention with GQA, q [s, h, d], k/v [s, g, d] -> [s, h*dv]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.einsum("shd,thd->hst", q, k) * scale
+    s = q.shape[0]
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -math.inf)
+    return torch.einsum("hst,thd->shd", scores.softmax(-1), v).reshape(s, -1)
+
+
+def test_sdpa_matches_reference_causal_gqa():
+    torch.manual_seed(0)
+    attn = SDPACoreAttention(_Config(), 1, _Causal(), "self")
+    q, k, v = torch.randn(7, 2, 4, 8), torch.randn(7, 2, 2, 8), torch.randn(7, 2, 2, 8)
+    out = attn(q, k, v, None)
+    assert out.shape == (7, 2, 32)
+    for b in range(2):
+        ref = _reference(q[:, b], k[:, b], v[:, b], 1 / math.sqrt(8))
+        torch.testing.assert_close(out[:, b], ref, atol=1e-6, rtol=1e-5)
+
+
+def test_sdpa_packed_sequences_attend_only_inside_themselves():
+    torch.manual_seed(1)
+    attn = SDPACoreAttention(_Config(), 1, _Causal(), "self", softmax_scale=0.3)
+    lengths = [3, 5, 2]
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 6)
+    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    out = attn(q, k, v, None, packed_seq_params=_Packed(cu))
+    start = 0
+    for length in lengths:
+        sl = slice(start, start + length)
+        torch.testing.assert_close(out[sl], _reference(q[sl], k[sl], v[sl], 0.3), atol=1e-6, rtol=1e-5)
+        start += length
+
+
+def test_cpu_dispatcher_replaces_alltoall():
+    assert cpu_compat.cpu_token_dispatcher("alltoall") == "allgather"
+    assert cpu_compat.cpu_token_dispatcher("allgather") == "allgather"

@@ -1,0 +1,82 @@
+"""Trainer log-prob passes on packed micro-batches against plain per-sample forwards."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from trainer_testing import micro_batches, tiny_deepseek, tiny_qwen
+
+from moe_rl.trainer.logprobs import PassOptions, logprob_pass, old_logprobs
+from moe_rl.trainer.model import build_gpt_model
+from moe_rl.trainer.replay import RoutingReplay
+
+TEMPERATURE = 0.7
+
+
+def _plain(model, replay, mb):
+    """Per sample: a plain forward (routers on their own) -> logits [T, V], routing [T, L, k]."""
+    logits, traces = [], []
+    cu = mb.micro.cu_seqlens.long().tolist()
+    with torch.no_grad():
+        for start, end in itertools.pairwise(cu):
+            tokens = mb.micro.input_ids[start:end][None]
+            with replay.record() as rec:
+                logits.append(model(tokens, torch.arange(end - start)[None], attention_mask=None)[0])
+            traces.append(rec.topk_idx_TLK)
+    return torch.cat(logits), torch.cat(traces)
+
+
+def _reference_logp(logits, mb, temperature):
+    rows = logits[mb.micro.response_positions - 1] / temperature
+    targets = mb.micro.input_ids[mb.micro.response_positions]
+    return torch.log_softmax(rows.double(), -1).gather(1, targets[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_zero_update_old_logp_equals_plain_forward(family):
+    cfg = tiny_qwen() if family == "qwen3_moe" else tiny_deepseek()
+    model = build_gpt_model(cfg, seed=11).eval()
+    replay = RoutingReplay(model)
+    options = PassOptions(temperature=TEMPERATURE, chunk_size=5)
+    for mb in micro_batches(3, 8, cfg, max_tokens=40, sampling_mask=False):
+        logits, trace = _plain(model, replay, mb)
+        reference = _reference_logp(logits, mb, TEMPERATURE)
+        natural = old_logprobs(model, mb.micro, options)
+        replayed = old_logprobs(model, mb.micro, options, replay=replay, trace=trace, natural=True)
+        assert (natural.logp.double() - reference).abs().max() <= 1e-6
+        assert (replayed.logp.double() - reference).abs().max() <= 1e-6
+        assert torch.equal(replayed.natural_routing.sort(-1).values, trace.sort(-1).values)
+
+
+def test_keep_sampling_mask_and_entropy():
+    cfg = tiny_qwen()
+    model = build_gpt_model(cfg, seed=12).eval()
+    replay = RoutingReplay(model)
+    options = PassOptions(temperature=TEMPERATURE, chunk_size=4, keep_sampling_mask=True, entropy=True)
+    for mb in micro_batches(4, 6, cfg, max_tokens=40):
+        logits, _ = _plain(model, replay, mb)
+        out = old_logprobs(model, mb.micro, options)
+        rows = (logits[mb.micro.response_positions - 1] / TEMPERATURE).double()
+        targets = mb.micro.input_ids[mb.micro.response_positions]
+        offsets, ids = mb.micro.sampling_mask_offsets, mb.micro.sampling_mask_ids.long()
+        for r in range(rows.shape[0]):
+            kept = ids[offsets[r] : offsets[r + 1]]
+            want = rows[r, targets[r]] - torch.logsumexp(rows[r, kept], 0)
+            assert abs(float(out.logp[r]) - float(want)) <= 1e-6
+        probs = torch.softmax(rows, -1)
+        entropy = -(probs * probs.log()).sum(-1)
+        torch.testing.assert_close(out.entropy.double(), entropy, atol=1e-6, rtol=1e-6)
+
+
+def test_logp_pass_has_grad_and_missing_mask_is_an_error():
+    cfg = tiny_qwen()
+    model = build_gpt_model(cfg, seed=13).train()
+    mb = micro_batches(5, 4, cfg, sampling_mask=False)[0]
+    out = logprob_pass(model, mb.micro, PassOptions())
+    out.logp.sum().backward()
+    assert model.output_layer.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="keep_sampling_mask"):
+        logprob_pass(model, mb.micro, dataclasses.replace(PassOptions(), keep_sampling_mask=True))

@@ -1,0 +1,159 @@
+"""Model build from ModelConfig (Qwen3-MoE, DeepSeek-V3) and HF config translation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_testing import tiny_deepseek, tiny_qwen
+
+from moe_rl.config.schema import ModelConfig
+from moe_rl.trainer.logprobs import forward_logits
+from moe_rl.trainer.model import (
+    build_gpt_model,
+    hf_config_to_model_config,
+    moe_layer_pattern,
+    transformer_config,
+)
+
+
+def _tokens(n: int, vocab: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_qwen3_config_maps_router_and_attention():
+    config = transformer_config(tiny_qwen())
+    assert config.qk_layernorm and config.num_query_groups == 2 and config.kv_channels == 8
+    assert config.moe_router_score_function == "softmax"
+    assert config.moe_router_pre_softmax is False  # norm_topk_prob: softmax over the top-k logits
+    assert transformer_config(tiny_qwen(norm_topk_prob=False)).moe_router_pre_softmax is True
+    assert config.add_bias_linear is False and config.moe_enable_routing_replay
+
+
+def test_deepseek_config_has_mla_shared_experts_and_group_routing():
+    config = transformer_config(tiny_deepseek())
+    assert config.multi_latent_attention and config.q_lora_rank == 16 and config.qk_pos_emb_head_dim == 4
+    assert config.moe_layer_freq == [0, 1, 1]
+    assert config.moe_shared_expert_intermediate_size == 16
+    assert config.moe_router_enable_expert_bias and config.moe_router_num_groups == 4
+    assert config.moe_router_topk_scaling_factor == 2.5
+
+
+def test_layer_pattern():
+    assert moe_layer_pattern(tiny_deepseek(num_layers=5, first_k_dense_layers=3)) == [0, 0, 0, 1, 1]
+    assert moe_layer_pattern(tiny_qwen()) == [1, 1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_init_is_deterministic_per_seed(family):
+    cfg = tiny_qwen() if family == "qwen3_moe" else tiny_deepseek()
+    a, b, c = (build_gpt_model(cfg, seed=s).state_dict() for s in (5, 5, 6))
+    name = "decoder.layers.1.mlp.router.weight"
+    assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    assert not torch.equal(a[name], c[name])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_packed_forward_equals_per_sequence_forward(family):
+    from moe_rl.data.packing import MicroBatch
+
+    cfg = tiny_qwen() if family == "qwen3_moe" else tiny_deepseek()
+    model = build_gpt_model(cfg, seed=1).eval()
+    lengths = [4, 7, 3]
+    tokens = _tokens(sum(lengths))
+    cu = torch.tensor([0, 4, 11, 14], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    micro = MicroBatch(
+        sample_indices=torch.arange(3), input_ids=tokens, position_ids=positions, cu_seqlens=cu,
+        loss_mask=torch.zeros(14, dtype=torch.bool), response_positions=torch.tensor([], dtype=torch.long),
+        response_offsets=torch.zeros(4, dtype=torch.long), response_token_index=torch.tensor([], dtype=torch.long),
+        rollout_logp=torch.zeros(0), token_versions=torch.zeros(0, dtype=torch.long),
+    )  # fmt: skip
+    with torch.no_grad():
+        packed = forward_logits(model, micro)
+        single = [
+            model(s[None], torch.arange(len(s))[None], attention_mask=None)[0] for s in tokens.split(lengths)
+        ]
+    torch.testing.assert_close(packed, torch.cat(single), atol=1e-5, rtol=1e-5)
+
+
+def test_model_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="model.family"):
+        transformer_config(tiny_qwen(family="llama"))
+    with pytest.raises(ValueError, match="moe_router_topk"):
+        transformer_config(tiny_qwen(moe_router_topk=9))
+    with pytest.raises(ValueError, match="attention"):
+        transformer_config(tiny_qwen(family="deepseek_v3"))
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        transformer_config(tiny_deepseek(norm_topk_prob=False))
+
+
+QWEN3_HF = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "rope_theta": 1000000.0, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+}  # fmt: skip
+
+DEEPSEEK_V3_HF = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "rope_theta": 10000, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+
+def test_hf_qwen3_config():
+    cfg = hf_config_to_model_config(QWEN3_HF)
+    assert (cfg.family, cfg.attention, cfg.num_experts, cfg.moe_router_topk) == ("qwen3_moe", "gqa", 128, 8)
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.moe_ffn_hidden_size) == (4, 128, 768)
+    assert cfg.rope_theta == 1e6 and cfg.norm_topk_prob and cfg.num_layers == 48
+
+
+def test_hf_deepseek_and_kimi_configs():
+    cfg = hf_config_to_model_config(DEEPSEEK_V3_HF)
+    assert (cfg.family, cfg.attention, cfg.first_k_dense_layers, cfg.num_shared_experts) == (
+        "deepseek_v3",
+        "mla",
+        3,
+        1,
+    )
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk, cfg.moe_router_topk_scaling_factor) == (
+        8,
+        4,
+        2.5,
+    )
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (1536, 512, 64)
+    kimi = hf_config_to_model_config(
+        {**DEEPSEEK_V3_HF, "model_type": "kimi_k2", "n_routed_experts": 384, "n_group": 1, "topk_group": 1}
+    )
+    assert kimi.num_experts == 384 and kimi.moe_router_num_groups is None
+    assert isinstance(kimi, ModelConfig)
+
+
+def test_hf_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="model_type"):
+        hf_config_to_model_config({**QWEN3_HF, "model_type": "llama"})
+    with pytest.raises(ValueError, match="rope scaling"):
+        hf_config_to_model_config({**DEEPSEEK_V3_HF, "rope_scaling": {"type": "yarn", "factor": 40}})
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        hf_config_to_model_config({**QWEN3_HF, "mlp_only_layers": [0]})
+    with pytest.raises(ValueError, match="topk_group"):
+        hf_config_to_model_config({**DEEPSEEK_V3_HF, "topk_group": 2})
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_model_config_to_hf_config_inverts(family):
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    from moe_rl.trainer.model import model_config_to_hf_config
+
+    cfg = tiny_qwen() if family == "qwen3_moe" else tiny_deepseek()
+    hf = model_config_to_hf_config(cfg)
+    back = hf_config_to_model_config(hf)
+    assert dataclasses.replace(back, head_dim=cfg.head_dim) == cfg  # head_dim is GQA-only
+    assert transformers.AutoConfig.for_model(**hf).model_type == family

@@ -1,0 +1,182 @@
+"""Routing replay through Megatron's RouterReplay: forced routing, router gradients (R3),
+recording (R2), activation recompute (REPLAY_BACKWARD) and trace validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_testing import tiny_deepseek, tiny_qwen
+
+from moe_rl.config.schema import TrainerConfig
+from moe_rl.trainer.model import build_gpt_model
+from moe_rl.trainer.replay import RoutingReplay
+
+SEQ = 12
+
+
+def _inputs(seed: int = 0, vocab: int = 64, seq: int = SEQ):
+    tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(seed))
+    return tokens, torch.arange(seq)[None]
+
+
+def _forward(model, tokens, positions):
+    return model(tokens, positions, attention_mask=None)
+
+
+def _record(model, replay, tokens, positions):
+    with torch.no_grad(), replay.record() as rec:
+        out = _forward(model, tokens, positions)
+    return out, rec.topk_idx_TLK
+
+
+def test_record_gives_tokens_layers_k():
+    model = build_gpt_model(tiny_deepseek(), seed=1).eval()
+    replay = RoutingReplay(model)
+    _, trace = _record(model, replay, *_inputs())
+    assert trace.shape == (SEQ, 2, 4) and trace.dtype == torch.int64
+    assert replay.num_moe_layers == 2 and replay.layer_columns == [0, 1]
+
+
+def test_replay_forces_routing_after_router_perturbation():
+    """DeepSeek routing selects with the expert bias but gates without it, so a bias change moves
+    only the selection: replaying the old selection restores the old output exactly."""
+    model = build_gpt_model(tiny_deepseek(), seed=1).eval()
+    replay = RoutingReplay(model)
+    tokens, positions = _inputs()
+    before, trace = _record(model, replay, tokens, positions)
+    with torch.no_grad():
+        for _, router in replay.routers:
+            router.expert_bias.copy_(torch.linspace(-3, 3, router.expert_bias.numel()))
+        natural = _forward(model, tokens, positions)
+        with replay.replay(trace):
+            replayed = _forward(model, tokens, positions)
+    assert not torch.allclose(natural, before, atol=1e-3)
+    assert torch.equal(replayed, before)
+
+
+def test_replay_sets_the_routing_map_on_a_softmax_router():
+    model = build_gpt_model(tiny_qwen(), seed=2).eval()
+    replay = RoutingReplay(model)
+    tokens, positions = _inputs(1)
+    _, trace = _record(model, replay, tokens, positions)
+    target = torch.roll(trace, shifts=1, dims=-1)  # same sets
+    target[::2] = (target[::2] + 1) % 4  # other sets on every other token
+    maps = []
+    hooks = [r.register_forward_hook(lambda m, a, o: maps.append(o[1])) for _, r in replay.routers]
+    with torch.no_grad(), replay.replay(target), replay.natural_routing() as natural:
+        _forward(model, tokens, positions)
+    for h in hooks:
+        h.remove()
+    for layer, routing_map in enumerate(maps):
+        want = torch.zeros(SEQ, 4, dtype=torch.bool).scatter_(1, target[:, layer], True)
+        assert torch.equal(routing_map, want)
+    assert torch.equal(natural.topk_idx_TLK.sort(-1).values, trace.sort(-1).values)
+
+
+def test_router_gets_gradients_under_replay():
+    """R3: replayed ids, gate weights from the trainer's own router logits -> router gradients,
+    identical to the natural forward's when the natural routing is replayed."""
+    model = build_gpt_model(tiny_qwen(), seed=3).train()
+    replay = RoutingReplay(model)
+    tokens, positions = _inputs(2)
+    _, trace = _record(model, replay, tokens, positions)
+    _forward(model, tokens, positions).square().mean().backward()
+    natural = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with replay.replay(trace):
+        _forward(model, tokens, positions).square().mean().backward()
+    for name, param in model.named_parameters():
+        if "router" in name:
+            assert param.grad.abs().sum() > 0, name
+        torch.testing.assert_close(param.grad, natural[name], atol=1e-7, rtol=1e-5)
+
+
+def test_replay_backward_with_activation_recompute_pops_in_forward_order():
+    plain = build_gpt_model(tiny_qwen(), seed=4).train()
+    recompute = build_gpt_model(
+        tiny_qwen(), trainer=TrainerConfig(recompute_activations=True), seed=4
+    ).train()
+    batches = [_inputs(s) for s in (5, 6)]
+    traces = [torch.randint(0, 4, (SEQ, 2, 1)) for _ in batches]
+    traces = [torch.cat([t, (t + 1 + torch.randint(0, 3, t.shape)) % 4], -1) for t in traces]
+    grads = []
+    for model in (plain, recompute):
+        replay = RoutingReplay(model)
+        losses = []
+        for (tokens, positions), trace in zip(batches, traces):  # two forwards before any backward
+            replay.set_replay(trace)
+            losses.append(_forward(model, tokens, positions).square().mean())
+        replay.forward_done()
+        for loss in losses:
+            loss.backward()
+        assert all(not inst.replay_backward_list for inst in replay.instances) or model is plain
+        replay.clear()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5)
+    # Without REPLAY_BACKWARD the recompute of the first micro-batch replays the second's ids.
+    recompute.zero_grad()
+    replay = RoutingReplay(recompute)
+    losses = []
+    for (tokens, positions), trace in zip(batches, traces):
+        replay.set_replay(trace)
+        losses.append(_forward(recompute, tokens, positions).square().mean())
+    for loss in losses:
+        loss.backward()
+    replay.clear()
+    assert any(not torch.allclose(p.grad, grads[0][n], atol=1e-6) for n, p in recompute.named_parameters())
+
+
+def test_r2_local_trace_replays():
+    model = build_gpt_model(tiny_deepseek(), seed=5).eval()
+    replay = RoutingReplay(model)
+    tokens, positions = _inputs(3)
+    before, trace = _record(model, replay, tokens, positions)
+    with torch.no_grad(), replay.replay(trace, local=True):
+        assert torch.equal(_forward(model, tokens, positions), before)
+
+
+def test_padding_rows_are_filled():
+    model = build_gpt_model(tiny_qwen(), seed=6).eval()
+    replay = RoutingReplay(model)
+    tokens, positions = _inputs(4)
+    _, trace = _record(model, replay, tokens, positions)
+    with torch.no_grad(), replay.replay(trace[:-3], num_tokens=SEQ):
+        _forward(model, tokens, positions)
+
+
+def test_bad_traces_name_field_and_sample():
+    model = build_gpt_model(tiny_qwen(), seed=7)
+    replay = RoutingReplay(model)
+    owner = torch.tensor([10] * 6 + [11] * 6)
+    good = torch.tensor([0, 1]).expand(SEQ, 2, 2).clone()
+    with pytest.raises(ValueError, match="3 MoE layers, the model has 2"):
+        replay.check_trace(torch.zeros(SEQ, 3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="top-k 3"):
+        replay.check_trace(torch.tensor([0, 1, 2]).expand(SEQ, 2, 3))
+    bad = good.clone()
+    bad[7, 1, 0] = 4
+    with pytest.raises(
+        ValueError, match=r"routed_experts \(sample 11, token 7\): layer 1 slot 0 has expert id 4"
+    ):
+        replay.check_trace(bad, owner)
+    dup = good.clone()
+    dup[2, 0] = torch.tensor([3, 3])
+    with pytest.raises(ValueError, match=r"sample 10, token 2.*repeats an expert id"):
+        replay.check_trace(dup, owner)
+    with pytest.raises(ValueError, match="tokens, moe_layers, k"):
+        replay.check_trace(torch.zeros(SEQ, 2, dtype=torch.long))
+
+
+def test_router_fusion_is_refused():
+    model = build_gpt_model(tiny_qwen(), trainer=TrainerConfig(moe_router_fusion=True), seed=8)
+    with pytest.raises(ValueError, match="moe_router_fusion"):
+        RoutingReplay(model)
+
+
+def test_replay_is_per_model():
+    a, b = build_gpt_model(tiny_qwen(), seed=9), build_gpt_model(tiny_qwen(), seed=9)
+    ra, rb = RoutingReplay(a), RoutingReplay(b)
+    assert not set(map(id, ra.instances)) & set(map(id, rb.instances))
+    with ra.replay(torch.tensor([0, 1]).expand(SEQ, 2, 2)):
+        assert all(inst.router_replay_action is None for inst in rb.instances)

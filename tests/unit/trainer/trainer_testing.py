@@ -1,0 +1,107 @@
+"""Tiny model configs, recipes and micro-batches shared by the trainer tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moe_rl.config import load_recipe
+from moe_rl.config.schema import ModelConfig, RecipeConfig
+from moe_rl.data.synthetic import random_batch
+from moe_rl.trainer.batch import TrainMicroBatch, make_train_micro_batches
+
+REPO = Path(__file__).resolve().parents[3]
+TINY_RECIPE = REPO / "recipes" / "tiny_moe.yaml"
+
+
+def tiny_qwen(**changes) -> ModelConfig:
+    """Qwen3-MoE style: hidden 32, 2 layers, GQA 4/2 heads, 4 experts top-2, vocab 64."""
+    base = {
+        "family": "qwen3_moe",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "ffn_hidden_size": 64,
+        "moe_ffn_hidden_size": 16,
+        "num_experts": 4,
+        "moe_router_topk": 2,
+        "max_position_embeddings": 64,
+    }
+    return ModelConfig(**{**base, **changes})
+
+
+def tiny_deepseek(**changes) -> ModelConfig:
+    """DeepSeek-V3 style: MLA, 1 dense + 2 MoE layers, 8 experts in 4 groups, top-4, shared expert."""
+    base = {
+        "family": "deepseek_v3",
+        "attention": "mla",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "ffn_hidden_size": 64,
+        "moe_ffn_hidden_size": 16,
+        "num_experts": 8,
+        "moe_router_topk": 4,
+        "first_k_dense_layers": 1,
+        "num_shared_experts": 1,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": 4,
+        "moe_router_group_topk": 2,
+        "moe_router_topk_scaling_factor": 2.5,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "max_position_embeddings": 64,
+    }
+    return ModelConfig(**{**base, **changes})
+
+
+TINY_MODEL_OVERRIDES = [
+    "model.vocab_size=64",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.head_dim=8",
+    "model.ffn_hidden_size=64",
+    "model.moe_ffn_hidden_size=16",
+    "model.num_experts=4",
+]
+
+
+def tiny_recipe(*overrides: str) -> RecipeConfig:
+    """The tiny recipe (stability stack: R3, KSM, IcePop, OPSM, ESPO) on an even smaller model."""
+    return load_recipe(TINY_RECIPE, [*TINY_MODEL_OVERRIDES, *overrides])
+
+
+def micro_batches(
+    seed: int,
+    num_samples: int,
+    model: ModelConfig,
+    max_tokens: int = 48,
+    routing: bool = True,
+    sampling_mask: bool = True,
+    num_microbatches: int | None = None,
+) -> list[TrainMicroBatch]:
+    """Random valid trajectories for ``model`` (routing traces over its MoE layers), packed."""
+    num_moe = model.num_layers - model.first_k_dense_layers
+    trace = (num_moe, model.moe_router_topk, model.num_experts) if routing else None
+    batch = random_batch(
+        seed,
+        num_samples,
+        max_prompt_len=6,
+        max_response_len=6,
+        vocab_size=model.vocab_size,
+        routing=trace,
+        sampling_mask=sampling_mask,
+    )
+    advantages = torch.randn(num_samples, generator=torch.Generator().manual_seed(seed))
+    return make_train_micro_batches(batch, advantages, max_tokens, num_microbatches)
