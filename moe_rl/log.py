@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
@@ -25,6 +27,8 @@ def setup_logging(level: str | int = "INFO") -> None:
 
 def progress(enabled: bool = True) -> Progress:
     """A progress display for loops over steps, samples or tokens (disabled off a terminal in CI)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     disable = not enabled or os.environ.get("CI") == "true" or not sys.stderr.isatty()
     return Progress(
         TextColumn("[bold]{task.description}"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -32,6 +33,24 @@ class ConfigError(ValueError):
     """A recipe or override that cannot be used, with the offending key and what would be valid."""
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML with 1.2 booleans: only true/false are booleans, so `off`, `on`, `yes`, `no` stay
+    strings (`algo.routing_replay: off`)."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse YAML text with 1.2 booleans (see `_YamlLoader`)."""
+    return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
 def recipes_root(recipe: Path) -> Path:
     """The `recipes/` folder a recipe file lives in (its own folder if none is named so)."""
     for parent in recipe.resolve().parents:
@@ -44,7 +63,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"recipe file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = parse_yaml(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -122,13 +141,24 @@ def check_keys(data: dict[str, Any], source: str, cls: type = RecipeConfig, path
 
 
 def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, Any]:
+    """`a.b=value` items → nested dict; values parse as YAML (1.2 booleans)."""
+    out: dict[str, Any] = {}
     for item in overrides:
-        if "=" not in item or item.startswith("="):
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override `{item}` is not of the form section.key=value")
-    try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))  # type: ignore[return-value]
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"could not parse overrides {list(overrides)}: {exc}") from exc
+        try:
+            value = parse_yaml(text) if text else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override `{item}`: the value is not valid YAML: {exc}") from exc
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override `{item}` conflicts with an earlier override of `{part}`")
+        node[leaf] = value
+    return out
 
 
 def _expected_type(full_key: str) -> str:

@@ -22,8 +22,9 @@ class RunConfig:
     steps: int = 10
     """Number of RL steps (rollout batches)."""
     mode: str = "sync"
-    """`sync` (on-policy: generate, then train) or `async` (one-step-off-policy: generation of step
-    i+1 overlaps training of step i)."""
+    """`sync` (on-policy: generate, then train), `async` (one-step-off-policy: generation of step
+    i+1 overlaps training of step i) or `offline` (DGO: train epochs over trajectories generated
+    once, or read from `data.trajectories`)."""
     max_staleness: int = 1
     """Async only: trajectories older than this many policy versions are rejected (never trained
     on) and counted. AReaL's eta."""
@@ -354,7 +355,11 @@ class DataConfig:
     max_prompt_len: int = 64
     """Longest prompt, in tokens."""
     trajectories: str | None = None
-    """Folder of stored trajectory shards (offline objectives such as DGO)."""
+    """Folder of stored trajectory shards for `run.mode=offline` (null: generate
+    `data.offline_batches` rollout batches with the starting policy and store them in the run
+    directory)."""
+    offline_batches: int = 8
+    """`run.mode=offline` without stored trajectories: rollout batches to generate once."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from moe_rl.config.schema import RecipeConfig
 # The recipe vocabulary. `moe_rl.algo.registry` maps the algorithm names to functions; a test
 # keeps the two in step (this module must not import torch).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "run.mode": ("sync", "async"),
+    "run.mode": ("sync", "async", "offline"),
     "run.device": ("auto", "cpu", "cuda"),
     "model.family": ("qwen3_moe", "deepseek_v3"),
     "model.attention": ("gqa", "mla"),
@@ -207,10 +207,20 @@ def _check_algo(config: RecipeConfig) -> None:
             config.rollout.return_sampling_mask,
             "algo.corrections.keep_sampling_mask=true needs rollout.return_sampling_mask=true",
         )
-    if a.objective == "dgo":
+    _require(
+        (a.objective == "dgo") == (config.run.mode == "offline"),
+        f"algo.objective={a.objective} with run.mode={config.run.mode}: DGO is the offline objective "
+        "(run.mode=offline) and offline runs train DGO",
+    )
+    if config.run.mode == "offline":
         _require(
-            config.data.trajectories is not None or config.rollout.batch_size > 0,
-            "algo.objective=dgo needs data.trajectories (stored shards) or a rollout batch",
+            a.routing_replay != "r3" and not c.keep_sampling_mask,
+            "run.mode=offline trains on stored trajectories: use algo.routing_replay=off|r2 and "
+            "algo.corrections.keep_sampling_mask=false",
+        )
+        _require(
+            config.data.offline_batches > 0,
+            f"data.offline_batches={config.data.offline_batches} must be > 0",
         )
 
 

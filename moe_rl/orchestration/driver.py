@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -31,24 +32,14 @@ def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
     start_ray(config)
     stages = Stages(config, run_dir)
     sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)
-    start = stages.restore(sink) if resume else stages.start()
-    pending = stages.launch_rollout(start) if config.run.mode == "async" else None
     try:
+        start = stages.restore(sink) if resume else stages.start()
+        loop = offline_loop if config.run.mode == "offline" else online_loop
         with progress(config.logging.progress) as bar:
             task = bar.add_task("RL steps", total=config.run.steps, completed=start, info="")
-            for step in range(start, config.run.steps):
-                t0 = time.perf_counter()
-                batch, metrics = stages.rollout(step, pending)  # generate (+ staleness check)
-                batch = stages.reward(batch, metrics)  # verifiable rewards
-                advantages = stages.advantages(batch, metrics)  # GRPO / Dr.GRPO / RLOO
-                stages.old_logp(batch, advantages, metrics)  # π_old + mismatch diagnostics
-                if config.run.mode == "async" and step + 1 < config.run.steps:
-                    pending = stages.launch_rollout(step + 1)  # overlaps training
-                stages.train(metrics)  # objective + corrections
-                stages.sync_weights(version=step + 1, metrics=metrics)  # quantized per recipe
-                metrics["time/step_s"] = time.perf_counter() - t0
-                record = sink.log(step, metrics)
-                stages.maybe_checkpoint(step)
+            for record in loop(config, stages, start):
+                record = sink.log(record.pop("step"), record)
+                stages.maybe_checkpoint(record["step"])
                 bar.update(task, advance=1, info=f"reward {record.get('reward/mean', 0):.3f}")
         stages.checkpoint(config.run.steps - 1)
     except KeyboardInterrupt:
@@ -60,3 +51,36 @@ def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
         stages.shutdown()
         ray.shutdown()
     return 0
+
+
+def online_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[dict]:
+    """Generate with the current policy (or one version behind, async), then train on it."""
+    pending = stages.launch_rollout(start) if config.run.mode == "async" else None
+    for step in range(start, config.run.steps):
+        t0 = time.perf_counter()
+        batch, metrics = stages.rollout(step, pending)  # generate (+ staleness check)
+        batch = stages.reward(batch, metrics)  # verifiable rewards
+        stages.dump(step, batch)  # optional trajectory shards
+        advantages = stages.advantages(batch, metrics)  # GRPO / Dr.GRPO / RLOO
+        stages.old_logp(batch, advantages, metrics)  # π_old + mismatch diagnostics
+        if config.run.mode == "async" and step + 1 < config.run.steps:
+            pending = stages.launch_rollout(step + 1)  # overlaps training
+        stages.train(metrics)  # objective + corrections
+        stages.sync_weights(version=step + 1, metrics=metrics)  # quantized per recipe
+        metrics["time/step_s"] = time.perf_counter() - t0
+        yield {"step": step, **metrics}
+
+
+def offline_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[dict]:
+    """DGO: generation decoupled from optimization; epochs over stored trajectories."""
+    dataset = stages.offline_dataset()  # stored, or generated once
+    for step in range(start, config.run.steps):
+        t0 = time.perf_counter()
+        batch, metrics = stages.offline_batch(dataset, step)
+        weights = stages.advantages(batch, metrics)  # exp(r/β) / mean_group exp(r/β)
+        stages.old_logp(batch, weights, metrics)  # drift from the sampling policy
+        stages.train(metrics)  # −w·log π(y|x)
+        stages.sync_weights(version=step + 1, metrics=metrics)
+        stages.evaluate(step, metrics)  # fresh rollouts: reward/mean
+        metrics["time/step_s"] = time.perf_counter() - t0
+        yield {"step": step, **metrics}

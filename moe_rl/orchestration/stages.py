@@ -15,8 +15,10 @@ import torch
 
 from moe_rl.algo import registry
 from moe_rl.algo.advantages import zero_variance_groups
+from moe_rl.algo.objectives import dgo_weights
 from moe_rl.config.loader import ConfigError
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.data.shards import read_shards, write_shards
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.validate import check_staleness, validate
 from moe_rl.orchestration.actors import EngineActor, RewardActor, TrainerActor, spawn
@@ -28,6 +30,9 @@ log = logging.getLogger("moe_rl.driver")
 
 MAX_ENGINE_RESTARTS = 2
 RAY_TIMEOUT_S = 1800.0
+# Step numbers (seeds, group ids) of rollouts that are not training steps.
+OFFLINE_STEP = 20_000_000
+EVAL_STEP = 10_000_000
 
 
 @dataclass
@@ -189,7 +194,11 @@ class Stages:
         return batch
 
     def advantages(self, batch: TrajectoryBatch, metrics: dict[str, Any]) -> torch.Tensor:
-        adv = self.advantage_fn(rewards=batch.rewards, group_ids=batch.group_ids)
+        """Per-sample advantages; for DGO the sample weights exp(r/β)/mean_group exp(r/β)."""
+        if self.config.algo.objective == "dgo":
+            adv = dgo_weights(batch.rewards, batch.group_ids, dgo_beta=self.config.algo.dgo_beta)
+        else:
+            adv = self.advantage_fn(rewards=batch.rewards, group_ids=batch.group_ids)
         zv = zero_variance_groups(batch.rewards, batch.group_ids).metrics()
         metrics.update({f"advantage/{k}": float(v) for k, v in zv.items()})
         metrics["advantage/abs_mean"] = float(adv.abs().mean())
@@ -215,6 +224,51 @@ class Stages:
         metrics.update({k if "/" in k else f"sync/{k}": v for k, v in out.items()})
         metrics["time/sync_s"] = time.perf_counter() - t0
         metrics["rollout/engine_restarts"] = self.engine.restarts
+
+    def dump(self, step: int, batch: TrajectoryBatch) -> None:
+        """Store the step's batch as trajectory shards (`logging.dump_trajectories`)."""
+        if self.config.logging.dump_trajectories:
+            folder = self.run_dir / "trajectories" / f"step_{step:06d}"
+            write_shards([batch], folder, max_samples_per_shard=batch.num_samples, metadata={"step": step})
+
+    # ------------------------------------------------------------------ offline (DGO)
+    def offline_dataset(self) -> list[TrajectoryBatch]:
+        """Stored trajectories (`data.trajectories`), or `data.offline_batches` rollout batches
+        generated once with the starting policy and stored in `<run_dir>/offline_data`."""
+        folder = self.config.data.trajectories
+        if folder is None:
+            folder = self.run_dir / "offline_data"
+            if not (folder / "manifest.json").exists():
+                batches = [
+                    self.reward(*self.rollout(OFFLINE_STEP + i, None))
+                    for i in range(self.config.data.offline_batches)
+                ]
+                write_shards(batches, folder, max_samples_per_shard=self.config.rollout.batch_size)
+        data = TrajectoryBatch.concat(list(read_shards(folder, include_old_logp=False)))
+        size = self.config.rollout.batch_size
+        if data.num_samples < size:
+            raise ValueError(
+                f"data.trajectories={folder}: {data.num_samples} samples < rollout.batch_size={size}"
+            )
+        return [data.slice(i, i + size) for i in range(0, data.num_samples - size + 1, size)]
+
+    def offline_batch(
+        self, dataset: list[TrajectoryBatch], step: int
+    ) -> tuple[TrajectoryBatch, dict[str, Any]]:
+        """The step's slice of the stored data (epochs cycle over it)."""
+        batch = dataset[step % len(dataset)]
+        return batch, {
+            "offline/epoch": step // len(dataset),
+            "offline/reward_mean": float(batch.rewards.mean()),
+            "policy/version": self.version,
+            **_length_metrics(batch),
+        }
+
+    def evaluate(self, step: int, metrics: dict[str, Any]) -> None:
+        """Reward of fresh rollouts from the current policy (not trained on)."""
+        batch, rollout_metrics = self.rollout(EVAL_STEP + step, None)
+        batch = self.reward(batch, rollout_metrics)
+        metrics.update({k: v for k, v in rollout_metrics.items() if k.startswith(("reward/", "time/"))})
 
     # ------------------------------------------------------------------ checkpoints
     def maybe_checkpoint(self, step: int) -> None:

