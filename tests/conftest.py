@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip_gpu)
 
 
@@ -34,7 +34,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
-    required = [m for m in REQUIRED_IN_CI if m in item.keywords]
+    # markers, not keywords: keywords also hold folder names (everything under tests/e2e/)
+    required = [m for m in REQUIRED_IN_CI if item.get_closest_marker(m)]
     if report.skipped and required and _in_ci():
         report.outcome = "failed"
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr

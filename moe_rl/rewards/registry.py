@@ -7,7 +7,7 @@ from pathlib import Path
 
 from moe_rl.rewards.datasets import ByteTokenizer, PromptSource, Tokenizer
 from moe_rl.rewards.functions import exact_match, load_user_function, math_answer
-from moe_rl.rewards.tasks import EOS, Prompt, SyntheticTask, get_task
+from moe_rl.rewards.tasks import Prompt, SyntheticTask, get_task, until_eos
 
 TEXT_REWARDS = {"exact_match": exact_match, "math": math_answer}
 
@@ -30,10 +30,7 @@ class RewardScorer:
     def score(self, prompt: Prompt, response: Sequence[int]) -> float:
         if self.text_fn is None:
             return float(self.task.score(prompt, response))
-        body = list(response)
-        if EOS in body:
-            body = body[: body.index(EOS)]
-        value = float(self.text_fn(self.tokenizer.decode(body), str(prompt.answer)))
+        value = float(self.text_fn(self.tokenizer.decode(until_eos(response)), str(prompt.answer)))
         if value != value:  # NaN
             raise ValueError(f"reward function returned NaN for answer {prompt.answer!r}")
         return value

@@ -21,6 +21,12 @@ def digit_token(d: int) -> int:
     return DIGIT0 + d
 
 
+def until_eos(response: Sequence[int]) -> list[int]:
+    """The response up to (not including) its first EOS."""
+    body = list(response)
+    return body[: body.index(EOS)] if EOS in body else body
+
+
 @dataclass(frozen=True)
 class Prompt:
     """A prompt as token ids, its reference answer (token ids or text), and where it came from."""
@@ -60,9 +66,7 @@ class RepeatDigit(SyntheticTask):
         return Prompt(ids, (digit_token(digits[-1]),), self.name)
 
     def score(self, prompt: Prompt, response: Sequence[int]) -> float:
-        body = list(response)
-        if EOS in body:
-            body = body[: body.index(EOS)]
+        body = until_eos(response)
         if not body:
             return 0.0
         target = prompt.answer[0]
@@ -114,9 +118,7 @@ class CountUp(SyntheticTask):
         )
 
     def score(self, prompt: Prompt, response: Sequence[int]) -> float:
-        body = list(response)
-        if EOS in body:
-            body = body[: body.index(EOS)]
+        body = until_eos(response)
         if not body:
             return 0.0
         previous = [prompt.ids[-1], *body[:-1]]

@@ -24,3 +24,36 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_command = _readme_commands()[1]
     ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines
+
+
+def test_ci_turns_skipped_e2e_and_slurm_tests_into_failures(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "tests" / "e2e").mkdir(parents=True)
+    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
+    (tmp_path / "tests" / "e2e" / "test_rule.py").write_text(
+        "import pytest\n\n"
+        "@pytest.mark.gpu\ndef test_gpu_only():\n    pass\n\n"
+        "@pytest.mark.e2e\ndef test_e2e_skips():\n    pytest.skip('no engine')\n\n"
+        "@pytest.mark.slurm\ndef test_slurm_skips():\n    pytest.skip('no cluster')\n\n"
+        "def test_plain_skip_in_e2e_folder():\n    pytest.skip('allowed')\n"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "markers=gpu\ne2e\nslurm",
+        "tests",
+    ]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CI"}
+    relaxed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert "4 skipped" in relaxed.stdout or "3 skipped" in relaxed.stdout, relaxed.stdout
+    strict = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**env, "CI": "true"})
+    assert strict.returncode == 1
+    assert "2 failed" in strict.stdout and "may not skip in CI" in strict.stdout, strict.stdout

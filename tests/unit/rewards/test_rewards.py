@@ -75,3 +75,16 @@ def test_user_function_spec_errors():
         load_user_function("nocolon")
     with pytest.raises(ValueError, match="has no function"):
         load_user_function("moe_rl.rewards.functions:nothing")
+
+
+def test_count_up_scores_successors_of_the_previous_token():
+    task = get_task("count_up")
+    prompt = task.make_one(random.Random(4))
+    last = prompt.ids[-1] - digit_token(0)
+    right = [digit_token((last + i) % 10) for i in range(1, 5)]
+    assert task.score(prompt, right) == 1.0
+    assert task.score(prompt, [right[0], right[0], right[0]]) == pytest.approx(1 / 3)
+    assert task.score(prompt, [*right[:2], EOS, 50]) == 1.0
+    assert task.score(prompt, [EOS]) == 0.0
+    # a wrong token still lets the next one count from it
+    assert task.score(prompt, [digit_token((last + 5) % 10), digit_token((last + 6) % 10)]) == 0.5

@@ -256,9 +256,14 @@ def test_engine_refuses_what_vllm_cpu_cannot_do_before_starting(tmp_path):
 def test_in_process_engine_refuses_a_process_with_a_distributed_group(tmp_path):
     from moe_rl.rollout.vllm_engine import VLLMEngine
 
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    own_group = not torch.distributed.is_initialized()  # earlier tests may hold one already
+    if own_group:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1
+        )
     try:
         with pytest.raises(ValueError, match="already has a torch.distributed group"):
             VLLMEngine(tmp_path, device="cpu", in_process=True)
     finally:
-        torch.distributed.destroy_process_group()
+        if own_group:
+            torch.distributed.destroy_process_group()
