@@ -94,7 +94,9 @@ class EngineActor:
 
     def __init__(self, config: RecipeConfig, model_path: str | None = None):
         _setup_process(config)
+        self.config = config
         self.engine = make_engine(config, model_path)
+        self._reference = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -107,6 +109,22 @@ class EngineActor:
 
     def policy_version(self) -> int:
         return self.engine.policy_version
+
+    def probe(self, weights: list[tuple[str, torch.Tensor]], prompts) -> dict[str, float]:
+        """The zero-update mismatch probe (`moe_rl.diagnostics.probe`): the engine as it is now
+        vs a full-precision model holding the trainer's current `weights`."""
+        from moe_rl.diagnostics.probe import mismatch_probe
+        from moe_rl.trainer.hf_weights import load_hf_weights
+
+        if self._reference is None:
+            from moe_rl.trainer.model import build_gpt_model
+            from moe_rl.trainer.parallel import init_parallel
+
+            init_parallel(self.config.parallel)
+            self._reference = build_gpt_model(self.config.model, self.config.parallel, self.config.trainer)
+            self._reference.eval()
+        load_hf_weights(self._reference, dict(weights))
+        return mismatch_probe(self.engine, self._reference, prompts, self.config)
 
 
 class RewardActor:

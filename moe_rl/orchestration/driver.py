@@ -12,6 +12,7 @@ steps per rollout batch (the off-policyness R2/R3 exist for).
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +28,18 @@ from moe_rl.orchestration.stages import Stages
 log = logging.getLogger("moe_rl.driver")
 
 
+def _interrupt_on_sigterm() -> None:
+    """`scancel` and preemption send SIGTERM: take the Ctrl-C path (checkpoint, exit 130)."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
     """Train `config` in `run_dir`; returns the exit code (0 done, 130 interrupted)."""
+    _interrupt_on_sigterm()
     start_ray(config)
     stages = Stages(config, run_dir)
     sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)
@@ -68,6 +79,7 @@ def online_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[di
         stages.train(metrics)  # objective + corrections
         stages.sync_weights(version=step + 1, metrics=metrics)  # quantized per recipe
         metrics["time/step_s"] = time.perf_counter() - t0
+        stages.maybe_probe(step, metrics)  # optional mismatch probe
         yield {"step": step, **metrics}
 
 

@@ -32,6 +32,7 @@ MAX_ENGINE_RESTARTS = 2
 RAY_TIMEOUT_S = 1800.0
 # Step numbers (seeds, group ids) of rollouts that are not training steps.
 OFFLINE_STEP = 20_000_000
+PROBE_SEED_OFFSET = 7919
 EVAL_STEP = 10_000_000
 
 
@@ -62,10 +63,22 @@ class EngineSupervisor:
         return self.sync(version)
 
     def sync(self, version: int) -> dict[str, float]:
+        """Send the trainer's weights as `version`; a dead engine is restarted with them."""
         weights = self.trainer.export_weights.remote()
-        out = ray.get(self.actor.update_weights.remote(weights, version), timeout=RAY_TIMEOUT_S)
+        try:
+            out = ray.get(self.actor.update_weights.remote(weights, version), timeout=RAY_TIMEOUT_S)
+        except ray.exceptions.RayActorError as exc:
+            self._count_restart(exc)
+            ray.kill(self.actor)
+            return self.start(version)
         self.version = version
         return out
+
+    def _count_restart(self, exc: Exception) -> None:
+        self.restarts += 1
+        if self.restarts > MAX_ENGINE_RESTARTS:
+            raise RuntimeError(f"the rollout engine died {self.restarts} times; last error: {exc}") from exc
+        log.error("rollout engine died (%s); restarting it with the current weights", exc)
 
     def generate(self, prompts: list[Prompt], sampling: SamplingSpec, group_ids: list[int]):
         return self.actor.generate.remote([list(p.ids) for p in prompts], sampling, group_ids)
@@ -81,12 +94,7 @@ class EngineSupervisor:
             try:
                 return ray.get(ref, timeout=RAY_TIMEOUT_S)
             except ray.exceptions.RayActorError as exc:
-                self.restarts += 1
-                if self.restarts > MAX_ENGINE_RESTARTS:
-                    raise RuntimeError(
-                        f"the rollout engine died {self.restarts} times; last error: {exc}"
-                    ) from exc
-                log.error("rollout engine died (%s); restarting it with policy version %d", exc, self.version)
+                self._count_restart(exc)
                 ray.kill(self.actor)
                 self.start(self.version)
                 ref = self.generate(prompts, sampling, group_ids)
@@ -113,6 +121,7 @@ class Stages:
         self.step_done = -1
         self.num_stale_rejected = 0
         self._pending_state: dict = {}
+        self._probe_source = None
         self._batch: TrajectoryBatch | None = None
 
     # ------------------------------------------------------------------ start / resume
@@ -122,8 +131,10 @@ class Stages:
 
     def restore(self, sink) -> int:
         latest = self.run_dir / "checkpoints" / "latest"
-        if not latest.exists():
-            raise ValueError(f"--resume {self.run_dir}: no checkpoint (checkpoints/latest is missing)")
+        if not latest.exists():  # e.g. a Slurm job requeued before its first checkpoint
+            log.warning("--resume %s: no checkpoint yet; starting from step 0", self.run_dir)
+            sink.resume_from(0)
+            return self.start()
         ckpt = self.run_dir / "checkpoints" / latest.read_text().strip()
         state = json.loads((ckpt / "driver.json").read_text())
         ray.get(self.trainer.load_checkpoint.remote(str(ckpt / "trainer")))
@@ -230,6 +241,21 @@ class Stages:
         if self.config.logging.dump_trajectories:
             folder = self.run_dir / "trajectories" / f"step_{step:06d}"
             write_shards([batch], folder, max_samples_per_shard=batch.num_samples, metadata={"step": step})
+
+    def maybe_probe(self, step: int, metrics: dict[str, Any]) -> None:
+        """Every `logging.diagnose_every` steps, right after a sync: the engine-vs-trainer mismatch
+        at equal weights on fresh prompts (a stream of its own; never trained on)."""
+        every = self.config.logging.diagnose_every
+        if not every or (step + 1) % every:
+            return
+        if self._probe_source is None:
+            self._probe_source = build_prompt_source(self.config)
+            self._probe_source.rng.seed(self.config.run.seed + PROBE_SEED_OFFSET)
+        prompts = self._probe_source.next_batch(
+            self.config.rollout.batch_size // self.config.rollout.group_size
+        )
+        weights = self.trainer.export_weights.remote()
+        metrics.update(ray.get(self.engine.actor.probe.remote(weights, prompts), timeout=RAY_TIMEOUT_S))
 
     # ------------------------------------------------------------------ offline (DGO)
     def offline_dataset(self) -> list[TrajectoryBatch]:

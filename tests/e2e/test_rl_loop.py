@@ -137,7 +137,9 @@ def test_ctrl_c_saves_and_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_engine_crash_is_detected_and_the_engine_restarted(tmp_path):
-    proc = _train([TINY, "run.steps=6", "run.name=crash"], tmp_path, start_new_session=True)
+    proc = _train(
+        [TINY, "run.steps=6", "run.name=crash", "logging.diagnose_every=3"], tmp_path, start_new_session=True
+    )
     metrics = tmp_path / "crash" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and metrics.read_text().strip()):
@@ -152,3 +154,7 @@ def test_engine_crash_is_detected_and_the_engine_restarted(tmp_path):
     records = _metrics(tmp_path / "crash")
     assert [r["step"] for r in records] == list(range(6))
     assert records[-1]["rollout/engine_restarts"] >= 1
+    # the mismatch probe ran every third step, with R3 replaying the engine's routing exactly
+    probed = [r["step"] for r in records if "probe/kl_k3" in r]
+    assert probed == [2, 5]
+    assert all(records[s]["probe/routing_agreement"] == 1.0 for s in probed)

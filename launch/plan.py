@@ -1,0 +1,724 @@
+"""`moe-rl plan`: what a recipe costs and whether Megatron-core and vLLM will accept its layout,
+computed from the recipe alone (no torch, no GPU).
+
+Parameter counts (SwiGLU MLPs, RMSNorm, no linear biases, as in Qwen3-MoE and DeepSeek-V3):
+
+- embedding `V*h`; LM head `V*h` unless tied; final norm `h`;
+- per layer: two norms `2h`, plus attention
+  - GQA: `h*H*d` (q) + `2*h*K*d` (k, v) + `H*d*h` (o) + `2d` (Qwen3's per-head q/k norms);
+  - MLA: q = `h*r_q + r_q + r_q*H*(d_nope+d_rope)` with a query LoRA (else `h*H*(d_nope+d_rope)`),
+    kv = `h*(r_kv+d_rope) + r_kv + r_kv*H*(d_nope+d_v)`, o = `H*d_v*h`;
+- the first `first_k_dense_layers` layers: a dense MLP `3*h*ffn`;
+- every other layer: router `h*E` (+ `E` expert bias), `E` routed experts of `3*h*f_e` each, and
+  `S` shared experts of `3*h*f_e` each.
+
+Active parameters per token: everything except the `E - k` routed experts a token skips in each
+MoE layer. `active` counts the embedding table (Qwen and Kimi report it this way);
+`active_without_embedding` drops the input embedding, as DeepSeek-V3 reports (36.6B).
+
+Memory per GPU (Megatron-core, busiest pipeline stage): weights in the training precision, fp32
+gradient buffers, Adam states of 12 bytes per parameter (fp32 master copy, m and v; 8 without a
+master copy in fp32 training) sharded over data-parallel ranks by the distributed optimizer
+(non-expert parameters over DP = world/(TP*PP*CP), expert parameters over the expert DP =
+world/(EP*ETP*PP)). Activations are an estimate: the bf16 tensors each layer keeps for backward
+(flash attention, no s^2 term), split by TP (sequence parallel) and CP, times the micro-batches in
+flight on the first stage (min(PP, micro-batches)), plus fp32 logits and their gradient; with
+activation recompute only each layer's input is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moe_rl.config import ConfigError, RecipeConfig, load_recipe
+from moe_rl.config.schema import ModelConfig, QuantConfig
+
+GIB = 1024**3
+BF16 = 2
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of one model, by component."""
+
+    embedding: int
+    lm_head: int
+    final_norm: int
+    attention_per_layer: int
+    norms_per_layer: int
+    dense_mlp_per_layer: int
+    expert: int
+    shared_experts_per_layer: int
+    router_per_layer: int
+    num_layers: int
+    num_dense_layers: int
+    num_experts: int
+    topk: int
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    def layer(self, index: int) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters of layer `index`."""
+        base = self.attention_per_layer + self.norms_per_layer
+        if index < self.num_dense_layers:
+            return base + self.dense_mlp_per_layer, 0
+        return base + self.router_per_layer + self.shared_experts_per_layer, self.num_experts * self.expert
+
+    def components(self) -> list[tuple[str, int, int]]:
+        """(name, total, active) rows that add up to `total` and `active`."""
+        moe, dense = self.num_moe_layers, self.num_dense_layers
+        return [
+            ("embedding", self.embedding, self.embedding),
+            (
+                "attention",
+                self.num_layers * self.attention_per_layer,
+                self.num_layers * self.attention_per_layer,
+            ),
+            ("dense MLP", dense * self.dense_mlp_per_layer, dense * self.dense_mlp_per_layer),
+            ("routed experts", moe * self.num_experts * self.expert, moe * self.topk * self.expert),
+            ("shared experts", moe * self.shared_experts_per_layer, moe * self.shared_experts_per_layer),
+            ("routers", moe * self.router_per_layer, moe * self.router_per_layer),
+            ("norms", self.norms, self.norms),
+            ("LM head", self.lm_head, self.lm_head),
+        ]
+
+    @property
+    def total(self) -> int:
+        return sum(total for _, total, _ in self.components())
+
+    @property
+    def norms(self) -> int:
+        return self.num_layers * self.norms_per_layer + self.final_norm
+
+    @property
+    def active(self) -> int:
+        return sum(active for _, _, active in self.components())
+
+    @property
+    def active_without_embedding(self) -> int:
+        return self.active - self.embedding
+
+    @property
+    def expert_total(self) -> int:
+        return self.num_moe_layers * self.num_experts * self.expert
+
+
+def attention_params(m: ModelConfig) -> int:
+    """Attention parameters of one layer (GQA or MLA, see the module docstring)."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    if m.attention == "gqa":
+        qk_norms = 2 * m.head_dim if m.family == "qwen3_moe" else 0
+        kv = m.num_key_value_heads * m.head_dim
+        return h * heads * m.head_dim + 2 * h * kv + heads * m.head_dim * h + qk_norms
+    qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.q_lora_rank:
+        q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk_dim
+    else:
+        q = h * heads * qk_dim
+    kv_a = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    kv_b = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv_a + kv_b + heads * m.v_head_dim * h
+
+
+def count_params(m: ModelConfig) -> ParamCounts:
+    """Parameter counts of the model a recipe describes."""
+    h = m.hidden_size
+    expert = 3 * h * m.moe_ffn_hidden_size
+    moe = m.num_experts > 0
+    return ParamCounts(
+        embedding=m.vocab_size * h,
+        lm_head=0 if m.tie_word_embeddings else m.vocab_size * h,
+        final_norm=h,
+        attention_per_layer=attention_params(m),
+        norms_per_layer=2 * h,
+        dense_mlp_per_layer=3 * h * m.ffn_hidden_size,
+        expert=expert if moe else 0,
+        shared_experts_per_layer=m.num_shared_experts * expert if moe else 0,
+        router_per_layer=(h * m.num_experts + (m.num_experts if m.moe_router_enable_expert_bias else 0)),
+        num_layers=m.num_layers,
+        num_dense_layers=m.first_k_dense_layers if moe else m.num_layers,
+        num_experts=m.num_experts,
+        topk=m.moe_router_topk if moe else 0,
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The trainer's parallel layout."""
+
+    tp: int
+    pp: int
+    vpp: int | None
+    ep: int
+    etp: int
+    cp: int
+    world: int
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world // (self.tp * self.pp * self.cp))
+
+    @property
+    def expert_dp(self) -> int:
+        return max(1, self.world // (self.ep * self.etp * self.pp))
+
+
+def layout(config: RecipeConfig) -> Layout:
+    p = config.parallel
+    return Layout(
+        tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size,
+        vpp=p.virtual_pipeline_model_parallel_size,
+        ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size,
+        cp=p.context_parallel_size,
+        world=p.trainer_world_size,
+    )
+
+
+def max_seq_len(config: RecipeConfig) -> int:
+    """The longest sequence a rollout can produce (prompt + response)."""
+    return config.data.max_prompt_len + config.rollout.max_new_tokens
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Bytes on the busiest trainer GPU."""
+
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.static + self.activations
+
+
+def _stage_params(counts: ParamCounts, lay: Layout, stage: int) -> tuple[float, float]:
+    """(non-expert, expert) parameters held by one GPU of pipeline stage `stage`."""
+    per_stage = math.ceil(counts.num_layers / lay.pp)
+    layers = range(stage * per_stage, min(counts.num_layers, (stage + 1) * per_stage))
+    dense = sum(counts.layer(i)[0] for i in layers)
+    expert = sum(counts.layer(i)[1] for i in layers)
+    if stage == 0:
+        dense += counts.embedding
+    if stage == lay.pp - 1:
+        dense += counts.lm_head + counts.final_norm
+    return dense / lay.tp, expert / (lay.ep * lay.etp)
+
+
+def _attention_activations(m: ModelConfig) -> int:
+    """bf16 elements per token one attention block keeps for backward (norm and projection inputs,
+    q/k/v, the core-attention output)."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    if m.attention == "gqa":
+        return 2 * h + (heads + 2 * m.num_key_value_heads) * m.head_dim + heads * m.head_dim
+    qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = (m.q_lora_rank or 0) + heads * qk_dim
+    kv = m.kv_lora_rank + m.qk_rope_head_dim + heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return 2 * h + q + kv + heads * qk_dim + heads * m.v_head_dim
+
+
+def _layer_activations(m: ModelConfig, lay: Layout, dense: bool) -> float:
+    """bf16 elements per local token of one layer on one GPU (SP splits by TP, ETP the experts)."""
+    h = m.hidden_size
+    if dense:
+        mlp = (h + 3 * m.ffn_hidden_size) / lay.tp
+    else:
+        routed = m.moe_router_topk * (h + 3 * m.moe_ffn_hidden_size / lay.etp)
+        shared = m.num_shared_experts * (h + 3 * m.moe_ffn_hidden_size)
+        mlp = (2 * m.num_experts + routed + shared) / lay.tp
+    return _attention_activations(m) / lay.tp + mlp
+
+
+def activation_bytes(config: RecipeConfig) -> float:
+    """Activation estimate of the busiest GPU (see the module docstring)."""
+    m, lay, t = config.model, layout(config), config.trainer
+    tokens = t.max_tokens_per_microbatch / lay.cp
+    per_stage = math.ceil(m.num_layers / lay.pp)
+    seqs = config.rollout.batch_size / (t.num_mini_batches * lay.dp)
+    micro_batches = max(1, math.ceil(seqs * max_seq_len(config) / t.max_tokens_per_microbatch))
+    in_flight = min(lay.pp, micro_batches)
+    if t.recompute_activations:
+        kept = per_stage * in_flight * m.hidden_size / lay.tp
+        layer = _layer_activations(m, lay, dense=m.num_experts == 0)
+        stage0 = (kept + layer) * tokens * BF16
+    else:
+        layers = [_layer_activations(m, lay, dense=i < m.first_k_dense_layers) for i in range(per_stage)]
+        stage0 = in_flight * sum(layers) * tokens * BF16
+    logits = 2 * tokens * m.vocab_size / lay.tp * FP32
+    if lay.pp == 1:
+        return stage0 + logits
+    return max(stage0, stage0 / in_flight + logits)
+
+
+def trainer_memory(config: RecipeConfig, counts: ParamCounts) -> TrainerMemory:
+    """Weights, gradients, optimizer states and activations on the busiest trainer GPU."""
+    lay = layout(config)
+    fp32_training = config.trainer.precision == "fp32"
+    weight_bytes = FP32 if fp32_training else BF16
+    adam_bytes = 8 if fp32_training else 12
+    best: TrainerMemory | None = None
+    for stage in range(lay.pp):
+        dense, expert = _stage_params(counts, lay, stage)
+        if config.parallel.use_distributed_optimizer:
+            optimizer = adam_bytes * (dense / lay.dp + expert / lay.expert_dp)
+        else:
+            optimizer = adam_bytes * (dense + expert)
+        params = dense + expert
+        memory = TrainerMemory(round(params), params * weight_bytes, params * FP32, optimizer, 0.0)
+        if best is None or memory.static > best.static:
+            best = memory
+    assert best is not None
+    return TrainerMemory(best.params, best.weights, best.grads, best.optimizer, activation_bytes(config))
+
+
+def quant_bytes_per_weight(q: QuantConfig) -> float:
+    """Bytes per quantized weight, scales included: fp8 1 (+ one fp32 scale per block), int8 1,
+    int4-AWQ 0.5 + an fp16 scale per 128, NVFP4 0.5 + an fp8 scale per 16; bf16 otherwise."""
+    if q.method == "fp8":
+        return 1.0 + (FP32 / q.block_size**2 if q.granularity == "block" else 0.0)
+    if q.method == "int8":
+        return 1.0
+    if q.method == "int4_awq":
+        return 0.5 + 2 / 128
+    if q.method == "nvfp4":
+        return 0.5 + 1 / 16
+    return float(BF16)
+
+
+def rollout_weight_bytes(config: RecipeConfig, counts: ParamCounts) -> float:
+    """Bytes of one model copy as the engines receive it: quantized linear weights; embeddings,
+    LM head, routers, norms and the excluded first/last layers stay bf16."""
+    q = config.quant
+    kept = counts.embedding + counts.lm_head + counts.final_norm
+    kept += counts.num_layers * counts.norms_per_layer + counts.num_moe_layers * counts.router_per_layer
+    skipped = [i for i in range(counts.num_layers) if i < q.exclude_first_layers]
+    skipped += [i for i in range(counts.num_layers) if i >= counts.num_layers - q.exclude_last_layers]
+    for i in set(skipped):
+        kept += sum(counts.layer(i)) - counts.norms_per_layer
+        kept -= counts.router_per_layer if i >= counts.num_dense_layers else 0
+    return kept * BF16 + (counts.total - kept) * quant_bytes_per_weight(q)
+
+
+def kv_bytes_per_token(m: ModelConfig, rollout_tp: int) -> float:
+    """bf16 KV cache bytes per token on one engine GPU: GQA shards KV heads over TP (replicated
+    when TP > KV heads); MLA caches the latent (r_kv + d_rope) on every TP rank."""
+    if m.attention == "mla":
+        return m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * BF16
+    heads = max(1, m.num_key_value_heads // rollout_tp)
+    return 2 * m.num_layers * heads * m.head_dim * BF16
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    """One engine GPU: weights, the KV budget left by `gpu_memory_utilization`, its token count."""
+
+    weights_per_gpu: float
+    budget_per_gpu: float
+    kv_per_token: float
+
+    @property
+    def kv_per_gpu(self) -> float:
+        return self.budget_per_gpu - self.weights_per_gpu
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, int(self.kv_per_gpu // self.kv_per_token))
+
+
+def rollout_memory(config: RecipeConfig, counts: ParamCounts) -> RolloutMemory:
+    r = config.rollout
+    budget = config.cluster.gpu_memory_gib * GIB * r.gpu_memory_utilization
+    weights = rollout_weight_bytes(config, counts) / r.tensor_parallel_size
+    return RolloutMemory(weights, budget, kv_bytes_per_token(config.model, r.tensor_parallel_size))
+
+
+def routing_trace_bytes_per_token(m: ModelConfig) -> int:
+    """R3 trace: top-k expert ids per MoE layer, uint8 when experts <= 256, else uint16."""
+    if m.num_experts == 0:
+        return 0
+    width = 1 if m.num_experts <= 256 else 2
+    return (m.num_layers - m.first_k_dense_layers) * m.moe_router_topk * width
+
+
+@dataclass(frozen=True)
+class Check:
+    """One constraint: its name, whether it holds, and the numbers behind it."""
+
+    name: str
+    ok: bool
+    detail: str
+    fatal: bool = True
+
+
+def _divisible(name: str, value: int, value_name: str, divisor: int, divisor_name: str) -> Check:
+    ok = divisor > 0 and value % divisor == 0
+    verb = "is" if ok else "is not"
+    return Check(name, ok, f"{value_name}={value} {verb} divisible by {divisor_name}={divisor}")
+
+
+def _model_checks(config: RecipeConfig, lay: Layout) -> list[Check]:
+    m = config.model
+    checks = [_divisible("heads % TP", m.num_attention_heads, "model.num_attention_heads", lay.tp, "TP")]
+    if m.attention == "gqa":
+        checks.append(
+            _divisible("query groups % TP", m.num_key_value_heads, "model.num_key_value_heads", lay.tp, "TP")
+        )
+    checks.append(_divisible("layers % PP", m.num_layers, "model.num_layers", lay.pp, "PP"))
+    if lay.vpp:
+        stages = lay.pp * lay.vpp
+        checks.append(_divisible("layers % (PP*VPP)", m.num_layers, "model.num_layers", stages, "PP*VPP"))
+        checks.append(Check("VPP needs PP > 1", lay.pp > 1, f"PP={lay.pp}, VPP={lay.vpp}"))
+    if m.first_k_dense_layers or m.num_experts == 0:
+        checks.append(_divisible("dense FFN % TP", m.ffn_hidden_size, "model.ffn_hidden_size", lay.tp, "TP"))
+    if m.num_experts:
+        checks.append(_divisible("experts % EP", m.num_experts, "model.num_experts", lay.ep, "EP"))
+        checks.append(
+            _divisible("expert FFN % ETP", m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size", lay.etp, "ETP")
+        )
+    if m.num_experts and m.moe_router_num_groups:
+        checks.append(_router_groups(m))
+    return checks
+
+
+def _router_groups(m: ModelConfig) -> Check:
+    groups, group_topk = m.moe_router_num_groups or 1, m.moe_router_group_topk or 1
+    per_group = m.num_experts // groups if m.num_experts % groups == 0 else 0
+    ok = per_group > 0 and group_topk <= groups and m.moe_router_topk <= group_topk * per_group
+    detail = (
+        f"{m.num_experts} experts in {groups} groups of {per_group}; a token uses {group_topk} groups "
+        f"and top-{m.moe_router_topk} experts (needs experts % groups == 0, group_topk <= groups, "
+        "topk <= group_topk * experts per group)"
+    )
+    return Check("router groups", ok, detail)
+
+
+def _layout_checks(config: RecipeConfig, lay: Layout) -> list[Check]:
+    p, t = config.parallel, config.trainer
+    checks = [
+        _divisible(
+            "world % (TP*PP*CP)",
+            lay.world,
+            "parallel.trainer_world_size",
+            lay.tp * lay.pp * lay.cp,
+            "TP*PP*CP",
+        ),
+        _divisible(
+            "world % (EP*ETP*PP)",
+            lay.world,
+            "parallel.trainer_world_size",
+            lay.ep * lay.etp * lay.pp,
+            "EP*ETP*PP",
+        ),
+        Check(
+            "sequence parallel needs TP > 1",
+            not p.sequence_parallel or lay.tp > 1,
+            f"parallel.sequence_parallel={p.sequence_parallel}, TP={lay.tp}",
+        ),
+        Check(
+            "EP with TP needs sequence parallel",
+            not (lay.ep > 1 and lay.tp > 1) or p.sequence_parallel,
+            f"EP={lay.ep}, TP={lay.tp}, parallel.sequence_parallel={p.sequence_parallel}",
+        ),
+        _divisible(
+            "batch % (mini-batches*DP)",
+            config.rollout.batch_size,
+            "rollout.batch_size",
+            t.num_mini_batches * lay.dp,
+            "trainer.num_mini_batches*DP",
+        ),
+        Check(
+            "micro-batch holds a sequence",
+            t.max_tokens_per_microbatch >= max_seq_len(config),
+            f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}, longest sequence "
+            f"{max_seq_len(config)} (data.max_prompt_len + rollout.max_new_tokens)",
+        ),
+    ]
+    if lay.cp > 1:
+        chunks = 2 * lay.cp * (lay.tp if p.sequence_parallel else 1)
+        checks.append(
+            _divisible(
+                "micro-batch % CP chunks",
+                t.max_tokens_per_microbatch,
+                "trainer.max_tokens_per_microbatch",
+                chunks,
+                "2*CP(*TP with SP)",
+            )
+        )
+    return checks
+
+
+def _cluster_checks(config: RecipeConfig, lay: Layout) -> list[Check]:
+    c, r = config.cluster, config.rollout
+    nodes = c.trainer_nodes + c.rollout_nodes
+    checks = [
+        Check(
+            "nodes = trainer + rollout",
+            c.nodes == nodes,
+            f"cluster.nodes={c.nodes}, cluster.trainer_nodes + cluster.rollout_nodes = {nodes}",
+        )
+    ]
+    checks.append(
+        _divisible(
+            "heads % rollout TP",
+            config.model.num_attention_heads,
+            "model.num_attention_heads",
+            r.tensor_parallel_size,
+            "rollout.tensor_parallel_size",
+        )
+    )
+    if c.gpus_per_node == 0:
+        return checks
+    gpus = c.trainer_nodes * c.gpus_per_node
+    checks.append(
+        Check(
+            "trainer GPUs = world",
+            gpus == lay.world,
+            f"cluster.trainer_nodes*gpus_per_node={gpus}, parallel.trainer_world_size={lay.world}",
+        )
+    )
+    engine_gpus = c.rollout_nodes * c.gpus_per_node or gpus
+    wanted = r.num_engines * r.tensor_parallel_size
+    where = "cluster.rollout_nodes" if c.rollout_nodes else "the trainer (colocated)"
+    checks.append(
+        Check(
+            "engine GPUs",
+            wanted <= engine_gpus,
+            f"rollout.num_engines*tensor_parallel_size={wanted}, {engine_gpus} GPUs on {where}",
+        )
+    )
+    return checks
+
+
+def _validation_check(config: RecipeConfig) -> Check:
+    from moe_rl.config.validate import validate_recipe
+
+    try:
+        validate_recipe(config)
+    except ConfigError as exc:
+        return Check("recipe validation", False, str(exc))
+    return Check("recipe validation", True, "moe_rl.config.validate accepts the recipe")
+
+
+def constraint_checks(config: RecipeConfig) -> list[Check]:
+    """Every divisibility and placement constraint Megatron-core, vLLM and the cluster enforce."""
+    lay = layout(config)
+    checks = [_validation_check(config)]
+    return checks + _model_checks(config, lay) + _layout_checks(config, lay) + _cluster_checks(config, lay)
+
+
+def memory_checks(config: RecipeConfig, trainer: TrainerMemory, rollout: RolloutMemory) -> list[Check]:
+    """Budget checks against `cluster.gpu_memory_gib` (GPU recipes only)."""
+    cap = config.cluster.gpu_memory_gib * GIB
+    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    return [
+        Check(
+            "trainer states fit",
+            trainer.static <= cap,
+            f"weights + grads + optimizer {gib(trainer.static)} of {gib(cap)}",
+        ),
+        Check(
+            "trainer activations fit",
+            trainer.total <= cap,
+            f"with activations (estimate) {gib(trainer.total)} of {gib(cap)}",
+            fatal=False,
+        ),
+        Check(
+            "rollout weights fit",
+            rollout.weights_per_gpu < rollout.budget_per_gpu,
+            f"{gib(rollout.weights_per_gpu)} of {gib(rollout.budget_per_gpu)} "
+            f"(rollout.gpu_memory_utilization={config.rollout.gpu_memory_utilization})",
+        ),
+        Check(
+            "KV cache holds a sequence",
+            rollout.kv_tokens >= max_seq_len(config),
+            f"{rollout.kv_tokens} tokens per engine, longest sequence {max_seq_len(config)}",
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `moe-rl plan` reports about one recipe."""
+
+    config: RecipeConfig
+    counts: ParamCounts
+    trainer: TrainerMemory
+    rollout: RolloutMemory
+    checks: list[Check]
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.fatal and not c.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def make_plan(config: RecipeConfig) -> Plan:
+    counts = count_params(config.model)
+    trainer = trainer_memory(config, counts)
+    rollout = rollout_memory(config, counts)
+    checks = constraint_checks(config)
+    if config.cluster.gpus_per_node > 0:
+        checks += memory_checks(config, trainer, rollout)
+    return Plan(config, counts, trainer, rollout, checks)
+
+
+def node_overrides(config: RecipeConfig, nodes: int | None, gpus_per_node: int | None) -> list[str]:
+    """Overrides that move a recipe onto `nodes` nodes of `gpus_per_node` GPUs: the rollout keeps
+    its nodes, the trainer takes the rest, and on GPUs the trainer world size follows."""
+    c = config.cluster
+    gpus = c.gpus_per_node if gpus_per_node is None else gpus_per_node
+    trainer_nodes = c.trainer_nodes if nodes is None else nodes - c.rollout_nodes
+    if trainer_nodes < 1:
+        raise ConfigError(f"--nodes {nodes} leaves no trainer node (cluster.rollout_nodes={c.rollout_nodes})")
+    if gpus < 0:
+        raise ConfigError(f"--gpus-per-node {gpus} must be >= 0")
+    out = [] if gpus_per_node is None else [f"cluster.gpus_per_node={gpus}"]
+    if nodes is not None:
+        out += [f"cluster.nodes={nodes}", f"cluster.trainer_nodes={trainer_nodes}"]
+    if gpus and (nodes is not None or gpus_per_node is not None):
+        out.append(f"parallel.trainer_world_size={trainer_nodes * gpus}")
+    return out
+
+
+def _billions(n: float) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e8 else f"{n / 1e6:,.3f} M"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB" if n >= GIB / 100 else f"{n / 1024**2:,.2f} MiB"
+
+
+def _params_table(plan: Plan):
+    from rich.table import Table
+
+    table = Table(title=f"Parameters ({plan.config.model.family}, {plan.config.model.attention})")
+    table.add_column("component")
+    table.add_column("total", justify="right")
+    table.add_column("active / token", justify="right")
+    for name, total, active in plan.counts.components():
+        table.add_row(name, _billions(total), _billions(active))
+    table.add_row(
+        "[bold]all", f"[bold]{_billions(plan.counts.total)}", f"[bold]{_billions(plan.counts.active)}"
+    )
+    table.add_row("without input embedding", "", _billions(plan.counts.active_without_embedding))
+    return table
+
+
+def _layout_rows(plan: Plan) -> list[tuple[str, str]]:
+    c, r, lay = plan.config.cluster, plan.config.rollout, layout(plan.config)
+    vpp = f" VPP {lay.vpp}" if lay.vpp else ""
+    return [
+        ("trainer", f"{c.trainer_nodes} node(s) x {c.gpus_per_node} GPU, world {lay.world}"),
+        (
+            "parallel",
+            f"TP {lay.tp} PP {lay.pp}{vpp} CP {lay.cp} EP {lay.ep} ETP {lay.etp} "
+            f"DP {lay.dp} expert-DP {lay.expert_dp}",
+        ),
+        (
+            "rollout",
+            f"{r.engine}: {r.num_engines} engine(s) x TP {r.tensor_parallel_size} on "
+            f"{c.rollout_nodes or 'the trainer'} node(s), weights {plan.config.quant.name}",
+        ),
+    ]
+
+
+def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
+    t, r, m = plan.trainer, plan.rollout, plan.config.model
+    seqs = r.kv_tokens // max_seq_len(plan.config)
+    return [
+        ("trainer params / GPU", _billions(t.params)),
+        ("  weights", _gib(t.weights)),
+        ("  gradients (fp32)", _gib(t.grads)),
+        ("  optimizer (Adam)", _gib(t.optimizer)),
+        ("  activations (estimate)", _gib(t.activations)),
+        ("  total", f"{_gib(t.total)} of {plan.config.cluster.gpu_memory_gib:g} GiB"),
+        ("rollout weights / GPU", _gib(r.weights_per_gpu)),
+        ("  KV cache budget / GPU", _gib(r.kv_per_gpu)),
+        ("  KV bytes / token / GPU", f"{r.kv_per_token:,.0f} B ({m.attention})"),
+        ("  KV tokens / engine", f"{r.kv_tokens:,} ({seqs:,} full-length sequences)"),
+    ]
+
+
+def _traffic_rows(plan: Plan) -> list[tuple[str, str]]:
+    cfg, counts = plan.config, plan.counts
+    trace = routing_trace_bytes_per_token(cfg.model)
+    tokens = cfg.rollout.batch_size * max_seq_len(cfg)
+    width = "uint8" if cfg.model.num_experts <= 256 else "uint16"
+    synced = rollout_weight_bytes(cfg, counts)
+    return [
+        (
+            "routing trace / token",
+            f"{trace:,} B ({width}, {counts.num_moe_layers} layers x top-{counts.topk})",
+        ),
+        ("routing traces / step", f"{_gib(trace * tokens)} (<= {tokens:,} tokens)"),
+        ("weight sync / step, bf16", _gib(counts.total * BF16)),
+        (
+            f"weight sync / step, {cfg.quant.name}",
+            f"{_gib(synced)} per engine, {_gib(synced * cfg.rollout.num_engines)} in all",
+        ),
+    ]
+
+
+def _rows_table(title: str, rows: list[tuple[str, str]]):
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _checks_table(plan: Plan):
+    from rich.table import Table
+
+    table = Table(title="Constraints")
+    for name in ("check", "", "detail"):
+        table.add_column(name)
+    for c in plan.checks:
+        mark = "[green]ok" if c.ok else ("[red]FAIL" if c.fatal else "[yellow]warn")
+        table.add_row(c.name, mark, c.detail)
+    return table
+
+
+def render(plan: Plan, console) -> None:
+    """Print the plan's tables and the PASS / FAIL verdict."""
+    console.print(_params_table(plan))
+    console.print(_rows_table("Layout", _layout_rows(plan)))
+    if plan.config.cluster.gpus_per_node > 0:
+        console.print(_rows_table("Memory per GPU", _memory_rows(plan)))
+    console.print(_rows_table("Per RL step", _traffic_rows(plan)))
+    console.print(_checks_table(plan))
+    if plan.ok:
+        console.print("[bold green]PASS")
+    else:
+        console.print("[bold red]FAIL: " + "; ".join(f"{c.name} ({c.detail})" for c in plan.failures))
+
+
+def plan_command(recipe: str, overrides: Sequence[str] = (), nodes: int | None = None) -> int:
+    """`moe-rl plan`: print the plan of `recipe`; exit code 1 when a constraint fails."""
+    from rich.console import Console
+
+    config = load_recipe(recipe, overrides, validate=False)
+    if nodes is not None:
+        config = load_recipe(recipe, [*overrides, *node_overrides(config, nodes, None)], validate=False)
+    plan = make_plan(config)
+    render(plan, Console(highlight=False, width=140))
+    return 0 if plan.ok else 1

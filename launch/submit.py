@@ -1,0 +1,231 @@
+"""`moe-rl submit`: resolve a recipe, render the sbatch script into the run directory, call sbatch.
+
+The script (`slurm/ray_job.sbatch`) starts Ray over the allocation and runs `moe-rl train` on the
+resolved recipe; on a requeue it runs `moe-rl train --resume RUN_DIR`. Every value that reaches
+the script is quoted with `shlex.quote`, so a recipe value cannot inject shell code.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+import string
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
+
+log = logging.getLogger("moe_rl.submit")
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "ray_job.sbatch"
+JOB_ID_FILE = "slurm_job_id"
+SCRIPT_NAME = "job.sbatch"
+CONFIG_NAME = "config.yaml"
+
+
+class _SbatchTemplate(string.Template):
+    """`@@name` placeholders: bash never writes `@@`, so `$VAR` and `"$@"` pass through."""
+
+    delimiter = "@@"
+    idpattern = r"[a-z_][a-z0-9_]*"
+
+
+@dataclass(frozen=True)
+class SlurmArgs:
+    """The command-line flags of `moe-rl submit` that override the recipe's `cluster` section."""
+
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    requeue: bool | None = None
+
+
+def cluster_overrides(config: RecipeConfig, args: SlurmArgs) -> list[str]:
+    """Recipe overrides for the numeric submit flags (`--nodes` resizes the trainer)."""
+    from launch.plan import node_overrides
+
+    out = node_overrides(config, args.nodes, args.gpus_per_node)
+    if args.requeue is not None:
+        out.append(f"cluster.requeue={str(args.requeue).lower()}")
+    return out
+
+
+def resolve(recipe: str, overrides: Sequence[str], args: SlurmArgs) -> RecipeConfig:
+    """Load, resize and validate the recipe, apply the string flags (partition, account, time)
+    as given, and make the run directory an absolute path."""
+    base = load_recipe(recipe, overrides, validate=False)
+    config = load_recipe(recipe, [*overrides, *cluster_overrides(base, args)])
+    strings = {k: getattr(args, k) for k in ("partition", "time", "account") if getattr(args, k) is not None}
+    output_dir = str(Path(config.run.output_dir).expanduser().resolve())
+    config = replace(
+        config, run=replace(config.run, output_dir=output_dir), cluster=replace(config.cluster, **strings)
+    )
+    _check_submittable(config)
+    return config
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_text(field: str, value: str | None) -> None:
+    if value is not None and _CONTROL.search(value):
+        raise ConfigError(f"{field}={value!r} contains a control character (newline, tab, ...)")
+
+
+def _check_submittable(config: RecipeConfig) -> None:
+    """Values that become file names or `#SBATCH` lines, and the layout constraints."""
+    from launch.plan import constraint_checks
+
+    c = config.cluster
+    for field, value in (
+        ("run.name", config.run.name),
+        ("run.output_dir", config.run.output_dir),
+        ("cluster.partition", c.partition),
+        ("cluster.account", c.account),
+        ("cluster.time", c.time),
+    ):
+        _check_text(field, value)
+    for i, option in enumerate(c.extra_sbatch):
+        _check_text(f"cluster.extra_sbatch[{i}]", option)
+        if not option.startswith("-"):
+            raise ConfigError(f"cluster.extra_sbatch[{i}]={option!r} must be an sbatch option (`--qos=high`)")
+    if "/" in config.run.name or config.run.name in ("", ".", ".."):
+        raise ConfigError(f"run.name={config.run.name!r} must be a plain folder name (no `/`)")
+    failed = [ch for ch in constraint_checks(config) if not ch.ok]
+    if failed:
+        reasons = "; ".join(f"{ch.name}: {ch.detail}" for ch in failed)
+        raise ConfigError(f"the recipe's layout cannot run (see `moe-rl plan`): {reasons}")
+
+
+def run_dir_of(config: RecipeConfig) -> Path:
+    return Path(config.run.output_dir) / config.run.name
+
+
+def job_name(config: RecipeConfig) -> str:
+    """The Slurm job name: `moe-rl-<run name>` with anything unusual replaced by `_`."""
+    return "moe-rl-" + re.sub(r"[^A-Za-z0-9_.-]", "_", config.run.name)
+
+
+def sbatch_options(config: RecipeConfig, workdir: Path) -> list[str]:
+    """The `#SBATCH` lines (each value quoted; sbatch reads them with shell quoting)."""
+    c, q = config.cluster, shlex.quote
+    logs = run_dir_of(config) / "logs"
+    options = [
+        f"--job-name={q(job_name(config))}",
+        f"--nodes={c.nodes}",
+        "--ntasks-per-node=1",
+        "--exclusive",
+        "--mem=0",
+        f"--time={q(c.time)}",
+        f"--chdir={q(str(workdir))}",
+        f"--output={q(str(logs / '%x-%j.out'))}",
+        "--open-mode=append",
+        "--export=ALL",
+        f"--signal=B:USR1@{int(c.signal_grace_s)}",
+        "--requeue" if c.requeue else "--no-requeue",
+    ]
+    if c.gpus_per_node > 0:
+        options.insert(3, f"--gpus-per-node={c.gpus_per_node}")
+    if c.partition:
+        options.append(f"--partition={q(c.partition)}")
+    if c.account:
+        options.append(f"--account={q(c.account)}")
+    options += [q(option) for option in c.extra_sbatch]
+    return [f"#SBATCH {option}" for option in options]
+
+
+def train_command(config_path: Path, command: str | None = None) -> list[str]:
+    """The driver command: `moe-rl train CONFIG`, or `command` (split like a shell) given CONFIG."""
+    words = shlex.split(command) if command else ["moe-rl", "train"]
+    return [*words, str(config_path)]
+
+
+def render_script(
+    config: RecipeConfig, workdir: Path, command: str | None = None, bin_dir: Path | None = None
+) -> str:
+    """The sbatch script of `config` (run directory, Ray ports and driver command filled in)."""
+    q = shlex.quote
+    run_dir = run_dir_of(config)
+    values = {
+        "sbatch_options": "\n".join(sbatch_options(config, workdir)),
+        "run_dir": q(str(run_dir)),
+        "log_dir": q(str(run_dir / "logs")),
+        "ray_port": q(str(config.cluster.ray_port)),
+        "ray_join_timeout": q(str(config.cluster.ray_join_timeout_s)),
+        "gpus_per_node": q(str(config.cluster.gpus_per_node)),
+        "requeue": "1" if config.cluster.requeue else "0",
+        "train_command": " ".join(q(w) for w in train_command(run_dir / CONFIG_NAME, command)),
+        "bin_dir": q(str(bin_dir or Path(sys.executable).parent)),
+    }
+    return _SbatchTemplate(TEMPLATE.read_text()).substitute(values)
+
+
+def write_run_dir(config: RecipeConfig, script: str) -> Path:
+    """Write the resolved recipe and the script into the run directory; return the script path."""
+    run_dir = run_dir_of(config)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_NAME).write_text(to_yaml(config))
+    path = run_dir / SCRIPT_NAME
+    path.write_text(script)
+    path.chmod(0o755)
+    return path
+
+
+def parse_job_id(sbatch_stdout: str) -> str:
+    """The job id from `sbatch --parsable` output (`123` or `123;cluster`)."""
+    job_id = sbatch_stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise RuntimeError(f"sbatch did not print a job id: {sbatch_stdout!r}")
+    return job_id
+
+
+def call_sbatch(script: Path) -> str:
+    """Submit `script`; returns the job id."""
+    try:
+        out = subprocess.run(
+            ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False
+        )
+    except FileNotFoundError as exc:
+        raise RuntimeError("sbatch not found: run `moe-rl submit` on a Slurm login node") from exc
+    if out.returncode != 0:
+        raise RuntimeError(f"sbatch failed ({out.returncode}): {out.stderr.strip()}")
+    return parse_job_id(out.stdout)
+
+
+def submit(
+    recipe: str, overrides: Sequence[str], args: SlurmArgs, dry_run: bool = False, command: str | None = None
+) -> int:
+    """`moe-rl submit`: returns the exit code; prints the script and command with `dry_run`."""
+    config = resolve(recipe, overrides, args)
+    run_dir = run_dir_of(config)
+    script = render_script(config, Path.cwd(), command)
+    if dry_run:
+        sys.stdout.write(script)
+        sys.stdout.write(
+            f"\n# would write {run_dir / CONFIG_NAME} and run: sbatch --parsable "
+            f"{q_path(run_dir / SCRIPT_NAME)}\n"
+        )
+        return 0
+    if (run_dir / JOB_ID_FILE).exists():
+        log.warning(
+            "%s already holds job %s; it is replaced by the new job",
+            run_dir,
+            (run_dir / JOB_ID_FILE).read_text().strip(),
+        )
+    job_id = call_sbatch(write_run_dir(config, script))
+    (run_dir / JOB_ID_FILE).write_text(job_id + "\n")
+    sys.stdout.write(
+        f"submitted job {job_id}: {run_dir}\n"
+        f"  moe-rl status {q_path(run_dir)}    moe-rl logs {q_path(run_dir)}\n"
+    )
+    return 0
+
+
+def q_path(path: Path) -> str:
+    return shlex.quote(str(path))

