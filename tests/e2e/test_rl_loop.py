@@ -158,3 +158,27 @@ def test_engine_crash_is_detected_and_the_engine_restarted(tmp_path):
     probed = [r["step"] for r in records if "probe/kl_k3" in r]
     assert probed == [2, 5]
     assert all(records[s]["probe/routing_agreement"] == 1.0 for s in probed)
+
+
+@pytest.mark.parametrize(
+    ("max_staleness", "expect_rejections"), [(1, False), (0, True)], ids=["eta-1-accepts", "eta-0-rejects"]
+)
+def test_async_one_step_off_policy_respects_the_staleness_bound(tmp_path, max_staleness, expect_rejections):
+    name = f"async{max_staleness}"
+    _finish(
+        _train(
+            [TINY, "run.steps=4", "run.mode=async", f"run.max_staleness={max_staleness}", f"run.name={name}"],
+            tmp_path,
+        )
+    )
+    records = _metrics(tmp_path / name)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    staleness = [r["policy/staleness"] for r in records]
+    rejected = records[-1]["rollout/stale_rejected_samples"]
+    if expect_rejections:
+        # every overlapped batch was one version old: rejected, counted, regenerated on-policy
+        assert staleness == [0, 0, 0, 0] and rejected == 3 * 64
+    else:
+        # batches after the first were generated while the previous step trained
+        assert staleness == [0, 1, 1, 1] and rejected == 0
+    assert all(s <= max_staleness for s in staleness)

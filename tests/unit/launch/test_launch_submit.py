@@ -22,8 +22,12 @@ CPU = SlurmArgs(nodes=1, gpus_per_node=0)
 EVIL = "x; touch PWNED1; $(touch PWNED2) `touch PWNED3` 'q\" * ~"
 
 STUB = """#!/bin/bash
-printf '%s\\0' "$(basename "$0")" "$@" >> "$STUB_LOG"
-printf '\\n' >> "$STUB_LOG"
+# one record, one append: stubs run concurrently (srun in the background), so a record written in
+# two pieces could interleave with another process's record
+record=$(mktemp)
+{ printf '%s\\0' "$(basename "$0")" "$@"; printf '\\n'; } > "$record"
+cat "$record" >> "$STUB_LOG"
+rm -f "$record"
 if [[ "$1" == ray-wait ]]; then  # like the real one, return once the head (srun) has started
   for _ in $(seq 100); do grep -qa srun "$STUB_LOG" && exit 0; sleep 0.1; done
   exit 1
