@@ -28,19 +28,30 @@ from moe_rl.orchestration.stages import Stages
 log = logging.getLogger("moe_rl.driver")
 
 
-def _interrupt_on_sigterm() -> None:
-    """`scancel` and preemption send SIGTERM: take the Ctrl-C path (checkpoint, exit 130)."""
+class StopRequest:
+    """Ctrl-C (SIGINT) or SIGTERM (`scancel`, preemption): the first signal lets the current step
+    finish, so the checkpoint holds trainer and driver state of the same step; a second one stops
+    at once, without a checkpoint (the run then resumes from the previous one)."""
 
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+    def __init__(self) -> None:
+        self.requested = False
 
-    signal.signal(signal.SIGTERM, handler)
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt(f"signal {signum} again")
+        self.requested = True
+        log.warning("signal %d: finishing this step, then saving a checkpoint (again to stop now)", signum)
 
 
 def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
     """Train `config` in `run_dir`; returns the exit code (0 done, 130 interrupted)."""
-    _interrupt_on_sigterm()
     start_ray(config)
+    stop = StopRequest()
+    stop.install()
     stages = Stages(config, run_dir)
     sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)
     try:
@@ -52,10 +63,13 @@ def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
                 record = sink.log(record.pop("step"), record)
                 stages.maybe_checkpoint(record["step"])
                 bar.update(task, advance=1, info=f"reward {record.get('reward/mean', 0):.3f}")
+                if stop.requested:
+                    stages.checkpoint(stages.step_done)
+                    log.warning("stopped after step %d; continue with --resume %s", record["step"], run_dir)
+                    return 130
         stages.checkpoint(config.run.steps - 1)
     except KeyboardInterrupt:
-        log.warning("interrupted: saving a checkpoint and exiting")
-        stages.checkpoint(stages.step_done)
+        log.warning("stopped at once: no checkpoint of this step; --resume starts from the last one")
         return 130
     finally:
         sink.close()

@@ -95,7 +95,8 @@ def _comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("time/", "sync/seconds"))}
 
 
-def test_ctrl_c_saves_and_resume_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig):
     common = [TINY, "run.steps=6"]
     straight = _train([*common, "run.name=straight"], tmp_path)
     _finish(straight)
@@ -108,7 +109,7 @@ def test_ctrl_c_saves_and_resume_equals_an_uninterrupted_run(tmp_path):
         assert interrupted.poll() is None, interrupted.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "the run made no progress"
         time.sleep(0.2)
-    interrupted.send_signal(signal.SIGINT)
+    interrupted.send_signal(sig)  # the step in flight finishes, then a consistent checkpoint
     out, _ = interrupted.communicate(timeout=300)
     assert interrupted.returncode == 130, out[-3000:]
     assert (tmp_path / "cut" / "checkpoints" / "latest").exists()
