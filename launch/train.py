@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,23 +9,6 @@ from pathlib import Path
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 
 log = logging.getLogger("moe_rl.train")
-
-# Each stage of the loop and the module that implements it.
-STAGES = (
-    ("trajectory format", "moe_rl.data.trajectory"),
-    ("objectives and corrections", "moe_rl.algo.objectives"),
-    ("rollout engines", "moe_rl.rollout.engine"),
-    ("Megatron trainer", "moe_rl.trainer.worker"),
-    ("rewards", "moe_rl.rewards.registry"),
-    ("RL driver", "moe_rl.orchestration.driver"),
-)
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def prepare_run_dir(config: RecipeConfig) -> Path:
@@ -48,13 +29,9 @@ def train(recipe: str, overrides: Sequence[str] = (), resume: str | None = None)
     else:
         config = load_recipe(recipe, overrides)
         run_dir = prepare_run_dir(config)
-    missing = [stage for stage, module in STAGES if not _has_module(module)]
     log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
-    if missing:
-        log.warning("not built yet: %s. Nothing was trained.", ", ".join(missing))
-        return 0
     from moe_rl.log import setup_logging
+    from moe_rl.orchestration.driver import run
 
     setup_logging(config.logging.level)
-    driver = importlib.import_module("moe_rl.orchestration.driver")
-    return driver.run(config, run_dir, resume=resume is not None)
+    return run(config, run_dir, resume=resume is not None)

@@ -64,10 +64,10 @@ def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
                 stages.maybe_checkpoint(record["step"])
                 bar.update(task, advance=1, info=f"reward {record.get('reward/mean', 0):.3f}")
                 if stop.requested:
-                    stages.checkpoint(stages.step_done)
+                    stages.checkpoint()
                     log.warning("stopped after step %d; continue with --resume %s", record["step"], run_dir)
                     return 130
-        stages.checkpoint(config.run.steps - 1)
+        stages.checkpoint()
     except KeyboardInterrupt:
         log.warning("stopped at once: no checkpoint of this step; --resume starts from the last one")
         return 130

@@ -298,12 +298,13 @@ class Stages:
 
     # ------------------------------------------------------------------ checkpoints
     def maybe_checkpoint(self, step: int) -> None:
+        """Checkpoint after `step` every `run.checkpoint_every` steps (the last step is saved anyway)."""
         every = self.config.run.checkpoint_every
         if every and (step + 1) % every == 0 and step + 1 < self.config.run.steps:
-            self.checkpoint(step)
+            self.checkpoint()
 
-    def checkpoint(self, step: int) -> None:
-        """Trainer state + driver state after `step` (skipped if no step finished yet)."""
+    def checkpoint(self) -> None:
+        """Trainer state + driver state after the last finished step (none finished: nothing)."""
         if self.step_done < 0:
             return
         step = self.step_done
