@@ -194,6 +194,10 @@ class QuantConfig:
     """Keep the last N transformer layers unquantized."""
     requires_cuda: bool = False
     """The recipe has no CPU implementation (NVFP4)."""
+    calib_tokens: int = 4096
+    """Calibration budget of activation-aware recipes (`int4_awq`): at most this many tokens of
+    the engine's most recent rollout sequences (or, before the first rollout, of the prompts of the
+    next one) are run through the model to choose the AWQ scales at each weight sync."""
 
 
 @dataclass

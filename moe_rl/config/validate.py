@@ -232,6 +232,7 @@ def _check_quant(config: RecipeConfig) -> None:
         "switch recipes with rollout.quant=NAME",
     )
     _require(q.block_size > 0, f"quant.block_size={q.block_size} must be > 0")
+    _require(q.calib_tokens > 0, f"quant.calib_tokens={q.calib_tokens} must be > 0")
 
 
 def _check_engine(config: RecipeConfig) -> None:

@@ -11,6 +11,12 @@ runs under RouterReplay RECORD; the routing of a position is taken from the step
 computed it, which is exactly the routing its next token was sampled with. As in vLLM, the last
 sampled token is never forwarded, so a trace has ``prompt_len + response_len − 1`` rows.
 Sampling follows vLLM's semantics (`moe_rl.rollout.sampler`).
+
+`int4_awq` is activation-aware: at each sync ModelOpt's AWQ-lite searches per-channel scales on
+calibration activations (`quant.calib_tokens` tokens of the engine's most recent rollout
+sequences) in a scratch copy of the model, and the engine loads the effective dequantized weights
+`Q(W/p)·p` (`moe_rl.rollout.quant.awq_effective_weights`). The first sync has no rollout yet; its
+calibration runs at the next `generate`, on that call's prompts.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ import torch
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
-from moe_rl.rollout.quant import QuantReport, WeightQuantizer, check_quant_supported
+from moe_rl.rollout.quant import (
+    QuantReport,
+    WeightQuantizer,
+    awq_effective_weights,
+    check_quant_supported,
+    should_quantize,
+)
 from moe_rl.rollout.sampler import SampleOutput, sample
 
 log = logging.getLogger(__name__)
@@ -51,6 +63,25 @@ def _pack(seqs: Sequence[list[int]]) -> _Packed:
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
     positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
     return _Packed(ids, positions, cu)
+
+
+def _calibration_chunks(sequences: Sequence[list[int]], budget: int) -> list[list[list[int]]]:
+    """Up to `budget` tokens of `sequences` (whole sequences, in order), packed ~512 tokens a chunk."""
+    if not sequences:
+        raise ValueError("int4_awq calibration needs at least one token sequence")
+    chunks: list[list[list[int]]] = [[]]
+    used = filled = 0
+    for seq in sequences:
+        seq = list(seq)[: budget - used]
+        if not seq:
+            break
+        if filled and filled + len(seq) > 512:
+            chunks.append([])
+            filled = 0
+        chunks[-1].append(seq)
+        used += len(seq)
+        filled += len(seq)
+    return chunks
 
 
 @dataclass
@@ -87,6 +118,8 @@ class MegatronEngine:
         self.version = 0
         self.generator = torch.Generator().manual_seed(config.run.seed if seed is None else seed)
         self.last_quant_report: QuantReport | None = None
+        self._awq_pending: dict[str, torch.Tensor] | None = None
+        self._calibration: list[list[int]] = []
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -119,12 +152,59 @@ class MegatronEngine:
         from moe_rl.trainer.hf_weights import load_hf_weights
 
         start = time.perf_counter()
+        if self.config.quant.method == "int4_awq":
+            self._awq_pending = {name: tensor.detach().clone() for name, tensor in named_tensors}
+            self.version = version
+            if not self._calibration:
+                log.info("int4_awq: calibration of version %d runs at the next generate", version)
+                return {"seconds": time.perf_counter() - start, "quant/recipe": self.config.quant.name}
+            report = self._apply_awq(self._calibration)
+            return {"seconds": time.perf_counter() - start, "bytes": report.bytes_sent, **report.summary()}
         report = QuantReport(self.config.quant.name)
         weights = dict(self.quantizer.fake_quantize(named_tensors, report))
         load_hf_weights(self.model, weights, strict=True)
         self.version = version
         self.last_quant_report = report
         return {"seconds": time.perf_counter() - start, "bytes": report.bytes_sent, **report.summary()}
+
+    @torch.no_grad()
+    def _apply_awq(self, sequences: Sequence[list[int]]) -> QuantReport:
+        """AWQ-calibrate the pending weights on `sequences` and load the effective INT4 weights."""
+        from moe_rl.trainer.hf_weights import hf_names_for, iter_hf_weights, load_hf_weights
+        from moe_rl.trainer.logprobs import forward_logits
+        from moe_rl.trainer.model import build_gpt_model
+        from moe_rl.trainer.replay import release_router_replay
+
+        weights, cfg = self._awq_pending, self.config.quant
+        num_layers = self.config.model.num_layers
+        scratch = build_gpt_model(self.config.model, self.config.parallel, self.config.trainer)
+        release_router_replay(scratch)
+        load_hf_weights(scratch, weights, strict=True)
+        scratch.eval()
+        chunks = _calibration_chunks(sequences, cfg.calib_tokens)
+
+        def forward_loop(model):
+            for chunk in chunks:
+                forward_logits(model, _pack(chunk))
+
+        def include(name: str, weight: torch.Tensor) -> bool:
+            hf = hf_names_for(self.model, name).hf
+            return all(should_quantize(h, weight, cfg, num_layers) for h in hf)
+
+        effective = awq_effective_weights(scratch, cfg, forward_loop, include)
+        del scratch
+        load_hf_weights(self.model, weights, strict=True)
+        params = dict(self.model.named_parameters())
+        quantized = set()
+        for name, value in effective.items():
+            params[name].copy_(value)
+            quantized.update(hf_names_for(self.model, name).hf)
+        report = QuantReport(cfg.name)
+        for name, sent in iter_hf_weights(self.model):
+            report.add(name, weights[name], sent if name in quantized else None, 4)
+        self._awq_pending = None
+        self.last_quant_report = report
+        return report
 
     # ------------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -178,6 +258,8 @@ class MegatronEngine:
             vocab_size=model.vocab_size,
         )
         groups = expand_group_ids(group_ids, len(checked), sampling.n)
+        if self._awq_pending is not None:
+            self._apply_awq(self._calibration or [list(p) for p in checked])
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         self._spec = sampling
@@ -189,6 +271,8 @@ class MegatronEngine:
         while active:
             self._step(active)
             active = [r for r in active if not r.finish]
+        if self.config.quant.method == "int4_awq":
+            self._calibration = [r.prompt + r.response for r in rollouts]
         return self._to_batch(rollouts)
 
     def _to_batch(self, rollouts: list[_Rollout]) -> TrajectoryBatch:

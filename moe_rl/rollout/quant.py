@@ -191,3 +191,66 @@ def vllm_fp8_block_weights(
         report.add(name, tensor, deq, 8)
         yield name, data
         yield name.removesuffix(".weight") + ".weight_scale_inv", scale
+
+
+def awq_quant_config(cfg: QuantConfig, excluded_modules: Iterable[str]) -> dict:
+    """ModelOpt's ``INT4_AWQ_CFG`` with the recipe's block size and its excluded modules disabled."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+
+    qcfg = copy.deepcopy(mtq.INT4_AWQ_CFG)
+    entries = qcfg["quant_cfg"]
+    for entry in entries:
+        if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
+            entry["cfg"]["block_sizes"] = {**entry["cfg"]["block_sizes"], -1: cfg.block_size}
+    entries.extend({"quantizer_name": f"{m}.weight_quantizer", "enable": False} for m in excluded_modules)
+    return qcfg
+
+
+@torch.no_grad()
+def awq_effective_weights(
+    model: torch.nn.Module,
+    cfg: QuantConfig,
+    forward_loop,
+    include,
+) -> dict[str, torch.Tensor]:
+    """Calibrate `model` with ModelOpt AWQ-lite and return the weights an INT4-AWQ engine computes with.
+
+    ``include(param_name, weight)`` says which linear weights the recipe quantizes; the others get
+    their quantizers disabled before calibration. ``forward_loop(model)`` runs the calibration
+    data. ``model`` is consumed: ModelOpt inserts quantizers and rescales its weights in place.
+
+    AWQ multiplies each linear's input by ``p`` (the input quantizer's ``pre_quant_scale``) and
+    divides the weight's columns by it before the INT4 block quantizer ``Q``, so the layer computes
+    ``(x·p) Q(W/p)ᵀ = x (Q(W/p)·p)ᵀ``. The returned ``{param_name: Q(W/p)·p}`` is that effective
+    weight, which a plain model loads to compute exactly what the quantized engine computes.
+    """
+    import modelopt.torch.quantization as mtq
+
+    if cfg.method != "int4_awq":
+        raise ValueError(f"AWQ calibration is for quant.method=int4_awq, got {cfg.method!r}")
+    linears = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2
+    }
+    excluded = [name for name, module in linears.items() if not include(f"{name}.weight", module.weight)]
+    mtq.quantize(model, awq_quant_config(cfg, excluded), forward_loop)
+    effective = {}
+    for name, module in model.named_modules():
+        quantizer = getattr(module, "weight_quantizer", None)
+        if quantizer is None or not quantizer.is_enabled:
+            continue
+        if name not in linears:
+            raise ValueError(
+                f"ModelOpt quantized {name!r}, which has no single 2-D `weight` (grouped experts are "
+                "not supported by the AWQ recipe of the Megatron engine)"
+            )
+        weight = quantizer(module.weight.float())
+        input_quantizer = getattr(module, "input_quantizer", None)
+        scale = getattr(input_quantizer, "pre_quant_scale", None)
+        if scale is not None and getattr(input_quantizer, "_enable_pre_quant_scale", False):
+            weight = weight * scale.float().reshape(1, -1)
+        effective[f"{name}.weight"] = weight.to(module.weight.dtype)
+    return effective

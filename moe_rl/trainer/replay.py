@@ -320,3 +320,21 @@ def _where(sample_of_token: Tensor | None, token: int) -> str:
     if sample_of_token is None:
         return f" (token {token})"
     return f" (sample {int(sample_of_token[token])}, token {token})"
+
+
+def release_router_replay(model: torch.nn.Module) -> None:
+    """Detach a model's routers from Megatron's global ``RouterReplay`` list (for scratch models).
+
+    Every replay-enabled router registers itself in
+    ``RouterReplay.global_router_replay_instances`` when built; a short-lived model (e.g. the
+    AWQ calibration copy of the Megatron engine) would otherwise stay referenced there forever.
+    Its routers then route naturally.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    mine = {id(router.router_replay) for _, router in _find_routers([model])}
+    RouterReplay.global_router_replay_instances[:] = [
+        r for r in RouterReplay.global_router_replay_instances if id(r) not in mine
+    ]
+    for _, router in _find_routers([model]):
+        router.router_replay = None
