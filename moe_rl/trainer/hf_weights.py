@@ -19,8 +19,14 @@ Tables map Megatron suffixes under ``decoder.layers.{layer}.`` (and under
 ``mlp.experts.local_experts.{expert}.``) to HF suffixes under ``model.layers.{layer}.`` (and
 ``mlp.experts.{expert}.``). Layer and expert indices are global: a pipeline stage converts its
 own layers (``TransformerLayer.layer_number`` carries the offset) and an expert-parallel rank its
-own experts (``MoELayer.local_expert_indices``). Tensor-parallel shards are not gathered here:
-TP / ETP > 1 is refused with a ValueError.
+own experts (``MoELayer.local_expert_indices``).
+
+Tensor parallelism: a tensor Megatron splits (its ``tensor_model_parallel`` / ``partition_dim``
+attributes) is all-gathered over the tensor-parallel group (the expert-tensor-parallel group for
+routed experts) on export and cut to this rank's shard on load, so every TP rank must call
+`iter_hf_weights` / `load_hf_weights` together. Splits are contiguous along ``partition_dim``,
+except for the SwiGLU ``linear_fc1``, where each rank holds ``cat([gate_r, up_r])``: the gate and
+up halves are split (and gathered) separately.
 """
 
 from __future__ import annotations
@@ -124,13 +130,54 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _check_no_tp(config) -> None:
-    tp, etp = config.tensor_model_parallel_size, config.expert_tensor_parallel_size or 1
-    if tp > 1 or etp > 1:
+@dataclass(frozen=True)
+class _Split:
+    """How one tensor is split over its tensor-parallel group."""
+
+    group: object
+    size: int
+    rank: int
+    dim: int
+
+
+def _split_of(name: str, tensor: Tensor) -> _Split | None:
+    """The tensor-parallel split of Megatron tensor ``name``, or None when this rank holds all of it."""
+    if not getattr(tensor, "tensor_model_parallel", False):
+        return None
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    expert = ".mlp.experts." in name
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        return None
+    return _Split(group, size, dist.get_rank(group), int(tensor.partition_dim))
+
+
+def gather_shards(tensor: Tensor, kind: str, split: _Split) -> Tensor:
+    """All ranks' shards of ``tensor`` -> the whole Megatron tensor (collective over the group)."""
+    import torch.distributed as dist
+
+    shards = [torch.empty_like(tensor) for _ in range(split.size)]
+    dist.all_gather(shards, tensor.contiguous(), group=split.group)
+    if kind == "glu" and split.dim == 0:
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=split.dim)
+
+
+def shard_of(tensor: Tensor, kind: str, split: _Split) -> Tensor:
+    """This rank's shard of the whole Megatron tensor (inverse of `gather_shards`)."""
+    if tensor.shape[split.dim] % split.size:
         raise ValueError(
-            f"HF weight conversion gathers no tensor-parallel shards: tensor_model_parallel_size={tp}, "
-            f"expert_tensor_parallel_size={etp} (use 1 for both)"
+            f"dimension {split.dim} of shape {tuple(tensor.shape)} does not split over {split.size} "
+            "tensor-parallel ranks"
         )
+    if kind == "glu" and split.dim == 0:
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat([gate.chunk(split.size)[split.rank], up.chunk(split.size)[split.rank]], dim=0)
+    return tensor.chunk(split.size, dim=split.dim)[split.rank]
 
 
 def _attention_kind(config) -> str:
@@ -215,13 +262,17 @@ def iter_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """Stream ``(hf_name, tensor)`` for every tensor this rank holds, layer by layer.
 
     Each yielded tensor is a contiguous, detached copy of one HF tensor (so at most one extra
-    tensor's memory is live at a time); nothing else is materialized.
+    tensor's memory is live at a time); nothing else is materialized. Tensor-parallel shards are
+    gathered, so every rank of a TP group must iterate together (all get the whole tensors).
     """
     gpt = _unwrap(model)
-    _check_no_tp(gpt.config)
     for name, tensor in _local_tensors(gpt):
         rule = hf_names_for(gpt, name)
-        for hf_name, piece in zip(rule.hf, split(rule.kind, tensor.detach(), gpt.config)):
+        whole = tensor.detach()
+        tp_split = _split_of(name, tensor)
+        if tp_split is not None:
+            whole = gather_shards(whole, rule.kind, tp_split)
+        for hf_name, piece in zip(rule.hf, split(rule.kind, whole, gpt.config)):
             yield hf_name, piece.contiguous().clone()
 
 
@@ -242,7 +293,6 @@ def load_hf_weights(model: torch.nn.Module, hf_tensors: Mapping[str, Tensor], st
     rotary caches and multi-token-prediction layers) are an error, as are missing ones.
     """
     gpt = _unwrap(model)
-    _check_no_tp(gpt.config)
     used: set[str] = set()
     for name, target in _local_tensors(gpt):
         rule = hf_names_for(gpt, name)
@@ -250,6 +300,9 @@ def load_hf_weights(model: torch.nn.Module, hf_tensors: Mapping[str, Tensor], st
         if missing:
             raise ValueError(f"HF weights lack {missing} needed for Megatron tensor {name!r}")
         value = fuse(rule.kind, [hf_tensors[n] for n in rule.hf], gpt.config)
+        tp_split = _split_of(name, target)
+        if tp_split is not None:
+            value = shard_of(value, rule.kind, tp_split)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(
                 f"HF tensor(s) {list(rule.hf)} give shape {tuple(value.shape)} for Megatron tensor "
@@ -306,12 +359,16 @@ def save_hf_checkpoint(
     """Write an HF folder loadable by ``from_pretrained`` and vLLM: ``config.json`` plus
     safetensors shards (and ``model.safetensors.index.json`` when there is more than one).
 
-    Streams `iter_hf_weights`; at most one shard is held in memory. Needs a rank that holds
-    the whole model (PP = EP = 1).
+    Streams `iter_hf_weights`; at most one shard is held in memory. Needs PP = EP = 1; with
+    tensor parallelism every TP rank calls it (the shards are gathered) and TP rank 0 writes.
     """
     gpt = _unwrap(model)
     if not _holds_whole_model(gpt):
         raise ValueError("save_hf_checkpoint needs the whole model on this rank (PP = EP = 1)")
+    if not _is_tp_writer():
+        for _ in iter_hf_weights(gpt):
+            pass
+        return Path(folder)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
@@ -330,6 +387,12 @@ def save_hf_checkpoint(
     written.append(_write_shard(folder, len(written), shard))
     _name_shards(folder, written, total)
     return folder
+
+
+def _is_tp_writer() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_rank() == 0
 
 
 def _write_shard(folder: Path, index: int, shard: dict[str, Tensor]) -> tuple[Path, list[str]]:

@@ -77,14 +77,29 @@ def packed_seq_params(cu_seqlens: Tensor):
 
 
 def forward_logits(model: torch.nn.Module, micro: MicroBatch, pad_to: int | None = None) -> Tensor:
-    """Logits ``[T, V]`` of the packed micro-batch (last pipeline stage), padding dropped."""
+    """Logits ``[T, V]`` of the packed micro-batch (last pipeline stage), padding dropped.
+
+    With tensor parallelism the output layer gives each rank a slice of the vocabulary; the slices
+    are all-gathered (differentiably: the backward keeps each rank's slice of the gradient), so
+    the vocabulary reductions see the whole vocabulary on every rank.
+    """
     device = next(model.parameters()).device
     tokens, positions, cu = pad_micro_batch(micro, pad_to)
     params = packed_seq_params(cu.to(device))
     logits = model(
         tokens.to(device)[None], positions.to(device)[None], attention_mask=None, packed_seq_params=params
     )
+    if _tp_world_size() > 1:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        logits = gather_from_tensor_model_parallel_region(logits)
     return logits.reshape(-1, logits.shape[-1])[: micro.num_tokens]
+
+
+def _tp_world_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 def response_logprobs(
