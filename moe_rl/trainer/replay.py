@@ -228,36 +228,45 @@ class RoutingReplay:
     def natural_routing(self) -> Iterator[NaturalRouting]:
         """Capture what each router would choose on its own during the block's forward.
 
-        A forward hook recomputes the router logits from the (detached) router input and runs
-        Megatron's own top-k selection without replay; costs one router GEMM per MoE layer.
+        Each router's ``routing`` is wrapped for the block: it sees the router logits the forward
+        has just computed and runs Megatron's own top-k selection on them without replay (a
+        top-k over ``[T, experts]``, no extra GEMM) before the replayed routing proceeds.
         Gives ``[T, local layers, k]`` to compare with the replayed ids (routing agreement).
         """
         natural = NaturalRouting()
         captured: dict[int, Tensor] = {}
-        handles = [
-            router.register_forward_hook(_natural_hook(captured, i))
-            for i, (_, router) in enumerate(self.routers)
-        ]
+        for i, (_, router) in enumerate(self.routers):
+            router.routing = _capturing_routing(router, captured, i)
         try:
             yield natural
             natural.per_layer = [captured[i] for i in range(len(self.routers)) if i in captured]
             if len(natural.per_layer) == len(self.routers):
                 natural.topk_idx_TLK = torch.stack(natural.per_layer, dim=1)
         finally:
-            for handle in handles:
-                handle.remove()
+            for _, router in self.routers:
+                del router.routing  # the class's method again
 
 
-def _natural_hook(captured: dict[int, Tensor], index: int):
-    def hook(router, args, output) -> None:
-        captured[index] = natural_topk(router, args[0])
+def _capturing_routing(router, captured: dict[int, Tensor], index: int):
+    routing = type(router).routing.__get__(router)
 
-    return hook
+    def wrapped(logits: Tensor, *args, **kwargs):
+        captured[index] = select_topk(router, logits)
+        return routing(logits, *args, **kwargs)
+
+    return wrapped
 
 
 @torch.no_grad()
 def natural_topk(router, hidden: Tensor) -> Tensor:
-    """The top-k expert ids ``router`` picks for ``hidden`` without replay, ``[tokens, k]`` int64.
+    """The top-k expert ids ``router`` picks for ``hidden`` without replay, ``[tokens, k]`` int64
+    (one router GEMM, then `select_topk`)."""
+    return select_topk(router, router.gating(hidden.detach()))
+
+
+@torch.no_grad()
+def select_topk(router, logits: Tensor) -> Tensor:
+    """The top-k expert ids ``router`` selects from its ``logits`` without replay, ``[tokens, k]``.
 
     The selection of ``moe_utils.topk_routing_with_score_function``, without building its dense
     ``[tokens, experts]`` maps: softmax routers select on the logits (on the softmax with
@@ -268,7 +277,7 @@ def natural_topk(router, hidden: Tensor) -> Tensor:
     from megatron.core.transformer.moe.moe_utils import group_limited_topk
 
     config = router.config
-    scores = router.gating(hidden.detach()).view(-1, config.num_moe_experts)
+    scores = logits.detach().view(-1, config.num_moe_experts)
     if config.moe_router_score_function == "sigmoid":
         scores = torch.sigmoid(scores.float())
         if router.expert_bias is not None:
