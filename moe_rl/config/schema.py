@@ -94,6 +94,28 @@ class ModelConfig:
     """MLA: per-head value width."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    rope_scaling_type: str = "none"
+    """Rotary scaling: `none` (plain RoPE) or `yarn` (YaRN, Peng et al. 2023, arXiv:2309.00071;
+    MLA only, as in DeepSeek-V3 and Kimi-K2). The `rope_*` fields below follow the keys of the
+    Hugging Face ``rope_scaling`` dict and are read only with `yarn`."""
+    rope_scaling_factor: float = 1.0
+    """YaRN: context extension factor s (HF ``factor``; DeepSeek-V3: 40, Kimi-K2: 32); the slow
+    rotary frequencies are divided by s."""
+    rope_original_max_position_embeddings: int | None = None
+    """YaRN: context length of pre-training (HF ``original_max_position_embeddings``; DeepSeek-V3
+    and Kimi-K2: 4096); required with `yarn`."""
+    rope_beta_fast: float = 32.0
+    """YaRN: frequencies with more than this many turns over the original context are kept
+    (HF ``beta_fast``; DeepSeek-V3: 32, Kimi-K2: 1)."""
+    rope_beta_slow: float = 1.0
+    """YaRN: frequencies with fewer than this many turns are interpolated; between the two the
+    blend ramps linearly (HF ``beta_slow``; DeepSeek-V3, Kimi-K2: 1)."""
+    rope_mscale: float = 1.0
+    """YaRN: with m(a) = 0.1 a ln(s) + 1, cos and sin of the rotary part are multiplied by
+    m(rope_mscale) / m(rope_mscale_all_dim) (HF ``mscale``; DeepSeek-V3, Kimi-K2: 1.0)."""
+    rope_mscale_all_dim: float = 0.0
+    """YaRN: the attention softmax scale is multiplied by m(rope_mscale_all_dim)^2 (HF
+    ``mscale_all_dim``; DeepSeek-V3, Kimi-K2: 1.0; 0 leaves it unscaled)."""
     max_position_embeddings: int = 512
     """Longest sequence the model supports."""
     rms_norm_eps: float = 1e-6

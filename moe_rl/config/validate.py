@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from moe_rl.config.loader import ConfigError
-from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.schema import ModelConfig, RecipeConfig
 
 # The recipe vocabulary. `moe_rl.algo.registry` maps the algorithm names to functions; a test
 # keeps the two in step (this module must not import torch).
@@ -19,6 +19,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": ("qwen3_moe", "deepseek_v3"),
     "model.attention": ("gqa", "mla"),
     "model.moe_router_score_function": ("softmax", "sigmoid"),
+    "model.rope_scaling_type": ("none", "yarn"),
     "rollout.engine": ("megatron", "vllm"),
     "quant.method": ("none", "fp8", "int8", "int4_awq", "nvfp4"),
     "quant.granularity": ("tensor", "channel", "block"),
@@ -97,6 +98,44 @@ def _check_model(config: RecipeConfig) -> None:
             f"model.num_experts={m.num_experts} must be divisible by "
             f"model.moe_router_num_groups={m.moe_router_num_groups}",
         )
+    check_rope_scaling(m)
+
+
+def check_rope_scaling(m: ModelConfig) -> None:
+    """The rotary scaling fields of a model section; also run by the model builder.
+
+    YaRN is accepted only where transformers (the reference the HF logits tests compare with),
+    vLLM and Megatron-core compute the same cos/sin scale. With m(a) = 0.1 a ln(s) + 1, vLLM and
+    Megatron always use m(mscale) / m(mscale_all_dim); transformers uses that ratio only when both
+    are non-zero and m(1) otherwise. They agree when both are non-zero, or when mscale=1 and
+    mscale_all_dim=0.
+    """
+    if m.rope_scaling_type == "none":
+        return
+    _require(
+        m.rope_scaling_type == "yarn",
+        f"model.rope_scaling_type={m.rope_scaling_type!r} is not one of: none, yarn",
+    )
+    _require(
+        m.attention == "mla",
+        f"model.rope_scaling_type=yarn needs model.attention=mla (got {m.attention!r}): the trainer applies "
+        "YaRN in multi-latent attention only (DeepSeek-V3, Kimi-K2); use model.rope_scaling_type=none",
+    )
+    _require(m.rope_scaling_factor > 0, f"model.rope_scaling_factor={m.rope_scaling_factor} must be > 0")
+    original = m.rope_original_max_position_embeddings
+    _require(
+        original is not None and original > 0,
+        f"model.rope_original_max_position_embeddings={original} must be set (> 0) with "
+        "model.rope_scaling_type=yarn",
+    )
+    _require(m.rope_beta_fast > 0, f"model.rope_beta_fast={m.rope_beta_fast} must be > 0")
+    _require(m.rope_beta_slow > 0, f"model.rope_beta_slow={m.rope_beta_slow} must be > 0")
+    _require(
+        m.rope_mscale != 0 and (m.rope_mscale_all_dim != 0 or m.rope_mscale == 1),
+        f"model.rope_mscale={m.rope_mscale} with model.rope_mscale_all_dim={m.rope_mscale_all_dim}: "
+        "transformers and vLLM scale the rotary cos/sin differently here; valid: both non-zero, "
+        "or rope_mscale=1 with rope_mscale_all_dim=0",
+    )
 
 
 def _check_parallel(config: RecipeConfig) -> None:

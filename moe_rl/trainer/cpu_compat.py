@@ -29,7 +29,12 @@ library's own code path run, and `apply_cpu_shims()` applies all of them, idempo
    CPU *and* CUDA generator states around the recomputed forward; the CUDA half raises
    ``AssertionError: Torch not compiled with CUDA enabled``. The CPU generator is still saved
    and restored, so recomputed dropout draws the same numbers.
-6. `SDPACoreAttention`: a core-attention module for the local layer spec. Megatron's local
+6. ``megatron.core.pipeline_parallel.schedules.torch`` becomes `_CPUFactoryTorch`, the torch
+   module with ``zeros(..., device="cuda")`` placed on the CPU. The pipelined schedules count
+   tokens in ``torch.zeros([], dtype=torch.int, device="cuda")`` (``total_num_tokens``); their
+   point-to-point buffers already follow shim 1 (``torch.cuda.current_device()``). Only that
+   module sees the proxy; everything else in it is plain torch.
+7. `SDPACoreAttention`: a core-attention module for the local layer spec. Megatron's local
    ``DotProductAttention`` builds its causal mask with ``device="cuda"``
    (``transformer.utils.get_default_causal_mask``), forks the CUDA RNG tracker for dropout and
    rejects packed sequences. This module computes the same attention with
@@ -123,6 +128,28 @@ def _shim_mla_have_te() -> bool:
     return True
 
 
+class _CPUFactoryTorch:
+    """The ``torch`` module, except that ``zeros`` asked for a CUDA device gives a CPU tensor."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs) -> Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = _CPU_DEVICE
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+def _shim_schedules_torch() -> bool:
+    from megatron.core.pipeline_parallel import schedules
+
+    if isinstance(schedules.torch, _CPUFactoryTorch):
+        return False
+    schedules.torch = _CPUFactoryTorch()
+    return True
+
+
 def _transformer_engine_importable() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -146,6 +173,7 @@ def apply_cpu_shims() -> list[str]:
             ("moe_utils.te_general_gemm", _shim_te_general_gemm),
             ("multi_latent_attention.HAVE_TE", _shim_mla_have_te),
             ("tensor_parallel.random cuda rng state", _shim_cuda_rng_state),
+            ("pipeline_parallel.schedules torch.zeros(device='cuda')", _shim_schedules_torch),
         )
         if shim()
     ]

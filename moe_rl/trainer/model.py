@@ -10,6 +10,7 @@ Two families:
 * ``deepseek_v3`` (DeepSeek-V3, Kimi-K2): multi-head latent attention (``MLATransformerConfig``),
   shared experts, sigmoid scores with the aux-loss-free expert bias used for selection only,
   group-limited routing, a routed scaling factor and ``first_k_dense_layers`` dense MLP layers.
+  Rotary scaling: plain RoPE or YaRN (`_rope_kwargs`), as in the published configs.
 
 On CUDA with transformer-engine the TE layer specs are used; otherwise the local specs with the
 CPU core attention (`cpu_compat.SDPACoreAttention`). Initialization is deterministic: the seed
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
+from moe_rl.config.validate import check_rope_scaling
 from moe_rl.trainer.cpu_compat import SDPACoreAttention, apply_cpu_shims, cpu_token_dispatcher, cuda_available
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ def _check_model(model: ModelConfig) -> None:
         raise ValueError(f"model.family=deepseek_v3 needs model.attention='mla', got {model.attention!r}")
     if model.family == "qwen3_moe" and model.attention != "gqa":
         raise ValueError(f"model.family=qwen3_moe needs model.attention='gqa', got {model.attention!r}")
+    check_rope_scaling(model)
 
 
 def _moe_kwargs(model: ModelConfig, trainer: TrainerConfig) -> dict[str, Any]:
@@ -122,6 +125,38 @@ def _parallel_kwargs(parallel: ParallelConfig) -> dict[str, Any]:
     }
 
 
+def _rope_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """The rotary fields of Megatron's ``MLATransformerConfig`` for this model.
+
+    YaRN (Peng et al. 2023, arXiv:2309.00071) as DeepSeek-V3 defines it. With s the factor, d the
+    rotary head width, L the original context and w_i = rope_theta^(-2i/d) the plain RoPE
+    frequencies, frequency i is ``(1 - r_i) w_i / s + r_i w_i``, where r_i ramps linearly from 1
+    to 0 between the dimensions that turn ``beta_fast`` and ``beta_slow`` times over L (rounded
+    outward); cos and sin are multiplied by ``m(mscale) / m(mscale_all_dim)`` and the softmax
+    scale is ``m(mscale_all_dim)^2 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``, with
+    ``m(a) = 0.1 a ln(s) + 1`` (1 for s <= 1). Megatron-core's ``YarnRotaryEmbedding`` and
+    ``MLASelfAttention``, transformers' ``DeepseekV3`` and vLLM's ``DeepseekScalingRotaryEmbedding``
+    all compute this. They can differ only where mscale or mscale_all_dim is 0 (transformers then
+    multiplies cos and sin by ``m(1)``), which `check_rope_scaling` refuses unless all agree, and
+    in HF keys that transformers and vLLM read differently (``attention_factor``, ``truncate``),
+    which `hf_config_to_model_config` refuses.
+
+    Plain RoPE keeps ``rotary_scaling_factor=1``: Megatron's MLA computes its softmax scale from
+    that field whatever ``rope_type`` is, and ``m`` of a factor of 1 is 1.
+    """
+    if model.rope_scaling_type == "none":
+        return {"rope_type": "rope", "rotary_scaling_factor": 1.0}
+    return {
+        "rope_type": "yarn",
+        "rotary_scaling_factor": model.rope_scaling_factor,
+        "original_max_position_embeddings": model.rope_original_max_position_embeddings,
+        "beta_fast": model.rope_beta_fast,
+        "beta_slow": model.rope_beta_slow,
+        "mscale": model.rope_mscale,
+        "mscale_all_dim": model.rope_mscale_all_dim,
+    }
+
+
 def _mla_kwargs(model: ModelConfig) -> dict[str, Any]:
     return {
         "q_lora_rank": model.q_lora_rank,
@@ -129,10 +164,9 @@ def _mla_kwargs(model: ModelConfig) -> dict[str, Any]:
         "qk_head_dim": model.qk_nope_head_dim,
         "qk_pos_emb_head_dim": model.qk_rope_head_dim,
         "v_head_dim": model.v_head_dim,
-        "rope_type": "rope",
-        "rotary_scaling_factor": 1.0,
         "rotary_base": model.rope_theta,
         "qk_layernorm": True,
+        **_rope_kwargs(model),
     }
 
 
@@ -320,41 +354,75 @@ HF_MODEL_TYPES = {
 }
 
 
-def _rope_theta(cfg: dict) -> float:
+# HF rope_scaling key -> ModelConfig field, for YaRN.
+YARN_FIELDS = {
+    "factor": "rope_scaling_factor",
+    "original_max_position_embeddings": "rope_original_max_position_embeddings",
+    "beta_fast": "rope_beta_fast",
+    "beta_slow": "rope_beta_slow",
+    "mscale": "rope_mscale",
+    "mscale_all_dim": "rope_mscale_all_dim",
+}
+_ROPE_NAME_KEYS = ("type", "rope_type", "rope_theta")
+
+
+def _rope_fields(cfg: dict, attention: str) -> dict[str, Any]:
+    """``rope_theta`` and the YaRN fields of a HF config: ``rope_scaling`` (published configs) or
+    ``rope_parameters`` (written by transformers >= 5), keys as in `YARN_FIELDS`."""
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
-    if kind not in ("default", None):
+    scaling = cfg.get("rope_scaling") or params
+    theta = float(_hf_get(cfg, "rope_theta", default=params.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    if kind == "default":
+        return {"rope_theta": theta}
+    if kind != "yarn" or attention != "mla":
         raise ValueError(
-            f"HF config rope scaling {kind!r} is not supported by ModelConfig (plain RoPE only); "
-            f"rope_scaling={scaling or params}"
+            f"HF config rope scaling {kind!r} with model_type={cfg.get('model_type')!r} is not supported; "
+            f"valid: plain RoPE, or 'yarn' for MLA models (deepseek_v3, kimi_k2); rope_scaling={scaling}"
         )
-    return float(_hf_get(cfg, "rope_theta", default=params.get("rope_theta", 10000.0)))
+    unknown = set(scaling) - set(YARN_FIELDS) - set(_ROPE_NAME_KEYS) - {"truncate"}
+    missing = [key for key in ("factor", "original_max_position_embeddings") if scaling.get(key) is None]
+    if unknown or missing or scaling.get("truncate", True) is not True:
+        raise ValueError(
+            f"HF config yarn rope_scaling={scaling}: unsupported keys {sorted(unknown)}, missing {missing}; "
+            f"valid keys: {', '.join([*_ROPE_NAME_KEYS, *YARN_FIELDS])}, truncate=true"
+        )
+    if scaling.get("mscale") is None and scaling.get("mscale_all_dim"):
+        raise ValueError(
+            f"HF config yarn rope_scaling={scaling}: mscale_all_dim without mscale scales the rotary cos/sin "
+            "by m(1) in transformers and by m(1)/m(mscale_all_dim) in vLLM; set mscale explicitly"
+        )
+    defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+    yarn = {field: _hf_get(scaling, key, default=defaults.get(key)) for key, field in YARN_FIELDS.items()}
+    return {"rope_theta": theta, "rope_scaling_type": "yarn", **yarn}
 
 
 def hf_config_to_model_config(cfg: dict) -> ModelConfig:
     """A `ModelConfig` from a Hugging Face ``config.json`` dict (Qwen3-MoE, DeepSeek-V3, Kimi-K2).
 
     Raises ValueError naming the field for architectures or options the trainer cannot express
-    (other model types, rope scaling, partial MoE layouts, softmax DeepSeek routers).
+    (other model types, rope scaling other than YaRN on MLA, partial MoE layouts, softmax
+    DeepSeek routers).
     """
     model_type = cfg.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(f"HF config model_type={model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}")
     fields = HF_MODEL_TYPES[model_type](cfg)
-    return ModelConfig(
+    model = ModelConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         num_layers=cfg["num_hidden_layers"],
         num_attention_heads=cfg["num_attention_heads"],
         moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-        rope_theta=_rope_theta(cfg),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         init_std=cfg.get("initializer_range", 0.02),
+        **_rope_fields(cfg, fields["attention"]),
         **fields,
     )
+    check_rope_scaling(model)
+    return model
 
 
 def _qwen3_hf_fields(model: ModelConfig) -> dict[str, Any]:
@@ -401,6 +469,15 @@ def _deepseek_hf_fields(model: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _rope_hf_fields(model: ModelConfig) -> dict[str, Any]:
+    """``rope_scaling`` as the published DeepSeek-V3 / Kimi-K2 configs write it (``type``, read by
+    their own modeling code) and with ``rope_type`` (read by transformers and vLLM)."""
+    if model.rope_scaling_type == "none":
+        return {}
+    yarn = {key: getattr(model, field) for key, field in YARN_FIELDS.items()}
+    return {"rope_scaling": {"type": "yarn", "rope_type": "yarn", **yarn}}
+
+
 def model_config_to_hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """The HF ``config.json`` dict of a recipe model (inverse of `hf_config_to_model_config`),
     for `hf_weights.save_hf_checkpoint` and engines that load HF folders (vLLM)."""
@@ -420,5 +497,6 @@ def model_config_to_hf_config(model: ModelConfig, dtype: str = "float32") -> dic
         "tie_word_embeddings": model.tie_word_embeddings,
         "initializer_range": model.init_std,
         "torch_dtype": dtype,
+        **_rope_hf_fields(model),
         **family,
     }

@@ -57,6 +57,14 @@ class NaturalRouting:
 
     per_layer: list[Tensor] = field(default_factory=list)
     topk_idx_TLK: Tensor | None = None
+    captured: dict[int, Tensor] = field(default_factory=dict)
+    """Router index -> ids of the latest forward (live while the block runs)."""
+
+    def latest(self) -> Tensor | None:
+        """``[T, local layers, k]`` of the latest forward (None before any)."""
+        if not self.captured:
+            return None
+        return torch.stack([self.captured[i] for i in range(len(self.captured))], dim=1)
 
 
 class RoutingReplay:
@@ -234,7 +242,7 @@ class RoutingReplay:
         Gives ``[T, local layers, k]`` to compare with the replayed ids (routing agreement).
         """
         natural = NaturalRouting()
-        captured: dict[int, Tensor] = {}
+        captured = natural.captured
         for i, (_, router) in enumerate(self.routers):
             router.routing = _capturing_routing(router, captured, i)
         try:

@@ -21,9 +21,9 @@ responses (sequence means), known before any forward. Correction masks (IcePop, 
 OPSM) zero a token's loss without removing it from the denominator — verl's choice for IcePop,
 applied to all of them so the denominator never depends on the current policy.
 
-Pipeline parallelism: the micro-batch loop here is the no-pipelining schedule (PP = 1).
-Megatron's pipelined schedules allocate ``device="cuda"`` tensors
-(``schedules.py``: ``total_num_tokens``), so they cannot run on CPU; PP > 1 is refused.
+Pipeline parallelism: with PP = 1 the micro-batch loop here is the no-pipelining schedule; with
+PP > 1 both passes run through Megatron's 1F1B schedule (`moe_rl.trainer.pipeline`), and every
+rank of a pipeline group returns the same metrics. Virtual pipeline stages are refused.
 """
 
 from __future__ import annotations
@@ -46,9 +46,18 @@ from moe_rl.algo import registry
 from moe_rl.algo.aggregate import local_denominator
 from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.trainer import pipeline
 from moe_rl.trainer.batch import TrainMicroBatch
 from moe_rl.trainer.hf_weights import iter_hf_weights, load_hf_checkpoint
-from moe_rl.trainer.logprobs import LogprobOutput, PassOptions, logprob_pass, old_logprobs, routing_mode
+from moe_rl.trainer.logprobs import (
+    LogprobOutput,
+    PassOptions,
+    logprob_pass,
+    old_logprobs,
+    response_entropy,
+    response_logprobs,
+    routing_mode,
+)
 from moe_rl.trainer.model import build_gpt_model
 from moe_rl.trainer.optim import build_optimizer, build_scheduler
 from moe_rl.trainer.parallel import init_parallel
@@ -84,10 +93,11 @@ def _check_recipe(config: RecipeConfig) -> None:
         raise ValueError("algo.objective=espo needs trainer.compute_entropy=true (entropy of π_old)")
     if algo.kl.coef > 0:
         raise ValueError(f"algo.kl.coef={algo.kl.coef}: the trainer keeps no reference model; use 0")
-    if config.parallel.pipeline_model_parallel_size > 1:
+    vpp = config.parallel.virtual_pipeline_model_parallel_size
+    if vpp not in (None, 1):
         raise ValueError(
-            f"parallel.pipeline_model_parallel_size={config.parallel.pipeline_model_parallel_size}: the "
-            "trainer's micro-batch loop is the no-pipelining schedule; use 1"
+            f"parallel.virtual_pipeline_model_parallel_size={vpp}: the trainer runs Megatron's "
+            "non-interleaved 1F1B schedule; use null (one model chunk per pipeline stage)"
         )
 
 
@@ -141,6 +151,7 @@ class TrainerWorker:
         )
         self.step = 0
         self.timer = _Timer()
+        self.pipelined = config.parallel.pipeline_model_parallel_size > 1
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -181,6 +192,8 @@ class TrainerWorker:
         self.ddp.eval()
         options = dataclasses.replace(self.options, entropy=self.config.trainer.compute_entropy)
         record = self.config.algo.routing_replay == "r2"
+        if self.pipelined:
+            return self._pipelined_old_logp(micro_batches, options, record)
         metrics: list[dict[str, Tensor]] = []
         for mb in micro_batches:
             trace, local = self._trace_for(mb) if not record else (None, False)
@@ -290,18 +303,26 @@ class TrainerWorker:
         """
         from megatron.core.distributed import finalize_model_grads
 
-        if any(mb.old_logp is None for mb in mini_batch) and self.config.algo.policy_mode != "bypass":
+        holds_logits = not self.pipelined or pipeline.is_last_stage()  # π_old lives with the logits
+        if (
+            holds_logits
+            and any(mb.old_logp is None for mb in mini_batch)
+            and self.config.algo.policy_mode != "bypass"
+        ):
             raise ValueError("train_step needs old_logp on every micro-batch: call compute_old_logp first")
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         denom = torch.stack([self._denominator(mb) for mb in mini_batch]).sum()
-        loss_sum = torch.zeros(())
-        metrics: list[dict[str, Tensor]] = []
-        for mb in mini_batch:
-            micro_loss, micro_metrics = self._micro_step(mb)
-            loss_sum += micro_loss.float().cpu()
-            metrics.append(micro_metrics)
+        if self.pipelined:
+            loss_sum, metrics = self._pipelined_update(mini_batch)
+        else:
+            loss_sum = torch.zeros(())
+            metrics = []
+            for mb in mini_batch:
+                micro_loss, micro_metrics = self._micro_step(mb)
+                loss_sum += micro_loss.float().cpu()
+                metrics.append(micro_metrics)
         with self.timer.section("grad_sync"):
             finalize_model_grads([self.ddp], num_tokens=denom)  # all-reduces denom over DP x CP
         return loss_sum, denom, metrics
@@ -315,6 +336,8 @@ class TrainerWorker:
         result = self._reduce_metrics(metrics, prefix="train/")
         result.update(self._step_metrics(loss_sum, global_denom, ok, grad_norm, lr_scale))
         self.step += 1
+        if self.pipelined:
+            result = pipeline.merge_stage_metrics(result, self._num_moe_layers)
         return result
 
     def _optimizer_step(self, lr_scale: float) -> tuple[bool, float | None]:
@@ -332,6 +355,12 @@ class TrainerWorker:
         (all DP ranks), with ``ESS_ref = 1`` (the on-policy value of the normalized ESS)."""
         if not self.config.trainer.vcpo_lr_scaling:
             return 1.0
+        if self.pipelined:  # π_old lives on the last stage
+            scale = self._vcpo_local(mini_batch) if pipeline.is_last_stage() else 0.0
+            return pipeline.broadcast_from_last_stage(scale)
+        return self._vcpo_local(mini_batch)
+
+    def _vcpo_local(self, mini_batch: Sequence[TrainMicroBatch]) -> float:
         sums = torch.zeros(3, dtype=torch.float64)
         for mb in mini_batch:
             log_rho = (mb.old_logp - mb.micro.rollout_logp).double().clamp(-20, 20)
@@ -340,6 +369,120 @@ class TrainerWorker:
         self._all_reduce(sums)
         ess = sums[0] ** 2 / (sums[2] * sums[1]).clamp_min(1e-300)
         return float(torch.sqrt(ess.clamp(max=1.0)))
+
+    # ------------------------------------------------------------------ pipeline (PP > 1)
+    @property
+    def _num_moe_layers(self) -> int:
+        return len(self.replay.routers) if self.replay is not None else 0
+
+    def _pipelined_old_logp(self, micro_batches, options: PassOptions, record: bool) -> dict[str, float]:
+        """`compute_old_logp` through the 1F1B schedule (forward only)."""
+        found: dict[int, dict[str, Tensor]] = {id(mb): {} for mb in micro_batches}
+        routed = self.replay is not None and bool(self.replay.routers)
+        recordings: dict[int, object] = {}
+
+        def before(mb: TrainMicroBatch) -> None:
+            trace, local = self._trace_for(mb) if not record else (None, False)
+            if routed and record:
+                ctx = self.replay.record()
+                recordings[id(mb)] = (ctx, ctx.__enter__())
+            elif routed and trace is not None:
+                self.replay.set_replay(
+                    trace, self._pad_length(mb) or mb.micro.num_tokens, mb.sample_of_token, local
+                )
+
+        def after(mb: TrainMicroBatch) -> None:
+            trace, local = self._trace_for(mb) if not record else (None, False)
+            if id(mb) in recordings:
+                ctx, recording = recordings.pop(id(mb))
+                ctx.__exit__(None, None, None)
+                mb.recorded_routing = recording.topk_idx_TLK[: mb.micro.num_tokens]
+            elif routed and trace is not None:
+                latest = natural.latest() if natural is not None else None
+                if latest is not None:
+                    mb.old_routing_metrics = self._agreement(latest[: mb.micro.num_tokens], trace, local, mb)
+                    found[id(mb)].update(mb.old_routing_metrics)
+                self.replay.clear()
+
+        def on_logits(mb: TrainMicroBatch, logits: Tensor) -> Tensor:
+            with torch.no_grad():
+                mb.old_logp = response_logprobs(
+                    logits, mb.micro, options.temperature, options.chunk_size, options.keep_sampling_mask
+                ).detach()
+                if options.entropy:
+                    mb.old_entropy = response_entropy(
+                        logits, mb.micro, options.temperature, options.chunk_size
+                    )
+            mb.old_weights_version = self.step
+            if self.diagnostics:
+                mask = torch.ones_like(mb.old_logp, dtype=torch.bool)
+                found[id(mb)].update(
+                    mismatch_metrics(
+                        mb.old_logp, mb.micro.rollout_logp, mask, mb.seq_ids, num_seqs=mb.num_samples
+                    )
+                )
+            return logits.new_zeros(())
+
+        natural_ctx = self.replay.natural_routing() if routed and self.diagnostics else None
+        natural = natural_ctx.__enter__() if natural_ctx is not None else None
+        try:
+            with self.timer.section("old_logp"), torch.no_grad():
+                pipeline.run_schedule(
+                    self.ddp, micro_batches, True, before, after, on_logits, self._pad_length
+                )
+        finally:
+            if natural_ctx is not None:
+                natural_ctx.__exit__(None, None, None)
+        result = self._reduce_metrics(list(found.values()), prefix="old/")
+        return pipeline.merge_stage_metrics(result, self._num_moe_layers)
+
+    def _pipelined_update(self, mini_batch) -> tuple[Tensor, list[dict[str, Tensor]]]:
+        """Forward and backward of a mini-batch through the 1F1B schedule: ``(loss_sum, metrics)``."""
+        found: dict[int, dict[str, Tensor]] = {id(mb): {} for mb in mini_batch}
+        routed = self.replay is not None and bool(self.replay.routers)
+        loss_sum = torch.zeros(())
+
+        def before(mb: TrainMicroBatch) -> None:
+            trace, local = self._trace_for(mb)
+            if routed and trace is not None:
+                self.replay.set_replay(
+                    trace, self._pad_length(mb) or mb.micro.num_tokens, mb.sample_of_token, local
+                )
+
+        def after(mb: TrainMicroBatch) -> None:
+            trace, local = self._trace_for(mb)
+            if not routed or trace is None:
+                return
+            self.replay.forward_done()  # a recompute in this micro-batch's backward replays its ids
+            known = self._known_agreement(mb)
+            latest = natural.latest() if natural is not None and known is None else None
+            if latest is not None:
+                known = self._agreement(latest[: mb.micro.num_tokens], trace, local, mb)
+            found[id(mb)].update(known or {})
+
+        def on_logits(mb: TrainMicroBatch, logits: Tensor) -> Tensor:
+            nonlocal loss_sum
+            options = dataclasses.replace(self.options, validate_mask=mb.old_logp is None)
+            logp = response_logprobs(
+                logits, mb.micro, options.temperature, options.chunk_size, options.keep_sampling_mask,
+                options.validate_mask,
+            )  # fmt: skip
+            micro_loss, metrics = self._micro_loss(mb, logp)
+            found[id(mb)].update(metrics)
+            loss_sum = loss_sum + micro_loss.detach().float().cpu()
+            return micro_loss
+
+        natural_ctx = self.replay.natural_routing() if routed and self.diagnostics else None
+        natural = natural_ctx.__enter__() if natural_ctx is not None else None
+        try:
+            with self.timer.section("forward_backward"):
+                pipeline.run_schedule(self.ddp, mini_batch, False, before, after, on_logits, self._pad_length)
+        finally:
+            if natural_ctx is not None:
+                natural_ctx.__exit__(None, None, None)
+            if self.replay is not None:
+                self.replay.clear()
+        return loss_sum, list(found.values())
 
     # ------------------------------------------------------------------ metrics
     def _all_reduce(self, tensor: Tensor, op=dist.ReduceOp.SUM) -> Tensor:

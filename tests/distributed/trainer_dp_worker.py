@@ -14,15 +14,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "trainer")
 GLOBAL_MICRO_BATCHES = 4
 
 
-def recipe(world: int, ep: int, hf_path: str | None = None):
+def recipe(world: int, ep: int, hf_path: str | None = None, pp: int = 1, *extra: str):
     from trainer_testing import tiny_recipe
 
     overrides = [f"model.hf_path={hf_path}"] if hf_path else []
     return tiny_recipe(
         f"parallel.trainer_world_size={world}",
         f"parallel.expert_model_parallel_size={ep}",
+        f"parallel.pipeline_model_parallel_size={pp}",
         "trainer.grad_clip=0",
         *overrides,
+        *extra,
     )
 
 
@@ -72,3 +74,29 @@ def gradients(world: int, rank: int, ep: int, hf_path: str) -> dict[str, torch.T
 def rank_main(rank: int, world: int, port: int, ep: int, hf_path: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.save(gradients(world, rank, ep, hf_path), Path(out_dir) / f"grads.{rank}.pt")
+
+
+def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tensor]:
+    """PP=``pp`` on ``pp`` ranks: the metrics of both passes (``__old__/``, ``__train__/``), the
+    gradients and the updated weights after one optimizer step (``__param__/``), global names."""
+    from moe_rl.trainer.hf_weights import hf_names_for
+    from moe_rl.trainer.worker import TrainerWorker
+
+    config = recipe(pp, 1, hf_path, pp, "trainer.grad_clip=1.0", *extra)  # clipping: a real grad norm
+    worker = TrainerWorker(config)
+    batches = global_batch(config)
+    old = worker.compute_old_logp(batches)
+    step = worker.train_step(batches)
+    step = {k: v for k, v in step.items() if k != "train/lr"}
+    out = {"__old__/" + k: torch.tensor(v, dtype=torch.float64) for k, v in old.items()}
+    out |= {"__train__/" + k: torch.tensor(v, dtype=torch.float64) for k, v in step.items()}
+    for name, param in worker.model.named_parameters():
+        key = "+".join(hf_names_for(worker.model, name).hf)
+        out[key] = param.main_grad.detach().clone()
+        out["__param__/" + key] = param.detach().clone()
+    return out
+
+
+def pipeline_rank_main(rank: int, world: int, port: int, hf_path: str, out_dir: str, extra: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.save(pipeline_outputs(world, hf_path, *extra), Path(out_dir) / f"pp.{rank}.pt")

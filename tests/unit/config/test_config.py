@@ -88,12 +88,33 @@ def test_quant_recipe_switch_is_one_override():
         pytest.param(["quant.name=int8"], "switch recipes with rollout.quant", id="quant-name-direct"),
         pytest.param(["rollout.max_new_tokens=200"], "max_position_embeddings", id="too-long"),
         pytest.param(["model.moe_router_num_groups=4"], "set together", id="group-routing-pair"),
+        pytest.param(
+            ["model.rope_scaling_type=ntk"], "model.rope_scaling_type='ntk' is not one of", id="rope"
+        ),
+        pytest.param(["model.rope_scaling_type=yarn"], "yarn needs model.attention=mla", id="yarn-needs-mla"),
         pytest.param(["trainer.lr"], "section.key=value", id="override-without-value"),
     ],
 )
 def test_bad_config_names_the_field(overrides, expected):
     with pytest.raises(ConfigError, match=None) as info:
         load_recipe(TINY, overrides)
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model.rope_scaling_factor=0"], "model.rope_scaling_factor=0.0 must be > 0"),
+        (["model.rope_original_max_position_embeddings=null"], "rope_original_max_position_embeddings=None"),
+        (["model.rope_beta_fast=0"], "model.rope_beta_fast=0.0 must be > 0"),
+        (["model.rope_mscale=0.8", "model.rope_mscale_all_dim=0"], "model.rope_mscale=0.8"),
+    ],
+)
+def test_bad_yarn_fields_are_named(overrides, expected):
+    twin = RECIPES / "twins" / "deepseek_v3.yaml"
+    assert load_recipe(twin).model.rope_scaling_type == "yarn"
+    with pytest.raises(ConfigError, match=None) as info:
+        load_recipe(twin, overrides)
     assert expected in str(info.value)
 
 

@@ -52,11 +52,24 @@ def test_init_is_deterministic_per_seed(family):
     assert not torch.equal(a[name], c[name])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+# YaRN past a 4-token original context: packed sequences restart their rotary positions.
+TINY_YARN = {
+    "rope_scaling_type": "yarn",
+    "rope_scaling_factor": 4.0,
+    "rope_original_max_position_embeddings": 4,
+}
+PACKED_MODELS = {
+    "qwen3_moe": tiny_qwen,
+    "deepseek_v3": tiny_deepseek,
+    "deepseek_v3_yarn": lambda: tiny_deepseek(**TINY_YARN, rope_mscale=0.8, rope_mscale_all_dim=0.5),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PACKED_MODELS))
 def test_packed_forward_equals_per_sequence_forward(family):
     from moe_rl.data.packing import MicroBatch
 
-    cfg = tiny_qwen() if family == "qwen3_moe" else tiny_deepseek()
+    cfg = PACKED_MODELS[family]()
     model = build_gpt_model(cfg, seed=1).eval()
     lengths = [4, 7, 3]
     tokens = _tokens(sum(lengths))
@@ -137,8 +150,8 @@ def test_hf_deepseek_and_kimi_configs():
 def test_hf_config_errors_name_the_field():
     with pytest.raises(ValueError, match="model_type"):
         hf_config_to_model_config({**QWEN3_HF, "model_type": "llama"})
-    with pytest.raises(ValueError, match="rope scaling"):
-        hf_config_to_model_config({**DEEPSEEK_V3_HF, "rope_scaling": {"type": "yarn", "factor": 40}})
+    with pytest.raises(ValueError, match="rope scaling 'linear'"):
+        hf_config_to_model_config({**DEEPSEEK_V3_HF, "rope_scaling": {"type": "linear", "factor": 40}})
     with pytest.raises(ValueError, match="mlp_only_layers"):
         hf_config_to_model_config({**QWEN3_HF, "mlp_only_layers": [0]})
     with pytest.raises(ValueError, match="topk_group"):

@@ -85,8 +85,12 @@ def test_vcpo_scales_the_learning_rate():
         (["trainer.compute_entropy=false"], "compute_entropy"),
         (["algo.kl.coef=0.1"], "kl.coef"),
         (
-            ["parallel.pipeline_model_parallel_size=2", "parallel.trainer_world_size=2"],
-            "pipeline_model_parallel_size",
+            [
+                "parallel.pipeline_model_parallel_size=2",
+                "parallel.trainer_world_size=2",
+                "parallel.virtual_pipeline_model_parallel_size=2",
+            ],
+            "virtual_pipeline_model_parallel_size",
         ),
         (["trainer.moe_router_fusion=true"], "moe_router_fusion"),
     ],
