@@ -99,4 +99,7 @@ def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tens
 
 def pipeline_rank_main(rank: int, world: int, port: int, hf_path: str, out_dir: str, extra: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    from moe_rl.trainer.parallel import teardown_parallel
+
     torch.save(pipeline_outputs(world, hf_path, *extra), Path(out_dir) / f"pp.{rank}.pt")
+    teardown_parallel()  # a clean exit: no gloo threads left to the interpreter's shutdown
