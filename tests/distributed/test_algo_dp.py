@@ -4,7 +4,6 @@ One two-process gloo run (torch.multiprocessing spawn, free port on 127.0.0.1) c
 DP=2 gradient for every mode; each parametrized test compares one mode with DP=1.
 """
 
-import socket
 import sys
 from pathlib import Path
 
@@ -14,17 +13,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the worker by name
 import algo_dp_worker
+from spawn_testing import free_port
 
 from moe_rl.algo.aggregate import AGGREGATIONS
 
 MODES = [*AGGREGATIONS, "espo"]
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

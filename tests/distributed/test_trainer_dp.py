@@ -8,7 +8,6 @@ holds half of the experts; every expert gradient equals the single-process one.
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -18,27 +17,16 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the worker by name
 import trainer_dp_worker
+from spawn_testing import free_port, write_trainer_weights
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> str:
     """HF folder with the starting weights of every layout."""
-    from moe_rl.config.schema import ParallelConfig
-    from moe_rl.trainer.parallel import init_parallel
-
-    init_parallel(ParallelConfig())
-    folder = str(tmp_path_factory.mktemp("weights"))
-    trainer_dp_worker.write_weights(folder)
-    return folder
+    return write_trainer_weights(str(tmp_path_factory.mktemp("weights")))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +38,7 @@ def reference(weights):
 @pytest.fixture
 def spawn(tmp_path, weights):
     def run(ep: int) -> list[dict[str, torch.Tensor]]:
-        args = (2, _free_port(), ep, weights, str(tmp_path))
+        args = (2, free_port(), ep, weights, str(tmp_path))
         mp.spawn(trainer_dp_worker.rank_main, args=args, nprocs=2, join=True)
         return [torch.load(tmp_path / f"grads.{rank}.pt") for rank in range(2)]
 

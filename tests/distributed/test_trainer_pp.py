@@ -5,7 +5,6 @@ with activation recompute (REPLAY_BACKWARD pops each stage's ids in forward orde
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the worker by name
 import trainer_dp_worker
+from spawn_testing import free_port, write_trainer_weights
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
@@ -32,21 +32,10 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> str:
-    from moe_rl.config.schema import ParallelConfig
-    from moe_rl.trainer.parallel import init_parallel
-
-    init_parallel(ParallelConfig())
-    folder = str(tmp_path_factory.mktemp("weights_pp"))
-    trainer_dp_worker.write_weights(folder)
-    return folder
+    """HF folder with the starting weights of every layout."""
+    return write_trainer_weights(str(tmp_path_factory.mktemp("weights_pp")))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -56,7 +45,7 @@ def test_pp2_matches_pp1(case, weights, tmp_path):
     assert case == "r2" or reference["__old__/old/routing_agreement"] < 1  # R3 traces are not natural
     mp.spawn(
         trainer_dp_worker.pipeline_rank_main,
-        args=(2, _free_port(), weights, str(tmp_path), extra),
+        args=(2, free_port(), weights, str(tmp_path), extra),
         nprocs=2,
         join=True,
     )

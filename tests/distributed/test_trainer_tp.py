@@ -7,7 +7,6 @@ parallelism, and sequence parallelism needs the transformer-engine or apex norms
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -18,15 +17,10 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the worker by name
 import tp_worker
+from spawn_testing import free_port
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
@@ -44,7 +38,7 @@ def test_tp2_loads_computes_and_exports_like_one_process(reference, etp, tmp_pat
     family, folder, logits = reference
     mp.spawn(
         tp_worker.rank_main,
-        args=(2, _free_port(), family, etp, folder, str(tmp_path)),
+        args=(2, free_port(), family, etp, folder, str(tmp_path)),
         nprocs=2,
         join=True,
     )

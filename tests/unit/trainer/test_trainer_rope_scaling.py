@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from trainer_testing import DEEPSEEK_V3_HF as DEEPSEEK_V3_BASE_HF
 from trainer_testing import tiny_deepseek, tiny_qwen
 
 from moe_rl.trainer.model import (
@@ -34,15 +35,7 @@ DEEPSEEK_V3_ROPE = {
 }  # fmt: skip
 KIMI_K2_ROPE = {**DEEPSEEK_V3_ROPE, "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0}
 
-DEEPSEEK_V3_HF = {
-    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "num_hidden_layers": 61,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
-    "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": 1536,
-    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "rope_theta": 10000, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_scaling": DEEPSEEK_V3_ROPE,
-}  # fmt: skip
+DEEPSEEK_V3_HF = {**DEEPSEEK_V3_BASE_HF, "rope_scaling": DEEPSEEK_V3_ROPE}
 KIMI_K2_HF = {
     **DEEPSEEK_V3_HF, "model_type": "kimi_k2", "n_routed_experts": 384, "n_group": 1, "topk_group": 1,
     "rope_theta": 50000.0, "max_position_embeddings": 131072, "rope_scaling": KIMI_K2_ROPE,

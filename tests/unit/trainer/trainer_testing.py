@@ -65,6 +65,18 @@ def tiny_deepseek(**changes) -> ModelConfig:
     return ModelConfig(**{**base, **changes})
 
 
+# The published DeepSeek-V3 config.json, less its rope scaling.
+DEEPSEEK_V3_HF = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "rope_theta": 10000, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+
 TINY_MODEL_OVERRIDES = [
     "model.vocab_size=64",
     "model.hidden_size=32",
