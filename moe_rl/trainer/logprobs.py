@@ -89,10 +89,7 @@ def forward_logits(model: torch.nn.Module, micro: MicroBatch, pad_to: int | None
     logits = model(
         tokens.to(device)[None], positions.to(device)[None], attention_mask=None, packed_seq_params=params
     )
-    if _tp_world_size() > 1:
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-        logits = gather_from_tensor_model_parallel_region(logits)
+    logits = whole_vocab(logits)
     return logits.reshape(-1, logits.shape[-1])[: micro.num_tokens]
 
 
@@ -100,6 +97,15 @@ def _tp_world_size() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+def whole_vocab(logits: Tensor) -> Tensor:
+    """Vocab-parallel logits all-gathered over the TP group (differentiably); as is without TP."""
+    if _tp_world_size() == 1:
+        return logits
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits)
 
 
 def response_logprobs(

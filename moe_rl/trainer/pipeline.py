@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_rl.trainer.batch import TrainMicroBatch
-from moe_rl.trainer.logprobs import packed_seq_params, pad_micro_batch
+from moe_rl.trainer.logprobs import packed_seq_params, pad_micro_batch, whole_vocab
 
 ROUTING_KEYS = ("routing_agreement", "routing_overlap")
 
@@ -55,15 +55,13 @@ def run_schedule(
     (what the backward starts from; ignored when ``forward_only``).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     device = next(model.parameters()).device
     config = model.config
     config.variable_seq_lengths = True
 
     def loss_func(mb: TrainMicroBatch, output: Tensor):
-        if config.tensor_model_parallel_size > 1:
-            output = gather_from_tensor_model_parallel_region(output)
+        output = whole_vocab(output)
         logits = output.reshape(-1, output.shape[-1])[: mb.micro.num_tokens]
         loss_sum = on_logits(mb, logits)
         return loss_sum, torch.ones((), dtype=torch.int), {}
