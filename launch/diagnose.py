@@ -9,6 +9,7 @@ from pathlib import Path
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe
 from moe_rl.config.loader import recipes_root
+from moe_rl.device import hide_cuda_if_cpu
 from moe_rl.diagnostics.results import NotAvailable
 
 log = logging.getLogger("moe_rl.diagnose")
@@ -59,6 +60,8 @@ def diagnose_command(
         raise ConfigError(f"--prompts={num_prompts}: expected at least 1")
     configs = resolve(recipe, overrides, quants)
     log.info("recipe %s resolved for %s; loading the trainer model", recipe, ", ".join(configs))
+    runnable = [c for c in configs.values() if isinstance(c, RecipeConfig)]
+    hide_cuda_if_cpu(runnable[0].run.device)  # before torch looks for CUDA
     from moe_rl.diagnostics.render import render, write_json
     from moe_rl.diagnostics.zero_update import diagnose
 

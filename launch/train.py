@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
+from moe_rl.device import hide_cuda_if_cpu
 
 log = logging.getLogger("moe_rl.train")
 
@@ -17,6 +18,17 @@ def prepare_run_dir(config: RecipeConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     return run_dir
+
+
+def check_machine(config: RecipeConfig) -> None:
+    """The checks that need to know this machine (CUDA or not: what the engine can give), before
+    anything starts; a refusal is a `ConfigError` like any other bad recipe."""
+    from moe_rl.rollout.capabilities import check_recipe
+
+    try:
+        check_recipe(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def train(recipe: str, overrides: Sequence[str] = (), resume: str | None = None) -> int:
@@ -30,6 +42,8 @@ def train(recipe: str, overrides: Sequence[str] = (), resume: str | None = None)
         config = load_recipe(recipe, overrides)
         run_dir = prepare_run_dir(config)
     log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
+    hide_cuda_if_cpu(config.run.device)  # before torch looks for CUDA
+    check_machine(config)
     from moe_rl.log import setup_logging
     from moe_rl.orchestration.driver import run
 

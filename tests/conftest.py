@@ -1,14 +1,47 @@
-"""Test tiers and the CI rule: in CI (CI=true), a skipped test marked `slurm` or `e2e` is a
-failure, so those tiers can never silently stop running. `gpu` tests skip where no CUDA device is
-present."""
+"""Test tiers, the device parametrization and the CI rule.
+
+* Devices: a test that takes the ``device`` fixture (or a module that marks
+  ``pytest.mark.usefixtures("device")``) runs once per device, ``[cpu]`` and ``[cuda]``; the
+  ``[cuda]`` variant is marked ``gpu``. A process computes on one device (`moe_rl.device`): the
+  ``[cuda]`` variants run where CUDA is present, the ``[cpu]`` variants where it is not, and the
+  other variant is skipped with the reason. So ``pytest -m gpu`` is the GPU tier, and on a CPU
+  machine the suite runs as before.
+* CI rule: in CI (CI=true), a skipped test marked `slurm` or `e2e` is a failure, so those tiers can
+  never silently stop running — unless it is a ``gpu`` test on a machine without CUDA.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 
 REQUIRED_IN_CI = ("slurm", "e2e")
+DEVICES = ("cpu", "cuda")
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "device" in metafunc.fixturenames:
+        params = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+        metafunc.parametrize("device", params, indirect=True)
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest):
+    """The device the test's models and tensors live on: ``cpu`` or ``cuda`` (see above)."""
+    import torch
+
+    return torch.device(request.param)
 
 
 def _in_ci() -> bool:
@@ -16,18 +49,18 @@ def _in_ci() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if has_cuda:
-        return
+    has_cuda = _has_cuda()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_cpu = pytest.mark.skip(
+        reason="this process sees CUDA, so its models run there; the [cpu] variant runs on a machine "
+        "without CUDA (or with CUDA_VISIBLE_DEVICES=)"
+    )
     for item in items:
-        if item.get_closest_marker("gpu"):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if not has_cuda and item.get_closest_marker("gpu"):
             item.add_marker(skip_gpu)
+        elif has_cuda and params.get("device") == "cpu":
+            item.add_marker(skip_cpu)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -36,7 +69,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     # markers, not keywords: keywords also hold folder names (everything under tests/e2e/)
     required = [m for m in REQUIRED_IN_CI if item.get_closest_marker(m)]
-    if report.skipped and required and _in_ci():
+    no_gpu_here = item.get_closest_marker("gpu") is not None and not _has_cuda()
+    if report.skipped and required and _in_ci() and not no_gpu_here:
         report.outcome = "failed"
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.longrepr = f"a `{required[0]}` test may not skip in CI: {reason}"

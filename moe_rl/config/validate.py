@@ -10,12 +10,13 @@ from collections.abc import Iterable
 
 from moe_rl.config.loader import ConfigError
 from moe_rl.config.schema import ModelConfig, RecipeConfig
+from moe_rl.device import RUN_DEVICES
 
 # The recipe vocabulary. `moe_rl.algo.registry` maps the algorithm names to functions; a test
 # keeps the two in step (this module must not import torch).
 CHOICES: dict[str, tuple[str, ...]] = {
     "run.mode": ("sync", "async", "offline"),
-    "run.device": ("auto", "cpu", "cuda"),
+    "run.device": RUN_DEVICES,
     "model.family": ("qwen3_moe", "deepseek_v3"),
     "model.attention": ("gqa", "mla"),
     "model.moe_router_score_function": ("softmax", "sigmoid"),

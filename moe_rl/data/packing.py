@@ -17,6 +17,7 @@ A sample longer than the budget is an error naming it: never truncated, never dr
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,22 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """This micro-batch with every tensor on ``device`` (itself when they are there already)."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
 
 def plan_microbatches(

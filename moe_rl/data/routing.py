@@ -56,6 +56,13 @@ def compact_routing(
     non-integer input, a wrong number of dimensions, or ids outside ``[0, num_experts)`` — never
     wraps around silently.
     """
+    if isinstance(topk_idx_TLK, Tensor) and topk_idx_TLK.device.type != "cpu":
+        raise TrajectoryError(
+            "routed_experts",
+            "trajectory tensors live on the CPU",
+            sample=sample,
+            value=str(topk_idx_TLK.device),
+        )
     arr = topk_idx_TLK.numpy() if isinstance(topk_idx_TLK, Tensor) else np.asarray(topk_idx_TLK)
     if arr.ndim != 3:
         raise TrajectoryError(

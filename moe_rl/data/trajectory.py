@@ -282,9 +282,28 @@ def _ragged_from_rows(rows: Sequence[object], dtype: torch.dtype) -> tuple[Tenso
     return (torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype)), offsets
 
 
+_SAMPLE_TENSORS = ("prompt_ids", "response_ids", "rollout_logp", "sampling_mask_ids", "sampling_mask_offsets",
+                   "routed_experts", "old_logp")  # fmt: skip
+
+
+def check_on_cpu(samples: Sequence[Sample]) -> None:
+    """Trajectories are CPU tensors (what crosses processes and lands on disk): an engine or
+    worker moves its results to the CPU before it builds one. A device tensor is refused here,
+    naming the field and the sample, rather than failing later in ``.numpy()``."""
+    for i, s in enumerate(samples):
+        for name in _SAMPLE_TENSORS:
+            value = getattr(s, name)
+            if isinstance(value, Tensor) and value.device.type != "cpu":
+                raise TrajectoryError(
+                    name, "trajectory tensors live on the CPU", sample=i, value=str(value.device),
+                    expected="a CPU tensor (move engine outputs with .cpu() once per step)",
+                )  # fmt: skip
+
+
 def _from_samples(
     samples: Sequence[Sample], engine: str, quant_recipe: str, policy_version: int, num_experts: int | None
 ) -> TrajectoryBatch:
+    check_on_cpu(samples)
     prompt_ids, prompt_offsets = _ragged_from_rows([s.prompt_ids for s in samples], torch.int32)
     response_ids, response_offsets = _ragged_from_rows([s.response_ids for s in samples], torch.int32)
     span_starts, span_offsets = _ragged_from_rows(

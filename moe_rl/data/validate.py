@@ -113,6 +113,8 @@ def _check_types(batch: TrajectoryBatch) -> None:
             continue
         if not isinstance(value, Tensor):
             raise TrajectoryError(name, "must be a torch.Tensor", value=type(value).__name__)
+        if value.device.type != "cpu":
+            raise TrajectoryError(name, "trajectory tensors live on the CPU", value=str(value.device))
         if value.dtype != dtype or value.dim() != 1:
             raise TrajectoryError(
                 name,

@@ -147,15 +147,15 @@ def outside_top_p(rows: Tensor, targets: Tensor, params: MeasureParams) -> Tenso
         )
         picked = processed.gather(1, targets[start : start + params.chunk_size, None]).squeeze(1)
         out.append(~torch.isfinite(picked))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool, device=rows.device)
 
 
 def _micro_pass(model, micro: MicroBatch, replay, r3: bool, ksm: bool, params: MeasureParams) -> dict:
     trace = micro.routed_experts.long() if r3 else None
     with routing_mode(replay, trace, micro.num_tokens, natural=r3) as routing, used_routing(replay) as used:
         logits = forward_logits(model, micro)
-    positions = micro.response_positions.to(logits.device)
-    targets = micro.input_ids.to(logits.device).index_select(0, positions)
+    positions = micro.response_positions
+    targets = micro.input_ids.index_select(0, positions)
     out = {
         "logp": response_logprobs(logits, micro, params.temperature, params.chunk_size),
         "logp_ksm": response_logprobs(logits, micro, params.temperature, params.chunk_size, True)
@@ -164,9 +164,9 @@ def _micro_pass(model, micro: MicroBatch, replay, r3: bool, ksm: bool, params: M
         "outside": outside_top_p(logits.index_select(0, positions - 1), targets, params),
     }
     if replay is not None and micro.routed_experts is not None:
-        valid = micro.routing_valid.to(logits.device)
+        valid = micro.routing_valid
         out["used"] = torch.stack(used, dim=1)[: micro.num_tokens][valid]
-        out["rollout"] = replay.local_layers(micro.routed_experts.long().to(logits.device))[valid]
+        out["rollout"] = replay.local_layers(micro.routed_experts.long())[valid]
         natural = routing.get("natural")
         out["natural"] = natural[valid] if natural is not None else out["used"]
     return out
@@ -176,14 +176,20 @@ def _micro_pass(model, micro: MicroBatch, replay, r3: bool, ksm: bool, params: M
 def trainer_pass(
     model, batch: TrajectoryBatch, replay, r3: bool, ksm: bool, params: MeasureParams
 ) -> TrainerPass:
-    """The trainer's forward(s) over ``batch`` in micro-batches (R3: replaying the batch's routing)."""
+    """The trainer's forward(s) over ``batch`` in micro-batches (R3: replaying the batch's routing).
+
+    ``batch`` is on the CPU (a trajectory); each micro-batch is moved to the model's device once and
+    its results come back to the CPU once."""
     num = batch.num_response_tokens
-    logp, logp_ksm = torch.zeros(num), torch.zeros(num) if ksm else None
-    outside = torch.zeros(num, dtype=torch.bool)
+    logp = torch.zeros(num, device="cpu")
+    logp_ksm = torch.zeros(num, device="cpu") if ksm else None
+    outside = torch.zeros(num, dtype=torch.bool, device="cpu")
     result = TrainerPass(logp, logp_ksm, outside)
-    for micro in pack_microbatches(batch, params.max_tokens_per_microbatch):
+    device = next(model.parameters()).device
+    for packed in pack_microbatches(batch, params.max_tokens_per_microbatch):
+        micro = packed.to(device)
         out = _micro_pass(model, micro, replay, r3, ksm, params)
-        index = micro.response_token_index
+        index = packed.response_token_index
         logp[index] = out["logp"].float().cpu()
         outside[index] = out["outside"].cpu()
         if logp_ksm is not None:
@@ -239,7 +245,7 @@ def mode_metrics(
 ) -> dict[str, Value]:  # fmt: skip
     """Every metric of one mode (see the module docstring)."""
     num_seqs = batch.num_samples
-    seq_ids = torch.repeat_interleave(torch.arange(num_seqs), batch.response_lengths())
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=logp.device), batch.response_lengths())
     rollout_logp = batch.rollout_logp.float()
     mask = torch.ones_like(logp, dtype=torch.bool)
     out: dict[str, Value] = {

@@ -16,6 +16,7 @@ import ray
 import torch
 
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.device import Machine, process_device, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def _setup_process(config: RecipeConfig) -> None:
     from moe_rl.log import setup_logging
 
     setup_logging(config.logging.level)
-    if config.run.device != "cuda":
+    if process_device().type == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
@@ -72,7 +73,9 @@ class TrainerActor:
         return {k: sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step) for k in keys}
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, tensor.detach().cpu().clone()) for name, tensor in self.worker.export_hf_weights()]
+        return [
+            (name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.worker.export_hf_weights()
+        ]
 
     def save_hf(self, directory: str) -> str:
         """Write the current weights as a Hugging Face folder (what vLLM starts from)."""
@@ -167,16 +170,25 @@ def start_ray(config: RecipeConfig) -> None:
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
 
 
-def _options(config: RecipeConfig, role: str) -> dict[str, Any]:
-    gpus = config.cluster.gpus_per_node
+SHARED_GPU = 0.5
+"""GPU share of the trainer and of the engine when both run on this machine's one GPU."""
+
+
+def _options(config: RecipeConfig, role: str, machine: Machine | None = None) -> dict[str, Any]:
+    """Ray resources of an actor. The device is ``run.device`` resolved on this machine: a CPU run
+    asks for no GPU (so Ray hides the GPUs from the actor); a CUDA run on a cluster
+    (``cluster.gpus_per_node > 0``) gives the trainer a GPU and each engine its tensor-parallel
+    GPUs, and on a single machine (``gpus_per_node = 0``) trainer and engine share its GPU."""
+    cuda = resolve_device(config.run.device, machine or Machine.detect()) == "cuda"
+    if role == "reward":
+        return {"num_cpus": 0}
+    if not cuda:
+        return {"num_cpus": 1, "num_gpus": 0}
+    if config.cluster.gpus_per_node == 0:
+        return {"num_cpus": 1, "num_gpus": SHARED_GPU}
     if role == "trainer":
-        return {"num_cpus": 1, "num_gpus": 1 if gpus else 0}
-    if role == "engine":
-        return {
-            "num_cpus": 1 if not gpus else 2,
-            "num_gpus": config.rollout.tensor_parallel_size if gpus else 0,
-        }
-    return {"num_cpus": 0}
+        return {"num_cpus": 1, "num_gpus": 1}
+    return {"num_cpus": 2, "num_gpus": config.rollout.tensor_parallel_size}
 
 
 def spawn(cls: type, config: RecipeConfig, role: str, *args: Any):

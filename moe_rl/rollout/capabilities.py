@@ -10,9 +10,9 @@ Imports neither vLLM nor Megatron (torch only to look for CUDA, and only when no
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from moe_rl.config.schema import QuantConfig, RecipeConfig
+from moe_rl.device import Machine, resolve_device
 from moe_rl.rollout.engine import EngineCapabilities
 
 logger = logging.getLogger(__name__)
@@ -23,23 +23,6 @@ others fail at the first forward with ``Unsupported CPU attention configuration:
 
 NVFP4_MIN_CAPABILITY = (10, 0)
 """vLLM's NVFP4 kernels need Blackwell (compute capability 10.0) or newer."""
-
-
-@dataclass(frozen=True)
-class Machine:
-    """The accelerator of this machine, as far as rollout engines care."""
-
-    cuda: bool
-    capability: tuple[int, int] | None = None
-    """CUDA compute capability of device 0 (None without CUDA)."""
-
-    @classmethod
-    def detect(cls) -> Machine:
-        import torch
-
-        if not torch.cuda.is_available():
-            return cls(cuda=False)
-        return cls(cuda=True, capability=tuple(torch.cuda.get_device_capability(0)))
 
 
 _TABLE: dict[tuple[str, str], EngineCapabilities] = {
@@ -93,17 +76,6 @@ def engine_capabilities(engine: str, device: str) -> EngineCapabilities:
         raise ValueError(
             f"rollout.engine={engine!r} on device {device!r}: unknown; engines: {engines}, devices: cpu, cuda"
         ) from None
-
-
-def resolve_device(run_device: str, machine: Machine) -> str:
-    """``run.device`` (``auto`` / ``cpu`` / ``cuda``) on this machine."""
-    if run_device == "auto":
-        return "cuda" if machine.cuda else "cpu"
-    if run_device == "cuda" and not machine.cuda:
-        raise ValueError("run.device=cuda but this machine has no CUDA device; use run.device=cpu or auto")
-    if run_device not in ("cpu", "cuda"):
-        raise ValueError(f"run.device={run_device!r}; expected auto, cpu or cuda")
-    return run_device
 
 
 def vllm_quantization(quant: QuantConfig) -> str | None:

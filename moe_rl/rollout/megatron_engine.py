@@ -12,6 +12,11 @@ computed it, which is exactly the routing its next token was sampled with. As in
 sampled token is never forwarded, so a trace has ``prompt_len + response_len − 1`` rows.
 Sampling follows vLLM's semantics (`moe_rl.rollout.sampler`).
 
+Device: the engine owns the process's device (`moe_rl.device`). Prompts are packed there, the
+sampler's generator lives there (seeded from the recipe, so a seed gives the same draws on the
+same device), and each decoding step reads its sampled tokens, log-probs, kept sets and routing
+rows back to the CPU once: the trajectories it returns are CPU tensors.
+
 `int4_awq` is activation-aware: at each sync ModelOpt's AWQ-lite searches per-channel scales on
 calibration activations (`quant.calib_tokens` tokens of the engine's most recent rollout
 sequences) in a scratch copy of the model, and the engine loads the effective dequantized weights
@@ -21,6 +26,7 @@ calibration runs at the next `generate`, on that call's prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -30,6 +36,8 @@ import torch
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
+from moe_rl.device import check_process_device
+from moe_rl.rollout.capabilities import engine_capabilities
 from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
 from moe_rl.rollout.quant import (
     QuantReport,
@@ -56,12 +64,13 @@ class _Packed:
         return self.input_ids.numel()
 
 
-def _pack(seqs: Sequence[list[int]]) -> _Packed:
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    cu[1:] = lengths.cumsum(0)
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
-    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+def _pack(seqs: Sequence[list[int]], device: torch.device) -> _Packed:
+    """Token sequences as one packed sequence on ``device`` (built there from Python lists)."""
+    lengths = [len(s) for s in seqs]
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int64, device=device).cumsum(0)
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
+    positions = torch.tensor([p for n in lengths for p in range(n)], dtype=torch.int64, device=device)
     return _Packed(ids, positions, cu)
 
 
@@ -103,37 +112,31 @@ class MegatronEngine:
     name = "megatron"
 
     def __init__(self, config: RecipeConfig, seed: int | None = None):
-        from moe_rl.trainer.cpu_compat import cuda_available
         from moe_rl.trainer.model import build_gpt_model
         from moe_rl.trainer.parallel import init_parallel
         from moe_rl.trainer.replay import RoutingReplay
 
-        check_quant_supported(config.quant, cuda_available())
         init_parallel(config.parallel)
+        self.device = check_process_device(config.run.device)
+        check_quant_supported(config.quant, self.device.type == "cuda")
         self.config = config
         self.model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
         self.model.eval()
         self.replay = RoutingReplay(self.model) if config.model.num_experts else None
         self.quantizer = WeightQuantizer(config.quant, config.model.num_layers)
         self.version = 0
-        self.generator = torch.Generator().manual_seed(config.run.seed if seed is None else seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(
+            config.run.seed if seed is None else seed
+        )
         self.last_quant_report: QuantReport | None = None
         self._awq_pending: dict[str, torch.Tensor] | None = None
         self._calibration: list[list[int]] = []
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        from moe_rl.trainer.cpu_compat import cuda_available
-
-        return EngineCapabilities(
-            engine=self.name,
-            device="cuda" if cuda_available() else "cpu",
-            routing=self.replay is not None,
-            sampling_mask=True,
-            quant_methods=("none", "fp8", "int8", "int4_awq", *(("nvfp4",) if cuda_available() else ())),
-            fake_quant=True,
-            weight_transfer="in-process",
-        )
+        """The Megatron engine's row on the device it runs on (routing only for an MoE model)."""
+        caps = engine_capabilities(self.name, self.device.type)
+        return dataclasses.replace(caps, routing=self.replay is not None)
 
     @property
     def policy_version(self) -> int:
@@ -185,7 +188,7 @@ class MegatronEngine:
 
         def forward_loop(model):
             for chunk in chunks:
-                forward_logits(model, _pack(chunk))
+                forward_logits(model, _pack(chunk, self.device))
 
         def include(name: str, weight: torch.Tensor) -> bool:
             hf = hf_names_for(self.model, name).hf
@@ -211,7 +214,7 @@ class MegatronEngine:
     def _step(self, rollouts: list[_Rollout]) -> None:
         from moe_rl.trainer.logprobs import forward_logits
 
-        packed = _pack([r.prompt + r.response for r in rollouts])
+        packed = _pack([r.prompt + r.response for r in rollouts], self.device)
         if self.replay is not None:
             with self.replay.record() as rec:
                 logits = forward_logits(self.model, packed)
@@ -221,14 +224,19 @@ class MegatronEngine:
         last = packed.cu_seqlens[1:].long() - 1
         spec = self._spec
         out = self._sample(logits[last], spec)
+        # back to the CPU, once per step: sampled ids, log-probs, kept sets, routing rows
+        tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
+        kept_ids, kept_offsets = out.kept_ids.cpu(), out.kept_offsets.tolist()
+        bounds = packed.cu_seqlens.tolist()
+        trace = None if trace is None else trace.cpu()
         for i, r in enumerate(rollouts):
             if trace is not None:
-                start = int(packed.cu_seqlens[i]) if not r.response else int(last[i])
-                r.routing.append(trace[start : int(last[i]) + 1])
-            token = int(out.tokens[i])
+                start = bounds[i] if not r.response else bounds[i + 1] - 1
+                r.routing.append(trace[start : bounds[i + 1]])
+            token = tokens[i]
             r.response.append(token)
-            r.logp.append(float(out.logprobs[i]))
-            r.kept.append(out.kept_ids[out.kept_offsets[i] : out.kept_offsets[i + 1]])
+            r.logp.append(logprobs[i])
+            r.kept.append(kept_ids[kept_offsets[i] : kept_offsets[i + 1]])
             if token in spec.stop_token_ids:
                 r.finish = "stop"
             elif len(r.response) >= spec.max_new_tokens:
@@ -238,11 +246,12 @@ class MegatronEngine:
         if spec.greedy:  # argmax; log-probs of the unprocessed distribution, nothing filtered
             rows, vocab = logits.shape
             tokens = logits.argmax(-1)
+            device = logits.device
             return SampleOutput(
                 tokens=tokens,
                 logprobs=logits.float().log_softmax(-1).gather(1, tokens[:, None]).squeeze(1),
-                kept_ids=torch.arange(vocab, dtype=torch.int32).repeat(rows),
-                kept_offsets=torch.arange(rows + 1, dtype=torch.int64) * vocab,
+                kept_ids=torch.arange(vocab, dtype=torch.int32, device=device).repeat(rows),
+                kept_offsets=torch.arange(rows + 1, dtype=torch.int64, device=device) * vocab,
             )
         return sample(logits, spec.temperature, spec.top_k, spec.top_p, self.generator)
 
@@ -276,15 +285,17 @@ class MegatronEngine:
         return self._to_batch(rollouts)
 
     def _to_batch(self, rollouts: list[_Rollout]) -> TrajectoryBatch:
+        """The finished rollouts as a trajectory: CPU tensors (what crosses processes)."""
         samples = []
+        cpu = torch.device("cpu")
         for r in rollouts:
-            kept_offsets = torch.zeros(len(r.kept) + 1, dtype=torch.int64)
-            kept_offsets[1:] = torch.tensor([len(k) for k in r.kept]).cumsum(0)
+            kept_offsets = torch.zeros(len(r.kept) + 1, dtype=torch.int64, device=cpu)
+            kept_offsets[1:] = torch.tensor([len(k) for k in r.kept], device=cpu).cumsum(0)
             samples.append(
                 Sample(
-                    prompt_ids=torch.tensor(r.prompt, dtype=torch.int32),
-                    response_ids=torch.tensor(r.response, dtype=torch.int32),
-                    rollout_logp=torch.tensor(r.logp, dtype=torch.float32),
+                    prompt_ids=torch.tensor(r.prompt, dtype=torch.int32, device=cpu),
+                    response_ids=torch.tensor(r.response, dtype=torch.int32, device=cpu),
+                    rollout_logp=torch.tensor(r.logp, dtype=torch.float32, device=cpu),
                     reward=0.0,
                     group_id=r.group_id,
                     finish_reason=r.finish,

@@ -59,7 +59,16 @@ def sample(
     generator: torch.Generator | None = None,
     return_kept: bool = True,
 ) -> SampleOutput:
-    """Draw one token per row of `logits` [B, V] with vLLM's processing (see module docstring)."""
+    """Draw one token per row of `logits` [B, V] with vLLM's processing (see module docstring).
+
+    Everything is computed on the logits' device; ``generator`` must be a generator of that
+    device (a CUDA draw cannot use a CPU generator).
+    """
+    if generator is not None and generator.device.type != logits.device.type:
+        raise ValueError(
+            f"sampler generator is on {generator.device}, the logits on {logits.device}: create the "
+            "generator on the logits' device (torch.Generator(device=...))"
+        )
     processed = process_logits(logits, temperature, top_k, top_p)
     logp = processed.log_softmax(dim=-1)
     tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
@@ -68,7 +77,7 @@ def sample(
         kept = torch.isfinite(processed)
         rows, cols = kept.nonzero(as_tuple=True)
         counts = kept.sum(dim=1)
-        kept_offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+        kept_offsets = torch.zeros(len(counts) + 1, dtype=torch.int64, device=logits.device)
         kept_offsets[1:] = counts.cumsum(0)
         kept_ids = cols.to(torch.int32)
         del rows

@@ -54,16 +54,35 @@ class TrainMicroBatch:
         return self.micro.cu_seqlens.numel() - 1
 
     @property
+    def device(self) -> torch.device:
+        return self.micro.device
+
+    def to_(self, device: torch.device | str) -> TrainMicroBatch:
+        """Move every tensor of this micro-batch to ``device``, in place (the worker's boundary:
+        trajectories arrive as CPU tensors and are moved once); returns ``self``."""
+        device = torch.device(device)
+        self.micro = self.micro.to(device)
+        for name in _PER_TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value.device != device:
+                setattr(self, name, value.to(device))
+        return self
+
+    @property
     def seq_ids(self) -> Tensor:
         """int64 ``[R]``: index of each response token's sample inside this micro-batch."""
         counts = self.micro.response_offsets[1:] - self.micro.response_offsets[:-1]
-        return torch.repeat_interleave(torch.arange(self.num_samples), counts)
+        samples = torch.arange(self.num_samples, device=counts.device)
+        return torch.repeat_interleave(samples, counts, output_size=self.micro.response_positions.numel())
 
     @property
     def sample_of_token(self) -> Tensor:
         """int64 ``[T]``: source-batch index of the sample owning each packed token (for errors)."""
         lengths = (self.micro.cu_seqlens[1:] - self.micro.cu_seqlens[:-1]).long()
-        return torch.repeat_interleave(self.micro.sample_indices, lengths)
+        return torch.repeat_interleave(self.micro.sample_indices, lengths, output_size=self.micro.num_tokens)
+
+
+_PER_TOKEN_FIELDS = ("advantages", "old_logp", "old_entropy", "recorded_routing")
 
 
 def token_advantages(sample_advantages: Tensor, response_lengths: Tensor) -> Tensor:

@@ -376,7 +376,7 @@ def save_hf_checkpoint(
     shard: dict[str, Tensor] = {}
     size = total = 0
     for name, tensor in iter_hf_weights(gpt):
-        tensor = tensor.to(dtype) if dtype is not None else tensor
+        tensor = tensor.detach().to("cpu", dtype or tensor.dtype)  # files hold CPU tensors
         nbytes = tensor.numel() * tensor.element_size()
         if shard and size + nbytes > max_shard_bytes:
             written.append(_write_shard(folder, len(written), shard))

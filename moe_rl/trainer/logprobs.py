@@ -3,7 +3,7 @@
 The micro-batch runs as one packed sequence (Megatron ``thd`` layout: tokens ``[1, T]``,
 ``position_ids`` restarting per sample, ``PackedSeqParams`` with ``cu_seqlens``); attention
 stays inside each sample. On GPU the transformer-engine attention handles ``thd``; on CPU the
-local spec's `cpu_compat.SDPACoreAttention` does, with a block-diagonal causal mask, so no
+local spec's `attention.SDPACoreAttention` does, with a block-diagonal causal mask, so no
 per-sample loop and no padding is needed (padding is added only where ranks must agree on the
 token count: `pad_micro_batch`).
 
@@ -59,9 +59,10 @@ def pad_micro_batch(micro: MicroBatch, pad_to: int | None) -> tuple[Tensor, Tens
         raise ValueError(f"pad_to={pad_to} is shorter than the micro-batch ({tokens.numel()} tokens)")
     if extra == 0:
         return tokens, positions, cu
-    tokens = torch.cat([tokens, torch.zeros(extra, dtype=tokens.dtype)])
-    positions = torch.cat([positions, torch.arange(extra, dtype=positions.dtype)])
-    cu = torch.cat([cu, torch.tensor([pad_to], dtype=torch.int32)])
+    device = tokens.device
+    tokens = torch.cat([tokens, torch.zeros(extra, dtype=tokens.dtype, device=device)])
+    positions = torch.cat([positions, torch.arange(extra, dtype=positions.dtype, device=device)])
+    cu = torch.cat([cu, torch.full((1,), pad_to, dtype=torch.int32, device=cu.device)])
     return tokens, positions, cu
 
 
@@ -79,18 +80,29 @@ def packed_seq_params(cu_seqlens: Tensor):
 def forward_logits(model: torch.nn.Module, micro: MicroBatch, pad_to: int | None = None) -> Tensor:
     """Logits ``[T, V]`` of the packed micro-batch (last pipeline stage), padding dropped.
 
+    The micro-batch must be on the model's device already (the caller owns that boundary).
+
     With tensor parallelism the output layer gives each rank a slice of the vocabulary; the slices
     are all-gathered (differentiably: the backward keeps each rank's slice of the gradient), so
     the vocabulary reductions see the whole vocabulary on every rank.
     """
-    device = next(model.parameters()).device
+    check_on_model_device(micro, model)
     tokens, positions, cu = pad_micro_batch(micro, pad_to)
-    params = packed_seq_params(cu.to(device))
     logits = model(
-        tokens.to(device)[None], positions.to(device)[None], attention_mask=None, packed_seq_params=params
+        tokens[None], positions[None], attention_mask=None, packed_seq_params=packed_seq_params(cu)
     )
     logits = whole_vocab(logits)
     return logits.reshape(-1, logits.shape[-1])[: micro.num_tokens]
+
+
+def check_on_model_device(micro, model: torch.nn.Module) -> None:
+    """Refuse a micro-batch that is not on the model's device (the caller moves it, once)."""
+    device = next(model.parameters()).device
+    if micro.input_ids.device != device:
+        raise ValueError(
+            f"micro-batch input_ids are on {micro.input_ids.device}, the model on {device}: move the "
+            "micro-batch to the model's device at the worker's boundary (MicroBatch.to)"
+        )
 
 
 def _tp_world_size() -> int:
@@ -118,9 +130,9 @@ def response_logprobs(
 ) -> Tensor:
     """``[R]`` log-probs of the response tokens; over the kept sets when `keep_sampling_mask`
     (the sets are checked unless ``validate_mask`` is False: the data was checked before)."""
-    positions = micro.response_positions.to(logits.device)
+    positions = micro.response_positions
     rows = logits.index_select(0, positions - 1)
-    targets = micro.input_ids.to(logits.device).index_select(0, positions)
+    targets = micro.input_ids.index_select(0, positions)
     if not keep_sampling_mask:
         return token_logprobs(rows, targets, temperature, chunk_size)
     if micro.sampling_mask_ids is None or micro.sampling_mask_offsets is None:
@@ -131,8 +143,8 @@ def response_logprobs(
     return masked_token_logprobs(
         rows,
         targets,
-        micro.sampling_mask_ids.to(logits.device, torch.int64),
-        micro.sampling_mask_offsets.to(logits.device, torch.int64),
+        micro.sampling_mask_ids.to(torch.int64),
+        micro.sampling_mask_offsets.to(torch.int64),
         temperature,
         validate=validate_mask,
     )
@@ -140,7 +152,7 @@ def response_logprobs(
 
 def response_entropy(logits: Tensor, micro: MicroBatch, temperature: float, chunk_size: int) -> Tensor:
     """``[R]`` full-vocabulary entropy (detached) at the rows predicting response tokens."""
-    positions = micro.response_positions.to(logits.device)
+    positions = micro.response_positions
     with torch.no_grad():
         return token_entropy(logits.index_select(0, positions - 1), temperature, chunk_size)
 

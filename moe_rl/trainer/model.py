@@ -12,10 +12,13 @@ Two families:
   group-limited routing, a routed scaling factor and ``first_k_dense_layers`` dense MLP layers.
   Rotary scaling: plain RoPE or YaRN (`_rope_kwargs`), as in the published configs.
 
-On CUDA with transformer-engine the TE layer specs are used; otherwise the local specs with the
-CPU core attention (`cpu_compat.SDPACoreAttention`). Initialization is deterministic: the seed
-is set before construction and, on CPU, ``use_cpu_initialization=True`` draws every weight
-from the torch CPU generator.
+On CUDA with transformer-engine the TE layer specs are used; without transformer-engine (CPU, or
+CUDA without it, a configuration Megatron supports) the local specs with the packed SDPA core
+attention (`moe_rl.trainer.attention.SDPACoreAttention`). The model is built on the process's
+device (`moe_rl.device`): on CUDA Megatron initializes it there (CUDA RNG tracker seeded by
+``model_parallel_cuda_manual_seed``), on CPU ``use_cpu_initialization=True`` draws every weight
+from the torch CPU generator. Initialization is deterministic per device: the seed is set before
+construction.
 """
 
 from __future__ import annotations
@@ -28,23 +31,18 @@ import torch.nn.functional as F
 
 from moe_rl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from moe_rl.config.validate import check_rope_scaling
-from moe_rl.trainer.cpu_compat import SDPACoreAttention, apply_cpu_shims, cpu_token_dispatcher, cuda_available
+from moe_rl.trainer.attention import SDPACoreAttention
+from moe_rl.trainer.megatron_compat import (
+    cuda_available,
+    require_process_setup,
+    te_available,
+    token_dispatcher,
+)
 
 log = logging.getLogger(__name__)
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def te_available() -> bool:
-    """True where transformer-engine imports (and CUDA is present)."""
-    if not cuda_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def moe_layer_pattern(model: ModelConfig) -> list[int]:
@@ -83,9 +81,7 @@ def _check_model(model: ModelConfig) -> None:
 
 
 def _moe_kwargs(model: ModelConfig, trainer: TrainerConfig) -> dict[str, Any]:
-    dispatcher = trainer.moe_token_dispatcher_type
-    if not cuda_available():
-        dispatcher = cpu_token_dispatcher(dispatcher)
+    dispatcher = token_dispatcher(trainer.moe_token_dispatcher_type)
     return {
         "num_moe_experts": model.num_experts,
         "moe_router_topk": model.moe_router_topk,
@@ -250,8 +246,7 @@ def build_gpt_model(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    if not cuda_available():
-        apply_cpu_shims()
+    require_process_setup()
     config = transformer_config(model, parallel, trainer)
     use_te = te_available()
     torch.manual_seed(seed)

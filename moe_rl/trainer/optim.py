@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_rl.config.schema import TrainerConfig
-from moe_rl.trainer.cpu_compat import cuda_available
+from moe_rl.trainer.megatron_compat import cuda_available
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,9 @@ class TorchAdamW:
         """Global L2 norm of the gradients (see the module docstring for the reduction)."""
         from megatron.core import parallel_state as ps
 
-        dense = torch.zeros((), dtype=torch.float32)
-        expert = torch.zeros((), dtype=torch.float32)
+        device = self.parameters()[0].device
+        dense = torch.zeros((), dtype=torch.float32, device=device)
+        expert = torch.zeros((), dtype=torch.float32, device=device)
         for param in self.parameters():
             if param.grad is None or not _counted_once(param):
                 continue
@@ -143,7 +144,7 @@ class TorchAdamW:
     def _init_state(self) -> None:
         for param in self.parameters():
             if not self.optimizer.state[param]:
-                self.optimizer.state[param]["step"] = torch.zeros((), dtype=torch.float32)
+                self.optimizer.state[param]["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
                 self.optimizer.state[param]["exp_avg"] = torch.zeros_like(param.data)
                 self.optimizer.state[param]["exp_avg_sq"] = torch.zeros_like(param.data)
 
@@ -163,7 +164,7 @@ class TorchAdamW:
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.parameters())
         optim_state_to_sharding_state(state_dict, id_map, exclude_keys="step")
         if steps:
-            state_dict["state"]["common_step"] = torch.tensor(steps.pop(), dtype=torch.float32)
+            state_dict["state"]["common_step"] = torch.tensor(steps.pop(), dtype=torch.float32, device="cpu")
         return state_dict
 
 

@@ -2,8 +2,10 @@
 
 `init_parallel` starts (or joins) the process group and calls
 ``megatron.core.parallel_state.initialize_model_parallel`` with the recipe's TP / PP / VPP /
-CP / EP / ETP sizes; data parallelism is what is left of the world. Without CUDA the backend is
-gloo and the CPU shims are applied. A process launched by ``torchrun`` (or any launcher that
+CP / EP / ETP sizes; data parallelism is what is left of the world. It is the process setup of
+every process that builds a Megatron model: it applies the compatibility shims the process needs
+(`megatron_compat.apply_process_shims`), selects the process's CUDA device (``LOCAL_RANK``) and
+uses NCCL where the process sees CUDA, gloo where it does not. A process launched by ``torchrun`` (or any launcher that
 sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``) joins that world; a plain process
 gets a world of one on an in-memory store.
 """
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config.schema import ParallelConfig
-from moe_rl.trainer.cpu_compat import apply_cpu_shims, cuda_available
+from moe_rl.trainer.megatron_compat import apply_process_shims, cuda_available
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +99,15 @@ def init_parallel(parallel: ParallelConfig, backend: str | None = None) -> Paral
     return the same layout. ``backend`` defaults to nccl with CUDA, gloo without."""
     from megatron.core import parallel_state as ps
 
-    if not cuda_available():
-        apply_cpu_shims()
+    apply_process_shims()
+    if cuda_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = backend or ("nccl" if cuda_available() else "gloo")
     _init_process_group(backend)
     _check_divisible(parallel, dist.get_world_size())
     if ps.model_parallel_is_initialized():
         _check_matches(parallel)
     else:
-        if cuda_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         ps.initialize_model_parallel(**_sizes(parallel))
     return current_info()
 

@@ -2,7 +2,7 @@
 
 With ``parallel.pipeline_model_parallel_size > 1`` the worker's two passes run through
 ``get_forward_backward_func()`` (Megatron's non-interleaved 1F1B schedule; on CPU with gloo
-thanks to `cpu_compat`'s schedule shim). Each micro-batch is one packed sequence whose length
+thanks to `megatron_compat`'s schedule shim). Each micro-batch is one packed sequence whose length
 varies, so the transformer config runs with ``variable_seq_lengths`` (the schedule sends each
 activation's shape before the activation).
 
@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe_rl.device import process_device
 from moe_rl.trainer.batch import TrainMicroBatch
-from moe_rl.trainer.logprobs import packed_seq_params, pad_micro_batch, whole_vocab
+from moe_rl.trainer.logprobs import check_on_model_device, packed_seq_params, pad_micro_batch, whole_vocab
 
 ROUTING_KEYS = ("routing_agreement", "routing_overlap")
 
@@ -56,7 +57,6 @@ def run_schedule(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    device = next(model.parameters()).device
     config = model.config
     config.variable_seq_lengths = True
 
@@ -64,17 +64,15 @@ def run_schedule(
         output = whole_vocab(output)
         logits = output.reshape(-1, output.shape[-1])[: mb.micro.num_tokens]
         loss_sum = on_logits(mb, logits)
-        return loss_sum, torch.ones((), dtype=torch.int), {}
+        return loss_sum, torch.ones((), dtype=torch.int, device=logits.device), {}
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
+        check_on_model_device(mb.micro, chunk)
         tokens, positions, cu = pad_micro_batch(mb.micro, pad_length(mb))
         before_forward(mb)
         output = chunk(
-            tokens.to(device)[None],
-            positions.to(device)[None],
-            attention_mask=None,
-            packed_seq_params=packed_seq_params(cu.to(device)),
+            tokens[None], positions[None], attention_mask=None, packed_seq_params=packed_seq_params(cu)
         )
         after_forward(mb)
         return output, functools.partial(loss_func, mb)
@@ -112,7 +110,7 @@ def broadcast_from_last_stage(value: float) -> float:
     """``value`` as the last pipeline stage has it, on every rank of the pipeline group."""
     from megatron.core import parallel_state as ps
 
-    tensor = torch.tensor([value], dtype=torch.float64)
+    tensor = torch.full((1,), value, dtype=torch.float64, device=process_device())
     dist.broadcast(
         tensor, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
     )

@@ -148,7 +148,8 @@ class RoutingReplay:
                 f"got shape {tuple(local_TLK.shape)}"
             )
         tokens, _, k = local_TLK.shape
-        full = torch.arange(k, dtype=local_TLK.dtype).expand(tokens, self.num_moe_layers, k).clone()
+        full = torch.arange(k, dtype=local_TLK.dtype, device=local_TLK.device)
+        full = full.expand(tokens, self.num_moe_layers, k).clone()
         full[:, self.layer_columns] = local_TLK
         return full
 
@@ -158,7 +159,8 @@ class RoutingReplay:
 
     def _local_columns(self, ids: Tensor, num_tokens: int | None) -> list[Tensor]:
         if num_tokens is not None and num_tokens > ids.shape[0]:
-            pad = torch.arange(self.topk, dtype=ids.dtype).expand(num_tokens - ids.shape[0], ids.shape[1], -1)
+            pad = torch.arange(self.topk, dtype=ids.dtype, device=ids.device)
+            pad = pad.expand(num_tokens - ids.shape[0], ids.shape[1], -1)
             ids = torch.cat([ids, pad])
         if self._sp_slice is not None:
             ids = ids[self._sp_slice(ids.shape[0])]

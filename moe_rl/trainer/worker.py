@@ -21,6 +21,11 @@ responses (sequence means), known before any forward. Correction masks (IcePop, 
 OPSM) zero a token's loss without removing it from the denominator — verl's choice for IcePop,
 applied to all of them so the denominator never depends on the current policy.
 
+Device: the worker owns one device, the process's (`moe_rl.device`): the model lives there,
+micro-batches arrive as CPU tensors and are moved there once (`TrainMicroBatch.to_`) when a pass
+receives them, every tensor a pass creates is created there, and what goes back (metrics) is
+read to the CPU once per call.
+
 Pipeline parallelism: with PP = 1 the micro-batch loop here is the no-pipelining schedule; with
 PP > 1 both passes run through Megatron's 1F1B schedule (`moe_rl.trainer.pipeline`), and every
 rank of a pipeline group returns the same metrics. Virtual pipeline stages are refused.
@@ -46,6 +51,7 @@ from moe_rl.algo import registry
 from moe_rl.algo.aggregate import local_denominator
 from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.device import check_process_device
 from moe_rl.trainer import pipeline
 from moe_rl.trainer.batch import TrainMicroBatch
 from moe_rl.trainer.hf_weights import iter_hf_weights, load_hf_checkpoint
@@ -127,6 +133,7 @@ class TrainerWorker:
         self.diagnostics = diagnostics
         self.config = config
         self.info = init_parallel(config.parallel)
+        self.device = check_process_device(config.run.device)
         self.model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
         if config.model.hf_path:
             load_hf_checkpoint(self.model, config.model.hf_path)
@@ -189,6 +196,7 @@ class TrainerWorker:
     def compute_old_logp(self, micro_batches: Sequence[TrainMicroBatch]) -> dict[str, float]:
         """Fill ``old_logp`` (and ``old_entropy`` for ESPO, ``recorded_routing`` for R2) of each
         micro-batch in place; return mismatch and routing diagnostics (means over micro-batches)."""
+        self._to_device(micro_batches)
         self.ddp.eval()
         options = dataclasses.replace(self.options, entropy=self.config.trainer.compute_entropy)
         record = self.config.algo.routing_replay == "r2"
@@ -222,8 +230,13 @@ class TrainerWorker:
         return found
 
     # ------------------------------------------------------------------ update
+    def _to_device(self, micro_batches: Sequence[TrainMicroBatch]) -> None:
+        """The boundary: move each micro-batch to this worker's device (once; a no-op after)."""
+        for mb in micro_batches:
+            mb.to_(self.device)
+
     def _denominator(self, mb: TrainMicroBatch) -> Tensor:
-        mask = torch.ones(mb.micro.response_positions.numel(), dtype=torch.bool)
+        mask = torch.ones(mb.micro.response_positions.numel(), dtype=torch.bool, device=self.device)
         mode = self.config.algo.aggregation
         if mode not in registry.AGGREGATIONS:
             mode = "seq_mean_token_mean"  # any sequence mode: the count of responses
@@ -257,7 +270,7 @@ class TrainerWorker:
 
         if ps.get_expert_model_parallel_world_size() == 1:
             return None
-        length = torch.tensor([mb.micro.num_tokens], dtype=torch.int64)
+        length = torch.full((1,), mb.micro.num_tokens, dtype=torch.int64, device=self.device)
         dist.all_reduce(length, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
         return int(length)
 
@@ -310,6 +323,7 @@ class TrainerWorker:
             and self.config.algo.policy_mode != "bypass"
         ):
             raise ValueError("train_step needs old_logp on every micro-batch: call compute_old_logp first")
+        self._to_device(mini_batch)
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -317,11 +331,11 @@ class TrainerWorker:
         if self.pipelined:
             loss_sum, metrics = self._pipelined_update(mini_batch)
         else:
-            loss_sum = torch.zeros(())
+            loss_sum = torch.zeros((), device=self.device)
             metrics = []
             for mb in mini_batch:
                 micro_loss, micro_metrics = self._micro_step(mb)
-                loss_sum += micro_loss.float().cpu()
+                loss_sum += micro_loss.float()
                 metrics.append(micro_metrics)
         with self.timer.section("grad_sync"):
             finalize_model_grads([self.ddp], num_tokens=denom)  # all-reduces denom over DP x CP
@@ -361,11 +375,13 @@ class TrainerWorker:
         return self._vcpo_local(mini_batch)
 
     def _vcpo_local(self, mini_batch: Sequence[TrainMicroBatch]) -> float:
-        sums = torch.zeros(3, dtype=torch.float64)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         for mb in mini_batch:
             log_rho = (mb.old_logp - mb.micro.rollout_logp).double().clamp(-20, 20)
             w = log_rho.exp()
-            sums += torch.stack([w.sum(), (w * w).sum(), torch.tensor(float(w.numel()), dtype=torch.float64)])
+            sums[0] += w.sum()
+            sums[1] += (w * w).sum()
+            sums[2] += w.numel()
         self._all_reduce(sums)
         ess = sums[0] ** 2 / (sums[2] * sums[1]).clamp_min(1e-300)
         return float(torch.sqrt(ess.clamp(max=1.0)))
@@ -440,7 +456,7 @@ class TrainerWorker:
         """Forward and backward of a mini-batch through the 1F1B schedule: ``(loss_sum, metrics)``."""
         found: dict[int, dict[str, Tensor]] = {id(mb): {} for mb in mini_batch}
         routed = self.replay is not None and bool(self.replay.routers)
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=self.device)
 
         def before(mb: TrainMicroBatch) -> None:
             trace, local = self._trace_for(mb)
@@ -469,7 +485,7 @@ class TrainerWorker:
             )  # fmt: skip
             micro_loss, metrics = self._micro_loss(mb, logp)
             found[id(mb)].update(metrics)
-            loss_sum = loss_sum + micro_loss.detach().float().cpu()
+            loss_sum = loss_sum + micro_loss.detach().float()
             return micro_loss
 
         natural_ctx = self.replay.natural_routing() if routed and self.diagnostics else None
@@ -493,24 +509,26 @@ class TrainerWorker:
         return tensor
 
     def _reduce_metrics(self, metrics: list[dict[str, Tensor]], prefix: str) -> dict[str, float]:
-        """Mean over micro-batches, then over data-parallel ranks."""
+        """Mean over micro-batches, then over data-parallel ranks; read to the CPU once."""
         names = sorted({k for m in metrics for k in m})
         if not names:
             return {}
-        table = torch.zeros(len(names), 2, dtype=torch.float64)
+        table = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         for m in metrics:
             for i, name in enumerate(names):
                 if name in m:
-                    table[i, 0] += float(m[name])
+                    table[i, 0] += m[name]
                     table[i, 1] += 1
         self._all_reduce(table)
-        return {prefix + n: float(table[i, 0] / table[i, 1].clamp_min(1)) for i, n in enumerate(names)}
+        means = (table[:, 0] / table[:, 1].clamp_min(1)).tolist()
+        return {prefix + n: mean for n, mean in zip(names, means)}
 
     def _step_metrics(self, loss_sum: Tensor, denom: Tensor, ok: bool, grad_norm, lr_scale: float) -> dict:
         total = self._all_reduce(loss_sum.double().clone())
+        loss, denom_value = torch.stack([total / denom.double().clamp_min(1e-12), denom.double()]).tolist()
         return {
-            "train/loss": float(total / denom.double().clamp_min(1e-12)),
-            "train/denominator": float(denom),
+            "train/loss": loss,
+            "train/denominator": denom_value,
             "train/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
             "train/update_ok": float(ok),
             "train/lr": float(self.optimizer.param_groups[0]["lr"]),
@@ -521,7 +539,7 @@ class TrainerWorker:
     # ------------------------------------------------------------------ checkpoints
     def _rng_state(self) -> dict:
         state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
+        if self.device.type == "cuda":
             from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
             state["cuda"] = torch.cuda.get_rng_state()
@@ -532,7 +550,7 @@ class TrainerWorker:
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
+        if "cuda" in state and self.device.type == "cuda":
             from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
             torch.cuda.set_rng_state(state["cuda"])

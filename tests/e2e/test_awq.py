@@ -1,4 +1,4 @@
-"""`int4_awq` on the Megatron engine: ModelOpt AWQ-lite calibration at weight sync."""
+"""`int4_awq` on the Megatron engine: ModelOpt AWQ-lite calibration at weight sync, on each device."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from moe_rl.trainer.logprobs import forward_logits
 from moe_rl.trainer.model import build_gpt_model
 from moe_rl.trainer.replay import release_router_replay
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("device")]
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe.yaml"
 PROMPTS = [[1, 3 + i % 8, 4 + (i * 3) % 10, 5, 2] for i in range(16)]
@@ -37,9 +37,14 @@ def reference():
     return engine, list(iter_hf_weights(engine.model))
 
 
+def packed(model, seqs):
+    """``seqs`` packed on the model's device."""
+    return _pack(seqs, next(model.parameters()).device)
+
+
 def log_probs(model, seqs) -> torch.Tensor:
     with torch.no_grad():
-        return forward_logits(model, _pack(seqs)).float().log_softmax(-1)
+        return forward_logits(model, packed(model, seqs)).float().log_softmax(-1)
 
 
 def kl(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -62,7 +67,7 @@ def test_effective_weights_reproduce_the_modelopt_quantized_model(reference):
     def include(name, weight):
         return all(should_quantize(h, weight, config.quant, num_layers) for h in hf_names_for(model, name).hf)
 
-    effective = awq_effective_weights(model, config.quant, lambda m: forward_logits(m, _pack(CALIB)), include)
+    effective = awq_effective_weights(model, config.quant, lambda m: forward_logits(m, packed(m, CALIB)), include)
     quantized_logp = log_probs(model, CALIB)  # ModelOpt's quantized modules, pre_quant_scale applied
 
     plain = scratch_model(config, weights)

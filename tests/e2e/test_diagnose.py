@@ -1,6 +1,6 @@
 """`moe-rl diagnose` on the tiny MoE with the Megatron engine: the bf16 engine matches the
 trainer exactly, fp8_block128 does not; R3 makes the routing used agree with the engine's and
-lowers the KL; a recipe the CPU cannot run is "not available" with the reason."""
+lowers the KL; nvfp4 runs on CUDA and is "not available", with the reason, on the CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from launch.cli import main
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("device")]
 
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe.yaml")
 
@@ -54,16 +54,23 @@ def test_fp8_block128_mismatch_and_what_r3_does(diagnosed):
     assert fp8["modes"]["r3+ksm"]["kl_k3"] < fp8["modes"]["ksm"]["kl_k3"]
 
 
-def test_nvfp4_on_cpu_is_not_available_with_the_reason(diagnosed):
+def test_nvfp4_runs_on_cuda_and_is_not_available_on_cpu(diagnosed, device):
     nvfp4 = diagnosed[0]["nvfp4"]
-    assert nvfp4["unavailable"].startswith("not available: ") and "CUDA" in nvfp4["unavailable"]
-    assert nvfp4["modes"] == {} and nvfp4["verdicts"] == []
+    if device.type == "cpu":
+        assert nvfp4["unavailable"].startswith("not available: ") and "CUDA" in nvfp4["unavailable"]
+        assert nvfp4["modes"] == {} and nvfp4["verdicts"] == []
+        return
+    assert not nvfp4.get("unavailable") and nvfp4["device"] == "cuda"
+    assert nvfp4["weights"]["quant/num_quantized"] > 0
+    bf16 = diagnosed[0]["bf16"]["modes"]["plain"]["kl_k3"]
+    assert nvfp4["modes"]["plain"]["kl_k3"] > bf16 + 1e-7
 
 
 def test_terminal_table_and_verdicts(diagnosed):
     text = diagnosed[2]
     assert "Mismatch" in text and "Masked shares" in text and "R3+KSM *" in text
-    assert "fp8_block128 (trains as R3+KSM):" in text and "n/a[1]: not available: " in text
+    assert "fp8_block128 (trains as R3+KSM):" in text
+    assert ("n/a[1]: not available: " in text) == (not diagnosed[1]["recipes"][2]["modes"])
 
 
 def test_report_json_header(diagnosed):

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("vllm")
+
 from moe_rl.config import load_recipe
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine

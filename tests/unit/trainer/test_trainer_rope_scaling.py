@@ -66,8 +66,11 @@ def _megatron_logits(model_config, folder, tokens):
 
     model = build_gpt_model(model_config, seed=7).eval()
     load_hf_checkpoint(model, folder)
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
     with torch.no_grad():
-        return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attention_mask=None)
+        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+        return model(tokens, positions, attention_mask=None).cpu()
 
 
 @pytest.mark.parametrize(
@@ -75,7 +78,7 @@ def _megatron_logits(model_config, folder, tokens):
     [(1.0, 1.0), (1.0, 0.0), (0.8, 0.5)],
     ids=["deepseek-v3", "cos-sin-factor", "both-factors"],
 )
-def test_yarn_logits_equal_transformers(mscale, mscale_all_dim, tmp_path):
+def test_yarn_logits_equal_transformers(mscale, mscale_all_dim, tmp_path, device):
     """(1, 1): softmax scale m(1)^2, cos/sin unscaled (the published configs); (1, 0): cos/sin
     times m(1), softmax unscaled; (0.8, 0.5): both, with cos/sin times m(0.8) / m(0.5)."""
     hf_model = _deepseek_hf(mscale, mscale_all_dim)
@@ -90,7 +93,7 @@ def test_yarn_logits_equal_transformers(mscale, mscale_all_dim, tmp_path):
     with torch.no_grad():
         ref = hf_model(tokens).logits
     out = _megatron_logits(config, tmp_path, tokens)
-    assert (ref - out).abs().max() < 1e-5
+    assert (ref - out).abs().max() < (1e-5 if device.type == "cpu" else 1e-4)
     plain = _megatron_logits(dataclasses.replace(config, rope_scaling_type="none"), tmp_path, tokens)
     assert (ref - plain).abs().max() > 0.1  # the comparison sees the rotary scaling
 

@@ -102,8 +102,10 @@ def micro_batches(
     routing: bool = True,
     sampling_mask: bool = True,
     num_microbatches: int | None = None,
+    device: torch.device | str | None = None,
 ) -> list[TrainMicroBatch]:
-    """Random valid trajectories for ``model`` (routing traces over its MoE layers), packed."""
+    """Random valid trajectories for ``model`` (routing traces over its MoE layers), packed; on
+    ``device`` when given (as a worker's boundary would put them), else on the CPU."""
     num_moe = model.num_layers - model.first_k_dense_layers
     trace = (num_moe, model.moe_router_topk, model.num_experts) if routing else None
     batch = random_batch(
@@ -116,4 +118,16 @@ def micro_batches(
         sampling_mask=sampling_mask,
     )
     advantages = torch.randn(num_samples, generator=torch.Generator().manual_seed(seed))
-    return make_train_micro_batches(batch, advantages, max_tokens, num_microbatches)
+    packed = make_train_micro_batches(batch, advantages, max_tokens, num_microbatches)
+    return packed if device is None else [mb.to_(device) for mb in packed]
+
+
+def assert_same(
+    actual: torch.Tensor, expected: torch.Tensor, device: torch.device, tol: float = 1e-5
+) -> None:
+    """Bit-equal on the CPU; within ``tol`` on CUDA, where MoE token scatter uses float atomics
+    whose order (and so the last bits) changes from run to run."""
+    if device.type == "cpu":
+        assert torch.equal(actual, expected)
+    else:
+        torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)

@@ -1,0 +1,92 @@
+"""Which device a process computes on: one device per process, owned by its worker or engine.
+
+``run.device`` (``auto`` / ``cpu`` / ``cuda``) is resolved once against the machine
+(`resolve_device`). A process that is to run on the CPU does not see CUDA at all: the Ray
+actors of a CPU recipe get no GPU (Ray then hides every GPU from them) and the command line hides
+the GPUs before torch starts (`hide_cuda_if_cpu`). So inside a process the device is simply
+"CUDA if this process can see it" (`process_device`), and every component that holds a model
+(the trainer worker, the Megatron engine, the diagnostics' reference model) asks this module,
+never ``torch.cuda.is_available()`` on its own.
+
+Tensors cross a process boundary (Ray, files) as CPU tensors; a worker moves what it computes
+on to its device once, where it receives it, and moves results back to the CPU once, where it
+returns them.
+
+Imports torch lazily: `resolve_device` and `hide_cuda_if_cpu` run in the light command line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
+
+if TYPE_CHECKING:
+    import torch
+
+RunDevice = Literal["auto", "cpu", "cuda"]
+"""What a recipe asks for (``run.device``)."""
+DeviceKind = Literal["cpu", "cuda"]
+"""What a process computes on."""
+RUN_DEVICES: tuple[str, ...] = get_args(RunDevice)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The accelerator of this machine, as far as placement and rollout engines care."""
+
+    cuda: bool
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability of device 0 (None without CUDA)."""
+
+    @classmethod
+    def detect(cls) -> Machine:
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls(cuda=False)
+        return cls(cuda=True, capability=tuple(torch.cuda.get_device_capability(0)))
+
+
+def resolve_device(run_device: str, machine: Machine) -> DeviceKind:
+    """``run.device`` on this machine: ``auto`` is ``cuda`` where CUDA is present."""
+    if run_device not in RUN_DEVICES:
+        raise ValueError(f"run.device={run_device!r}; expected one of {', '.join(RUN_DEVICES)}")
+    if run_device == "auto":
+        return "cuda" if machine.cuda else "cpu"
+    if run_device == "cuda" and not machine.cuda:
+        raise ValueError("run.device=cuda but this machine has no CUDA device; use run.device=cpu or auto")
+    return run_device  # type: ignore[return-value]
+
+
+def hide_cuda_if_cpu(run_device: str) -> bool:
+    """Before torch touches CUDA: make a ``run.device=cpu`` process see no GPU. Returns whether
+    it hid them. (Once CUDA is initialized, the process keeps the devices it saw.)"""
+    if run_device != "cpu":
+        return False
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    return True
+
+
+def process_device() -> torch.device:
+    """The device of this process: its current CUDA device where it sees CUDA, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_process_device(run_device: str) -> torch.device:
+    """`process_device`, refusing a recipe whose ``run.device`` disagrees with what this process
+    sees (``cpu`` with CUDA visible, ``cuda`` without it)."""
+    device = process_device()
+    if run_device not in RUN_DEVICES:
+        raise ValueError(f"run.device={run_device!r}; expected one of {', '.join(RUN_DEVICES)}")
+    if run_device not in ("auto", device.type):
+        raise ValueError(
+            f"run.device={run_device} but this process computes on {device.type}: a CPU run must not see "
+            "CUDA (set CUDA_VISIBLE_DEVICES= before starting it, as `moe-rl` and the Ray actors do) "
+            "and a CUDA run needs a visible GPU"
+        )
+    return device
