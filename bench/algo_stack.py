@@ -2,7 +2,16 @@
 
     python bench/algo_stack.py            # 4k tokens, vocab 32k, kept 200, fp32 CPU
     python bench/algo_stack.py --quick    # 1k tokens
-    python bench/algo_stack.py --device cuda --dtype bf16   # vocab 152k, 32k tokens (GPU)
+    python bench/algo_stack.py --device cuda                # vocab 152k, bf16, tokens sized to the GPU
+
+On CUDA the default token count is sized to the GPU: the baseline's full-vocabulary fp32
+``log_softmax`` is the largest footprint of the bench (the stack path's chunked passes need only
+the [tokens, vocab] gradient), so the peak is estimated from the shapes (`estimate_peak_bytes`:
+the logits and π_old's logits, the fp32 log-softmax output autograd keeps, its gradient and the
+gradient of its input, ≈ 16 bytes per logit in bf16) and the largest power-of-two token count
+whose estimate stays below 60 % (``--mem-fraction``) of the device's total memory is used:
+16,384 tokens at vocab 152,064 on an 80 GB H100 (≈ 37 GiB), 32,768 on a 141 GB H200. The
+estimate and the choice are printed; ``--tokens`` overrides it.
 
 baseline  = full-vocab ``log_softmax``+gather log-probs (π_θ with grad, π_old without) →
             ``ppo_clip`` (token-mean) → backward.
@@ -100,16 +109,67 @@ def loss_only(b, stack: bool):
     return run
 
 
+def estimate_peak_bytes(num: int, vocab: int, dtype: torch.dtype) -> int:
+    """Estimated peak device memory of the bench at ``num`` tokens, in bytes.
+
+    Live throughout: ``logits`` and ``old_logits`` (2 × [N, V] in ``dtype``). On top of that the
+    largest transient is the baseline's step: its forward keeps the fp32 ``log_softmax`` output
+    for backward, and its backward holds that output, the gradient of it (``gather``'s backward
+    scatters into a zero [N, V] fp32 tensor) and the gradient of its input at once: 3 × [N, V]
+    fp32. (π_old's no-grad pass before it peaks at 2 × [N, V] fp32; the stack path's chunked
+    KSM/entropy passes allocate only the [N, V] gradient in ``dtype``; ``make_batch``'s
+    temporaries peak at 2 × [N, V] in ``dtype``.) Allocator fragmentation, the CUDA context and
+    the O(N·kept) tensors are not counted: leave a margin.
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    logits = num * vocab
+    live = 2 * logits * item
+    return live + 3 * logits * 4
+
+
+def cuda_default_tokens(vocab: int, dtype: torch.dtype, device: torch.device, fraction: float) -> int:
+    """The largest power-of-two token count (≥ 1024) whose estimate stays below ``fraction`` of
+    the GPU's total memory; prints the estimate and the choice."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = fraction * total
+    num = 1024
+    while estimate_peak_bytes(2 * num, vocab, dtype) <= budget:
+        num *= 2
+    est = estimate_peak_bytes(num, vocab, dtype)
+    gib = 2**30
+    note = "" if est <= budget else "  (does not fit the budget even at the smallest size)"
+    print(f"memory: estimated peak {est / gib:.1f} GiB at {num} tokens x vocab {vocab} ({dtype}); "
+          f"{estimate_peak_bytes(2 * num, vocab, dtype) / gib:.1f} GiB at {2 * num}; budget {fraction:.0%} of "
+          f"{total / gib:.1f} GiB = {budget / gib:.1f} GiB -> tokens={num}{note}")  # fmt: skip
+    return num
+
+
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--kept", type=int, default=200)
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.6,
+        help="cuda: default --tokens is the largest power of two whose estimated peak stays below this "
+        "fraction of the GPU's memory",
+    )
     args = p.parse_args()
     device, dtype = resolve_device(args)
     cuda = device.type == "cuda"
     vocab = args.vocab or (152064 if cuda else 32000)
-    num = args.tokens or (32768 if cuda else 1024 if args.quick else 4096)
+    if args.tokens:
+        num = args.tokens
+        if cuda:
+            est = estimate_peak_bytes(num, vocab, dtype) / 2**30
+            total = torch.cuda.get_device_properties(device).total_memory / 2**30
+            print(f"memory: estimated peak {est:.1f} GiB at {num} tokens (--tokens) of {total:.1f} GiB")
+    elif cuda:
+        num = cuda_default_tokens(vocab, dtype, device, args.mem_fraction)
+    else:
+        num = 1024 if args.quick else 4096
     repeats = args.repeats or (2 if args.quick else 3)
     b = make_batch(num, vocab, args.kept, dtype, device, args.seed)
     print(f"stack bench: device={device} dtype={dtype} tokens={num} vocab={vocab} kept={args.kept} "

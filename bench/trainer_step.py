@@ -1,6 +1,6 @@
-"""Trainer step time on the tiny CPU MoE: what R3 replay and the stability stack cost.
+"""Trainer step time of a small MoE: what R3 replay and the stability stack cost.
 
-Three workers built from the tiny recipe (same seed, same weights, same batch), timed
+Four workers built from the tiny recipe (same seed, same weights, same batch), timed
 interleaved in one process so machine drift hits all of them alike. One step =
 ``compute_old_logp`` + ``train_step`` over the rollout batch.
 
@@ -12,25 +12,39 @@ interleaved in one process so machine drift hits all of them alike. One step =
   since the old-logp pass, so the update pass recomputes the routing agreement (on the first
   mini-batch it reuses the old-logp pass's, which is exact: same weights, same ids).
 
-Printed: per-step CPU times, the paired ratios ``r3/base − 1`` (target ≤ +3 %) and
-``1 − r3/stack``, the share of the step spent in corrections + KSM + ESPO + diagnostics (target
-≤ 5 %), plus the stack worker's own phase timers. CPU time of this process with one torch thread
-(``--threads``) is used because a shared 2-core box makes wall-clock ratios swing by ±10 %. Not
-a test: numbers depend on the machine.
+Sizes (``--size``):
 
-    python bench/trainer_step.py [--quick]
+* ``tiny``: the tiny recipe's model as shipped (2 layers, hidden 64, 8 experts top-2, vocab 16,
+  fp32), the recipe's 64 responses of up to 16 + 8 tokens.
+* ``mid``:  4 layers, hidden 1024, 64 experts top-8 (expert width 512), 16 heads with 4 KV heads
+  (GQA, head_dim 64), vocab 32,768, bf16; 64 responses of up to 128 prompt + 384 response tokens
+  (about 16k tokens per step), micro-batches of at most 8,192 tokens.
+
+Devices (``--device``, default cuda when available):
+
+* ``cpu``: CPU time of this process with one torch thread (``--threads``) is what is compared,
+  because a shared 2-core box makes wall-clock ratios swing by ±10 %. CUDA is hidden from the
+  process (the workers compute on the CPU).
+* ``cuda``: wall time per step between two ``torch.cuda.Event`` records, synchronized after
+  each step (the GPU is not shared, so wall time is the cost).
+
+Printed: per-step times, the paired ratios ``r3/base − 1`` (target ≤ +3 %) and
+``1 − r3/stack``, the share of the step spent in corrections + KSM + ESPO + diagnostics (target
+≤ 5 %), plus the stack worker's own phase timers. Not a test: numbers depend on the machine.
+
+    python bench/trainer_step.py [--quick]                       # tiny MoE on the CPU
+    python bench/trainer_step.py --device cuda --size mid        # mid-size MoE on one GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root, for moe_rl
@@ -48,8 +62,33 @@ BASE = [
 R3 = [*BASE, "algo.routing_replay=r3"]
 STACK: list[str] = []  # the tiny recipe as shipped: R3, KSM, IcePop, OPSM, ESPO
 
+SIZES = {
+    "tiny": [],
+    "mid": [
+        "model.vocab_size=32768",
+        "model.hidden_size=1024",
+        "model.num_layers=4",
+        "model.num_attention_heads=16",
+        "model.num_key_value_heads=4",
+        "model.head_dim=64",
+        "model.ffn_hidden_size=2816",  # dense layers only (there are none: all 4 are MoE)
+        "model.moe_ffn_hidden_size=512",
+        "model.num_experts=64",
+        "model.moe_router_topk=8",
+        "model.max_position_embeddings=1024",
+        "data.max_prompt_len=128",
+        "rollout.max_new_tokens=384",
+        "rollout.max_model_len=1024",
+        "rollout.batch_size=64",
+        "trainer.precision=bf16",
+        "trainer.max_tokens_per_microbatch=8192",
+    ],
+}
+
 
 def make_batches(config, num_samples: int, seed: int):
+    import torch
+
     from moe_rl.data.synthetic import random_batch
     from moe_rl.trainer.batch import make_train_micro_batches
 
@@ -69,41 +108,75 @@ def make_batches(config, num_samples: int, seed: int):
 
 
 def on_policy(worker, batches) -> None:
-    """Set each batch's rollout log-probs to the worker's own (rollout = trainer, no mismatch)."""
+    """Set each batch's rollout log-probs to the worker's own (rollout = trainer, no mismatch).
+    ``old_logp`` may live on the worker's device; the worker moves what it reads."""
     worker.compute_old_logp(batches)
     for mb in batches:
-        mb.micro.rollout_logp = mb.old_logp.clone()
+        mb.micro.rollout_logp = mb.old_logp.detach().clone()
 
 
-def one_step(worker, batches, later_mini_batch: bool = False) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) of one step."""
+def one_step(worker, batches, cuda: bool, later_mini_batch: bool = False) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one step. On CUDA the wall time is measured
+    between two events and the step is synchronized before returning."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
     wall, cpu = time.perf_counter(), time.process_time()
     worker.compute_old_logp(batches)
     if later_mini_batch:
         for mb in batches:
             mb.old_weights_version = -1
     worker.train_step(batches)
+    if cuda:
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, time.process_time() - cpu
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples and repetitions")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu"
+    )
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default=None, help="model size (default: mid on cuda, tiny on cpu)"
+    )
     parser.add_argument("--samples", type=int, default=None, help="responses per step (default: recipe)")
     parser.add_argument("--reps", type=int, default=None, help="timed steps per worker")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a busy box)"
+        "--threads", type=int, default=1, help="cpu only: torch intra-op threads (1: steadier on a busy box)"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.device == "cpu":
+        # A worker computes on CUDA whenever its process sees it: hide it before torch starts CUDA.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda requested but torch.cuda.is_available() is False on this machine")
+    cuda = device == "cuda"
+    size = args.size or ("mid" if cuda else "tiny")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    torch.set_num_threads(args.threads)
+    if not cuda:
+        torch.set_num_threads(args.threads)
 
     from moe_rl.config import load_recipe
     from moe_rl.trainer.worker import TrainerWorker
 
     recipe = ROOT / "recipes" / "tiny_moe.yaml"
+    common = [*SIZES[size], f"run.device={device}"]
     variants = (("base", BASE), ("r3", R3), ("stack", STACK), ("stack+", STACK))
-    configs = {name: load_recipe(recipe, overrides) for name, overrides in variants}
+    configs = {name: load_recipe(recipe, [*common, *overrides]) for name, overrides in variants}
     samples = args.samples or (16 if args.quick else configs["stack"].rollout.batch_size)
     reps = args.reps or (5 if args.quick else 40)
     workers = {
@@ -113,40 +186,65 @@ def main() -> None:
     batches = {name: make_batches(cfg, samples, seed=0) for name, cfg in configs.items()}
     for name, worker in workers.items():
         on_policy(worker, batches[name])
-        one_step(worker, batches[name])  # warm-up
+        for _ in range(2 if cuda else 1):  # warm-up (CUDA: allocator, cuBLAS handles, autotuning)
+            one_step(worker, batches[name], cuda)
         worker.timer.seconds.clear()
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in workers}
     order = list(workers)
     for rep in range(reps):
         for name in order[rep % len(order) :] + order[: rep % len(order)]:  # rotate who goes first
-            times[name].append(one_step(workers[name], batches[name], later_mini_batch=name == "stack+"))
-    report(times, workers["stack"], samples, batches["stack"])
+            times[name].append(
+                one_step(workers[name], batches[name], cuda, later_mini_batch=name == "stack+")
+            )
+    report(times, workers["stack"], samples, batches["stack"], size, configs["stack"], cuda)
 
 
-def paired(times: dict[str, list[tuple[float, float]]], name: str, ref: str) -> float:
-    """Median over repetitions of the CPU-time ratio ``name / ref`` within the same repetition
-    (neighbouring measurements share the machine's load, so the ratio cancels most of it)."""
-    return statistics.median(a[1] / b[1] for a, b in zip(times[name], times[ref], strict=True))
+def paired(times: dict[str, list[tuple[float, float]]], name: str, ref: str, index: int) -> float:
+    """Median over repetitions of the time ratio ``name / ref`` within the same repetition
+    (neighbouring measurements share the machine's load, so the ratio cancels most of it).
+    ``index``: 0 compares wall time (CUDA), 1 CPU time of this process (CPU)."""
+    return statistics.median(a[index] / b[index] for a, b in zip(times[name], times[ref], strict=True))
 
 
-def report(times: dict[str, list[tuple[float, float]]], stack, samples: int, batches) -> None:
-    """Ratios of CPU time of this process (other load on the machine barely moves it)."""
+def report(times, stack, samples: int, batches, size: str, config, cuda: bool) -> None:
+    import torch
+
     tokens = sum(mb.micro.num_tokens for mb in batches)
-    print(f"tiny MoE, {samples} responses ({tokens} tokens, {len(batches)} micro-batches) per step, "
-          f"{len(times['base'])} timed steps each, torch threads {torch.get_num_threads()}")  # fmt: skip
+    m = config.model
+    what = (
+        f"{size} MoE ({m.num_layers} layers, hidden {m.hidden_size}, {m.num_experts} experts top-"
+        f"{m.moe_router_topk}, vocab {m.vocab_size}, {config.trainer.precision})"
+    )
+    if cuda:
+        where = f"on {torch.cuda.get_device_name()}, wall time per step (CUDA events)"
+    else:
+        where = f"on cpu, CPU time of this process, torch threads {torch.get_num_threads()}"
+    print(f"{what}, {samples} responses ({tokens} tokens, {len(batches)} micro-batches) per step, "
+          f"{len(times['base'])} timed steps each, {where}")  # fmt: skip
+    index = 0 if cuda else 1
     for name in times:
-        cpu = [c for _, c in times[name]]
-        print(f"  {name:6s} CPU min {min(cpu) * 1e3:7.1f} ms   CPU median {statistics.median(cpu) * 1e3:7.1f} ms"
-              f"   wall min {min(w for w, _ in times[name]) * 1e3:7.1f} ms")  # fmt: skip
+        if cuda:
+            wall = [w for w, _ in times[name]]
+            print(f"  {name:6s} wall min {min(wall) * 1e3:7.1f} ms   wall median {statistics.median(wall) * 1e3:7.1f} ms"
+                  f"   host CPU median {statistics.median(c for _, c in times[name]) * 1e3:7.1f} ms")  # fmt: skip
+        else:
+            cpu = [c for _, c in times[name]]
+            print(f"  {name:6s} CPU min {min(cpu) * 1e3:7.1f} ms   CPU median {statistics.median(cpu) * 1e3:7.1f} ms"
+                  f"   wall min {min(w for w, _ in times[name]) * 1e3:7.1f} ms")  # fmt: skip
     print(
-        f"R3 replay overhead    r3/base - 1        = {paired(times, 'r3', 'base') - 1:+.2%}  (target <= +3%)"
+        f"R3 replay overhead    r3/base - 1        = {paired(times, 'r3', 'base', index) - 1:+.2%}  "
+        "(target <= +3%)"
     )
     for name in ("stack", "stack+"):
-        share = 1 - 1 / paired(times, name, "r3")
+        share = 1 - 1 / paired(times, name, "r3", index)
         print(f"{name:6s} share          1 - r3/{name:6s}    = {share:+.2%}  (target <= 5%)")
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(f"peak GPU memory allocated (all four workers): {peak:.1f} GiB")
     phases = stack.step_time_breakdown()
     total = sum(w for w, _ in times["stack"])
-    print("stack worker phase timers (wall, share of its timed steps):")
+    note = " (host timers: on cuda they see kernel launches, not the kernels)" if cuda else ""
+    print(f"stack worker phase timers (wall, share of its timed steps){note}:")
     for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"  {phase:12s} {seconds / total:6.1%}")
 

@@ -156,21 +156,19 @@ class WeightQuantizer:
 
 
 def real_quantize_fp8_block(weight: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 weight and fp32 dequantization scales per `block_size`² block (ModelOpt `FP8QTensor`).
+    """E4M3 weight and fp32 dequantization scales per `block_size`² block (`fp8_block.quantize_fp8_block`).
 
     Returns `(weight_fp8 [out, in], scale [ceil(out/b), ceil(in/b)])` with
     `weight ≈ weight_fp8.float() * scale` blockwise: vLLM's block-FP8 `weight` and
-    `weight_scale_inv`.
+    `weight_scale_inv`, on `weight`'s device. Bit-identical to ModelOpt's `FP8QTensor` (a fused
+    Triton kernel on CUDA, ModelOpt itself elsewhere), except that an all-zero block gets scale 0
+    and data 0 where ModelOpt gives NaN (see `moe_rl.rollout.fp8_block`).
     """
-    from modelopt.torch.quantization.qtensor import FP8QTensor
+    from moe_rl.rollout.fp8_block import quantize_fp8_block
 
     if weight.dim() != 2:
         raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
-    qtensor, scale = FP8QTensor.quantize(weight.float(), block_sizes={-1: block_size, -2: block_size})
-    data = qtensor._quantized_data.view(torch.float8_e4m3fn)
-    rows = -(-weight.shape[0] // block_size)
-    cols = -(-weight.shape[1] // block_size)
-    return data, scale.reshape(rows, cols).float()
+    return quantize_fp8_block(weight, block_size)
 
 
 def vllm_fp8_block_weights(

@@ -67,7 +67,9 @@ def test_effective_weights_reproduce_the_modelopt_quantized_model(reference):
     def include(name, weight):
         return all(should_quantize(h, weight, config.quant, num_layers) for h in hf_names_for(model, name).hf)
 
-    effective = awq_effective_weights(model, config.quant, lambda m: forward_logits(m, packed(m, CALIB)), include)
+    effective = awq_effective_weights(
+        model, config.quant, lambda m: forward_logits(m, packed(m, CALIB)), include
+    )
     quantized_logp = log_probs(model, CALIB)  # ModelOpt's quantized modules, pre_quant_scale applied
 
     plain = scratch_model(config, weights)

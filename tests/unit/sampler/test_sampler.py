@@ -29,7 +29,9 @@ def test_processing_matches_vllm(temperature, top_k, top_p):
 
 def test_sampled_token_is_in_its_kept_set_and_logprob_is_normalized_over_it(device):
     logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(1)).to(device) * 2
-    out = sample(logits, temperature=0.9, top_k=10, top_p=0.8, generator=torch.Generator(device).manual_seed(1))
+    out = sample(
+        logits, temperature=0.9, top_k=10, top_p=0.8, generator=torch.Generator(device).manual_seed(1)
+    )
     assert out.tokens.device.type == out.kept_ids.device.type == out.kept_offsets.device.type == device.type
     for row in range(64):
         kept = out.kept_ids[out.kept_offsets[row] : out.kept_offsets[row + 1]].long()
