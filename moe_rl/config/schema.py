@@ -178,6 +178,9 @@ class RolloutConfig:
     """Rollout engine replicas."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel size per engine."""
+    sync_bucket_mb: int = 256
+    """Weight sync: the trainer sends its weights in buckets of about this many MiB (whole
+    tensors; a larger tensor travels alone), each published once for every engine replica."""
     gpu_memory_utilization: float = 0.2
     """vLLM memory share (on CPU: share of one NUMA node's RAM)."""
     max_model_len: int = 512

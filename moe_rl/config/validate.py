@@ -178,7 +178,8 @@ def _check_parallel(config: RecipeConfig) -> None:
 def _check_batches(config: RecipeConfig) -> None:
     r, t = config.rollout, config.trainer
     _check_positive(config, ("rollout.batch_size", "rollout.group_size", "rollout.max_new_tokens"))
-    _check_positive(config, ("trainer.num_mini_batches", "rollout.temperature"))
+    _check_positive(config, ("trainer.num_mini_batches", "rollout.temperature", "rollout.sync_bucket_mb"))
+    _check_positive(config, ("rollout.num_engines", "rollout.tensor_parallel_size"))
     _require(
         r.batch_size % r.group_size == 0,
         f"rollout.batch_size={r.batch_size} must be divisible by rollout.group_size={r.group_size}",

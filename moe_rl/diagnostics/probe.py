@@ -47,3 +47,30 @@ def mismatch_probe(engine, trainer_model, prompts: Sequence[Any], config: Recipe
     out["probe/response_tokens"] = float(batch.num_response_tokens)
     out["probe/seconds"] = time.perf_counter() - start
     return out
+
+
+class ReferenceModel:
+    """A full-precision model of the recipe that takes weight syncs like an engine does (bucket by
+    bucket, `moe_rl.weight_sync`): the trainer side of the probe, kept next to the engine."""
+
+    def __init__(self, config: RecipeConfig):
+        from moe_rl.trainer.model import build_gpt_model
+        from moe_rl.trainer.parallel import init_parallel
+        from moe_rl.weight_sync.receiver import ModelReceiver
+
+        init_parallel(config.parallel)
+        self.model = build_gpt_model(config.model, config.parallel, config.trainer).eval()
+        self.receiver = ModelReceiver(self.model)
+
+    def begin_weight_update(self, version: int) -> None:
+        self.receiver.begin()
+
+    def receive_bucket(self, bucket) -> dict[str, float]:
+        from moe_rl.weight_sync.receiver import decoded
+
+        self.receiver.load(decoded(bucket))
+        return {"bytes": float(bucket.nbytes)}
+
+    def finish_weight_update(self, version: int) -> dict[str, float]:
+        self.receiver.finish()
+        return {}

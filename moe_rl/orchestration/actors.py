@@ -1,14 +1,23 @@
-"""Ray actors for the trainer, the rollout engine and the reward workers, and their placement.
+"""The Ray actors of a run: trainer ranks, rollout engine replicas and the reward worker.
 
-On one CPU machine everything is colocated (each actor is a process; the stages of a synchronous
-step do not overlap, so each actor may use every core). On GPU nodes the trainer gets the
-trainer GPUs and each engine its own (disaggregated), as `cluster.rollout_nodes` says.
+* `TrainerRank`: one rank of the trainer group (`moe_rl.orchestration.trainer_group`): one
+  `moe_rl.trainer.worker.TrainerWorker` in a torch.distributed world that spans the group. It
+  fetches its own data-parallel shard of each batch by object reference and streams the weights
+  it owns to the engines in buckets (`moe_rl.weight_sync`).
+* `EngineActor`: one rollout engine replica (Megatron or vLLM) of the engine pool; receives weight
+  buckets, generates, and runs the in-training mismatch probe against a reference model it keeps.
+* `RewardActor`: merges the replicas' batches, scores, validates and shards them
+  (`moe_rl.orchestration.batches`), so rollout batches travel engine → store → trainer ranks and
+  the driver sees only a summary.
+
+Placement (how many of each, which GPUs, which nodes) is `moe_rl.orchestration.placement`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,52 +25,72 @@ import ray
 import torch
 
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.device import Machine, process_device, resolve_device
+from moe_rl.device import process_device
 
 log = logging.getLogger(__name__)
 
+RAY_TIMEOUT_S = 1800.0
+FAULTS_ENV = "MOE_RL_FAULTS"
+"""Fault injection for tests of the restart rule: ``die_in_generate=R@K`` makes engine replica R
+exit (as a crash would) inside its K-th ``generate`` call."""
 
-def _setup_process(config: RecipeConfig) -> None:
+
+def _setup_process(config: RecipeConfig, threads: int) -> None:
     from moe_rl.log import setup_logging
 
     setup_logging(config.logging.level)
     if process_device().type == "cpu":
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        torch.set_num_threads(threads)
 
 
-class TrainerActor:
-    """The Megatron trainer (`moe_rl.trainer.worker.TrainerWorker`) in its own process."""
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, config: RecipeConfig):
-        _setup_process(config)
-        from moe_rl.trainer.worker import TrainerWorker
 
-        self.config = config
-        self.worker = TrainerWorker(config)
+class TrainerRank:
+    """One rank of the trainer group (see the module docstring)."""
+
+    def __init__(self, config: RecipeConfig, rank: int, world_size: int, threads: int):
+        _setup_process(config, threads)
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.worker = None
         self.micro_batches: list = []
 
     def pid(self) -> int:
         return os.getpid()
 
-    def compute_old_logp(self, batch, advantages: torch.Tensor) -> dict[str, float]:
-        """Pack the batch with its advantages and run the π_old pass (diagnostics returned)."""
+    def address(self) -> tuple[str, int]:
+        """Where the group's torch.distributed store listens (asked of rank 0)."""
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def init(self, master_addr: str, master_port: int) -> dict[str, int]:
+        """Join the group's world and build the worker (all ranks at once); returns the layout."""
+        os.environ.update(
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",  # Ray shows each rank its own GPU only
+        )  # fmt: skip
+        from moe_rl.trainer.worker import TrainerWorker
+
+        self.worker = TrainerWorker(self.config)
+        info = self.worker.info
+        return {"rank": info.rank, "dp_rank": info.dp_rank, "dp_size": info.dp_size, "pp_rank": info.pp_rank}
+
+    def compute_old_logp(
+        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], num_microbatches: int
+    ) -> dict[str, float]:
+        """Fetch this rank's shard, pack it with its advantages, run the π_old pass."""
         from moe_rl.trainer.batch import make_train_micro_batches
 
-        trainer = self.config.trainer
-        self.micro_batches = make_train_micro_batches(
-            batch, advantages, trainer.max_tokens_per_microbatch, num_microbatches=None
-        )
-        if len(self.micro_batches) < trainer.num_mini_batches:
-            self.micro_batches = make_train_micro_batches(
-                batch,
-                advantages,
-                trainer.max_tokens_per_microbatch,
-                num_microbatches=trainer.num_mini_batches,
-            )
+        dp = self.worker.info.dp_rank
+        shard = ray.get(shard_refs[dp], timeout=RAY_TIMEOUT_S)
+        budget = self.config.trainer.max_tokens_per_microbatch
+        self.micro_batches = make_train_micro_batches(shard, advantages[dp], budget, num_microbatches)
         return self.worker.compute_old_logp(self.micro_batches)
 
     def train(self) -> dict[str, float]:
-        """One optimizer step per mini-batch over the packed batch; metrics averaged."""
+        """One optimizer step per mini-batch over the packed shard; metrics averaged over steps."""
         from moe_rl.trainer.batch import split_mini_batches
 
         per_step = [
@@ -72,17 +101,41 @@ class TrainerActor:
         keys = {k for m in per_step for k in m}
         return {k: sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step) for k in keys}
 
-    def export_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return [
-            (name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.worker.export_hf_weights()
-        ]
+    def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, into: str) -> dict[str, Any]:
+        """Send the tensors this rank owns to every engine, bucket by bucket (see
+        `moe_rl.weight_sync.sender`); returns the bytes, bucket count, quantization report and the
+        indices of engines that died on the way."""
+        from moe_rl.weight_sync.sender import stream_buckets
+        from moe_rl.weight_sync.wire import WireEncoder
+
+        config = self.config
+        encoder = WireEncoder(config.quant, config.model.num_layers, quantized_wire=quantized_wire)
+        capacity = config.rollout.sync_bucket_mb << 20
+        alive = dict(enumerate(engines))
+        dead: set[int] = set()
+        in_flight: list[tuple[int, Any]] = []
+        sent = buckets = 0
+        for bucket in stream_buckets(self.worker.model, encoder, capacity, self.rank):
+            ref = ray.put(bucket)  # one copy in the store, read by every replica on the node
+            next_flight = [(i, engine.receive_bucket.remote(ref, into)) for i, engine in alive.items()]
+            dead |= _settle(in_flight)  # at most two buckets in flight: this one and the last
+            in_flight = next_flight
+            for i in dead:
+                alive.pop(i, None)
+            sent += bucket.nbytes
+            buckets += 1
+        dead |= _settle(in_flight)
+        return {"bytes": sent, "buckets": buckets, "report": encoder.report if encoder.active else None,
+                "dead": sorted(dead)}  # fmt: skip
 
     def save_hf(self, directory: str) -> str:
-        """Write the current weights as a Hugging Face folder (what vLLM starts from)."""
+        """This group's weights as a Hugging Face folder (collective; every rank writes its own)."""
         from moe_rl.trainer.hf_weights import save_hf_checkpoint
         from moe_rl.trainer.model import model_config_to_hf_config
+        from moe_rl.weight_sync.sender import sends
 
-        save_hf_checkpoint(self.worker.model, directory, model_config_to_hf_config(self.config.model))
+        hf_config = model_config_to_hf_config(self.config.model)
+        save_hf_checkpoint(self.worker.model, directory, hf_config, select=sends)
         return directory
 
     def save_checkpoint(self, directory: str) -> str:
@@ -92,55 +145,131 @@ class TrainerActor:
         return self.worker.load_checkpoint(directory)
 
 
-class EngineActor:
-    """A rollout engine (Megatron or vLLM) in its own process."""
+def _settle(flight: list[tuple[int, Any]]) -> set[int]:
+    """Wait for deliveries; the indices of engines whose process died."""
+    dead = set()
+    for i, ref in flight:
+        try:
+            ray.get(ref, timeout=RAY_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            dead.add(i)
+    return dead
 
-    def __init__(self, config: RecipeConfig, model_path: str | None = None):
-        _setup_process(config)
-        self.config = config
+
+class EngineActor:
+    """One rollout engine replica (see the module docstring)."""
+
+    def __init__(self, config: RecipeConfig, model_path: str | None, replica: int, threads: int):
+        _setup_process(config, threads)
+        self.config, self.replica = config, replica
         self.engine = make_engine(config, model_path)
         self._reference = None
+        self._generates = 0
 
     def pid(self) -> int:
         return os.getpid()
 
+    @ray.method(num_returns=2)
     def generate(self, prompts: Sequence[Sequence[int]], sampling, group_ids: Sequence[int]):
-        return self.engine.generate(prompts, sampling, group_ids)
+        """``(batch, status)``: the driver waits on the small status, the batch goes on by reference."""
+        self._generates += 1
+        _maybe_fail(self.replica, self._generates)
+        batch = self.engine.generate(prompts, sampling, group_ids)
+        return batch, {"replica": self.replica, "samples": batch.num_samples}
 
-    def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        return self.engine.update_weights(named, version)
+    def begin_weight_update(self, version: int, into: str = "engine") -> None:
+        self._target(into).begin_weight_update(version)
+
+    def receive_bucket(self, bucket, into: str = "engine") -> dict[str, float]:
+        return self._target(into).receive_bucket(bucket)
+
+    def finish_weight_update(self, version: int, into: str = "engine") -> dict[str, float]:
+        return self._target(into).finish_weight_update(version)
 
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def probe(self, weights: list[tuple[str, torch.Tensor]], prompts) -> dict[str, float]:
-        """The zero-update mismatch probe (`moe_rl.diagnostics.probe`): the engine as it is now
-        vs a full-precision model holding the trainer's current `weights`."""
-        from moe_rl.diagnostics.probe import mismatch_probe
-        from moe_rl.trainer.hf_weights import load_hf_weights
+    def capabilities(self):
+        return self.engine.capabilities
 
+    def _target(self, into: str):
+        if into == "engine":
+            return self.engine
+        if into != "reference":
+            raise ValueError(f"weights go into 'engine' or 'reference', not {into!r}")
         if self._reference is None:
-            from moe_rl.trainer.model import build_gpt_model
-            from moe_rl.trainer.parallel import init_parallel
+            from moe_rl.diagnostics.probe import ReferenceModel
 
-            init_parallel(self.config.parallel)
-            self._reference = build_gpt_model(self.config.model, self.config.parallel, self.config.trainer)
-            self._reference.eval()
-        load_hf_weights(self._reference, dict(weights))
-        return mismatch_probe(self.engine, self._reference, prompts, self.config)
+            self._reference = ReferenceModel(self.config)
+        return self._reference
+
+    def probe(self, prompts) -> dict[str, float]:
+        """The zero-update mismatch probe (`moe_rl.diagnostics.probe`): the engine as it is now vs
+        the full-precision reference model, which the last reference sync filled."""
+        from moe_rl.diagnostics.probe import mismatch_probe
+
+        return mismatch_probe(self.engine, self._target("reference").model, prompts, self.config)
+
+
+def _maybe_fail(replica: int, call: int) -> None:
+    spec = os.environ.get(FAULTS_ENV, "")
+    for item in filter(None, spec.split(",")):
+        kind, _, where = item.partition("=")
+        target, _, at = where.partition("@")
+        if kind == "die_in_generate" and int(target) == replica and int(at) == call:
+            log.error(
+                "fault injection (%s=%s): engine replica %d exits in generate", FAULTS_ENV, spec, replica
+            )
+            os._exit(1)
 
 
 class RewardActor:
-    """Scores responses (`moe_rl.rewards.RewardScorer`) away from the driver process."""
+    """Scores and prepares rollout batches away from the driver (`moe_rl.orchestration.batches`)."""
 
     def __init__(self, config: RecipeConfig):
-        _setup_process(config)
+        _setup_process(config, 1)
         from moe_rl.rewards.registry import build_scorer
 
+        self.config = config
         self.scorer = build_scorer(config)
 
-    def score(self, prompts, responses) -> list[float]:
-        return self.scorer.score_all(prompts, responses)
+    @ray.method(num_returns=2)
+    def prepare(self, batch_refs: Sequence[Any], plan, prompts, version: int, dp_size: int):
+        """Merge the replicas' batches in prompt order, score, validate, check staleness and shard:
+        ``(shard refs, summary)``; the summary is all the driver reads."""
+        from moe_rl.orchestration.batches import engine_metrics, merge
+
+        parts = ray.get(list(batch_refs), timeout=RAY_TIMEOUT_S)
+        batch = merge(parts, plan)
+        per_sample = [p for p in prompts for _ in range(plan.group_size)]
+        rewards = self.scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
+        return self._shard(batch, rewards, version, dp_size, engine_metrics(parts))
+
+    @ray.method(num_returns=2)
+    def prepare_stored(self, batch, version: int, dp_size: int):
+        """A stored batch (offline DGO, rewards already in it): validate and shard."""
+        return self._shard(batch, batch.rewards.tolist(), version, dp_size, {}, staleness=10**9)
+
+    def _shard(self, batch, rewards, version: int, dp_size: int, extra: dict, staleness: int | None = None):
+        from moe_rl.orchestration.batches import prepare
+
+        t = self.config.trainer
+        batch, summary = prepare(
+            batch, rewards, version, self.config.run.max_staleness if staleness is None else staleness,
+            vocab_size=self.config.model.vocab_size, dp_size=dp_size,
+            max_tokens_per_microbatch=t.max_tokens_per_microbatch, num_mini_batches=t.num_mini_batches,
+        )  # fmt: skip
+        summary.metrics.update(extra)
+        self._last = batch
+        shards = [] if summary.stale else [ray.put(batch.select(idx)) for idx in summary.shard_indices]
+        return shards, summary
+
+    def dump(self, folder: str, step: int) -> None:
+        """Write the last prepared batch as trajectory shards (`logging.dump_trajectories`)."""
+        from moe_rl.data.shards import write_shards
+
+        batch = self._last
+        write_shards([batch], folder, max_samples_per_shard=batch.num_samples, metadata={"step": step})
 
 
 def make_engine(config: RecipeConfig, model_path: str | None = None):
@@ -159,38 +288,15 @@ def make_engine(config: RecipeConfig, model_path: str | None = None):
     return VLLMEngine.from_recipe(config, model_path)
 
 
-def start_ray(config: RecipeConfig) -> None:
-    """Join the Ray cluster of a Slurm job (RAY_ADDRESS) or start a local one."""
+def start_ray(config: RecipeConfig) -> bool:
+    """Join the Ray cluster of a Slurm job (RAY_ADDRESS) or start a local one sized for the run's
+    processes; returns whether this call started Ray (then the caller shuts it down)."""
     if ray.is_initialized():
-        return
+        return False
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
-
-
-SHARED_GPU = 0.5
-"""GPU share of the trainer and of the engine when both run on this machine's one GPU."""
-
-
-def _options(config: RecipeConfig, role: str, machine: Machine | None = None) -> dict[str, Any]:
-    """Ray resources of an actor. The device is ``run.device`` resolved on this machine: a CPU run
-    asks for no GPU (so Ray hides the GPUs from the actor); a CUDA run on a cluster
-    (``cluster.gpus_per_node > 0``) gives the trainer a GPU and each engine its tensor-parallel
-    GPUs, and on a single machine (``gpus_per_node = 0``) trainer and engine share its GPU."""
-    cuda = resolve_device(config.run.device, machine or Machine.detect()) == "cuda"
-    if role == "reward":
-        return {"num_cpus": 0}
-    if not cuda:
-        return {"num_cpus": 1, "num_gpus": 0}
-    if config.cluster.gpus_per_node == 0:
-        return {"num_cpus": 1, "num_gpus": SHARED_GPU}
-    if role == "trainer":
-        return {"num_cpus": 1, "num_gpus": 1}
-    return {"num_cpus": 2, "num_gpus": config.rollout.tensor_parallel_size}
-
-
-def spawn(cls: type, config: RecipeConfig, role: str, *args: Any):
-    """Start actor `cls` with the placement of `role` (trainer, engine, reward)."""
-    return ray.remote(**_options(config, role))(cls).remote(config, *args)
+        return True
+    processes = config.parallel.trainer_world_size + config.rollout.num_engines + 1
+    ray.init(num_cpus=max(processes, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
+    return True

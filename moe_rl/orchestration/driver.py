@@ -49,7 +49,7 @@ class StopRequest:
 
 def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
     """Train `config` in `run_dir`; returns the exit code (0 done, 130 interrupted)."""
-    start_ray(config)
+    started = start_ray(config)
     stop = StopRequest()
     stop.install()
     stages = Stages(config, run_dir)
@@ -74,7 +74,8 @@ def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
     finally:
         sink.close()
         stages.shutdown()
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     return 0
 
 
@@ -83,8 +84,8 @@ def online_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[di
     pending = stages.launch_rollout(start) if config.run.mode == "async" else None
     for step in range(start, config.run.steps):
         t0 = time.perf_counter()
-        batch, metrics = stages.rollout(step, pending)  # generate (+ staleness check)
-        batch = stages.reward(batch, metrics)  # verifiable rewards
+        batch, metrics = stages.rollout(step, pending)  # generate on the engine pool (+ staleness)
+        batch = stages.reward(batch, metrics)  # verifiable rewards (scored by the reward worker)
         stages.dump(step, batch)  # optional trajectory shards
         advantages = stages.advantages(batch, metrics)  # GRPO / Dr.GRPO / RLOO
         stages.old_logp(batch, advantages, metrics)  # π_old + mismatch diagnostics

@@ -1,5 +1,12 @@
 """The stages of an RL step, each a named method the driver calls in order, and the run state they
-share: actors, the prompt stream, the policy version, checkpoints."""
+share: the trainer group, the engine pool, the reward worker, the prompt stream, the policy
+version, checkpoints.
+
+Rollout batches never pass through the driver: the engine replicas' batches stay in Ray's object
+store, the reward worker merges, scores and shards them there, and each trainer rank fetches its
+own shard (`moe_rl.orchestration.batches`). The driver reads summaries (rewards, group ids,
+lengths) and computes the advantages.
+"""
 
 from __future__ import annotations
 
@@ -18,18 +25,20 @@ from moe_rl.algo.advantages import zero_variance_groups
 from moe_rl.algo.objectives import dgo_weights
 from moe_rl.config.loader import ConfigError
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.data.shards import read_shards, write_shards
+from moe_rl.data.shards import read_shards
 from moe_rl.data.trajectory import TrajectoryBatch
-from moe_rl.data.validate import check_staleness, validate
-from moe_rl.orchestration.actors import EngineActor, RewardActor, TrainerActor, spawn
+from moe_rl.device import Machine
+from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
+from moe_rl.orchestration.batches import Prepared
+from moe_rl.orchestration.engine_pool import EnginePool, Generation
+from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
+from moe_rl.orchestration.trainer_group import TrainerGroup
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rewards.tasks import Prompt
 from moe_rl.rollout.engine import SamplingSpec
 
 log = logging.getLogger("moe_rl.driver")
 
-MAX_ENGINE_RESTARTS = 2
-RAY_TIMEOUT_S = 1800.0
 # Step numbers (seeds, group ids) of rollouts that are not training steps.
 OFFLINE_STEP = 20_000_000
 PROBE_SEED_OFFSET = 7919
@@ -38,68 +47,26 @@ EVAL_STEP = 10_000_000
 
 @dataclass
 class PendingRollout:
-    """A generation in flight: its future, its prompts, and the prompt stream before them."""
+    """A generation in flight: its replicas' work, its prompts, and the prompt stream before them."""
 
     step: int
-    ref: Any
+    generation: Generation
     prompts: list[Prompt]
     source_state: dict
 
 
-class EngineSupervisor:
-    """Owns the rollout engine actor; restarts it with the current weights if its process dies."""
+@dataclass
+class Rollout:
+    """A scored rollout batch: its data-parallel shards (in the object store) and its summary."""
 
-    def __init__(self, config: RecipeConfig, trainer, run_dir: Path):
-        self.config, self.trainer, self.run_dir = config, trainer, run_dir
-        self.actor = None
-        self.restarts = 0
-        self.version = 0
+    shards: list[Any]
+    summary: Prepared
 
-    def start(self, version: int) -> dict[str, float]:
-        model_path = None
-        if self.config.rollout.engine == "vllm":
-            model_path = ray.get(self.trainer.save_hf.remote(str(self.run_dir / "hf_start")))
-        self.actor = spawn(EngineActor, self.config, "engine", model_path)
-        return self.sync(version)
 
-    def sync(self, version: int) -> dict[str, float]:
-        """Send the trainer's weights as `version`; a dead engine is restarted with them."""
-        weights = self.trainer.export_weights.remote()
-        try:
-            out = ray.get(self.actor.update_weights.remote(weights, version), timeout=RAY_TIMEOUT_S)
-        except ray.exceptions.RayActorError as exc:
-            self._count_restart(exc)
-            ray.kill(self.actor)
-            return self.start(version)
-        self.version = version
-        return out
-
-    def _count_restart(self, exc: Exception) -> None:
-        self.restarts += 1
-        if self.restarts > MAX_ENGINE_RESTARTS:
-            raise RuntimeError(f"the rollout engine died {self.restarts} times; last error: {exc}") from exc
-        log.error("rollout engine died (%s); restarting it with the current weights", exc)
-
-    def generate(self, prompts: list[Prompt], sampling: SamplingSpec, group_ids: list[int]):
-        return self.actor.generate.remote([list(p.ids) for p in prompts], sampling, group_ids)
-
-    def pid(self) -> int:
-        return ray.get(self.actor.pid.remote())
-
-    def get(
-        self, ref, prompts: list[Prompt], sampling: SamplingSpec, group_ids: list[int]
-    ) -> TrajectoryBatch:
-        """The batch of `ref`; if the engine died, restart it (current weights) and generate again."""
-        while True:
-            try:
-                return ray.get(ref, timeout=RAY_TIMEOUT_S)
-            except ray.exceptions.RayActorError as exc:
-                self._count_restart(exc)
-                ray.kill(self.actor)
-                self.start(self.version)
-                ref = self.generate(prompts, sampling, group_ids)
-            except ray.exceptions.GetTimeoutError as exc:
-                raise RuntimeError(f"the rollout engine did not answer within {RAY_TIMEOUT_S:.0f} s") from exc
+def _node_roles() -> bool:
+    """Whether the Ray cluster's nodes carry the role resources of the sbatch script."""
+    resources = ray.cluster_resources()
+    return TRAINER_NODE in resources or ROLLOUT_NODE in resources
 
 
 class Stages:
@@ -109,9 +76,10 @@ class Stages:
         if config.algo.zero_variance_shaping:
             raise ConfigError("algo.zero_variance_shaping=true is not supported by the RL loop yet")
         self.config, self.run_dir = config, Path(run_dir)
-        self.trainer = spawn(TrainerActor, config, "trainer")
-        self.rewarder = spawn(RewardActor, config, "reward")
-        self.engine = EngineSupervisor(config, self.trainer, self.run_dir)
+        self.placement = plan_placement(config, Machine.detect(), node_roles=_node_roles())
+        self.trainer = TrainerGroup(config, self.placement)
+        self.rewarder = ray.remote(RewardActor).options(num_cpus=0).remote(config)
+        self.engines = EnginePool(config, self.trainer, self.run_dir, self.placement)
         self.source = build_prompt_source(config)
         self.advantage_fn = registry.bind_advantage(config.algo.advantage)
         eos = config.model.eos_token_id
@@ -122,11 +90,12 @@ class Stages:
         self.num_stale_rejected = 0
         self._pending_state: dict = {}
         self._probe_source = None
-        self._batch: TrajectoryBatch | None = None
+        self._rollout: Rollout | None = None
+        self._sync_metrics: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ start / resume
     def start(self) -> int:
-        self.engine.start(version=0)
+        self._sync_metrics = self.engines.start(version=0)
         return 0
 
     def restore(self, sink) -> int:
@@ -137,11 +106,11 @@ class Stages:
             return self.start()
         ckpt = self.run_dir / "checkpoints" / latest.read_text().strip()
         state = json.loads((ckpt / "driver.json").read_text())
-        ray.get(self.trainer.load_checkpoint.remote(str(ckpt / "trainer")))
+        self.trainer.load_checkpoint(str(ckpt / "trainer"))
         self.source.load_state(state["source"])
         self.version, self.step_done = state["version"], state["step"]
         self.num_stale_rejected = state["num_stale_rejected"]
-        self.engine.start(version=self.version)
+        self.engines.start(version=self.version)
         sink.resume_from(self.step_done + 1)
         log.info("resumed from %s at step %d (policy version %d)", ckpt, self.step_done + 1, self.version)
         return self.step_done + 1
@@ -153,94 +122,97 @@ class Stages:
         )
 
     def launch_rollout(self, step: int) -> PendingRollout:
-        """Draw the step's prompts and start generating them."""
+        """Draw the step's prompts and start generating them on the engine pool."""
         state = self.source.state()
         prompts = self.source.next_batch(self.config.rollout.batch_size // self.config.rollout.group_size)
         group_ids = [step * len(prompts) + i for i in range(len(prompts))]
-        ref = self.engine.generate(prompts, self._spec(step), group_ids)
+        generation = self.engines.generate([list(p.ids) for p in prompts], self._spec(step), group_ids)
         self._pending_state[step] = state
-        return PendingRollout(step, ref, prompts, state)
+        return PendingRollout(step, generation, prompts, state)
 
-    def rollout(self, step: int, pending: PendingRollout | None) -> tuple[TrajectoryBatch, dict[str, Any]]:
-        """Generate (or collect the generation started earlier); reject batches that are too stale."""
+    def rollout(self, step: int, pending: PendingRollout | None) -> tuple[Rollout, dict[str, Any]]:
+        """Generate (or collect the generation started earlier); score, validate and shard it in the
+        reward worker; reject batches that are too stale and generate again."""
         t0 = time.perf_counter()
+        regenerated = self.engines.regenerated_prompts
         while True:
             pending = pending if pending is not None and pending.step == step else self.launch_rollout(step)
-            group_ids = [step * len(pending.prompts) + i for i in range(len(pending.prompts))]
-            batch = self.engine.get(pending.ref, pending.prompts, self._spec(step), group_ids)
-            try:
-                check_staleness(batch, self.version, self.config.run.max_staleness)
+            refs = self.engines.collect(pending.generation)
+            shards, summary_ref = self.rewarder.prepare.remote(
+                refs, pending.generation.plan, pending.prompts, self.version, self.trainer.dp_size
+            )
+            summary: Prepared = ray.get(summary_ref, timeout=RAY_TIMEOUT_S)
+            if summary.stale is None:
                 break
-            except ValueError as exc:
-                self.num_stale_rejected += batch.num_samples
-                log.warning("rejected a stale batch: %s", exc)
-                pending = None
-        self._prompts = [p for p in pending.prompts for _ in range(self.config.rollout.group_size)]
+            self.num_stale_rejected += summary.num_samples
+            log.warning("rejected a stale batch: %s", summary.stale)
+            pending = None
+        rollout = Rollout(ray.get(shards, timeout=RAY_TIMEOUT_S), summary)
         metrics = {
             "time/rollout_s": time.perf_counter() - t0,
             "policy/version": self.version,
-            "policy/batch_min_version": batch.min_policy_version(),
-            "policy/staleness": self.version - batch.min_policy_version(),
+            "policy/batch_min_version": summary.min_version,
+            "policy/staleness": self.version - summary.min_version,
             "rollout/stale_rejected_samples": self.num_stale_rejected,
-            **_length_metrics(batch),
+            "rollout/engines": len(self.engines.replicas),
+            "rollout/regenerated_prompts": self.engines.regenerated_prompts - regenerated,
+            "trainer/world_size": self.trainer.world_size,
+            **summary.metrics,
         }
-        return batch, metrics
+        return rollout, metrics
 
-    def reward(self, batch: TrajectoryBatch, metrics: dict[str, Any]) -> TrajectoryBatch:
-        t0 = time.perf_counter()
-        responses = [s.response_ids.tolist() for s in batch.samples()]
-        rewards = torch.tensor(
-            ray.get(self.rewarder.score.remote(self._prompts, responses)), dtype=torch.float32
-        )
-        batch = batch.replace(rewards=rewards)
-        validate(batch, vocab_size=self.config.model.vocab_size)
+    def reward(self, rollout: Rollout, metrics: dict[str, Any]) -> Rollout:
+        """The verifiable rewards the reward worker gave the batch."""
+        rewards = rollout.summary.rewards
         metrics.update(
             {
-                "time/reward_s": time.perf_counter() - t0,
                 "reward/mean": float(rewards.mean()),
                 "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
                 "reward/max": float(rewards.max()),
             }
         )
-        return batch
+        return rollout
 
-    def advantages(self, batch: TrajectoryBatch, metrics: dict[str, Any]) -> torch.Tensor:
+    def advantages(self, rollout: Rollout, metrics: dict[str, Any]) -> torch.Tensor:
         """Per-sample advantages; for DGO the sample weights exp(r/β)/mean_group exp(r/β)."""
+        rewards, group_ids = rollout.summary.rewards, rollout.summary.group_ids
         if self.config.algo.objective == "dgo":
-            adv = dgo_weights(batch.rewards, batch.group_ids, dgo_beta=self.config.algo.dgo_beta)
+            adv = dgo_weights(rewards, group_ids, dgo_beta=self.config.algo.dgo_beta)
         else:
-            adv = self.advantage_fn(rewards=batch.rewards, group_ids=batch.group_ids)
-        zv = zero_variance_groups(batch.rewards, batch.group_ids).metrics()
+            adv = self.advantage_fn(rewards=rewards, group_ids=group_ids)
+        zv = zero_variance_groups(rewards, group_ids).metrics()
         metrics.update({f"advantage/{k}": float(v) for k, v in zv.items()})
         metrics["advantage/abs_mean"] = float(adv.abs().mean())
         return adv
 
-    def old_logp(self, batch: TrajectoryBatch, advantages: torch.Tensor, metrics: dict[str, Any]) -> None:
+    def old_logp(self, rollout: Rollout, advantages: torch.Tensor, metrics: dict[str, Any]) -> None:
+        """π_old on every trainer rank: each fetches its own shard (with its advantages)."""
         t0 = time.perf_counter()
-        metrics.update(
-            ray.get(self.trainer.compute_old_logp.remote(batch, advantages), timeout=RAY_TIMEOUT_S)
-        )
+        summary = rollout.summary
+        per_shard = [advantages[idx] for idx in summary.shard_indices]
+        metrics.update(self.trainer.compute_old_logp(rollout.shards, per_shard, summary.num_microbatches))
         metrics["time/old_logp_s"] = time.perf_counter() - t0
 
     def train(self, metrics: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        metrics.update(ray.get(self.trainer.train.remote(), timeout=RAY_TIMEOUT_S))
+        metrics.update(self.trainer.train())
         metrics["time/train_s"] = time.perf_counter() - t0
 
     def sync_weights(self, version: int, metrics: dict[str, Any]) -> None:
+        """Stream the new weights to every engine replica (bucket by bucket, quantized per recipe)."""
         t0 = time.perf_counter()
-        out = self.engine.sync(version)
+        out = self.engines.sync(version)
         self.version = version
         self.step_done = version - 1
         metrics.update({k if "/" in k else f"sync/{k}": v for k, v in out.items()})
         metrics["time/sync_s"] = time.perf_counter() - t0
-        metrics["rollout/engine_restarts"] = self.engine.restarts
+        metrics["rollout/engine_restarts"] = self.engines.restarts
 
-    def dump(self, step: int, batch: TrajectoryBatch) -> None:
+    def dump(self, step: int, rollout: Rollout) -> None:
         """Store the step's batch as trajectory shards (`logging.dump_trajectories`)."""
         if self.config.logging.dump_trajectories:
             folder = self.run_dir / "trajectories" / f"step_{step:06d}"
-            write_shards([batch], folder, max_samples_per_shard=batch.num_samples, metadata={"step": step})
+            ray.get(self.rewarder.dump.remote(str(folder), step), timeout=RAY_TIMEOUT_S)
 
     def maybe_probe(self, step: int, metrics: dict[str, Any]) -> None:
         """Every `logging.diagnose_every` steps, right after a sync: the engine-vs-trainer mismatch
@@ -254,8 +226,7 @@ class Stages:
         prompts = self._probe_source.next_batch(
             self.config.rollout.batch_size // self.config.rollout.group_size
         )
-        weights = self.trainer.export_weights.remote()
-        metrics.update(ray.get(self.engine.actor.probe.remote(weights, prompts), timeout=RAY_TIMEOUT_S))
+        metrics.update(self.engines.probe(prompts))
 
     # ------------------------------------------------------------------ offline (DGO)
     def offline_dataset(self) -> list[TrajectoryBatch]:
@@ -264,13 +235,14 @@ class Stages:
         folder = self.config.data.trajectories
         if folder is None:
             folder = self.run_dir / "offline_data"
-            if not (folder / "manifest.json").exists():
-                batches = [
-                    self.reward(*self.rollout(OFFLINE_STEP + i, None))
-                    for i in range(self.config.data.offline_batches)
-                ]
-                write_shards(batches, folder, max_samples_per_shard=self.config.rollout.batch_size)
-        data = TrajectoryBatch.concat(list(read_shards(folder, include_old_logp=False)))
+            done = folder / "complete"
+            if not done.exists():
+                for i in range(self.config.data.offline_batches):
+                    self.rollout(OFFLINE_STEP + i, None)  # scored by the reward worker, which writes it
+                    part = folder / f"batch_{i:04d}"
+                    ray.get(self.rewarder.dump.remote(str(part), OFFLINE_STEP + i), timeout=RAY_TIMEOUT_S)
+                done.write_text("")
+        data = TrajectoryBatch.concat(list(read_stored(Path(folder))))
         size = self.config.rollout.batch_size
         if data.num_samples < size:
             raise ValueError(
@@ -278,22 +250,26 @@ class Stages:
             )
         return [data.slice(i, i + size) for i in range(0, data.num_samples - size + 1, size)]
 
-    def offline_batch(
-        self, dataset: list[TrajectoryBatch], step: int
-    ) -> tuple[TrajectoryBatch, dict[str, Any]]:
-        """The step's slice of the stored data (epochs cycle over it)."""
+    def offline_batch(self, dataset: list[TrajectoryBatch], step: int) -> tuple[Rollout, dict[str, Any]]:
+        """The step's slice of the stored data (epochs cycle over it), sharded by the reward worker."""
         batch = dataset[step % len(dataset)]
-        return batch, {
+        shards, summary_ref = self.rewarder.prepare_stored.remote(
+            ray.put(batch), self.version, self.trainer.dp_size
+        )
+        summary: Prepared = ray.get(summary_ref, timeout=RAY_TIMEOUT_S)
+        rollout = Rollout(ray.get(shards, timeout=RAY_TIMEOUT_S), summary)
+        return rollout, {
             "offline/epoch": step // len(dataset),
             "offline/reward_mean": float(batch.rewards.mean()),
             "policy/version": self.version,
-            **_length_metrics(batch),
+            "trainer/world_size": self.trainer.world_size,
+            **summary.metrics,
         }
 
     def evaluate(self, step: int, metrics: dict[str, Any]) -> None:
         """Reward of fresh rollouts from the current policy (not trained on)."""
-        batch, rollout_metrics = self.rollout(EVAL_STEP + step, None)
-        batch = self.reward(batch, rollout_metrics)
+        rollout, rollout_metrics = self.rollout(EVAL_STEP + step, None)
+        self.reward(rollout, rollout_metrics)
         metrics.update({k: v for k, v in rollout_metrics.items() if k.startswith(("reward/", "time/"))})
 
     # ------------------------------------------------------------------ checkpoints
@@ -311,7 +287,7 @@ class Stages:
         name = f"step_{step:06d}"
         ckpt = self.run_dir / "checkpoints" / name
         ckpt.mkdir(parents=True, exist_ok=True)
-        ray.get(self.trainer.save_checkpoint.remote(str(ckpt / "trainer")), timeout=RAY_TIMEOUT_S)
+        self.trainer.save_checkpoint(str(ckpt / "trainer"))
         source = self._pending_state.get(step + 1, self.source.state())
         state = {
             "step": step,
@@ -324,23 +300,24 @@ class Stages:
         log.info("checkpoint %s", ckpt)
 
     def shutdown(self) -> None:
-        for actor in (self.engine.actor, self.trainer, self.rewarder):
-            if actor is not None:
-                ray.kill(actor)
+        self.engines.shutdown()
+        self.trainer.shutdown()
+        ray.kill(self.rewarder)
+
+
+def read_stored(folder: Path):
+    """Trajectory shards of ``folder``: a shard folder (``manifest.json``), or a folder of them
+    (a run's ``trajectories/step_*``, the offline data's ``batch_*``), read in name order."""
+    if (folder / "manifest.json").exists():
+        yield from read_shards(folder, include_old_logp=False)
+        return
+    parts = sorted(p for p in folder.iterdir() if (p / "manifest.json").exists()) if folder.is_dir() else []
+    if not parts:
+        raise FileNotFoundError(f"data.trajectories={folder}: no manifest.json in it or in its subfolders")
+    for part in parts:
+        yield from read_shards(part, include_old_logp=False)
 
 
 def _jsonable(state: dict) -> dict:
     version, internal, gauss = state["rng"]
     return {"rng": [version, list(internal), gauss], "order": state["order"]}
-
-
-def _length_metrics(batch: TrajectoryBatch) -> dict[str, float]:
-    lengths = batch.response_lengths().float()
-    stops = sum(r == "stop" for r in batch.finish_reasons)
-    return {
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/stop_share": stops / batch.num_samples,
-        "rollout/samples": batch.num_samples,
-        "rollout/tokens": int(lengths.sum()),
-    }

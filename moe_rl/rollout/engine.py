@@ -96,6 +96,10 @@ class EngineCapabilities:
     weight_transfer: str
     """How weights reach it: ``reload`` (vLLM in-place reload through a worker extension),
     ``ipc`` / ``nccl`` (vLLM's weight-transfer API), ``shared`` (the trainer's own model)."""
+    quantized_wire: bool = False
+    """Takes a recipe's quantized bytes (FP8 / INT8 data + scales, `moe_rl.weight_sync.wire`) and
+    computes with their dequantized values; otherwise it is sent the weights as they are and
+    quantizes them itself (vLLM's online quantization)."""
 
     @property
     def fp8(self) -> bool:

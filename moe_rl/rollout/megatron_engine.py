@@ -47,6 +47,9 @@ from moe_rl.rollout.quant import (
     should_quantize,
 )
 from moe_rl.rollout.sampler import SampleOutput, sample
+from moe_rl.weight_sync.buckets import Bucket
+from moe_rl.weight_sync.receiver import ModelReceiver, decoded
+from moe_rl.weight_sync.wire import WIRE_METHODS, WireEncoder, decode
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,10 @@ class MegatronEngine:
         self.model.eval()
         self.replay = RoutingReplay(self.model) if config.model.num_experts else None
         self.quantizer = WeightQuantizer(config.quant, config.model.num_layers)
+        self._receiver = ModelReceiver(self.model)
+        self._wire_quantized = config.quant.method in WIRE_METHODS
+        self._incoming: int | None = None
+        self._rx_report = QuantReport(config.quant.name)
         self.version = 0
         self.generator = torch.Generator(device=self.device).manual_seed(
             config.run.seed if seed is None else seed
@@ -149,26 +156,68 @@ class MegatronEngine:
         self.model = None
 
     # ------------------------------------------------------------------------ weights
-    @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
-        """Load HF-named weights through the quantization recipe (fake-quantized by ModelOpt)."""
-        from moe_rl.trainer.hf_weights import load_hf_weights
-
-        start = time.perf_counter()
+    def begin_weight_update(self, version: int) -> None:
+        """Start a sync of policy ``version``: buckets follow (`receive_bucket`), then `finish`."""
+        if int(version) < self.version:
+            raise ValueError(
+                f"weight version {version} is older than the engine's policy version {self.version}"
+            )
+        self._incoming = int(version)
+        self._receiver.begin()
+        self._rx_report = QuantReport(self.config.quant.name)
         if self.config.quant.method == "int4_awq":
-            self._awq_pending = {name: tensor.detach().clone() for name, tensor in named_tensors}
-            self.version = version
+            self._awq_pending = {}
+
+    @torch.no_grad()
+    def receive_bucket(self, bucket: Bucket) -> dict[str, float]:
+        """Decode one bucket (`moe_rl.weight_sync.wire`) and load it; returns its byte count."""
+        self._receive(decoded(bucket))
+        return {"bytes": float(bucket.nbytes)}
+
+    def _receive(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._incoming is None:
+            raise RuntimeError("receive_bucket before begin_weight_update")
+        if self.config.quant.method == "int4_awq":  # calibrated as a whole at finish (or at generate)
+            self._awq_pending.update((name, tensor.clone()) for name, tensor in named)
+            return
+        if not self._wire_quantized:  # the recipe runs here (ModelOpt fake quantization)
+            named = self.quantizer.fake_quantize(named, self._rx_report)
+        self._receiver.load(named)
+
+    @torch.no_grad()
+    def finish_weight_update(self, version: int) -> dict:
+        """The last bucket has landed: check every tensor arrived, then take ``version``."""
+        if self._incoming != int(version):
+            raise ValueError(f"finish_weight_update({version}) but the sync in progress is {self._incoming}")
+        start = time.perf_counter()
+        self._incoming = None
+        self.version = int(version)
+        if self.config.quant.method == "int4_awq":
             if not self._calibration:
                 log.info("int4_awq: calibration of version %d runs at the next generate", version)
-                return {"seconds": time.perf_counter() - start, "quant/recipe": self.config.quant.name}
+                return {"quant/recipe": self.config.quant.name}
             report = self._apply_awq(self._calibration)
-            return {"seconds": time.perf_counter() - start, "bytes": report.bytes_sent, **report.summary()}
-        report = QuantReport(self.config.quant.name)
-        weights = dict(self.quantizer.fake_quantize(named_tensors, report))
-        load_hf_weights(self.model, weights, strict=True)
-        self.version = version
-        self.last_quant_report = report
-        return {"seconds": time.perf_counter() - start, "bytes": report.bytes_sent, **report.summary()}
+            return {"seconds": time.perf_counter() - start, **report.summary()}
+        self._receiver.finish()
+        if self._wire_quantized:
+            return {"bytes_loaded": float(self._receiver.bytes)}
+        self.last_quant_report = self._rx_report
+        return {"bytes_loaded": float(self._receiver.bytes), **self._rx_report.summary()}
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """A whole sync in this process: the recipe applied as a sender would
+        (`moe_rl.weight_sync.wire.WireEncoder`), then loaded as buckets would be."""
+        start = time.perf_counter()
+        encoder = WireEncoder(self.config.quant, self.config.model.num_layers, quantized_wire=True)
+        self.begin_weight_update(version)
+        self._receive(decode(encoder.encode_group(named_tensors)))
+        stats = self.finish_weight_update(version)
+        if encoder.active:
+            self.last_quant_report = encoder.report
+            stats.update(encoder.report.summary())
+        bytes_sent = self.last_quant_report.bytes_sent if self.last_quant_report else 0
+        return {**stats, "seconds": time.perf_counter() - start, "bytes": bytes_sent}
 
     @torch.no_grad()
     def _apply_awq(self, sequences: Sequence[list[int]]) -> QuantReport:

@@ -66,6 +66,15 @@ class QuantReport:
         """Relative Frobenius error over every quantized tensor together."""
         return (self.err_sq / self.ref_sq) ** 0.5 if self.ref_sq else 0.0
 
+    def merge(self, other: QuantReport) -> QuantReport:
+        """Add another sender's report of the same sync (expert / pipeline owners send their own)."""
+        for name in ("num_quantized", "num_kept", "bytes_full", "bytes_sent", "err_sq", "ref_sq"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.per_tensor.update(other.per_tensor)
+        if other.max_rel_err >= self.max_rel_err:
+            self.max_rel_err, self.worst_tensor = other.max_rel_err, other.worst_tensor
+        return self
+
     def summary(self) -> dict[str, float | int | str]:
         return {
             "quant/recipe": self.recipe,

@@ -41,6 +41,7 @@ import gc
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -124,6 +125,8 @@ class VLLMEngine:
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         self._llm = _start_llm(kwargs, self.in_process, v2_runner=return_routing or return_sampling_mask)
         self._ipc: _IPCSender | None = None
+        self._layers: dict[str, set[str]] | None = None
+        self._incoming: int | None = None
         self._version = int(initial_version)
         self._llm.llm_engine.set_weight_version(str(self._version))
 
@@ -192,6 +195,53 @@ class VLLMEngine:
             "generated %d responses, %d tokens in %.2f s", len(batch), batch.num_response_tokens, seconds
         )
         return batch
+
+    # ---- weight sync in buckets (`moe_rl.weight_sync`) ------------------------------------------
+    def begin_weight_update(self, version: int) -> None:
+        """Start a sync: buckets follow; each layer is reloaded as soon as all its tensors arrived
+        (vLLM's in-place reload takes whole layers), so at most one layer waits here."""
+        if int(version) < self._version:
+            raise ValueError(f"version={version} is older than the engine's policy_version={self._version}")
+        if self._layers is None:
+            self._layers = _layer_groups(_checkpoint_names(self.model_path))
+        self._incoming, self._pending, self._reloaded = int(version), {}, set()
+        self._sync_stats = {"num_tensors": 0.0, "bytes": 0.0, "load_s": 0.0}
+
+    def receive_bucket(self, bucket: Any) -> dict[str, float]:
+        from moe_rl.weight_sync.receiver import decoded
+
+        if self._incoming is None:
+            raise RuntimeError("receive_bucket before begin_weight_update")
+        for name, tensor in decoded(bucket):
+            layer = _layer_of(name)
+            if layer not in self._layers or name not in self._layers[layer]:
+                raise ValueError(f"weight {name!r} is not in the engine's checkpoint {self.model_path}")
+            self._pending.setdefault(layer, {})[name] = tensor
+            if len(self._pending[layer]) == len(self._layers[layer]):
+                self._reload(self._pending.pop(layer))
+                self._reloaded.add(layer)
+        return {"bytes": float(bucket.nbytes)}
+
+    def _reload(self, tensors: dict[str, torch.Tensor]) -> None:
+        llm = self._require_alive()
+        if self.device == "cuda":
+            stats = self._sync_ipc(tensors.items(), self._incoming)
+        else:
+            stats = self._sync_reload(llm, tensors.items())
+        for key in self._sync_stats:
+            self._sync_stats[key] += float(stats.get(key, 0.0))
+
+    def finish_weight_update(self, version: int) -> dict[str, float]:
+        """Every layer has arrived: take ``version`` (later tokens carry it)."""
+        if self._incoming != int(version):
+            raise ValueError(f"finish_weight_update({version}) but the sync in progress is {self._incoming}")
+        missing = sorted(set(self._layers) - self._reloaded)
+        if missing:
+            raise ValueError(f"weight sync incomplete: layers {missing[:3]} did not arrive whole")
+        if self.device != "cuda":
+            self._llm.llm_engine.set_weight_version(str(int(version)))
+        self._version, self._incoming = int(version), None
+        return dict(self._sync_stats)
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
@@ -301,6 +351,33 @@ class VLLMEngine:
         if self._ipc is None:
             self._ipc = _IPCSender(self._llm)
         return self._ipc.send(named_tensors, version)
+
+
+_LAYER_PREFIX = re.compile(r"^(model\.layers\.\d+)\.")
+
+
+def _layer_of(name: str) -> str:
+    """The layer an HF tensor belongs to (``model.layers.<i>``), or ``model`` for the others."""
+    match = _LAYER_PREFIX.match(name)
+    return match.group(1) if match else "model"
+
+
+def _checkpoint_names(folder: Path) -> list[str]:
+    """The tensor names of an HF folder's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
+
+
+def _layer_groups(names: Iterable[str]) -> dict[str, set[str]]:
+    groups: dict[str, set[str]] = {}
+    for name in names:
+        groups.setdefault(_layer_of(name), set()).add(name)
+    return groups
 
 
 def sampling_params(spec: SamplingSpec, prompt_index: int) -> SamplingParams:

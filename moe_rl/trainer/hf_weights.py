@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -258,22 +258,36 @@ def split(kind: str, tensor: Tensor, config) -> list[Tensor]:
     return [q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
 
 
-def iter_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Stream ``(hf_name, tensor)`` for every tensor this rank holds, layer by layer.
+def iter_hf_weight_groups(
+    model: torch.nn.Module, select: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, list[tuple[str, Tensor]]]]:
+    """``(megatron_name, [(hf_name, tensor), ...])`` for every tensor this rank holds, in order:
+    the HF pieces of one Megatron tensor together (a fused QKV or gate/up tensor gives several).
 
-    Each yielded tensor is a contiguous, detached copy of one HF tensor (so at most one extra
-    tensor's memory is live at a time); nothing else is materialized. Tensor-parallel shards are
-    gathered, so every rank of a TP group must iterate together (all get the whole tensors).
+    Each piece is a contiguous, detached copy (at most one Megatron tensor's pieces are live at a
+    time). Tensor-parallel shards are gathered, so every rank of a TP group must iterate together.
+    ``select(megatron_name)`` False skips a tensor (still taking part in its gather).
     """
     gpt = _unwrap(model)
     for name, tensor in _local_tensors(gpt):
+        wanted = select is None or select(name)
+        tp_split = _split_of(name, tensor)
+        if not wanted and tp_split is None:
+            continue
         rule = hf_names_for(gpt, name)
         whole = tensor.detach()
-        tp_split = _split_of(name, tensor)
         if tp_split is not None:
             whole = gather_shards(whole, rule.kind, tp_split)
-        for hf_name, piece in zip(rule.hf, split(rule.kind, whole, gpt.config)):
-            yield hf_name, piece.contiguous().clone()
+        if wanted:
+            pieces = split(rule.kind, whole, gpt.config)
+            yield name, [(hf_name, piece.contiguous().clone()) for hf_name, piece in zip(rule.hf, pieces)]
+
+
+def iter_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Stream ``(hf_name, tensor)`` for every tensor this rank holds, layer by layer
+    (`iter_hf_weight_groups`, flattened): TP shards gathered, one tensor's copies live at a time."""
+    for _, group in iter_hf_weight_groups(model):
+        yield from group
 
 
 def _ignorable(name: str, num_layers: int) -> bool:
@@ -299,21 +313,59 @@ def load_hf_weights(model: torch.nn.Module, hf_tensors: Mapping[str, Tensor], st
         missing = [n for n in rule.hf if n not in hf_tensors]
         if missing:
             raise ValueError(f"HF weights lack {missing} needed for Megatron tensor {name!r}")
-        value = fuse(rule.kind, [hf_tensors[n] for n in rule.hf], gpt.config)
-        tp_split = _split_of(name, target)
-        if tp_split is not None:
-            value = shard_of(value, rule.kind, tp_split)
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(
-                f"HF tensor(s) {list(rule.hf)} give shape {tuple(value.shape)} for Megatron tensor "
-                f"{name!r}, which has shape {tuple(target.shape)}"
-            )
-        target.copy_(value.to(dtype=target.dtype, device=target.device))
+        _copy_into(gpt, name, target, rule, [hf_tensors[n] for n in rule.hf])
         used.update(rule.hf)
     if strict and _holds_whole_model(gpt):
         extra = [n for n in hf_tensors if n not in used and not _ignorable(n, gpt.config.num_layers)]
         if extra:
             raise ValueError(f"{len(extra)} HF tensors have no Megatron counterpart, e.g. {extra[:5]}")
+
+
+def hf_index(model: torch.nn.Module) -> dict[str, str]:
+    """HF name -> the Megatron tensor (of this rank) it is a piece of."""
+    gpt = _unwrap(model)
+    return {hf: name for name, _ in _local_tensors(gpt) for hf in hf_names_for(gpt, name).hf}
+
+
+@torch.no_grad()
+def load_hf_subset(
+    model: torch.nn.Module, hf_tensors: Mapping[str, Tensor], index: Mapping[str, str]
+) -> set[str]:
+    """Load the Megatron tensors all of whose HF pieces are in ``hf_tensors``; returns their names.
+
+    For weights that arrive in parts (buckets): ``index`` is `hf_index` of the model. An HF name
+    the model has no tensor for is an error; pieces of a tensor whose other pieces are missing are
+    an error too (a bucket carries whole tensors).
+    """
+    gpt = _unwrap(model)
+    unknown = [n for n in hf_tensors if n not in index and not _ignorable(n, gpt.config.num_layers)]
+    if unknown:
+        raise ValueError(
+            f"{len(unknown)} HF tensors have no Megatron counterpart on this rank, e.g. {unknown[:5]}"
+        )
+    targets = dict(_local_tensors(gpt))
+    loaded: set[str] = set()
+    for name in dict.fromkeys(index[n] for n in hf_tensors if n in index):
+        rule = hf_names_for(gpt, name)
+        missing = [n for n in rule.hf if n not in hf_tensors]
+        if missing:
+            raise ValueError(f"Megatron tensor {name!r} arrived without its pieces {missing}")
+        _copy_into(gpt, name, targets[name], rule, [hf_tensors[n] for n in rule.hf])
+        loaded.add(name)
+    return loaded
+
+
+def _copy_into(gpt, name: str, target: Tensor, rule: Rule, pieces: list[Tensor]) -> None:
+    value = fuse(rule.kind, pieces, gpt.config)
+    tp_split = _split_of(name, target)
+    if tp_split is not None:
+        value = shard_of(value, rule.kind, tp_split)
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(
+            f"HF tensor(s) {list(rule.hf)} give shape {tuple(value.shape)} for Megatron tensor "
+            f"{name!r}, which has shape {tuple(target.shape)}"
+        )
+    target.copy_(value.to(dtype=target.dtype, device=target.device))
 
 
 def _holds_whole_model(gpt) -> bool:
@@ -355,38 +407,73 @@ def save_hf_checkpoint(
     hf_config: dict,
     max_shard_bytes: int = 4 << 30,
     dtype: torch.dtype | None = None,
+    select: Callable[[str], bool] | None = None,
 ) -> Path:
     """Write an HF folder loadable by ``from_pretrained`` and vLLM: ``config.json`` plus
     safetensors shards (and ``model.safetensors.index.json`` when there is more than one).
 
-    Streams `iter_hf_weights`; at most one shard is held in memory. Needs PP = EP = 1; with
-    tensor parallelism every TP rank calls it (the shards are gathered) and TP rank 0 writes.
+    Streams `iter_hf_weight_groups`; at most one shard is held in memory. Collective over a
+    trainer group: every rank calls it (tensor-parallel shards are gathered) and writes the tensors
+    ``select(megatron_name)`` picks into its own shards; rank 0 then names the shards and writes
+    the index. Without ``select`` the rank must hold the whole model (PP = EP = 1) and TP rank 0
+    writes everything.
     """
     gpt = _unwrap(model)
-    if not _holds_whole_model(gpt):
-        raise ValueError("save_hf_checkpoint needs the whole model on this rank (PP = EP = 1)")
-    if not _is_tp_writer():
-        for _ in iter_hf_weights(gpt):
-            pass
-        return Path(folder)
+    if select is None:
+        if not _holds_whole_model(gpt):
+            raise ValueError(
+                "save_hf_checkpoint needs the whole model on this rank (PP = EP = 1), or select="
+            )
+        writer = _is_tp_writer()
+        select = lambda name: writer  # noqa: E731
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-    written: list[tuple[Path, list[str]]] = []
+    rank = _rank()
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    _barrier()
+    written: list[tuple[Path, list[str], int]] = []
     shard: dict[str, Tensor] = {}
-    size = total = 0
-    for name, tensor in iter_hf_weights(gpt):
-        tensor = tensor.detach().to("cpu", dtype or tensor.dtype)  # files hold CPU tensors
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > max_shard_bytes:
-            written.append(_write_shard(folder, len(written), shard))
-            shard, size = {}, 0
-        shard[name] = tensor
-        size += nbytes
-        total += nbytes
-    written.append(_write_shard(folder, len(written), shard))
-    _name_shards(folder, written, total)
+    size = 0
+    for _, group in iter_hf_weight_groups(gpt, select=select):
+        for name, tensor in group:
+            tensor = tensor.detach().to("cpu", dtype or tensor.dtype)  # files hold CPU tensors
+            nbytes = tensor.numel() * tensor.element_size()
+            if shard and size + nbytes > max_shard_bytes:
+                written.append(_write_shard(folder, rank, len(written), shard, size))
+                shard, size = {}, 0
+            shard[name] = tensor
+            size += nbytes
+    if shard:
+        written.append(_write_shard(folder, rank, len(written), shard, size))
+    everyone = _gather(written)
+    if rank == 0:
+        _name_shards(folder, [item for part in everyone for item in part])
+    _barrier()
     return folder
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _gather(items: list) -> list[list]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [items]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return out
 
 
 def _is_tp_writer() -> bool:
@@ -395,23 +482,26 @@ def _is_tp_writer() -> bool:
     return not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_rank() == 0
 
 
-def _write_shard(folder: Path, index: int, shard: dict[str, Tensor]) -> tuple[Path, list[str]]:
+def _write_shard(
+    folder: Path, rank: int, index: int, shard: dict[str, Tensor], nbytes: int
+) -> tuple[Path, list[str], int]:
     from safetensors.torch import save_file
 
-    path = folder / f"shard-{index:05d}.tmp"
+    path = folder / f"shard-{rank:05d}-{index:05d}.tmp"
     save_file(shard, str(path), metadata={"format": "pt"})
-    return path, list(shard)
+    return path, list(shard), nbytes
 
 
-def _name_shards(folder: Path, written: list[tuple[Path, list[str]]], total: int) -> None:
+def _name_shards(folder: Path, written: list[tuple[Path, list[str], int]]) -> None:
     """Give the shards their HF names; write the index when there are several."""
     if len(written) == 1:
         written[0][0].replace(folder / "model.safetensors")
         return
     weight_map = {}
-    for i, (path, names) in enumerate(written):
+    for i, (path, names, _) in enumerate(written):
         final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
         path.replace(folder / final)
         weight_map |= dict.fromkeys(names, final)
+    total = sum(nbytes for _, _, nbytes in written)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

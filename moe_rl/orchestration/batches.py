@@ -1,0 +1,154 @@
+"""Rollout batches between the engine pool and the trainer group, without passing through the driver.
+
+* `dispatch`: a step's prompts over the engine replicas by token load (a prompt's ``n`` samples
+  stay on one replica), and the permutation that merges the replicas' batches back into prompt
+  order.
+* `prepare`: what the reward worker does with the replicas' batches: merge, score, validate, check
+  staleness, split into token-balanced data-parallel shards (each trainer rank fetches its own by
+  object reference) and summarize what the driver needs (rewards, group ids, lengths, versions):
+  a few numbers per sample, never the tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from moe_rl.data.errors import TrajectoryError
+from moe_rl.data.packing import plan_microbatches, split_balanced
+from moe_rl.data.trajectory import TrajectoryBatch
+from moe_rl.data.validate import check_staleness, validate
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Which prompts each replica generates (ascending prompt indices per replica)."""
+
+    assignment: list[list[int]]
+    group_size: int
+
+    @property
+    def num_prompts(self) -> int:
+        return sum(len(a) for a in self.assignment)
+
+    def merge_order(self) -> Tensor:
+        """Indices into the replicas' batches concatenated (replica 0 first) that put the samples
+        in prompt order: prompt p's ``n`` samples at ``[p·n, (p+1)·n)``."""
+        n = self.group_size
+        where: dict[int, int] = {}
+        offset = 0
+        for prompts in self.assignment:
+            for j, prompt in enumerate(prompts):
+                where[prompt] = offset + j * n
+            offset += len(prompts) * n
+        return torch.tensor(
+            [where[p] + k for p in range(self.num_prompts) for k in range(n)], dtype=torch.int64, device="cpu"
+        )
+
+
+def dispatch(prompt_lengths: Sequence[int], n: int, max_new_tokens: int, replicas: int) -> Dispatch:
+    """Longest-processing-time assignment of prompts to replicas by their token load
+    ``n · (prompt length + max_new_tokens)``; every replica gets at least one prompt when there are
+    enough prompts."""
+    if replicas < 1:
+        raise ValueError(f"rollout.num_engines={replicas} must be >= 1")
+    heap = [(0, r) for r in range(replicas)]
+    assignment: list[list[int]] = [[] for _ in range(replicas)]
+    order = sorted(range(len(prompt_lengths)), key=lambda i: (-prompt_lengths[i], i))
+    for i in order:
+        load, r = heapq.heappop(heap)
+        assignment[r].append(i)
+        heapq.heappush(heap, (load + n * (prompt_lengths[i] + max_new_tokens), r))
+    return Dispatch([sorted(a) for a in assignment], n)
+
+
+def merge(batches: Sequence[TrajectoryBatch], plan: Dispatch) -> TrajectoryBatch:
+    """The replicas' batches (one per non-empty replica, in replica order) in prompt order."""
+    present = [b for b in batches if b is not None]
+    return TrajectoryBatch.concat(present).select(plan.merge_order())
+
+
+@dataclass
+class Prepared:
+    """What the driver learns about a scored rollout batch (the batch itself stays in the store)."""
+
+    num_samples: int
+    rewards: Tensor
+    group_ids: Tensor
+    shard_indices: list[Tensor]
+    """Per data-parallel shard, the batch's sample indices it holds."""
+    num_microbatches: int
+    """Micro-batches every rank packs its shard into (equal counts: expert-parallel ranks meet in
+    collectives in every forward)."""
+    min_version: int
+    stale: str | None = None
+    """Why the batch is too stale to train on (then there are no shards)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def length_metrics(batch: TrajectoryBatch) -> dict[str, float]:
+    lengths = batch.response_lengths().float()
+    stops = sum(r == "stop" for r in batch.finish_reasons)
+    return {
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/stop_share": stops / batch.num_samples,
+        "rollout/samples": batch.num_samples,
+        "rollout/tokens": int(lengths.sum()),
+    }
+
+
+def engine_metrics(batches: Sequence[TrajectoryBatch | None]) -> dict[str, float]:
+    """Tokens (prompt + response) each replica generated, and the spread between them."""
+    tokens = [0 if b is None else int(b.sequence_lengths().sum()) for b in batches]
+    out = {f"rollout/tokens_engine{r}": float(t) for r, t in enumerate(tokens)}
+    out["rollout/engine_token_imbalance"] = max(tokens) / max(1.0, sum(tokens) / len(tokens)) - 1
+    return out
+
+
+def shard(
+    batch: TrajectoryBatch, dp_size: int, max_tokens_per_microbatch: int, num_mini_batches: int
+) -> tuple[list[Tensor], int]:
+    """Token-balanced data-parallel shards and the micro-batch count all of them use."""
+    indices = split_balanced(batch, dp_size)
+    lengths = batch.sequence_lengths().tolist()
+    counts = [
+        len(plan_microbatches([lengths[i] for i in idx.tolist()], max_tokens_per_microbatch))
+        for idx in indices
+    ]
+    wanted = max([num_mini_batches, *counts])
+    smallest = min(len(idx) for idx in indices)
+    if wanted > smallest:
+        raise TrajectoryError(
+            "num_microbatches",
+            "a data-parallel shard has fewer samples than the micro-batches every rank must run",
+            value=wanted,
+            expected=f"<= {smallest} (raise trainer.max_tokens_per_microbatch or rollout.batch_size)",
+        )
+    return indices, wanted
+
+
+def prepare(
+    batch: TrajectoryBatch, rewards: Sequence[float], version: int, max_staleness: int, *,
+    vocab_size: int, dp_size: int, max_tokens_per_microbatch: int, num_mini_batches: int,
+) -> tuple[TrajectoryBatch, Prepared]:  # fmt: skip
+    """Score, validate, check staleness and shard one merged batch (see the module docstring)."""
+    batch = batch.replace(rewards=torch.tensor(list(rewards), dtype=torch.float32, device="cpu"))
+    validate(batch, vocab_size=vocab_size)
+    summary = Prepared(
+        num_samples=batch.num_samples, rewards=batch.rewards, group_ids=batch.group_ids, shard_indices=[],
+        num_microbatches=0, min_version=batch.min_policy_version(), metrics=length_metrics(batch),
+    )  # fmt: skip
+    try:
+        check_staleness(batch, version, max_staleness)
+    except TrajectoryError as exc:
+        summary.stale = str(exc)
+        return batch, summary
+    summary.shard_indices, summary.num_microbatches = shard(
+        batch, dp_size, max_tokens_per_microbatch, num_mini_batches
+    )
+    return batch, summary

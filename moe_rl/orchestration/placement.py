@@ -1,0 +1,139 @@
+"""Placement: which node hosts which trainer rank and which rollout engine, and what each gets.
+
+From the recipe (``parallel.trainer_world_size``, ``rollout.num_engines``,
+``rollout.tensor_parallel_size``, ``cluster.*``) and the device ``run.device`` resolves to:
+
+* a CPU run: every rank and engine is a process on the machine(s), no GPU;
+* a CUDA run on a cluster (``cluster.gpus_per_node > 0``): one GPU per trainer rank on the trainer
+  nodes, ``rollout.tensor_parallel_size`` GPUs per engine on the rollout nodes (or on the trainer
+  nodes, colocated, when ``cluster.rollout_nodes = 0``);
+* a CUDA run on one machine (``gpus_per_node = 0``): trainer and engine share its GPU (one rank,
+  one engine).
+
+Ray places the trainer ranks as one placement group (one bundle per rank, packed) and each engine
+as a placement group of its own. Under Slurm each node is started with a custom resource naming its
+role (`TRAINER_NODE` / `ROLLOUT_NODE`, see ``slurm/ray_job.sbatch``); bundles ask for a sliver of
+it, which pins them to nodes of that role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.device import DeviceKind, Machine, resolve_device
+
+TRAINER_NODE = "moe_rl_trainer_node"
+ROLLOUT_NODE = "moe_rl_rollout_node"
+NODE_SHARE = 0.001
+"""How much of a node-role resource one bundle takes (any number of bundles fit on a node)."""
+SHARED_GPU = 0.5
+"""GPU share of the trainer and of the engine when both run on one machine's GPU."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Resources of every trainer rank and engine replica."""
+
+    device: DeviceKind
+    trainer_ranks: int
+    trainer_gpus: float
+    """GPUs per trainer rank."""
+    engines: int
+    engine_gpus: float
+    """GPUs per engine replica."""
+    node_roles: bool
+    """Pin bundles to nodes by role (a multi-node Ray cluster started by the sbatch script)."""
+
+    def trainer_bundle(self) -> dict[str, float]:
+        bundle = {"CPU": 1.0, "GPU": self.trainer_gpus}
+        if self.node_roles:
+            bundle[TRAINER_NODE] = NODE_SHARE
+        return {k: v for k, v in bundle.items() if v}
+
+    def engine_bundle(self, colocated: bool) -> dict[str, float]:
+        bundle = {"CPU": 1.0, "GPU": self.engine_gpus}
+        if self.node_roles:
+            bundle[TRAINER_NODE if colocated else ROLLOUT_NODE] = NODE_SHARE
+        return {k: v for k, v in bundle.items() if v}
+
+    def threads(self, role: str, cpus: int) -> int:
+        """torch threads of a process: the machine's cores shared by the processes that run at
+        the same time (all trainer ranks together, all engines together)."""
+        share = self.trainer_ranks if role == "trainer" else self.engines
+        return max(1, cpus // max(1, share))
+
+
+def plan_placement(config: RecipeConfig, machine: Machine, node_roles: bool = False) -> Placement:
+    """The `Placement` of a recipe on ``machine`` (see the module docstring)."""
+    device = resolve_device(config.run.device, machine)
+    world, engines = config.parallel.trainer_world_size, config.rollout.num_engines
+    if device == "cpu":
+        return Placement(device, world, 0.0, engines, 0.0, node_roles)
+    if config.cluster.gpus_per_node == 0:
+        return Placement(device, world, SHARED_GPU, engines, SHARED_GPU, node_roles)
+    return Placement(device, world, 1.0, engines, float(config.rollout.tensor_parallel_size), node_roles)
+
+
+def check_placement(config: RecipeConfig, machine: Machine | None = None) -> None:
+    """Refuse what no placement can hold: ranks and engines vs GPUs and nodes. ``machine``:
+    where it will run (None: the cluster the recipe describes)."""
+    c, r, p = config.cluster, config.rollout, config.parallel
+    if c.trainer_nodes + c.rollout_nodes != c.nodes:
+        raise ValueError(
+            f"cluster.nodes={c.nodes} but cluster.trainer_nodes + cluster.rollout_nodes = "
+            f"{c.trainer_nodes + c.rollout_nodes}"
+        )
+    if c.gpus_per_node == 0:
+        on_gpu = machine is not None and resolve_device(config.run.device, machine) == "cuda"
+        if on_gpu and (p.trainer_world_size > 1 or r.num_engines > 1):
+            raise ValueError(
+                f"parallel.trainer_world_size={p.trainer_world_size}, rollout.num_engines={r.num_engines} on "
+                "one machine's GPU (cluster.gpus_per_node=0): one trainer rank and one engine share it; "
+                "set cluster.gpus_per_node for more"
+            )
+        return
+    trainer_gpus = c.trainer_nodes * c.gpus_per_node
+    if p.trainer_world_size != trainer_gpus:
+        raise ValueError(
+            f"parallel.trainer_world_size={p.trainer_world_size} but cluster.trainer_nodes x gpus_per_node = "
+            f"{c.trainer_nodes} x {c.gpus_per_node} = {trainer_gpus} GPUs (one rank per GPU)"
+        )
+    if c.gpus_per_node % r.tensor_parallel_size:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size} does not divide cluster.gpus_per_node="
+            f"{c.gpus_per_node}: an engine's GPUs must be on one node"
+        )
+    engine_gpus = (c.rollout_nodes or c.trainer_nodes) * c.gpus_per_node
+    wanted = r.num_engines * r.tensor_parallel_size
+    if wanted > engine_gpus:
+        where = "cluster.rollout_nodes" if c.rollout_nodes else "the trainer nodes (colocated)"
+        raise ValueError(
+            f"rollout.num_engines x tensor_parallel_size = {r.num_engines} x {r.tensor_parallel_size} = {wanted} "
+            f"GPUs, but {where} have {engine_gpus}"
+        )
+
+
+def placement_lines(config: RecipeConfig) -> list[str]:
+    """Human-readable placement for ``submit --dry-run``: ranks and engines per node, GPUs each."""
+    c, r, p = config.cluster, config.rollout, config.parallel
+    lines = []
+    per_node = -(-p.trainer_world_size // max(1, c.trainer_nodes))
+    gpu = c.gpus_per_node > 0
+    each = "1 GPU each" if gpu else "1 process each"
+    lines.append(
+        f"trainer: {p.trainer_world_size} ranks on {c.trainer_nodes} node(s) "
+        f"(nodes 0..{c.trainer_nodes - 1}), {per_node} per node, {each}"
+    )
+    engine_nodes = c.rollout_nodes or c.trainer_nodes
+    first = c.trainer_nodes if c.rollout_nodes else 0
+    per_engine_node = -(-r.num_engines // max(1, engine_nodes))
+    gpus = f"{r.tensor_parallel_size} GPU(s) each" if gpu else "1 process each"
+    where = f"nodes {first}..{first + engine_nodes - 1}" + (
+        "" if c.rollout_nodes else ", colocated with the trainer"
+    )
+    lines.append(
+        f"rollout: {r.num_engines} engine(s) on {engine_nodes} node(s) ({where}), up to {per_engine_node} "
+        f"per node, {gpus}"
+    )
+    return lines

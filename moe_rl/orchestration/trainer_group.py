@@ -1,0 +1,118 @@
+"""The trainer group: ``parallel.trainer_world_size`` rank actors forming one Megatron world.
+
+The ranks are placed as one Ray placement group (`placement`: one bundle per rank, a GPU each on
+GPU nodes). Rank 0 publishes an address and a free port; every rank joins the torch.distributed
+world there (NCCL on CUDA, gloo on CPU) and Megatron's parallel state follows the recipe
+(TP / PP / EP / ETP / CP, data parallelism the rest). The driver calls one verb on every rank at
+once and reads rank 0's answer: metrics are reduced inside the group (over data-parallel ranks,
+merged over pipeline stages), so every rank holds the same ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.orchestration.actors import RAY_TIMEOUT_S, TrainerRank
+from moe_rl.orchestration.placement import Placement
+from moe_rl.rollout.quant import QuantReport
+
+log = logging.getLogger("moe_rl.driver")
+
+PLACEMENT_TIMEOUT_S = 600.0
+
+
+class TrainerGroup:
+    """Rank actors of one Megatron world (see the module docstring)."""
+
+    def __init__(self, config: RecipeConfig, placement: Placement):
+        self.config = config
+        world = placement.trainer_ranks
+        self.pg = placement_group([placement.trainer_bundle()] * world, strategy="PACK")
+        if not ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S):
+            raise RuntimeError(f"no room for {world} trainer ranks of {placement.trainer_bundle()}")
+        threads = placement.threads("trainer", os.cpu_count() or 1)
+        actor = ray.remote(TrainerRank)
+        self.ranks = [
+            actor.options(
+                num_cpus=0, num_gpus=placement.trainer_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(config, i, world, threads)
+            for i in range(world)
+        ]  # fmt: skip
+        address, port = ray.get(self.ranks[0].address.remote(), timeout=RAY_TIMEOUT_S)
+        self.layout = self._all("init", address, port)
+        self.dp_size = self.layout[0]["dp_size"]
+        log.info(
+            "trainer group: %d rank(s), data-parallel size %d, store %s:%d",
+            world,
+            self.dp_size,
+            address,
+            port,
+        )
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every rank at once; every rank's answer."""
+        refs = [getattr(rank, method).remote(*args) for rank in self.ranks]
+        return ray.get(refs, timeout=RAY_TIMEOUT_S)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def pids(self) -> list[int]:
+        return self._all("pid")
+
+    def compute_old_logp(
+        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], num_microbatches: int
+    ) -> dict[str, float]:
+        """Each rank fetches shard ``dp_rank`` (by reference) and runs the π_old pass."""
+        return self._all("compute_old_logp", list(shard_refs), list(advantages), num_microbatches)[0]
+
+    def train(self) -> dict[str, float]:
+        return self._all("train")[0]
+
+    def stream_weights(
+        self, engines: Sequence[Any], quantized_wire: bool, into: str = "engine"
+    ) -> dict[str, Any]:
+        """Every rank sends the tensors it owns to ``engines``; totals over the senders."""
+        results = self._all("stream_weights", list(engines), quantized_wire, into)
+        reports = [r["report"] for r in results if r["report"] is not None]
+        report = None
+        if reports:
+            report = QuantReport(reports[0].recipe)
+            for part in reports:
+                report.merge(part)
+        return {
+            "bytes": sum(r["bytes"] for r in results),
+            "buckets": sum(r["buckets"] for r in results),
+            "senders": sum(1 for r in results if r["buckets"]),
+            "report": report,
+            "dead": sorted({i for r in results for i in r["dead"]}),
+        }
+
+    def save_hf(self, directory: str) -> str:
+        """A Hugging Face folder of the current weights (collective)."""
+        return self._all("save_hf", directory)[0]
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._all("save_checkpoint", directory)
+
+    def load_checkpoint(self, directory: str) -> int:
+        steps = set(self._all("load_checkpoint", directory))
+        if len(steps) != 1:
+            raise RuntimeError(f"trainer ranks loaded different steps {sorted(steps)} from {directory}")
+        return steps.pop()
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
+        remove_placement_group(self.pg)

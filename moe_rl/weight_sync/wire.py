@@ -1,0 +1,132 @@
+"""The rollout quantization recipe on the wire: what travels for each weight, and what it decodes to.
+
+The sender applies the recipe (`WireEncoder`), so a quantized recipe moves quantized bytes:
+
+* ``fp8`` (``fp8_block128``, ``fp8_tensor``, channel): e4m3 data plus fp32 scales, one per block
+  (the block of ``tensor`` granularity is the whole tensor, of ``channel`` a row). The block-FP8
+  layout is vLLM's (``weight`` + ``weight_scale_inv``) and comes from
+  `moe_rl.rollout.fp8_block.quantize_fp8_block` (a fused kernel on CUDA). ``scale = amax / 448``,
+  ``data = e4m3(x / scale)``; a block whose scale is 0 sends zeros.
+* ``int8``: int8 data ``round(x / scale)`` clamped to ±127 and fp32 scales ``amax / 127`` per row
+  (``channel``) or per tensor.
+* everything else (``none``, and the recipes that need the receiver: ``int4_awq`` calibrates on the
+  engine's own rollouts, ``nvfp4`` fake-quantizes there through ModelOpt): the tensor itself.
+
+Weights the recipe leaves alone (routers, embeddings, the LM head, norms, excluded layers) travel as
+they are. `decode` turns what arrived into the values a quantized engine holds (``data · scale``
+blockwise, in float32), which is what an engine that fake-quantizes (the Megatron engine) computes
+with. Engines that quantize themselves (vLLM's online quantization) are sent the tensors as they
+are (``quantized_wire=False``). The sender also fills the sync's `QuantReport` (relative error of
+what the engine will hold, bytes sent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+from moe_rl.config.schema import QuantConfig
+from moe_rl.rollout.quant import QuantReport, should_quantize
+
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+WIRE_METHODS = ("fp8", "int8")
+"""Recipes whose quantized bytes travel; the others send the tensor itself."""
+
+
+def scale_name(weight_name: str) -> str:
+    """Name the scales of ``weight_name`` travel under (vLLM's block-FP8 checkpoint name)."""
+    return weight_name.removesuffix(".weight") + ".weight_scale_inv"
+
+
+def _block(cfg: QuantConfig, shape: torch.Size) -> tuple[int, int]:
+    if cfg.granularity == "block":
+        return cfg.block_size, cfg.block_size
+    if cfg.granularity == "channel":
+        return 1, shape[1]
+    return shape[0], shape[1]
+
+
+def _block_amax(x: Tensor, block: tuple[int, int]) -> Tensor:
+    """``max |x|`` per ``block`` (partial blocks at the edges count their own elements)."""
+    rows, cols = x.shape
+    bo, bi = block
+    pr, pc = -rows % bo, -cols % bi
+    padded = torch.nn.functional.pad(x.abs(), (0, pc, 0, pr))
+    return padded.view((rows + pr) // bo, bo, (cols + pc) // bi, bi).amax(dim=(1, 3))
+
+
+def _expand(scale: Tensor, block: tuple[int, int], shape: torch.Size) -> Tensor:
+    return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: shape[0], : shape[1]]
+
+
+def quantize_fp8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tuple[int, int]]:
+    """``(e4m3 data, fp32 scales, block)`` of a 2-D weight under an fp8 recipe."""
+    block = _block(cfg, weight.shape)
+    if cfg.granularity == "block":
+        from moe_rl.rollout.fp8_block import quantize_fp8_block
+
+        data, scale = quantize_fp8_block(weight, cfg.block_size)
+        return data, scale, block
+    x = weight.float()
+    scale = _block_amax(x, block) / FP8_MAX
+    full = _expand(scale, block, x.shape)
+    data = torch.where(full > 0, x / full, torch.zeros_like(x)).to(torch.float8_e4m3fn)
+    return data, scale, block
+
+
+def quantize_int8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tuple[int, int]]:
+    """``(int8 data, fp32 scales, block)`` of a 2-D weight: symmetric, ±127, per row or tensor."""
+    block = (1, weight.shape[1]) if cfg.granularity == "channel" else (weight.shape[0], weight.shape[1])
+    x = weight.float()
+    scale = _block_amax(x, block) / INT8_MAX
+    full = _expand(scale, block, x.shape)
+    q = torch.where(full > 0, x / full, torch.zeros_like(x)).round().clamp(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale, block
+
+
+def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
+    """The values a quantized engine holds: ``data · scale`` blockwise, float32."""
+    return data.float() * _expand(scale.float(), block, data.shape)
+
+
+class WireEncoder:
+    """The sender's side: HF-named tensors -> what travels, with the sync's `QuantReport`."""
+
+    def __init__(self, cfg: QuantConfig, num_layers: int, quantized_wire: bool = True):
+        self.cfg, self.num_layers = cfg, num_layers
+        self.active = quantized_wire and cfg.method in WIRE_METHODS
+        self.report = QuantReport(cfg.name)
+
+    def encode(self, name: str, tensor: Tensor) -> list[tuple[str, Tensor, dict]]:
+        """``[(name, tensor, meta)]`` that travel for one HF tensor."""
+        if not self.active or not should_quantize(name, tensor, self.cfg, self.num_layers):
+            if self.active:
+                self.report.add(name, tensor, None, 16)
+            return [(name, tensor, {})]
+        quantize = quantize_fp8 if self.cfg.method == "fp8" else quantize_int8
+        data, scale, block = quantize(tensor, self.cfg)
+        self.report.add(name, tensor, dequantize(data, scale, block), 8)
+        meta = {"block": list(block), "scale": scale_name(name)}
+        return [(name, data, meta), (scale_name(name), scale, {"scale_of": name})]
+
+    def encode_group(self, group: Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor, dict]]:
+        return [item for name, tensor in group for item in self.encode(name, tensor)]
+
+
+def decode(items: Iterable[tuple[str, Tensor, dict]]) -> Iterator[tuple[str, Tensor]]:
+    """What arrived -> ``(HF name, values)``: quantized weights dequantized with their scales
+    (which must travel in the same bucket, as the encoder sends them)."""
+    items = list(items)
+    scales = {meta["scale_of"]: tensor for _, tensor, meta in items if "scale_of" in meta}
+    for name, tensor, meta in items:
+        if "scale_of" in meta:
+            continue
+        if "block" not in meta:
+            yield name, tensor
+            continue
+        if name not in scales:
+            raise ValueError(f"weight {name!r} arrived quantized without its scales {meta['scale']!r}")
+        yield name, dequantize(tensor, scales[name], tuple(meta["block"]))

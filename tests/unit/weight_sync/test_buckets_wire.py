@@ -1,0 +1,105 @@
+"""Buckets pack whole groups and give the bytes back; the wire carries a recipe's quantized bytes
+and decodes them to the values a quantized engine holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_rl.config.schema import QuantConfig
+from moe_rl.rollout.fp8_block import quantize_fp8_block
+from moe_rl.weight_sync.buckets import detach, pack_buckets
+from moe_rl.weight_sync.wire import WireEncoder, decode, dequantize, quantize_int8, scale_name
+
+FP8_BLOCK = QuantConfig(name="fp8_block128", method="fp8", granularity="block", block_size=4)
+
+
+def _groups(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [("model.layers.0.self_attn.q_proj.weight", torch.randn(8, 6, generator=g))],
+        [("model.layers.0.mlp.gate_proj.weight", torch.randn(5, 6, generator=g)),
+         ("model.layers.0.mlp.up_proj.weight", torch.randn(5, 6, generator=g))],
+        [("model.norm.weight", torch.randn(6, generator=g).bfloat16())],
+        [("model.embed_tokens.weight", torch.randn(40, 6, generator=g))],
+    ]  # fmt: skip
+
+
+def test_buckets_keep_groups_whole_and_bytes_exact():
+    groups = [[(n, t, {}) for n, t in g] for g in _groups()]
+    buckets = [detach(b) for b in pack_buckets(iter(groups), capacity=300, sender=3)]
+    names = [[e.name for e in b.entries] for b in buckets]
+    assert names == [
+        ["model.layers.0.self_attn.q_proj.weight"],  # 192 B; the next group (240 B) does not fit
+        ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"],
+        ["model.embed_tokens.weight"],  # 960 B > capacity: a bucket of its own
+    ]
+    assert [b.index for b in buckets] == [0, 1, 2] and {b.sender for b in buckets} == {3}
+    assert [b.nbytes for b in buckets] == [192, 252, 960]
+    got = {e.name: t for b in buckets for e, t in b.tensors()}
+    for name, tensor, _ in (item for g in groups for item in g):
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+
+
+def test_a_bucket_is_valid_until_the_next_is_requested():
+    groups = [[(f"w{i}", torch.full((4,), float(i)), {})] for i in range(3)]
+    stream = pack_buckets(iter(groups), capacity=16)
+    first = next(stream)
+    kept = detach(first)
+    next(stream)  # reuses the working buffer
+    assert dict((e.name, t) for e, t in kept.tensors())["w0"].tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="capacity=0"):
+        next(pack_buckets(iter(groups), capacity=0))
+
+
+def test_fp8_block_wire_is_e4m3_plus_scales_and_decodes_to_the_dequantized_weight():
+    weight = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)).bfloat16()
+    encoder = WireEncoder(FP8_BLOCK, num_layers=2)
+    items = encoder.encode("model.layers.1.self_attn.o_proj.weight", weight)
+    (name, data, meta), (sname, scale, smeta) = items
+    assert data.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (2, 2)
+    assert sname == scale_name(name) == "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    ref_data, ref_scale = quantize_fp8_block(weight, 4)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    ((out_name, values),) = list(decode(items))
+    block = ref_scale.repeat_interleave(4, 0).repeat_interleave(4, 1)[:8, :6]
+    assert out_name == name and torch.equal(values, ref_data.float() * block)
+    assert 0 < encoder.report.rel_err < 0.1 and encoder.report.num_quantized == 1
+
+
+def test_excluded_and_non_wire_recipes_travel_as_they_are():
+    encoder = WireEncoder(FP8_BLOCK, num_layers=2)
+    router = torch.randn(4, 6)
+    assert encoder.encode("model.layers.0.mlp.gate.weight", router) == [
+        ("model.layers.0.mlp.gate.weight", router, {})
+    ]
+    awq = WireEncoder(QuantConfig(name="int4_awq", method="int4_awq", granularity="block"), num_layers=2)
+    weight = torch.randn(8, 6)
+    assert awq.encode("model.layers.0.mlp.down_proj.weight", weight)[0][1] is weight
+    off = WireEncoder(FP8_BLOCK, num_layers=2, quantized_wire=False)  # an engine that quantizes itself
+    assert off.encode("model.layers.0.mlp.down_proj.weight", weight)[0][1] is weight
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_fp8_tensor_and_channel_and_int8(granularity):
+    weight = torch.randn(6, 10, generator=torch.Generator().manual_seed(2))
+    weight[2] = 0  # a zero row: scale 0 sends zeros, never NaN
+    cfg = QuantConfig(name="x", method="fp8", granularity=granularity)
+    items = WireEncoder(cfg, num_layers=1).encode("model.layers.0.mlp.down_proj.weight", weight)
+    values = dict(decode(items))["model.layers.0.mlp.down_proj.weight"]
+    assert torch.isfinite(values).all() and (values[2] == 0).all()
+    assert items[1][1].shape == ((6, 1) if granularity == "channel" else (1, 1))
+    assert (values - weight).norm() / weight.norm() < 0.08
+    data, scale, block = quantize_int8(
+        weight, QuantConfig(name="int8", method="int8", granularity=granularity)
+    )
+    assert data.dtype == torch.int8 and int(data.abs().max()) == 127
+    assert (dequantize(data, scale, block) - weight).norm() / weight.norm() < 0.02
+
+
+def test_a_quantized_weight_without_its_scales_is_an_error():
+    items = WireEncoder(FP8_BLOCK, num_layers=2).encode(
+        "model.layers.0.mlp.down_proj.weight", torch.randn(8, 8)
+    )
+    with pytest.raises(ValueError, match="without its scales"):
+        list(decode(items[:1]))
