@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe
 from moe_rl.config.schema import ModelConfig, QuantConfig
+from moe_rl.trainer.rules import longest_sequence
 
 GIB = 1024**3
 BF16 = 2
@@ -181,11 +182,6 @@ def layout(config: RecipeConfig) -> Layout:
     )
 
 
-def max_seq_len(config: RecipeConfig) -> int:
-    """The longest sequence a rollout can produce (prompt + response)."""
-    return config.data.max_prompt_len + config.rollout.max_new_tokens
-
-
 @dataclass(frozen=True)
 class TrainerMemory:
     """Bytes on the busiest trainer GPU."""
@@ -248,7 +244,7 @@ def activation_bytes(config: RecipeConfig) -> float:
     tokens = t.max_tokens_per_microbatch / lay.cp
     per_stage = math.ceil(m.num_layers / lay.pp)
     seqs = config.rollout.batch_size / (t.num_mini_batches * lay.dp)
-    micro_batches = max(1, math.ceil(seqs * max_seq_len(config) / t.max_tokens_per_microbatch))
+    micro_batches = max(1, math.ceil(seqs * longest_sequence(config) / t.max_tokens_per_microbatch))
     in_flight = min(lay.pp, micro_batches)
     if t.recompute_activations:
         kept = per_stage * in_flight * m.hidden_size / lay.tp
@@ -363,160 +359,22 @@ class Check:
     fatal: bool = True
 
 
-def _divisible(name: str, value: int, value_name: str, divisor: int, divisor_name: str) -> Check:
-    ok = divisor > 0 and value % divisor == 0
-    verb = "is" if ok else "is not"
-    return Check(name, ok, f"{value_name}={value} {verb} divisible by {divisor_name}={divisor}")
-
-
-def _model_checks(config: RecipeConfig, lay: Layout) -> list[Check]:
-    m = config.model
-    checks = [_divisible("heads % TP", m.num_attention_heads, "model.num_attention_heads", lay.tp, "TP")]
-    if m.attention == "gqa":
-        checks.append(
-            _divisible("query groups % TP", m.num_key_value_heads, "model.num_key_value_heads", lay.tp, "TP")
-        )
-    checks.append(_divisible("layers % PP", m.num_layers, "model.num_layers", lay.pp, "PP"))
-    if lay.vpp:
-        stages = lay.pp * lay.vpp
-        checks.append(_divisible("layers % (PP*VPP)", m.num_layers, "model.num_layers", stages, "PP*VPP"))
-        checks.append(Check("VPP needs PP > 1", lay.pp > 1, f"PP={lay.pp}, VPP={lay.vpp}"))
-    if m.first_k_dense_layers or m.num_experts == 0:
-        checks.append(_divisible("dense FFN % TP", m.ffn_hidden_size, "model.ffn_hidden_size", lay.tp, "TP"))
-    if m.num_experts:
-        checks.append(_divisible("experts % EP", m.num_experts, "model.num_experts", lay.ep, "EP"))
-        checks.append(
-            _divisible("expert FFN % ETP", m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size", lay.etp, "ETP")
-        )
-    if m.num_experts and m.moe_router_num_groups:
-        checks.append(_router_groups(m))
-    return checks
-
-
-def _router_groups(m: ModelConfig) -> Check:
-    groups, group_topk = m.moe_router_num_groups or 1, m.moe_router_group_topk or 1
-    per_group = m.num_experts // groups if m.num_experts % groups == 0 else 0
-    ok = per_group > 0 and group_topk <= groups and m.moe_router_topk <= group_topk * per_group
-    detail = (
-        f"{m.num_experts} experts in {groups} groups of {per_group}; a token uses {group_topk} groups "
-        f"and top-{m.moe_router_topk} experts (needs experts % groups == 0, group_topk <= groups, "
-        "topk <= group_topk * experts per group)"
-    )
-    return Check("router groups", ok, detail)
-
-
-def _layout_checks(config: RecipeConfig, lay: Layout) -> list[Check]:
-    p, t = config.parallel, config.trainer
-    checks = [
-        _divisible(
-            "world % (TP*PP*CP)",
-            lay.world,
-            "parallel.trainer_world_size",
-            lay.tp * lay.pp * lay.cp,
-            "TP*PP*CP",
-        ),
-        _divisible(
-            "world % (EP*ETP*PP)",
-            lay.world,
-            "parallel.trainer_world_size",
-            lay.ep * lay.etp * lay.pp,
-            "EP*ETP*PP",
-        ),
-        Check(
-            "sequence parallel needs TP > 1",
-            not p.sequence_parallel or lay.tp > 1,
-            f"parallel.sequence_parallel={p.sequence_parallel}, TP={lay.tp}",
-        ),
-        Check(
-            "EP with TP needs sequence parallel",
-            not (lay.ep > 1 and lay.tp > 1) or p.sequence_parallel,
-            f"EP={lay.ep}, TP={lay.tp}, parallel.sequence_parallel={p.sequence_parallel}",
-        ),
-        _divisible(
-            "batch % (mini-batches*DP)",
-            config.rollout.batch_size,
-            "rollout.batch_size",
-            t.num_mini_batches * lay.dp,
-            "trainer.num_mini_batches*DP",
-        ),
-        Check(
-            "micro-batch holds a sequence",
-            t.max_tokens_per_microbatch >= max_seq_len(config),
-            f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}, longest sequence "
-            f"{max_seq_len(config)} (data.max_prompt_len + rollout.max_new_tokens)",
-        ),
-    ]
-    if lay.cp > 1:
-        chunks = 2 * lay.cp * (lay.tp if p.sequence_parallel else 1)
-        checks.append(
-            _divisible(
-                "micro-batch % CP chunks",
-                t.max_tokens_per_microbatch,
-                "trainer.max_tokens_per_microbatch",
-                chunks,
-                "2*CP(*TP with SP)",
-            )
-        )
-    return checks
-
-
-def _cluster_checks(config: RecipeConfig, lay: Layout) -> list[Check]:
-    c, r = config.cluster, config.rollout
-    nodes = c.trainer_nodes + c.rollout_nodes
-    checks = [
-        Check(
-            "nodes = trainer + rollout",
-            c.nodes == nodes,
-            f"cluster.nodes={c.nodes}, cluster.trainer_nodes + cluster.rollout_nodes = {nodes}",
-        )
-    ]
-    checks.append(
-        _divisible(
-            "heads % rollout TP",
-            config.model.num_attention_heads,
-            "model.num_attention_heads",
-            r.tensor_parallel_size,
-            "rollout.tensor_parallel_size",
-        )
-    )
-    if c.gpus_per_node == 0:
-        return checks
-    gpus = c.trainer_nodes * c.gpus_per_node
-    checks.append(
-        Check(
-            "trainer GPUs = world",
-            gpus == lay.world,
-            f"cluster.trainer_nodes*gpus_per_node={gpus}, parallel.trainer_world_size={lay.world}",
-        )
-    )
-    engine_gpus = c.rollout_nodes * c.gpus_per_node or gpus
-    wanted = r.num_engines * r.tensor_parallel_size
-    where = "cluster.rollout_nodes" if c.rollout_nodes else "the trainer (colocated)"
-    checks.append(
-        Check(
-            "engine GPUs",
-            wanted <= engine_gpus,
-            f"rollout.num_engines*tensor_parallel_size={wanted}, {engine_gpus} GPUs on {where}",
-        )
-    )
-    return checks
-
-
-def _validation_check(config: RecipeConfig) -> Check:
-    from moe_rl.config.validate import validate_recipe
-
-    try:
-        validate_recipe(config)
-    except ConfigError as exc:
-        return Check("recipe validation", False, str(exc))
-    return Check("recipe validation", True, "moe_rl.config.validate accepts the recipe")
-
-
 def constraint_checks(config: RecipeConfig) -> list[Check]:
-    """Every divisibility and placement constraint Megatron-core, vLLM and the cluster enforce."""
-    lay = layout(config)
-    checks = [_validation_check(config)]
-    return checks + _model_checks(config, lay) + _layout_checks(config, lay) + _cluster_checks(config, lay)
+    """The rules of every component that runs the recipe (`moe_rl.validation`), against the machine
+    the recipe describes: the recipe's own consistency and the engine's capabilities as one row
+    each, the trainer's and placement's rules one by one with their numbers."""
+    from moe_rl.orchestration.placement import placement_rules
+    from moe_rl.trainer.rules import trainer_rules
+    from moe_rl.validation import findings, target_machine
+
+    found = findings(config)
+    if found["recipe"]:
+        return [Check("recipe", False, found["recipe"])]
+    rows = [Check("recipe", True, "consistent (moe_rl.config.validate)")]
+    rows += [Check(rule.name, rule.ok, rule.detail) for rule in trainer_rules(config)]
+    rows.append(Check("engine capabilities", found["engine"] is None, found["engine"] or "the engine can run it"))
+    rows += [Check(rule.name, rule.ok, rule.detail) for rule in placement_rules(config, target_machine(config))]
+    return rows
 
 
 def memory_checks(config: RecipeConfig, trainer: TrainerMemory, rollout: RolloutMemory) -> list[Check]:
@@ -543,8 +401,8 @@ def memory_checks(config: RecipeConfig, trainer: TrainerMemory, rollout: Rollout
         ),
         Check(
             "KV cache holds a sequence",
-            rollout.kv_tokens >= max_seq_len(config),
-            f"{rollout.kv_tokens} tokens per engine, longest sequence {max_seq_len(config)}",
+            rollout.kv_tokens >= longest_sequence(config),
+            f"{rollout.kv_tokens} tokens per engine, longest sequence {longest_sequence(config)}",
         ),
     ]
 
@@ -640,7 +498,7 @@ def _layout_rows(plan: Plan) -> list[tuple[str, str]]:
 
 def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
     t, r, m = plan.trainer, plan.rollout, plan.config.model
-    seqs = r.kv_tokens // max_seq_len(plan.config)
+    seqs = r.kv_tokens // longest_sequence(plan.config)
     return [
         ("trainer params / GPU", _billions(t.params)),
         ("  weights", _gib(t.weights)),
@@ -658,7 +516,7 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
 def _traffic_rows(plan: Plan) -> list[tuple[str, str]]:
     cfg, counts = plan.config, plan.counts
     trace = routing_trace_bytes_per_token(cfg.model)
-    tokens = cfg.rollout.batch_size * max_seq_len(cfg)
+    tokens = cfg.rollout.batch_size * longest_sequence(cfg)
     width = "uint8" if cfg.model.num_experts <= 256 else "uint16"
     synced = rollout_weight_bytes(cfg, counts)
     return [

@@ -218,9 +218,9 @@ def load_recipe(recipe: str | Path, overrides: Sequence[str] = (), validate: boo
     merged = _merge(layers)
     config: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     if validate:
-        from moe_rl.config.validate import validate_recipe
+        from moe_rl.validation import validate as validate_all
 
-        validate_recipe(config)
+        validate_all(config)
     return config
 
 

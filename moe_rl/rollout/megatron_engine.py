@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.schema import ParallelConfig, RecipeConfig
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.device import check_process_device
 from moe_rl.rollout.capabilities import engine_capabilities
@@ -52,6 +52,11 @@ from moe_rl.weight_sync.receiver import ModelReceiver, decoded
 from moe_rl.weight_sync.wire import WIRE_METHODS, WireEncoder, decode
 
 log = logging.getLogger(__name__)
+
+
+WHOLE_MODEL = ParallelConfig()
+"""An engine process holds the whole model: no tensor, pipeline or expert parallelism, whatever
+the trainer's layout (the trainer group sends it every tensor)."""
 
 
 @dataclass
@@ -119,11 +124,11 @@ class MegatronEngine:
         from moe_rl.trainer.parallel import init_parallel
         from moe_rl.trainer.replay import RoutingReplay
 
-        init_parallel(config.parallel)
+        init_parallel(WHOLE_MODEL)
         self.device = check_process_device(config.run.device)
         check_quant_supported(config.quant, self.device.type == "cuda")
         self.config = config
-        self.model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
+        self.model = build_gpt_model(config.model, WHOLE_MODEL, config.trainer, seed=config.run.seed)
         self.model.eval()
         self.replay = RoutingReplay(self.model) if config.model.num_experts else None
         self.quantizer = WeightQuantizer(config.quant, config.model.num_layers)
@@ -229,7 +234,7 @@ class MegatronEngine:
 
         weights, cfg = self._awq_pending, self.config.quant
         num_layers = self.config.model.num_layers
-        scratch = build_gpt_model(self.config.model, self.config.parallel, self.config.trainer)
+        scratch = build_gpt_model(self.config.model, WHOLE_MODEL, self.config.trainer)
         release_router_replay(scratch)
         load_hf_weights(scratch, weights, strict=True)
         scratch.eval()

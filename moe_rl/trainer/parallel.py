@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from moe_rl.config.schema import ParallelConfig
 from moe_rl.trainer.megatron_compat import apply_process_shims, cuda_available
+from moe_rl.trainer.rules import check_layout
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +62,6 @@ def _init_process_group(backend: str) -> None:
     log.debug("process group %s: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
 
 
-def _check_divisible(parallel: ParallelConfig, world: int) -> None:
-    model = (
-        parallel.tensor_model_parallel_size
-        * parallel.pipeline_model_parallel_size
-        * parallel.context_parallel_size
-    )
-    if world % model:
-        raise ValueError(
-            f"world size {world} is not divisible by TP*PP*CP = {model} "
-            f"(parallel.tensor_model_parallel_size={parallel.tensor_model_parallel_size}, "
-            f"pipeline_model_parallel_size={parallel.pipeline_model_parallel_size}, "
-            f"context_parallel_size={parallel.context_parallel_size})"
-        )
-
-
 def _check_matches(parallel: ParallelConfig) -> None:
     from megatron.core import parallel_state as ps
 
@@ -104,7 +90,7 @@ def init_parallel(parallel: ParallelConfig, backend: str | None = None) -> Paral
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = backend or ("nccl" if cuda_available() else "gloo")
     _init_process_group(backend)
-    _check_divisible(parallel, dist.get_world_size())
+    check_layout(parallel, dist.get_world_size())
     if ps.model_parallel_is_initialized():
         _check_matches(parallel)
     else:

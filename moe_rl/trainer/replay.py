@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from moe_rl.trainer.rules import replay_layout_error
+
 log = logging.getLogger(__name__)
 
 
@@ -93,10 +95,9 @@ class RoutingReplay:
                 "trainer.moe_router_fusion=True with routing replay: the fused router skips "
                 "RouterReplay silently; set trainer.moe_router_fusion=false"
             )
-        if config.context_parallel_size > 1:
-            raise ValueError(
-                f"routing replay with context_parallel_size={config.context_parallel_size} is not supported"
-            )
+        cp_error = replay_layout_error("on", config.context_parallel_size)
+        if cp_error:
+            raise ValueError(cp_error)
         pattern = moe_layer_pattern_of(config)
         ordinal = [sum(pattern[:i]) for i in range(len(pattern))]
         self.num_moe_layers = sum(pattern)

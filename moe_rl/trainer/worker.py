@@ -68,11 +68,9 @@ from moe_rl.trainer.model import build_gpt_model
 from moe_rl.trainer.optim import build_optimizer, build_scheduler
 from moe_rl.trainer.parallel import init_parallel
 from moe_rl.trainer.replay import RoutingReplay
+from moe_rl.trainer.rules import check_trainer
 
 log = logging.getLogger(__name__)
-
-REPLAY_MODES = ("off", "r2", "r3")
-
 
 def _objective_params(config: RecipeConfig) -> dict:
     algo = config.algo
@@ -84,27 +82,6 @@ def _correction_params(config: RecipeConfig) -> dict:
     corrections = dataclasses.asdict(config.algo.corrections)
     corrections.pop("keep_sampling_mask")
     return {**corrections, "mode": config.algo.policy_mode}
-
-
-def _check_recipe(config: RecipeConfig) -> None:
-    algo, trainer = config.algo, config.trainer
-    if algo.routing_replay not in REPLAY_MODES:
-        raise ValueError(f"algo.routing_replay={algo.routing_replay!r}; valid: {', '.join(REPLAY_MODES)}")
-    if algo.routing_replay != "off" and trainer.moe_router_fusion:
-        raise ValueError(
-            f"algo.routing_replay={algo.routing_replay!r} with trainer.moe_router_fusion=true: the fused "
-            "router skips Megatron's RouterReplay silently; set trainer.moe_router_fusion=false"
-        )
-    if algo.objective == "espo" and not trainer.compute_entropy:
-        raise ValueError("algo.objective=espo needs trainer.compute_entropy=true (entropy of π_old)")
-    if algo.kl.coef > 0:
-        raise ValueError(f"algo.kl.coef={algo.kl.coef}: the trainer keeps no reference model; use 0")
-    vpp = config.parallel.virtual_pipeline_model_parallel_size
-    if vpp not in (None, 1):
-        raise ValueError(
-            f"parallel.virtual_pipeline_model_parallel_size={vpp}: the trainer runs Megatron's "
-            "non-interleaved 1F1B schedule; use null (one model chunk per pipeline stage)"
-        )
 
 
 class _Timer:
@@ -129,7 +106,7 @@ class TrainerWorker:
         """``total_steps``: optimizer steps of the run (for the LR schedule; default
         ``run.steps * trainer.num_mini_batches``). ``diagnostics``: mismatch metrics in the
         old-logp pass and routing agreement under replay (one extra router GEMM per MoE layer)."""
-        _check_recipe(config)
+        check_trainer(config)
         self.diagnostics = diagnostics
         self.config = config
         self.info = init_parallel(config.parallel)

@@ -38,17 +38,19 @@ def test_config_imports_without_heavy_libraries():
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=[str(p.relative_to(RECIPES)) for p in ALL_YAML])
 def test_every_recipe_yaml_loads(path: Path, tmp_path: Path):
-    if path.parent.name == "quant":
-        config = load_recipe(TINY, [f"rollout.quant={path.stem}"])
+    if path.parent.name == "quant":  # nvfp4 needs CUDA: load it for a CUDA machine
+        config = load_recipe(TINY, [f"rollout.quant={path.stem}", "run.device=cuda"])
         assert config.quant.name == path.stem
-    else:
-        config = load_recipe(path)
+    elif path.parent in (RECIPES, RECIPES / "twins"):
+        config = load_recipe(path)  # a runnable recipe: every component accepts it
+    else:  # a piece (model/, algo/, cluster/): keys and types only; alone it is no whole recipe
+        config = load_recipe(path, validate=False)
     # the resolved YAML loads back to the same config
     root = tmp_path / "recipes"
     root.mkdir()
     (root / "quant").symlink_to(recipes_root(path) / "quant")
     (root / "resolved.yaml").write_text(to_yaml(config))
-    assert load_recipe(root / "resolved.yaml") == config
+    assert load_recipe(root / "resolved.yaml", validate=path.parent != RECIPES / "cluster") == config
 
 
 def test_layers_and_overrides_take_precedence():

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from launch.plan import make_plan
-from moe_rl.config import load_recipe
+from moe_rl.config import ConfigError, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 LARGE = ["qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2"]
@@ -37,7 +37,7 @@ def test_large_recipe_runs_the_stability_stack_with_fp8_rollouts(name):
 
 
 @pytest.mark.parametrize("name", LARGE)
-@pytest.mark.parametrize("quant", ["bf16", "fp8_tensor", "int4_awq"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8_tensor", "nvfp4"])
 def test_quant_switch_is_one_override(name, quant):
     c = load_recipe(RECIPES / f"{name}.yaml", [f"rollout.quant={quant}"])
     assert c.quant.name == quant
@@ -46,6 +46,12 @@ def test_quant_switch_is_one_override(name, quant):
         assert {f.name for f in plan.failures} == {"rollout weights fit", "KV cache holds a sequence"}
     else:
         assert plan.ok, [f.name for f in plan.failures]
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_a_quant_recipe_the_engine_cannot_run_is_refused_at_load(name):
+    with pytest.raises(ConfigError, match=r"engine: rollout.engine=vllm on cuda .*int4_awq.*rollout.engine=megatron"):
+        load_recipe(RECIPES / f"{name}.yaml", ["rollout.quant=int4_awq"])
 
 
 def _fields(m, names: str) -> tuple:

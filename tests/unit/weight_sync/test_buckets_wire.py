@@ -57,6 +57,7 @@ def test_fp8_block_wire_is_e4m3_plus_scales_and_decodes_to_the_dequantized_weigh
     encoder = WireEncoder(FP8_BLOCK, num_layers=2)
     items = encoder.encode("model.layers.1.self_attn.o_proj.weight", weight)
     (name, data, meta), (sname, scale, smeta) = items
+    assert meta == {"block": [4, 4], "scale": sname} and smeta == {"scale_of": name}
     assert data.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (2, 2)
     assert sname == scale_name(name) == "model.layers.1.self_attn.o_proj.weight_scale_inv"
     ref_data, ref_scale = quantize_fp8_block(weight, 4)

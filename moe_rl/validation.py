@@ -1,0 +1,85 @@
+"""The one validation entry: every component's own checks of a recipe, called in one place.
+
+Each rule lives with the component that enforces it at run time:
+
+* ``recipe``: the recipe's own consistency (types, choices, batch shapes) — `moe_rl.config.validate`;
+* ``trainer``: parallel layout, batch packing, routing replay, objectives — `moe_rl.trainer.rules`;
+* ``engine``: what the rollout engine can return and run on the device — `moe_rl.rollout.capabilities`;
+* ``placement``: trainer ranks and engines against GPUs and nodes — `moe_rl.orchestration.placement`.
+
+`load_recipe` runs them all against the machine the recipe describes (`target_machine`), so
+`config check`, `plan`, `submit`, `diagnose` and `train` refuse the same recipes before anything
+heavy loads; `train` checks the engine and placement again against the machine it runs on.
+Imports no torch (`moe_rl.device.Machine` is built from the recipe, not detected).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from moe_rl.config.loader import ConfigError
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.device import Machine
+
+COMPONENTS = ("recipe", "trainer", "engine", "placement")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One constraint on a recipe: whether it holds, and the values behind it."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+def first_broken(rules: Iterable[Rule]) -> None:
+    """Raise ``ValueError`` naming the first rule that does not hold."""
+    for rule in rules:
+        if not rule.ok:
+            raise ValueError(f"{rule.name}: {rule.detail}")
+
+
+def target_machine(config: RecipeConfig) -> Machine:
+    """The machine a recipe is meant for: CUDA when ``run.device`` says so, or ``auto`` on a
+    cluster with GPUs (``cluster.gpus_per_node > 0``); compute capability unknown."""
+    device = config.run.device
+    return Machine(cuda=device == "cuda" or (device == "auto" and config.cluster.gpus_per_node > 0))
+
+
+def _checks(machine: Machine) -> dict[str, Callable[[RecipeConfig], None]]:
+    from moe_rl.config.validate import validate_recipe
+    from moe_rl.orchestration.placement import check_placement
+    from moe_rl.rollout.capabilities import check_recipe
+    from moe_rl.trainer.rules import check_trainer
+
+    return {
+        "recipe": validate_recipe,
+        "trainer": check_trainer,
+        "engine": lambda config: check_recipe(config, machine),
+        "placement": lambda config: check_placement(config, machine),
+    }
+
+
+def findings(config: RecipeConfig, machine: Machine | None = None) -> dict[str, str | None]:
+    """Per component, its first error on ``config`` (None: accepted), against ``machine``
+    (default: `target_machine`)."""
+    out: dict[str, str | None] = {}
+    for component, check in _checks(machine or target_machine(config)).items():
+        if out.get("recipe"):  # the others assume a consistent recipe
+            out[component] = "not checked: the recipe itself is invalid"
+            continue
+        try:
+            check(config)
+            out[component] = None
+        except (ValueError, ConfigError) as exc:
+            out[component] = str(exc)
+    return out
+
+
+def validate(config: RecipeConfig, machine: Machine | None = None) -> None:
+    """Raise `ConfigError` with the first component's error (see `findings`)."""
+    for component, error in findings(config, machine).items():
+        if error is not None:
+            raise ConfigError(f"{error}" if component == "recipe" else f"{component}: {error}")
