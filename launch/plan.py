@@ -372,8 +372,12 @@ def constraint_checks(config: RecipeConfig) -> list[Check]:
         return [Check("recipe", False, found["recipe"])]
     rows = [Check("recipe", True, "consistent (moe_rl.config.validate)")]
     rows += [Check(rule.name, rule.ok, rule.detail) for rule in trainer_rules(config)]
-    rows.append(Check("engine capabilities", found["engine"] is None, found["engine"] or "the engine can run it"))
-    rows += [Check(rule.name, rule.ok, rule.detail) for rule in placement_rules(config, target_machine(config))]
+    rows.append(
+        Check("engine capabilities", found["engine"] is None, found["engine"] or "the engine can run it")
+    )
+    rows += [
+        Check(rule.name, rule.ok, rule.detail) for rule in placement_rules(config, target_machine(config))
+    ]
     return rows
 
 

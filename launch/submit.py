@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
+from moe_rl.orchestration.placement import placement_lines
 
 log = logging.getLogger("moe_rl.submit")
 
@@ -79,9 +80,7 @@ def _check_text(field: str, value: str | None) -> None:
 
 
 def _check_submittable(config: RecipeConfig) -> None:
-    """Values that become file names or `#SBATCH` lines, and the layout constraints."""
-    from launch.plan import constraint_checks
-
+    """Values that become file names or `#SBATCH` lines (`load_recipe` checked everything else)."""
     c = config.cluster
     for field, value in (
         ("run.name", config.run.name),
@@ -97,10 +96,6 @@ def _check_submittable(config: RecipeConfig) -> None:
             raise ConfigError(f"cluster.extra_sbatch[{i}]={option!r} must be an sbatch option (`--qos=high`)")
     if "/" in config.run.name or config.run.name in ("", ".", ".."):
         raise ConfigError(f"run.name={config.run.name!r} must be a plain folder name (no `/`)")
-    failed = [ch for ch in constraint_checks(config) if not ch.ok]
-    if failed:
-        reasons = "; ".join(f"{ch.name}: {ch.detail}" for ch in failed)
-        raise ConfigError(f"the recipe's layout cannot run (see `moe-rl plan`): {reasons}")
 
 
 def run_dir_of(config: RecipeConfig) -> Path:
@@ -159,6 +154,8 @@ def render_script(
         "ray_port": q(str(config.cluster.ray_port)),
         "ray_join_timeout": q(str(config.cluster.ray_join_timeout_s)),
         "gpus_per_node": q(str(config.cluster.gpus_per_node)),
+        "trainer_nodes": q(str(config.cluster.trainer_nodes)),
+        "min_cpus": q(str(config.parallel.trainer_world_size + config.rollout.num_engines + 1)),
         "requeue": "1" if config.cluster.requeue else "0",
         "train_command": " ".join(q(w) for w in train_command(run_dir / CONFIG_NAME, command)),
         "bin_dir": q(str(bin_dir or Path(sys.executable).parent)),
@@ -205,10 +202,12 @@ def submit(
     config = resolve(recipe, overrides, args)
     run_dir = run_dir_of(config)
     script = render_script(config, Path.cwd(), command)
+    placement = "".join(f"#   {line}\n" for line in placement_lines(config))
     if dry_run:
         sys.stdout.write(script)
+        sys.stdout.write(f"\n# placement:\n{placement}")
         sys.stdout.write(
-            f"\n# would write {run_dir / CONFIG_NAME} and run: sbatch --parsable "
+            f"# would write {run_dir / CONFIG_NAME} and run: sbatch --parsable "
             f"{q_path(run_dir / SCRIPT_NAME)}\n"
         )
         return 0
@@ -221,7 +220,7 @@ def submit(
     job_id = call_sbatch(write_run_dir(config, script))
     (run_dir / JOB_ID_FILE).write_text(job_id + "\n")
     sys.stdout.write(
-        f"submitted job {job_id}: {run_dir}\n"
+        f"submitted job {job_id}: {run_dir}\n{placement}"
         f"  moe-rl status {q_path(run_dir)}    moe-rl logs {q_path(run_dir)}\n"
     )
     return 0

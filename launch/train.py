@@ -21,14 +21,12 @@ def prepare_run_dir(config: RecipeConfig) -> Path:
 
 
 def check_machine(config: RecipeConfig) -> None:
-    """The checks that need to know this machine (CUDA or not: what the engine can give), before
-    anything starts; a refusal is a `ConfigError` like any other bad recipe."""
-    from moe_rl.rollout.capabilities import check_recipe
+    """Every component's checks again, against this machine (`load_recipe` checked them against
+    the machine the recipe describes): a refusal is a `ConfigError` like any other bad recipe."""
+    from moe_rl.device import Machine
+    from moe_rl.validation import validate
 
-    try:
-        check_recipe(config)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    validate(config, Machine.detect())
 
 
 def train(recipe: str, overrides: Sequence[str] = (), resume: str | None = None) -> int:

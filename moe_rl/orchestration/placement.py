@@ -128,13 +128,15 @@ def placement_lines(config: RecipeConfig) -> list[str]:
     )
     engine_nodes = c.rollout_nodes or c.trainer_nodes
     first = c.trainer_nodes if c.rollout_nodes else 0
-    per_engine_node = -(-r.num_engines // max(1, engine_nodes))
-    gpus = f"{r.tensor_parallel_size} GPU(s) each" if gpu else "1 process each"
     where = f"nodes {first}..{first + engine_nodes - 1}" + (
         "" if c.rollout_nodes else ", colocated with the trainer"
     )
-    lines.append(
-        f"rollout: {r.num_engines} engine(s) on {engine_nodes} node(s) ({where}), up to {per_engine_node} "
-        f"per node, {gpus}"
-    )
+    tp = r.tensor_parallel_size
+    if gpu and tp > c.gpus_per_node:
+        each = f"{tp} GPUs each, spanning {tp // c.gpus_per_node} nodes"
+    elif gpu:
+        each = f"up to {c.gpus_per_node // tp} per node, {tp} GPU(s) each"
+    else:
+        each = f"up to {-(-r.num_engines // max(1, engine_nodes))} per node, 1 process each"
+    lines.append(f"rollout: {r.num_engines} engine(s) on {engine_nodes} node(s) ({where}), {each}")
     return lines

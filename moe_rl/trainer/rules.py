@@ -28,10 +28,14 @@ def layout_rules(p: ParallelConfig) -> list[Rule]:
     """How the world splits (what Megatron's parallel state needs)."""
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
-    model_parallel = (f"TP*PP*CP (parallel.tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
-                      f"context_parallel_size={cp})")
-    expert_parallel = (f"EP*ETP*PP (parallel.expert_model_parallel_size={ep}, expert_tensor_parallel_size={etp}, "
-                       f"pipeline_model_parallel_size={pp})")
+    model_parallel = (
+        f"TP*PP*CP (parallel.tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+        f"context_parallel_size={cp})"
+    )
+    expert_parallel = (
+        f"EP*ETP*PP (parallel.expert_model_parallel_size={ep}, expert_tensor_parallel_size={etp}, "
+        f"pipeline_model_parallel_size={pp})"
+    )
     return [
         _divisible("world % (TP*PP*CP)", p.trainer_world_size, "parallel.trainer_world_size", tp * pp * cp, model_parallel),
         _divisible("world % (EP*ETP*PP)", p.trainer_world_size, "parallel.trainer_world_size", ep * etp * pp,
@@ -51,13 +55,22 @@ def _model_rules(config: RecipeConfig) -> list[Rule]:
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     rules = [_divisible("heads % TP", m.num_attention_heads, "model.num_attention_heads", tp, "TP")]
     if m.attention == "gqa":
-        rules.append(_divisible("query groups % TP", m.num_key_value_heads, "model.num_key_value_heads", tp, "TP"))
+        rules.append(
+            _divisible("query groups % TP", m.num_key_value_heads, "model.num_key_value_heads", tp, "TP")
+        )
     rules.append(_divisible("layers % PP", m.num_layers, "model.num_layers", pp, "PP"))
     if m.first_k_dense_layers or m.num_experts == 0:
         rules.append(_divisible("dense FFN % TP", m.ffn_hidden_size, "model.ffn_hidden_size", tp, "TP"))
     if m.num_experts:
-        rules.append(_divisible("experts % EP", m.num_experts, "model.num_experts", p.expert_model_parallel_size,
-                                "EP (parallel.expert_model_parallel_size)"))
+        rules.append(
+            _divisible(
+                "experts % EP",
+                m.num_experts,
+                "model.num_experts",
+                p.expert_model_parallel_size,
+                "EP (parallel.expert_model_parallel_size)",
+            )
+        )
         rules.append(_divisible("expert FFN % ETP", m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size",
                                 p.expert_tensor_parallel_size, "ETP"))  # fmt: skip
     if m.num_experts and m.moe_router_num_groups:

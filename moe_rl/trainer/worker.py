@@ -72,6 +72,7 @@ from moe_rl.trainer.rules import check_trainer
 
 log = logging.getLogger(__name__)
 
+
 def _objective_params(config: RecipeConfig) -> dict:
     algo = config.algo
     names = {k for spec in registry.OBJECTIVE_PARAMS.values() for k in spec}

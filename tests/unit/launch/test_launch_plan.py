@@ -155,7 +155,11 @@ def test_large_recipes_pass(recipe):
         ("qwen3_30b_a3b", ["trainer.max_tokens_per_microbatch=4096"], "micro-batch holds a sequence"),
         (
             "kimi_k2",
-            ["parallel.context_parallel_size=2", "algo.routing_replay=off", "trainer.max_tokens_per_microbatch=32760"],
+            [
+                "parallel.context_parallel_size=2",
+                "algo.routing_replay=off",
+                "trainer.max_tokens_per_microbatch=32760",
+            ],
             "micro-batch % CP chunks",
         ),
         ("kimi_k2", ["parallel.context_parallel_size=2"], "replay without context parallelism"),

@@ -50,7 +50,9 @@ def test_quant_switch_is_one_override(name, quant):
 
 @pytest.mark.parametrize("name", LARGE)
 def test_a_quant_recipe_the_engine_cannot_run_is_refused_at_load(name):
-    with pytest.raises(ConfigError, match=r"engine: rollout.engine=vllm on cuda .*int4_awq.*rollout.engine=megatron"):
+    with pytest.raises(
+        ConfigError, match=r"engine: rollout.engine=vllm on cuda .*int4_awq.*rollout.engine=megatron"
+    ):
         load_recipe(RECIPES / f"{name}.yaml", ["rollout.quant=int4_awq"])
 
 
