@@ -56,7 +56,6 @@ class TrainerRank:
         _setup_process(config, threads)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.worker = None
-        self.micro_batches: list = []
 
     def pid(self) -> int:
         return os.getpid()
@@ -80,26 +79,13 @@ class TrainerRank:
     def compute_old_logp(
         self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], num_microbatches: int
     ) -> dict[str, float]:
-        """Fetch this rank's shard, pack it with its advantages, run the π_old pass."""
-        from moe_rl.trainer.batch import make_train_micro_batches
-
+        """Fetch this rank's shard (by its data-parallel rank) and run the π_old pass on it."""
         dp = self.worker.info.dp_rank
         shard = ray.get(shard_refs[dp], timeout=RAY_TIMEOUT_S)
-        budget = self.config.trainer.max_tokens_per_microbatch
-        self.micro_batches = make_train_micro_batches(shard, advantages[dp], budget, num_microbatches)
-        return self.worker.compute_old_logp(self.micro_batches)
+        return self.worker.old_logp_of(shard, advantages[dp], num_microbatches)
 
     def train(self) -> dict[str, float]:
-        """One optimizer step per mini-batch over the packed shard; metrics averaged over steps."""
-        from moe_rl.trainer.batch import split_mini_batches
-
-        per_step = [
-            self.worker.train_step(mini)
-            for mini in split_mini_batches(self.micro_batches, self.config.trainer.num_mini_batches)
-        ]
-        self.micro_batches = []
-        keys = {k for m in per_step for k in m}
-        return {k: sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step) for k in keys}
+        return self.worker.train_on_batch()
 
     def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, into: str) -> dict[str, Any]:
         """Send the tensors this rank owns to every engine, bucket by bucket (see

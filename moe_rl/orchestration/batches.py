@@ -3,6 +3,8 @@
 * `dispatch`: a step's prompts over the engine replicas by token load (a prompt's ``n`` samples
   stay on one replica), and the permutation that merges the replicas' batches back into prompt
   order.
+* `step_spec`, `step_advantages`: a step's sampling and its advantages (the driver's math, shared
+  with the in-process loop of `moe_rl.orchestration.local`).
 * `prepare`: what the reward worker does with the replicas' batches: merge, score, validate, check
   staleness, split into token-balanced data-parallel shards (each trainer rank fetches its own by
   object reference) and summarize what the driver needs (rewards, group ids, lengths, versions):
@@ -13,15 +15,20 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
+from moe_rl.algo import registry
+from moe_rl.algo.advantages import zero_variance_groups
+from moe_rl.algo.objectives import dgo_weights
+from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.errors import TrajectoryError
 from moe_rl.data.packing import plan_microbatches, split_balanced
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.validate import check_staleness, validate
+from moe_rl.rollout.engine import SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -152,3 +159,29 @@ def prepare(
         batch, dp_size, max_tokens_per_microbatch, num_mini_batches
     )
     return batch, summary
+
+
+def step_spec(config: RecipeConfig, step: int) -> SamplingSpec:
+    """The sampling of step ``step``: the recipe's, seeded by run and step, stopping at EOS."""
+    eos = config.model.eos_token_id
+    return replace(
+        SamplingSpec.from_rollout(config.rollout),
+        seed=config.run.seed * 100_003 + step,
+        stop_token_ids=() if eos is None else (eos,),
+    )
+
+
+def step_advantages(
+    config: RecipeConfig, rewards: Tensor, group_ids: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-sample advantages of a scored batch (for DGO the weights exp(r/β)/mean_group exp(r/β)),
+    with the zero-variance group counts."""
+    if config.algo.objective == "dgo":
+        adv = dgo_weights(rewards, group_ids, dgo_beta=config.algo.dgo_beta)
+    else:
+        adv = registry.bind_advantage(config.algo.advantage)(rewards=rewards, group_ids=group_ids)
+    metrics = {
+        f"advantage/{k}": float(v) for k, v in zero_variance_groups(rewards, group_ids).metrics().items()
+    }
+    metrics["advantage/abs_mean"] = float(adv.abs().mean())
+    return adv, metrics

@@ -13,29 +13,25 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from moe_rl.algo import registry
-from moe_rl.algo.advantages import zero_variance_groups
-from moe_rl.algo.objectives import dgo_weights
 from moe_rl.config.loader import ConfigError
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.shards import read_shards
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
-from moe_rl.orchestration.batches import Prepared
+from moe_rl.orchestration.batches import Prepared, step_advantages, step_spec
 from moe_rl.orchestration.engine_pool import EnginePool, Generation
 from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
 from moe_rl.orchestration.trainer_group import TrainerGroup
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rewards.tasks import Prompt
-from moe_rl.rollout.engine import SamplingSpec
 
 log = logging.getLogger("moe_rl.driver")
 
@@ -81,10 +77,6 @@ class Stages:
         self.rewarder = ray.remote(RewardActor).options(num_cpus=0).remote(config)
         self.engines = EnginePool(config, self.trainer, self.run_dir, self.placement)
         self.source = build_prompt_source(config)
-        self.advantage_fn = registry.bind_advantage(config.algo.advantage)
-        eos = config.model.eos_token_id
-        self.sampling = SamplingSpec.from_rollout(config.rollout)
-        self.stop_tokens = () if eos is None else (eos,)
         self.version = 0
         self.step_done = -1
         self.num_stale_rejected = 0
@@ -116,17 +108,14 @@ class Stages:
         return self.step_done + 1
 
     # ------------------------------------------------------------------ stages
-    def _spec(self, step: int) -> SamplingSpec:
-        return replace(
-            self.sampling, seed=self.config.run.seed * 100_003 + step, stop_token_ids=self.stop_tokens
-        )
-
     def launch_rollout(self, step: int) -> PendingRollout:
         """Draw the step's prompts and start generating them on the engine pool."""
         state = self.source.state()
         prompts = self.source.next_batch(self.config.rollout.batch_size // self.config.rollout.group_size)
         group_ids = [step * len(prompts) + i for i in range(len(prompts))]
-        generation = self.engines.generate([list(p.ids) for p in prompts], self._spec(step), group_ids)
+        generation = self.engines.generate(
+            [list(p.ids) for p in prompts], step_spec(self.config, step), group_ids
+        )
         self._pending_state[step] = state
         return PendingRollout(step, generation, prompts, state)
 
@@ -175,14 +164,8 @@ class Stages:
 
     def advantages(self, rollout: Rollout, metrics: dict[str, Any]) -> torch.Tensor:
         """Per-sample advantages; for DGO the sample weights exp(r/β)/mean_group exp(r/β)."""
-        rewards, group_ids = rollout.summary.rewards, rollout.summary.group_ids
-        if self.config.algo.objective == "dgo":
-            adv = dgo_weights(rewards, group_ids, dgo_beta=self.config.algo.dgo_beta)
-        else:
-            adv = self.advantage_fn(rewards=rewards, group_ids=group_ids)
-        zv = zero_variance_groups(rewards, group_ids).metrics()
-        metrics.update({f"advantage/{k}": float(v) for k, v in zv.items()})
-        metrics["advantage/abs_mean"] = float(adv.abs().mean())
+        adv, found = step_advantages(self.config, rollout.summary.rewards, rollout.summary.group_ids)
+        metrics.update(found)
         return adv
 
     def old_logp(self, rollout: Rollout, advantages: torch.Tensor, metrics: dict[str, Any]) -> None:

@@ -51,9 +51,11 @@ from moe_rl.algo import registry
 from moe_rl.algo.aggregate import local_denominator
 from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.data.packing import plan_microbatches
+from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import check_process_device
 from moe_rl.trainer import pipeline
-from moe_rl.trainer.batch import TrainMicroBatch
+from moe_rl.trainer.batch import TrainMicroBatch, make_train_micro_batches, split_mini_batches
 from moe_rl.trainer.hf_weights import iter_hf_weights, load_hf_checkpoint
 from moe_rl.trainer.logprobs import (
     LogprobOutput,
@@ -135,6 +137,7 @@ class TrainerWorker:
             keep_sampling_mask=config.algo.corrections.keep_sampling_mask,
         )
         self.step = 0
+        self.micro_batches: list[TrainMicroBatch] = []
         self.timer = _Timer()
         self.pipelined = config.parallel.pipeline_model_parallel_size > 1
 
@@ -331,6 +334,31 @@ class TrainerWorker:
         if self.pipelined:
             result = pipeline.merge_stage_metrics(result, self._num_moe_layers)
         return result
+
+    # ------------------------------------------------------------------ a rollout batch
+    def old_logp_of(
+        self, batch: TrajectoryBatch, advantages: Tensor, num_microbatches: int | None = None
+    ) -> dict[str, float]:
+        """Pack this rank's share of a rollout batch (a CPU trajectory) with its per-sample
+        advantages into ``num_microbatches`` micro-batches (default: as the token budget packs them,
+        at least ``trainer.num_mini_batches``), keep them, and run the π_old pass."""
+        budget = self.config.trainer.max_tokens_per_microbatch
+        count = num_microbatches
+        if count is None:
+            lengths = batch.sequence_lengths().tolist()
+            count = max(self.config.trainer.num_mini_batches, len(plan_microbatches(lengths, budget)))
+        self.micro_batches = make_train_micro_batches(batch, advantages, budget, count)
+        return self.compute_old_logp(self.micro_batches)
+
+    def train_on_batch(self) -> dict[str, float]:
+        """One optimizer step per mini-batch of the kept micro-batches; metrics averaged over steps."""
+        per_step = [
+            self.train_step(mini)
+            for mini in split_mini_batches(self.micro_batches, self.config.trainer.num_mini_batches)
+        ]
+        self.micro_batches = []
+        keys = {k for m in per_step for k in m}
+        return {k: sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step) for k in keys}
 
     def _optimizer_step(self, lr_scale: float) -> tuple[bool, float | None]:
         lrs = [group["lr"] for group in self.optimizer.param_groups]

@@ -26,7 +26,7 @@ def logits_of(model) -> torch.Tensor:
 
     model.eval()
     with torch.no_grad():
-        return forward_logits(model, _pack(SEQUENCES))
+        return forward_logits(model, _pack(SEQUENCES, next(model.parameters()).device))
 
 
 def write_reference(family: str, folder: str) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""The RL loop in one process, without Ray: one trainer rank and the Megatron engine side by side.
+
+For machines without Ray (the GPU check runs RL steps this way) and for tests that need the
+one-rank run as a reference. It drives the same pieces as the Ray run — `TrainerWorker`, the
+`MegatronEngine`, the reward scorer, `batches.prepare` / `step_spec` / `step_advantages`, and the
+bucket weight sync of `moe_rl.weight_sync` — step by step; on CPU it reproduces the Ray run of the
+same recipe with one rank and one engine exactly. Trainer layouts other than one whole-model rank
+need the Ray trainer group.
+
+    python -m moe_rl.orchestration.local RECIPE [overrides...]   # prints one JSON line per step
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+
+from moe_rl.config.schema import RecipeConfig
+
+log = logging.getLogger("moe_rl.local")
+
+
+class LocalRun:
+    """Trainer, engine, scorer and prompt stream of one process (see the module docstring)."""
+
+    def __init__(self, config: RecipeConfig):
+        from moe_rl.rewards.registry import build_prompt_source, build_scorer
+        from moe_rl.rollout.megatron_engine import MegatronEngine
+        from moe_rl.trainer.worker import TrainerWorker
+
+        if config.parallel.trainer_world_size != 1 or config.rollout.engine != "megatron":
+            raise ValueError(
+                f"the in-process loop runs one trainer rank and the Megatron engine; got "
+                f"parallel.trainer_world_size={config.parallel.trainer_world_size}, "
+                f"rollout.engine={config.rollout.engine} (use `moe-rl train`, on Ray)"
+            )
+        self.config = config
+        self.trainer = TrainerWorker(config)
+        self.engine = MegatronEngine(config)
+        self.scorer = build_scorer(config)
+        self.source = build_prompt_source(config)
+        self.version = 0
+        self.sync(0)
+
+    def sync(self, version: int) -> dict[str, float]:
+        """The trainer's weights into the engine, bucket by bucket, quantized per recipe."""
+        from moe_rl.weight_sync.sender import stream_buckets
+        from moe_rl.weight_sync.wire import WireEncoder
+
+        cfg = self.config
+        start = time.perf_counter()
+        encoder = WireEncoder(cfg.quant, cfg.model.num_layers, self.engine.capabilities.quantized_wire)
+        self.engine.begin_weight_update(version)
+        sent = buckets = 0
+        for bucket in stream_buckets(self.trainer.model, encoder, cfg.rollout.sync_bucket_mb << 20):
+            self.engine.receive_bucket(bucket)
+            sent, buckets = sent + bucket.nbytes, buckets + 1
+        out = self.engine.finish_weight_update(version)
+        if encoder.active:
+            out.update(encoder.report.summary())
+        self.version = version
+        return {
+            **out,
+            "sync/bytes": sent,
+            "sync/buckets": buckets,
+            "sync/seconds": time.perf_counter() - start,
+        }
+
+    def step(self, step: int) -> dict[str, float]:
+        """generate → reward → advantages → old log-probs → train → sync."""
+        from moe_rl.orchestration.batches import length_metrics, prepare, step_advantages, step_spec
+
+        cfg, t0 = self.config, time.perf_counter()
+        prompts = self.source.next_batch(cfg.rollout.batch_size // cfg.rollout.group_size)
+        group_ids = [step * len(prompts) + i for i in range(len(prompts))]
+        batch = self.engine.generate([list(p.ids) for p in prompts], step_spec(cfg, step), group_ids)
+        per_sample = [p for p in prompts for _ in range(cfg.rollout.group_size)]
+        rewards = self.scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
+        batch, summary = prepare(
+            batch, rewards, self.version, cfg.run.max_staleness, vocab_size=cfg.model.vocab_size, dp_size=1,
+            max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+            num_mini_batches=cfg.trainer.num_mini_batches,
+        )  # fmt: skip
+        advantages, metrics = step_advantages(cfg, summary.rewards, summary.group_ids)
+        metrics.update(length_metrics(batch))
+        metrics["reward/mean"] = float(summary.rewards.mean())
+        metrics.update(self.trainer.old_logp_of(batch, advantages, summary.num_microbatches))
+        metrics.update(self.trainer.train_on_batch())
+        metrics.update(self.sync(step + 1))
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return {"step": step, **metrics}
+
+    def run(self, steps: int | None = None) -> Iterator[dict[str, float]]:
+        for step in range(self.config.run.steps if steps is None else steps):
+            yield self.step(step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moe_rl.config import load_recipe
+    from moe_rl.log import setup_logging
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        sys.stderr.write("usage: python -m moe_rl.orchestration.local RECIPE [overrides...]\n")
+        return 2
+    config = load_recipe(args[0], args[1:])
+    setup_logging(config.logging.level)
+    for record in LocalRun(config).run():
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
