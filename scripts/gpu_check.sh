@@ -11,6 +11,8 @@
 #                                                   other GPU tests; Ray / vLLM tests skip)
 #   unit      pytest -m "not gpu" tests/unit -n 8   (the CPU unit suite, with pytest-xdist)
 #   diagnose  moe-rl diagnose recipes/tiny_moe.yaml --quant bf16,fp8_block128,nvfp4 run.device=cuda
+#   rl        RL steps of the tiny recipe on the GPU in one process (no Ray there): the trainer worker,
+#             the Megatron engine and the bucket weight sync (python -m moe_rl.orchestration.local)
 #   bench     bench/fp8_quant.py, bench/trainer_step.py --size mid, bench/algo_stack.py (--device cuda)
 #
 # Settings (environment):
@@ -24,6 +26,7 @@
 #   GPU_CHECK_QUANT          diagnose's --quant list (default bf16,fp8_block128,nvfp4)
 #   GPU_CHECK_DIAGNOSE_ARGS  extra diagnose arguments (e.g. "--prompts 8")
 #   GPU_CHECK_BENCH_ARGS     extra arguments appended to every bench command (all three must accept them)
+#   GPU_CHECK_RL_STEPS       RL steps of the rl tier (default 8)
 #   GPU_CHECK_SKIP_INSTALL=1 use the current environment, install nothing (no WHEEL_DIR needed)
 #   GPU_CHECK_ALLOW_CPU=1    run without CUDA, only to smoke-test this script on a CPU machine:
 #                            tiers run on the CPU (diagnose run.device=cpu, benches --device cpu,
@@ -35,7 +38,7 @@ cd "$(dirname "$0")/.."
 repo="$PWD"
 wheel_dir="${1:-.whl}"
 out="${GPU_CHECK_OUT:-gpu_check_logs}"
-tiers="${GPU_CHECK_TIERS:-gpu unit diagnose bench}"
+tiers="${GPU_CHECK_TIERS:-gpu unit diagnose rl bench}"
 step_timeout="${GPU_CHECK_TIMEOUT:-0}"
 workers="${GPU_CHECK_WORKERS:-8}"
 quant="${GPU_CHECK_QUANT:-bf16,fp8_block128,nvfp4}"
@@ -44,9 +47,9 @@ command -v "$python" >/dev/null || python=python
 
 for tier in $tiers; do
   case "$tier" in
-    gpu | unit | diagnose | bench) ;;
+    gpu | unit | diagnose | rl | bench) ;;
     *)
-      echo "gpu_check: unknown tier '$tier' in GPU_CHECK_TIERS (known: gpu unit diagnose bench)" >&2
+      echo "gpu_check: unknown tier '$tier' in GPU_CHECK_TIERS (known: gpu unit diagnose rl bench)" >&2
       exit 2
       ;;
   esac
@@ -201,6 +204,11 @@ for tier in $tiers; do
         "run.device=$dev" "${diagnose_extra[@]}"
       ran+=(diagnose)
       ;;
+    rl)
+      run_step --split rl "$python" -m moe_rl.orchestration.local recipes/tiny_moe.yaml "run.device=$dev" \
+        "run.steps=${GPU_CHECK_RL_STEPS:-8}"
+      ran+=(rl)
+      ;;
     bench)
       for b in fp8_quant trainer_step algo_stack; do
         args=(--device "$dev")
@@ -267,6 +275,19 @@ if [ -f "$out/diagnose.status" ]; then
     echo "diagnose failed (exit $rc); the end of its log:"
     tail -n 15 "$out/diagnose.err.log"
   fi
+fi
+if [ -f "$out/rl.status" ]; then
+  echo
+  echo "--- rl: one JSON line per step (reward, KL, grad norm, sync bytes) ---"
+  "$python" - "$out/rl.log" <<'PY' || true
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        r = json.loads(line)
+        print(f"step {r['step']}: reward {r.get('reward/mean', 0):.3f} kl_k3 {r.get('old/kl_k3', 0):.2e} "
+              f"grad_norm {r.get('train/grad_norm', 0):.3f} sync {r.get('sync/bytes', 0) / 1e6:.2f} MB "
+              f"{r.get('time/step_s', 0):.2f} s")
+PY
 fi
 # the target lines of every bench, what trainer_step measured, algo_stack's size and ratio table
 bench_re='target|^fp8 block quant|^(tiny|mid) MoE|^memory:|^stack bench:|^ *(case|whole step|loss math|ESPO entropy)'
