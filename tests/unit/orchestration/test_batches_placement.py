@@ -18,8 +18,8 @@ from moe_rl.orchestration.placement import (
     SHARED_GPU,
     check_placement,
     placement_lines,
-    plan_placement,
     placement_rules,
+    plan_placement,
 )
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
