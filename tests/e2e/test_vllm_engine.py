@@ -124,3 +124,32 @@ def test_bad_requests_name_the_problem(engine, checkpoint):
         engine.generate([[1] * 120], SamplingSpec(max_new_tokens=16))
     with pytest.raises(ValueError, match="older than the engine's policy_version"):
         engine.update_weights(load_state_dict(checkpoint).items(), version=engine.policy_version - 1)
+
+
+def test_bucketed_sync_reloads_whole_layers_and_sets_the_version_at_the_end(engine, checkpoint):
+    """Buckets small enough to split layers: each layer is reloaded once all of it arrived; the
+    version moves at the end; a sync that misses a layer is refused."""
+    from moe_rl.weight_sync.buckets import detach, pack_buckets
+
+    state = load_state_dict(checkpoint)
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
+    before = engine.generate(PROMPTS, greedy)
+    zeroed = dict(state, **{"lm_head.weight": torch.zeros_like(state["lm_head.weight"])})
+    engine.update_weights(zeroed.items(), version=engine.policy_version + 1)
+    version = engine.policy_version + 1
+    groups = [[(name, tensor, {})] for name, tensor in state.items()]
+    buckets = [detach(b) for b in pack_buckets(iter(groups), capacity=4 << 10)]
+    assert len(buckets) > len({n.split(".mlp")[0] for n in state})  # layers span several buckets
+    engine.begin_weight_update(version)
+    for bucket in buckets:
+        engine.receive_bucket(bucket)
+        assert engine.policy_version == version - 1
+    stats = engine.finish_weight_update(version)
+    assert engine.policy_version == version and stats["num_tensors"] == len(state)
+    after = engine.generate(PROMPTS, greedy)
+    assert torch.equal(after.response_ids, before.response_ids) and after.token_versions().eq(version).all()
+    engine.begin_weight_update(version + 1)
+    for bucket in buckets[1:]:
+        engine.receive_bucket(bucket)
+    with pytest.raises(ValueError, match="weight sync incomplete: layers"):
+        engine.finish_weight_update(version + 1)
