@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -244,3 +245,72 @@ def split_balanced(batch: TrajectoryBatch, num_shards: int) -> list[Tensor]:
         members[shard].append(i)
         heapq.heappush(heap, (tokens + lengths[i], count + 1, shard))
     return [torch.tensor(sorted(m), dtype=torch.int64) for m in members]
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One data-parallel rank's part of a rollout batch: its samples, mini-batch by mini-batch."""
+
+    samples: list[int]
+    """Samples of this rank in each mini-batch (its shard holds them in that order)."""
+    micro_batches: list[int]
+    """Micro-batches every rank packs its part of each mini-batch into (equal on all ranks:
+    expert-parallel ranks meet in collectives in every forward)."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How a rollout batch splits into optimizer steps and over data-parallel ranks.
+
+    Mini-batch ``j`` is a contiguous range of the batch's samples (the same samples whatever the
+    data-parallel size, so DP does not change what an optimizer step sees); each mini-batch is
+    split over the ranks by token count (`split_balanced`).
+    """
+
+    indices: list[Tensor]
+    """Per rank, the batch's sample indices it holds, mini-batch after mini-batch."""
+    samples: list[list[int]]
+    """Per rank, its sample count in each mini-batch."""
+    micro_batches: list[int]
+    """Per mini-batch, the micro-batch count of every rank."""
+
+    def rank(self, dp_rank: int) -> RankShare:
+        return RankShare(self.samples[dp_rank], self.micro_batches)
+
+
+def plan_shards(
+    batch: TrajectoryBatch, dp_size: int, max_tokens_per_microbatch: int, num_mini_batches: int
+) -> ShardPlan:
+    """Mini-batches of contiguous samples, each split over ``dp_size`` ranks by tokens; a micro-batch
+    count per mini-batch that every rank can fill (see `ShardPlan`)."""
+    total = batch.num_samples
+    if num_mini_batches < 1 or total < num_mini_batches * dp_size:
+        raise TrajectoryError(
+            "num_mini_batches",
+            "every data-parallel rank needs a sample in every mini-batch",
+            value=num_mini_batches,
+            expected=f"num_mini_batches x DP ({num_mini_batches} x {dp_size}) <= {total} samples",
+        )
+    bounds = [total * j // num_mini_batches for j in range(num_mini_batches + 1)]
+    lengths = batch.sequence_lengths()
+    per_rank: list[list[Tensor]] = [[] for _ in range(dp_size)]
+    micro_batches = []
+    for start, stop in itertools.pairwise(bounds):
+        parts = [idx + start for idx in split_balanced(batch.slice(start, stop), dp_size)]
+        counts = [len(plan_microbatches(lengths[p].tolist(), max_tokens_per_microbatch)) for p in parts]
+        wanted, smallest = max(counts), min(len(p) for p in parts)
+        if wanted > smallest:
+            raise TrajectoryError(
+                "num_microbatches",
+                "a rank's part of a mini-batch has fewer samples than the micro-batches every rank runs",
+                value=wanted,
+                expected=f"<= {smallest} (raise trainer.max_tokens_per_microbatch or rollout.batch_size)",
+            )
+        micro_batches.append(wanted)
+        for rank, part in enumerate(parts):
+            per_rank[rank].append(part)
+    return ShardPlan(
+        indices=[torch.cat(parts) for parts in per_rank],
+        samples=[[len(p) for p in parts] for parts in per_rank],
+        micro_batches=micro_batches,
+    )

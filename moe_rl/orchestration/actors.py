@@ -77,12 +77,12 @@ class TrainerRank:
         return {"rank": info.rank, "dp_rank": info.dp_rank, "dp_size": info.dp_size, "pp_rank": info.pp_rank}
 
     def compute_old_logp(
-        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], num_microbatches: int
+        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], plan
     ) -> dict[str, float]:
         """Fetch this rank's shard (by its data-parallel rank) and run the π_old pass on it."""
         dp = self.worker.info.dp_rank
         shard = ray.get(shard_refs[dp], timeout=RAY_TIMEOUT_S)
-        return self.worker.old_logp_of(shard, advantages[dp], num_microbatches)
+        return self.worker.old_logp_of(shard, advantages[dp], plan.rank(dp))
 
     def train(self) -> dict[str, float]:
         return self.worker.train_on_batch()
@@ -247,7 +247,7 @@ class RewardActor:
         )  # fmt: skip
         summary.metrics.update(extra)
         self._last = batch
-        shards = [] if summary.stale else [ray.put(batch.select(idx)) for idx in summary.shard_indices]
+        shards = [] if summary.plan is None else [ray.put(batch.select(idx)) for idx in summary.plan.indices]
         return shards, summary
 
     def dump(self, folder: str, step: int) -> None:

@@ -6,8 +6,8 @@
 * `step_spec`, `step_advantages`: a step's sampling and its advantages (the driver's math, shared
   with the in-process loop of `moe_rl.orchestration.local`).
 * `prepare`: what the reward worker does with the replicas' batches: merge, score, validate, check
-  staleness, split into token-balanced data-parallel shards (each trainer rank fetches its own by
-  object reference) and summarize what the driver needs (rewards, group ids, lengths, versions):
+  staleness, split into mini-batches and token-balanced data-parallel shards
+  (`moe_rl.data.packing.plan_shards`; each trainer rank fetches its own by object reference) and summarize what the driver needs (rewards, group ids, lengths, versions):
   a few numbers per sample, never the tokens.
 """
 
@@ -25,7 +25,7 @@ from moe_rl.algo.advantages import zero_variance_groups
 from moe_rl.algo.objectives import dgo_weights
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.errors import TrajectoryError
-from moe_rl.data.packing import plan_microbatches, split_balanced
+from moe_rl.data.packing import ShardPlan, plan_shards
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.validate import check_staleness, validate
 from moe_rl.rollout.engine import SamplingSpec
@@ -86,11 +86,8 @@ class Prepared:
     num_samples: int
     rewards: Tensor
     group_ids: Tensor
-    shard_indices: list[Tensor]
-    """Per data-parallel shard, the batch's sample indices it holds."""
-    num_microbatches: int
-    """Micro-batches every rank packs its shard into (equal counts: expert-parallel ranks meet in
-    collectives in every forward)."""
+    plan: ShardPlan | None
+    """Mini-batches and data-parallel shards (None for a stale batch: nothing to train on)."""
     min_version: int
     stale: str | None = None
     """Why the batch is too stale to train on (then there are no shards)."""
@@ -117,28 +114,6 @@ def engine_metrics(batches: Sequence[TrajectoryBatch | None]) -> dict[str, float
     return out
 
 
-def shard(
-    batch: TrajectoryBatch, dp_size: int, max_tokens_per_microbatch: int, num_mini_batches: int
-) -> tuple[list[Tensor], int]:
-    """Token-balanced data-parallel shards and the micro-batch count all of them use."""
-    indices = split_balanced(batch, dp_size)
-    lengths = batch.sequence_lengths().tolist()
-    counts = [
-        len(plan_microbatches([lengths[i] for i in idx.tolist()], max_tokens_per_microbatch))
-        for idx in indices
-    ]
-    wanted = max([num_mini_batches, *counts])
-    smallest = min(len(idx) for idx in indices)
-    if wanted > smallest:
-        raise TrajectoryError(
-            "num_microbatches",
-            "a data-parallel shard has fewer samples than the micro-batches every rank must run",
-            value=wanted,
-            expected=f"<= {smallest} (raise trainer.max_tokens_per_microbatch or rollout.batch_size)",
-        )
-    return indices, wanted
-
-
 def prepare(
     batch: TrajectoryBatch, rewards: Sequence[float], version: int, max_staleness: int, *,
     vocab_size: int, dp_size: int, max_tokens_per_microbatch: int, num_mini_batches: int,
@@ -147,17 +122,15 @@ def prepare(
     batch = batch.replace(rewards=torch.tensor(list(rewards), dtype=torch.float32, device="cpu"))
     validate(batch, vocab_size=vocab_size)
     summary = Prepared(
-        num_samples=batch.num_samples, rewards=batch.rewards, group_ids=batch.group_ids, shard_indices=[],
-        num_microbatches=0, min_version=batch.min_policy_version(), metrics=length_metrics(batch),
+        num_samples=batch.num_samples, rewards=batch.rewards, group_ids=batch.group_ids, plan=None,
+        min_version=batch.min_policy_version(), metrics=length_metrics(batch),
     )  # fmt: skip
     try:
         check_staleness(batch, version, max_staleness)
     except TrajectoryError as exc:
         summary.stale = str(exc)
         return batch, summary
-    summary.shard_indices, summary.num_microbatches = shard(
-        batch, dp_size, max_tokens_per_microbatch, num_mini_batches
-    )
+    summary.plan = plan_shards(batch, dp_size, max_tokens_per_microbatch, num_mini_batches)
     return batch, summary
 
 

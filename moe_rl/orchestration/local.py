@@ -87,7 +87,7 @@ class LocalRun:
         advantages, metrics = step_advantages(cfg, summary.rewards, summary.group_ids)
         metrics.update(length_metrics(batch))
         metrics["reward/mean"] = float(summary.rewards.mean())
-        metrics.update(self.trainer.old_logp_of(batch, advantages, summary.num_microbatches))
+        metrics.update(self.trainer.old_logp_of(batch, advantages, summary.plan.rank(0)))
         metrics.update(self.trainer.train_on_batch())
         metrics.update(self.sync(step + 1))
         metrics["time/step_s"] = time.perf_counter() - t0

@@ -172,8 +172,8 @@ class Stages:
         """π_old on every trainer rank: each fetches its own shard (with its advantages)."""
         t0 = time.perf_counter()
         summary = rollout.summary
-        per_shard = [advantages[idx] for idx in summary.shard_indices]
-        metrics.update(self.trainer.compute_old_logp(rollout.shards, per_shard, summary.num_microbatches))
+        per_shard = [advantages[idx] for idx in summary.plan.indices]
+        metrics.update(self.trainer.compute_old_logp(rollout.shards, per_shard, summary.plan))
         metrics["time/old_logp_s"] = time.perf_counter() - t0
 
     def train(self, metrics: dict[str, Any]) -> None:

@@ -72,10 +72,10 @@ class TrainerGroup:
         return self._all("pid")
 
     def compute_old_logp(
-        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], num_microbatches: int
+        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], plan
     ) -> dict[str, float]:
-        """Each rank fetches shard ``dp_rank`` (by reference) and runs the π_old pass."""
-        return self._all("compute_old_logp", list(shard_refs), list(advantages), num_microbatches)[0]
+        """Each rank fetches shard ``dp_rank`` (by reference) and runs the π_old pass on it."""
+        return self._all("compute_old_logp", list(shard_refs), list(advantages), plan)[0]
 
     def train(self) -> dict[str, float]:
         return self._all("train")[0]

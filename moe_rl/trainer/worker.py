@@ -51,11 +51,11 @@ from moe_rl.algo import registry
 from moe_rl.algo.aggregate import local_denominator
 from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.data.packing import plan_microbatches
+from moe_rl.data.packing import RankShare, plan_shards
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import check_process_device
 from moe_rl.trainer import pipeline
-from moe_rl.trainer.batch import TrainMicroBatch, make_train_micro_batches, split_mini_batches
+from moe_rl.trainer.batch import TrainMicroBatch, make_train_micro_batches
 from moe_rl.trainer.hf_weights import iter_hf_weights, load_hf_checkpoint
 from moe_rl.trainer.logprobs import (
     LogprobOutput,
@@ -137,7 +137,7 @@ class TrainerWorker:
             keep_sampling_mask=config.algo.corrections.keep_sampling_mask,
         )
         self.step = 0
-        self.micro_batches: list[TrainMicroBatch] = []
+        self.mini_batches: list[list[TrainMicroBatch]] = []
         self.timer = _Timer()
         self.pipelined = config.parallel.pipeline_model_parallel_size > 1
 
@@ -337,26 +337,31 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ a rollout batch
     def old_logp_of(
-        self, batch: TrajectoryBatch, advantages: Tensor, num_microbatches: int | None = None
+        self, batch: TrajectoryBatch, advantages: Tensor, share: RankShare | None = None
     ) -> dict[str, float]:
-        """Pack this rank's share of a rollout batch (a CPU trajectory) with its per-sample
-        advantages into ``num_microbatches`` micro-batches (default: as the token budget packs them,
-        at least ``trainer.num_mini_batches``), keep them, and run the π_old pass."""
-        budget = self.config.trainer.max_tokens_per_microbatch
-        count = num_microbatches
-        if count is None:
-            lengths = batch.sequence_lengths().tolist()
-            count = max(self.config.trainer.num_mini_batches, len(plan_microbatches(lengths, budget)))
-        self.micro_batches = make_train_micro_batches(batch, advantages, budget, count)
-        return self.compute_old_logp(self.micro_batches)
+        """Take this rank's share of a rollout batch (a CPU trajectory, its samples mini-batch after
+        mini-batch, `moe_rl.data.packing.ShardPlan`) with its per-sample advantages: pack each
+        mini-batch into its micro-batches, keep them, and run the π_old pass over all of them.
+        Without ``share`` the batch is the whole rollout batch of a one-rank trainer."""
+        t = self.config.trainer
+        if share is None:
+            share = plan_shards(batch, 1, t.max_tokens_per_microbatch, t.num_mini_batches).rank(0)
+        if sum(share.samples) != batch.num_samples or advantages.numel() != batch.num_samples:
+            raise ValueError(
+                f"a rank's share lists {sum(share.samples)} samples, its batch has {batch.num_samples} and "
+                f"{advantages.numel()} advantages"
+            )
+        self.mini_batches, start = [], 0
+        for size, count in zip(share.samples, share.micro_batches):
+            part, adv = batch.slice(start, start + size), advantages[start : start + size]
+            self.mini_batches.append(make_train_micro_batches(part, adv, t.max_tokens_per_microbatch, count))
+            start += size
+        return self.compute_old_logp([mb for mini in self.mini_batches for mb in mini])
 
     def train_on_batch(self) -> dict[str, float]:
-        """One optimizer step per mini-batch of the kept micro-batches; metrics averaged over steps."""
-        per_step = [
-            self.train_step(mini)
-            for mini in split_mini_batches(self.micro_batches, self.config.trainer.num_mini_batches)
-        ]
-        self.micro_batches = []
+        """One optimizer step per kept mini-batch; metrics averaged over the steps."""
+        per_step = [self.train_step(mini) for mini in self.mini_batches]
+        self.mini_batches = []
         keys = {k for m in per_step for k in m}
         return {k: sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step) for k in keys}
 

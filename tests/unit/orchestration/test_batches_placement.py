@@ -10,10 +10,11 @@ import torch
 
 from moe_rl.config import load_recipe
 from moe_rl.data.errors import TrajectoryError
+from moe_rl.data.packing import plan_shards
 from moe_rl.data.synthetic import random_batch
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
-from moe_rl.orchestration.batches import dispatch, merge, prepare, shard, step_spec
+from moe_rl.orchestration.batches import dispatch, merge, prepare, step_spec
 from moe_rl.orchestration.placement import (
     SHARED_GPU,
     check_placement,
@@ -57,15 +58,22 @@ def test_merge_puts_the_replicas_samples_in_prompt_order():
     assert firsts == [p for p in range(6) for _ in range(2)]
 
 
-def test_shards_balance_tokens_and_share_one_micro_batch_count():
+def test_shards_keep_each_mini_batch_and_share_its_micro_batch_count():
     batch = random_batch(3, 24, max_prompt_len=8, max_response_len=8)
-    indices, count = shard(batch, dp_size=2, max_tokens_per_microbatch=40, num_mini_batches=2)
-    assert sorted(torch.cat(indices).tolist()) == list(range(24))
-    tokens = [int(batch.sequence_lengths()[i].sum()) for i in indices]
-    assert abs(tokens[0] - tokens[1]) <= int(batch.sequence_lengths().max())
-    assert count >= 2 and count * 40 >= max(tokens)
-    with pytest.raises(TrajectoryError, match="fewer samples than the micro-batches"):
-        shard(random_batch(4, 4), dp_size=2, max_tokens_per_microbatch=40, num_mini_batches=3)
+    plan = plan_shards(batch, dp_size=2, max_tokens_per_microbatch=40, num_mini_batches=2)
+    assert sorted(torch.cat(plan.indices).tolist()) == list(range(24))
+    for rank, idx in enumerate(plan.indices):  # mini-batch 0 = samples 0..11, 1 = 12..23, on every rank
+        first = idx[: plan.samples[rank][0]]
+        assert (first < 12).all() and (idx[plan.samples[rank][0] :] >= 12).all()
+    lengths = batch.sequence_lengths()
+    tokens = [int(lengths[idx].sum()) for idx in plan.indices]
+    assert abs(tokens[0] - tokens[1]) <= 2 * int(lengths.max())
+    assert len(plan.micro_batches) == 2 and all(m >= 1 for m in plan.micro_batches)
+    assert plan.rank(1).micro_batches == plan.micro_batches
+    one = plan_shards(batch, dp_size=1, max_tokens_per_microbatch=40, num_mini_batches=2)
+    assert one.indices[0].tolist() == list(range(24)) and one.samples == [[12, 12]]
+    with pytest.raises(TrajectoryError, match="every data-parallel rank needs a sample in every mini-batch"):
+        plan_shards(random_batch(4, 4), dp_size=2, max_tokens_per_microbatch=40, num_mini_batches=3)
 
 
 def test_prepare_scores_and_refuses_stale_batches_without_sharding():
@@ -73,10 +81,10 @@ def test_prepare_scores_and_refuses_stale_batches_without_sharding():
     newest = int(batch.version_span_versions.max())
     _, fresh = prepare(batch, [1.0] * 8, version=newest, max_staleness=newest, vocab_size=64, dp_size=2,
                        max_tokens_per_microbatch=64, num_mini_batches=1)  # fmt: skip
-    assert fresh.stale is None and len(fresh.shard_indices) == 2 and fresh.rewards.tolist() == [1.0] * 8
+    assert fresh.stale is None and len(fresh.plan.indices) == 2 and fresh.rewards.tolist() == [1.0] * 8
     _, stale = prepare(batch, [0.0] * 8, version=newest + 9, max_staleness=1, vocab_size=64, dp_size=2,
                        max_tokens_per_microbatch=64, num_mini_batches=1)  # fmt: skip
-    assert "older than allowed" in stale.stale and stale.shard_indices == []
+    assert "older than allowed" in stale.stale and stale.plan is None
 
 
 def test_step_spec_is_seeded_by_run_and_step():
