@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 RAY_TIMEOUT_S = 1800.0
 FAULTS_ENV = "MOE_RL_FAULTS"
-"""Fault injection for tests of the restart rule: ``die_in_generate=R@K`` makes engine replica R
-exit (as a crash would) inside its K-th ``generate`` call."""
+"""Fault injection for tests of the restart rule: ``die_in_generate=R@K`` makes the first process
+of engine replica R exit (as a crash would) inside its K-th ``generate`` call; the replica
+restarted after it runs normally."""
 
 
 def _setup_process(config: RecipeConfig, threads: int) -> None:
@@ -145,9 +146,11 @@ def _settle(flight: list[tuple[int, Any]]) -> set[int]:
 class EngineActor:
     """One rollout engine replica (see the module docstring)."""
 
-    def __init__(self, config: RecipeConfig, model_path: str | None, replica: int, threads: int):
+    def __init__(
+        self, config: RecipeConfig, model_path: str | None, replica: int, threads: int, restarts: int = 0
+    ):
         _setup_process(config, threads)
-        self.config, self.replica = config, replica
+        self.config, self.replica, self.restarts = config, replica, restarts
         self.engine = make_engine(config, model_path)
         self._reference = None
         self._generates = 0
@@ -159,7 +162,8 @@ class EngineActor:
     def generate(self, prompts: Sequence[Sequence[int]], sampling, group_ids: Sequence[int]):
         """``(batch, status)``: the driver waits on the small status, the batch goes on by reference."""
         self._generates += 1
-        _maybe_fail(self.replica, self._generates)
+        if self.restarts == 0:
+            _maybe_fail(self.replica, self._generates)
         batch = self.engine.generate(prompts, sampling, group_ids)
         return batch, {"replica": self.replica, "samples": batch.num_samples}
 

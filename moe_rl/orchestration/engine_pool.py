@@ -100,7 +100,7 @@ class EnginePool:
                 num_cpus=0, num_gpus=self.placement.engine_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(replica.pg, placement_group_bundle_index=0),
             )
-            .remote(self.config, model_path, replica.index, threads)
+            .remote(self.config, model_path, replica.index, threads, replica.restarts)
         )  # fmt: skip
 
     def _restart(self, replica: Replica, error: Exception, version: int) -> None:

@@ -95,9 +95,16 @@ def _comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("time/", "sync/seconds"))}
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig):
-    common = [TINY, "run.steps=6"]
+SCALED_OUT = ["parallel.trainer_world_size=2", "rollout.num_engines=2"]
+
+
+@pytest.mark.parametrize(
+    ("sig", "layout"),
+    [(signal.SIGINT, SCALED_OUT), (signal.SIGTERM, [])],
+    ids=["ctrl-c-dp2-two-engines", "sigterm-one-rank"],
+)
+def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig, layout):
+    common = [TINY, "run.steps=6", *layout]
     straight = _train([*common, "run.name=straight"], tmp_path)
     _finish(straight)
     reference = _metrics(tmp_path / "straight")
@@ -124,6 +131,7 @@ def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig):
             "--resume",
             str(tmp_path / "cut"),
             "logging.progress=false",
+            *layout,
         ],
         cwd=REPO,
         capture_output=True,
