@@ -73,6 +73,12 @@ class Stages:
             raise ConfigError("algo.zero_variance_shaping=true is not supported by the RL loop yet")
         self.config, self.run_dir = config, Path(run_dir)
         self.placement = plan_placement(config, Machine.detect(), node_roles=_node_roles())
+        p = self.placement
+        log.info(
+            "placement on %s: %d trainer rank(s) %s, %d engine(s) %s, nodes by role: %s", p.device,
+            p.trainer_ranks, p.trainer_bundle(), p.engines, p.engine_bundle(config.cluster.rollout_nodes == 0),
+            "yes" if p.node_roles else "no",
+        )  # fmt: skip
         self.trainer = TrainerGroup(config, self.placement)
         self.rewarder = ray.remote(RewardActor).options(num_cpus=0).remote(config)
         self.engines = EnginePool(config, self.trainer, self.run_dir, self.placement)

@@ -170,11 +170,21 @@ def test_cancel_stops_the_job_and_its_processes(slurm_cluster, tmp_path):
 
 
 @pytest.mark.e2e
-def test_tiny_recipe_trains_through_sbatch(slurm_cluster, tmp_path):
-    """The real driver: two RL steps of the tiny recipe, submitted like a cluster job."""
-    run_dir = submit(slurm_cluster, tmp_path, "tiny", None, "run.steps=2", "logging.progress=false")
+def test_tiny_recipe_trains_through_sbatch_with_two_ranks_and_two_engines(slurm_cluster, tmp_path):
+    """The real driver: two RL steps of the tiny recipe with a trainer group of two ranks and two
+    engine replicas, submitted like a cluster job (placed on the node by its Ray role resource)."""
+    run_dir = submit(
+        slurm_cluster, tmp_path, "tiny", None, "run.steps=2", "logging.progress=false",
+        "parallel.trainer_world_size=2", "rollout.num_engines=2",
+    )  # fmt: skip
     fields = wait_done(slurm_cluster, run_dir, timeout=800)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", batch_log(run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2, records
-    assert all("reward/mean" in r for r in records)
+    for record in records:
+        assert (record["trainer/world_size"], record["rollout/engines"]) == (2, 2)
+        assert "reward/mean" in record and record["sync/bytes"] > 0
+    # the head node carries the trainer role as a Ray resource; ranks and engines asked for it
+    assert "'moe_rl_trainer_node': 0.001}" in batch_log(run_dir) and "nodes by role: yes" in batch_log(
+        run_dir
+    )
