@@ -21,11 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_rl.config import load_recipe
+from moe_rl.megatron.hf_weights import iter_hf_weights, save_hf_checkpoint
+from moe_rl.megatron.model import model_config_to_hf_config
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
 from moe_rl.rollout.vllm_engine import VLLMEngine
-from moe_rl.trainer.hf_weights import iter_hf_weights, save_hf_checkpoint
-from moe_rl.trainer.model import model_config_to_hf_config
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_moe_vllm.yaml"
 

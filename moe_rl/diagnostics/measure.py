@@ -34,9 +34,10 @@ from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
 from moe_rl.data.packing import MicroBatch, pack_microbatches
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.diagnostics.results import METRICS, MODES, NotAvailable, Value
+from moe_rl.megatron.forward import forward_logits
 from moe_rl.rollout.engine import EngineCapabilities
 from moe_rl.rollout.sampler import process_logits
-from moe_rl.trainer.logprobs import forward_logits, response_logprobs, routing_mode
+from moe_rl.trainer.logprobs import response_logprobs, routing_mode
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,7 @@ def _replay_of(model):
     """A `RoutingReplay` over the model's routers, or None for a dense model."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from moe_rl.trainer.replay import RoutingReplay
+    from moe_rl.megatron.replay import RoutingReplay
 
     unwrapped = getattr(model, "module", model)
     if not any(isinstance(m, TopKRouter) for m in unwrapped.modules()):

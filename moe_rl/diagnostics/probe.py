@@ -54,9 +54,9 @@ class ReferenceModel:
     bucket, `moe_rl.weight_sync`): the trainer side of the probe, kept next to the engine."""
 
     def __init__(self, config: RecipeConfig):
+        from moe_rl.megatron.model import build_gpt_model
+        from moe_rl.megatron.parallel import init_parallel
         from moe_rl.rollout.megatron_engine import WHOLE_MODEL
-        from moe_rl.trainer.model import build_gpt_model
-        from moe_rl.trainer.parallel import init_parallel
         from moe_rl.weight_sync.receiver import ModelReceiver
 
         init_parallel(WHOLE_MODEL)

@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 
 def build_trainer(config: RecipeConfig):
     """The reference model: the recipe's trainer model at its initial weights, in eval mode."""
-    from moe_rl.trainer.hf_weights import load_hf_checkpoint
-    from moe_rl.trainer.model import build_gpt_model
-    from moe_rl.trainer.parallel import init_parallel
+    from moe_rl.megatron.hf_weights import load_hf_checkpoint
+    from moe_rl.megatron.model import build_gpt_model
+    from moe_rl.megatron.parallel import init_parallel
 
     init_parallel(config.parallel)
     model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
@@ -61,17 +61,17 @@ class EngineFactory:
         raise ValueError(f"rollout.engine={config.rollout.engine!r}; valid: megatron, vllm")
 
     def _megatron(self, config: RecipeConfig):
+        from moe_rl.megatron.hf_weights import iter_hf_weights
         from moe_rl.rollout.megatron_engine import MegatronEngine
-        from moe_rl.trainer.hf_weights import iter_hf_weights
 
         engine = MegatronEngine(config)
         engine.update_weights(iter_hf_weights(self.trainer), version=1)
         return engine
 
     def _vllm(self, config: RecipeConfig):
+        from moe_rl.megatron.hf_weights import save_hf_checkpoint
+        from moe_rl.megatron.model import model_config_to_hf_config
         from moe_rl.rollout.vllm_engine import VLLMEngine
-        from moe_rl.trainer.hf_weights import save_hf_checkpoint
-        from moe_rl.trainer.model import model_config_to_hf_config
 
         if self._hf_folder is None:
             self._hf_folder = self.workdir / "trainer_hf"

@@ -117,8 +117,8 @@ class TrainerRank:
 
     def save_hf(self, directory: str) -> str:
         """This group's weights as a Hugging Face folder (collective; every rank writes its own)."""
-        from moe_rl.trainer.hf_weights import save_hf_checkpoint
-        from moe_rl.trainer.model import model_config_to_hf_config
+        from moe_rl.megatron.hf_weights import save_hf_checkpoint
+        from moe_rl.megatron.model import model_config_to_hf_config
         from moe_rl.weight_sync.sender import sends
 
         hf_config = model_config_to_hf_config(self.config.model)

@@ -120,9 +120,9 @@ class MegatronEngine:
     name = "megatron"
 
     def __init__(self, config: RecipeConfig, seed: int | None = None):
-        from moe_rl.trainer.model import build_gpt_model
-        from moe_rl.trainer.parallel import init_parallel
-        from moe_rl.trainer.replay import RoutingReplay
+        from moe_rl.megatron.model import build_gpt_model
+        from moe_rl.megatron.parallel import init_parallel
+        from moe_rl.megatron.replay import RoutingReplay
 
         init_parallel(WHOLE_MODEL)
         self.device = check_process_device(config.run.device)
@@ -227,10 +227,10 @@ class MegatronEngine:
     @torch.no_grad()
     def _apply_awq(self, sequences: Sequence[list[int]]) -> QuantReport:
         """AWQ-calibrate the pending weights on `sequences` and load the effective INT4 weights."""
-        from moe_rl.trainer.hf_weights import hf_names_for, iter_hf_weights, load_hf_weights
-        from moe_rl.trainer.logprobs import forward_logits
-        from moe_rl.trainer.model import build_gpt_model
-        from moe_rl.trainer.replay import release_router_replay
+        from moe_rl.megatron.forward import forward_logits
+        from moe_rl.megatron.hf_weights import hf_names_for, iter_hf_weights, load_hf_weights
+        from moe_rl.megatron.model import build_gpt_model
+        from moe_rl.megatron.replay import release_router_replay
 
         weights, cfg = self._awq_pending, self.config.quant
         num_layers = self.config.model.num_layers
@@ -266,7 +266,7 @@ class MegatronEngine:
     # ------------------------------------------------------------------------ generation
     @torch.no_grad()
     def _step(self, rollouts: list[_Rollout]) -> None:
-        from moe_rl.trainer.logprobs import forward_logits
+        from moe_rl.megatron.forward import forward_logits
 
         packed = _pack([r.prompt + r.response for r in rollouts], self.device)
         if self.replay is not None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_rl.config.schema import TrainerConfig
-from moe_rl.trainer.megatron_compat import cuda_available
+from moe_rl.megatron.compat import cuda_available
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 With ``parallel.pipeline_model_parallel_size > 1`` the worker's two passes run through
 ``get_forward_backward_func()`` (Megatron's non-interleaved 1F1B schedule; on CPU with gloo
-thanks to `megatron_compat`'s schedule shim). Each micro-batch is one packed sequence whose length
+thanks to `moe_rl.megatron.compat`'s schedule shim). Each micro-batch is one packed sequence whose length
 varies, so the transformer config runs with ``variable_seq_lengths`` (the schedule sends each
 activation's shape before the activation).
 
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_rl.device import process_device
+from moe_rl.megatron.forward import check_on_model_device, packed_seq_params, pad_micro_batch, whole_vocab
 from moe_rl.trainer.batch import TrainMicroBatch
-from moe_rl.trainer.logprobs import check_on_model_device, packed_seq_params, pad_micro_batch, whole_vocab
 
 ROUTING_KEYS = ("routing_agreement", "routing_overlap")
 

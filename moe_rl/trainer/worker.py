@@ -54,9 +54,12 @@ from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.packing import RankShare, plan_shards
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import check_process_device
+from moe_rl.megatron.hf_weights import iter_hf_weights, load_hf_checkpoint
+from moe_rl.megatron.model import build_gpt_model
+from moe_rl.megatron.parallel import init_parallel
+from moe_rl.megatron.replay import RoutingReplay
 from moe_rl.trainer import pipeline
 from moe_rl.trainer.batch import TrainMicroBatch, make_train_micro_batches
-from moe_rl.trainer.hf_weights import iter_hf_weights, load_hf_checkpoint
 from moe_rl.trainer.logprobs import (
     LogprobOutput,
     PassOptions,
@@ -66,10 +69,7 @@ from moe_rl.trainer.logprobs import (
     response_logprobs,
     routing_mode,
 )
-from moe_rl.trainer.model import build_gpt_model
 from moe_rl.trainer.optim import build_optimizer, build_scheduler
-from moe_rl.trainer.parallel import init_parallel
-from moe_rl.trainer.replay import RoutingReplay
 from moe_rl.trainer.rules import check_trainer
 
 log = logging.getLogger(__name__)

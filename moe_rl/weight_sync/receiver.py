@@ -27,7 +27,7 @@ class ModelReceiver:
     """Loads HF-named weights into a Megatron model part by part; `finish` checks completeness."""
 
     def __init__(self, model: torch.nn.Module):
-        from moe_rl.trainer.hf_weights import hf_index
+        from moe_rl.megatron.hf_weights import hf_index
 
         self.model = model
         self.index = hf_index(model)
@@ -40,7 +40,7 @@ class ModelReceiver:
 
     def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
         """Load whole Megatron tensors (all their HF pieces are in ``named``)."""
-        from moe_rl.trainer.hf_weights import load_hf_subset
+        from moe_rl.megatron.hf_weights import load_hf_subset
 
         weights = dict(named)
         again = {self.index[n] for n in weights if n in self.index} & self.loaded

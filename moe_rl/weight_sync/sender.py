@@ -40,7 +40,7 @@ def sends(megatron_name: str) -> bool:
 
 def weight_groups(model: torch.nn.Module, encoder: WireEncoder) -> Iterator[list]:
     """What this rank sends, encoded, one Megatron tensor (all its HF pieces) at a time."""
-    from moe_rl.trainer.hf_weights import iter_hf_weight_groups
+    from moe_rl.megatron.hf_weights import iter_hf_weight_groups
 
     for _, group in iter_hf_weight_groups(model, select=sends):
         yield encoder.encode_group(group)

@@ -17,7 +17,7 @@ def write_trainer_weights(folder: str) -> str:
     import trainer_dp_worker
 
     from moe_rl.config.schema import ParallelConfig
-    from moe_rl.trainer.parallel import init_parallel
+    from moe_rl.megatron.parallel import init_parallel
 
     init_parallel(ParallelConfig())
     trainer_dp_worker.write_weights(folder)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
 def reference(request, tmp_path_factory):
     from moe_rl.config.schema import ParallelConfig
-    from moe_rl.trainer.parallel import init_parallel
+    from moe_rl.megatron.parallel import init_parallel
 
     init_parallel(ParallelConfig())
     folder = str(tmp_path_factory.mktemp(f"hf_{request.param}"))

@@ -21,8 +21,8 @@ def model_config(family: str):
 
 
 def logits_of(model) -> torch.Tensor:
+    from moe_rl.megatron.forward import forward_logits
     from moe_rl.rollout.megatron_engine import _pack
-    from moe_rl.trainer.logprobs import forward_logits
 
     model.eval()
     with torch.no_grad():
@@ -31,8 +31,8 @@ def logits_of(model) -> torch.Tensor:
 
 def write_reference(family: str, folder: str) -> torch.Tensor:
     """One-process model (seed 3): its HF folder and its logits."""
-    from moe_rl.trainer.hf_weights import save_hf_checkpoint
-    from moe_rl.trainer.model import build_gpt_model, model_config_to_hf_config
+    from moe_rl.megatron.hf_weights import save_hf_checkpoint
+    from moe_rl.megatron.model import build_gpt_model, model_config_to_hf_config
 
     config = model_config(family)
     model = build_gpt_model(config, seed=3)
@@ -43,9 +43,9 @@ def write_reference(family: str, folder: str) -> torch.Tensor:
 def rank_main(rank: int, world: int, port: int, family: str, etp: int, hf_path: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from moe_rl.config.schema import ParallelConfig
-    from moe_rl.trainer.hf_weights import iter_hf_weights, load_hf_checkpoint, save_hf_checkpoint
-    from moe_rl.trainer.model import build_gpt_model, model_config_to_hf_config
-    from moe_rl.trainer.parallel import init_parallel
+    from moe_rl.megatron.hf_weights import iter_hf_weights, load_hf_checkpoint, save_hf_checkpoint
+    from moe_rl.megatron.model import build_gpt_model, model_config_to_hf_config
+    from moe_rl.megatron.parallel import init_parallel
 
     parallel = ParallelConfig(
         trainer_world_size=world, tensor_model_parallel_size=world, expert_tensor_parallel_size=etp

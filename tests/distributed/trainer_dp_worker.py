@@ -30,8 +30,8 @@ def recipe(world: int, ep: int, hf_path: str | None = None, pp: int = 1, *extra:
 
 def write_weights(folder: str) -> None:
     """One set of weights for every layout (random init depends on how experts are split)."""
-    from moe_rl.trainer.hf_weights import save_hf_checkpoint
-    from moe_rl.trainer.model import build_gpt_model, model_config_to_hf_config
+    from moe_rl.megatron.hf_weights import save_hf_checkpoint
+    from moe_rl.megatron.model import build_gpt_model, model_config_to_hf_config
 
     config = recipe(1, 1)
     save_hf_checkpoint(build_gpt_model(config.model, seed=3), folder, model_config_to_hf_config(config.model))
@@ -52,7 +52,7 @@ def shard(batches, rank: int, world: int, even: bool):
 
 
 def gradients(world: int, rank: int, ep: int, hf_path: str) -> dict[str, torch.Tensor]:
-    from moe_rl.trainer.hf_weights import hf_names_for
+    from moe_rl.megatron.hf_weights import hf_names_for
     from moe_rl.trainer.worker import TrainerWorker
 
     config = recipe(world, ep, hf_path)
@@ -79,7 +79,7 @@ def rank_main(rank: int, world: int, port: int, ep: int, hf_path: str, out_dir: 
 def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tensor]:
     """PP=``pp`` on ``pp`` ranks: the metrics of both passes (``__old__/``, ``__train__/``), the
     gradients and the updated weights after one optimizer step (``__param__/``), global names."""
-    from moe_rl.trainer.hf_weights import hf_names_for
+    from moe_rl.megatron.hf_weights import hf_names_for
     from moe_rl.trainer.worker import TrainerWorker
 
     config = recipe(pp, 1, hf_path, pp, "trainer.grad_clip=1.0", *extra)  # clipping: a real grad norm
@@ -99,7 +99,7 @@ def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tens
 
 def pipeline_rank_main(rank: int, world: int, port: int, hf_path: str, out_dir: str, extra: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    from moe_rl.trainer.parallel import teardown_parallel
+    from moe_rl.megatron.parallel import teardown_parallel
 
     torch.save(pipeline_outputs(world, hf_path, *extra), Path(out_dir) / f"pp.{rank}.pt")
     teardown_parallel()  # a clean exit: no gloo threads left to the interpreter's shutdown

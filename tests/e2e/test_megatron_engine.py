@@ -13,11 +13,11 @@ from moe_rl.algo.diagnostics import routing_agreement
 from moe_rl.config import load_recipe
 from moe_rl.data.packing import pack_microbatches
 from moe_rl.data.validate import validate
+from moe_rl.megatron.hf_weights import iter_hf_weights
+from moe_rl.megatron.replay import RoutingReplay
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
-from moe_rl.trainer.hf_weights import iter_hf_weights
 from moe_rl.trainer.logprobs import PassOptions, old_logprobs
-from moe_rl.trainer.replay import RoutingReplay
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("device")]
 

@@ -42,8 +42,8 @@ def _model_weights(checkpoint: Path, config) -> dict[str, torch.Tensor]:
     """The model tensors of a trainer checkpoint (any world size), loaded into a one-rank model."""
     from megatron.core import dist_checkpointing
 
-    from moe_rl.trainer.model import build_gpt_model
-    from moe_rl.trainer.parallel import init_parallel
+    from moe_rl.megatron.model import build_gpt_model
+    from moe_rl.megatron.parallel import init_parallel
 
     init_parallel(config.parallel)
     model = build_gpt_model(config.model, config.parallel, config.trainer, seed=99)

@@ -15,11 +15,11 @@ from moe_rl.diagnostics.measure import MeasureParams, availability, measure, out
 from moe_rl.diagnostics.probe import mismatch_probe
 from moe_rl.diagnostics.results import MODES, NotAvailable
 from moe_rl.diagnostics.zero_update import build_trainer
+from moe_rl.megatron.hf_weights import iter_hf_weights
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rollout.capabilities import engine_capabilities
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
-from moe_rl.trainer.hf_weights import iter_hf_weights
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 OVERRIDES = ["rollout.quant=bf16", "rollout.top_p=0.9", "rollout.group_size=2", "rollout.max_new_tokens=6"]

@@ -21,7 +21,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def megatron_world():
     from moe_rl.config.schema import ParallelConfig
-    from moe_rl.trainer.parallel import init_parallel, teardown_parallel
+    from moe_rl.megatron.parallel import init_parallel, teardown_parallel
 
     info = init_parallel(ParallelConfig())
     yield info

@@ -56,8 +56,8 @@ def test_a_worker_step_creates_its_tensors_on_the_worker_device(device):
 
 def test_engine_and_diagnostics_create_their_tensors_on_their_device(device):
     from moe_rl.diagnostics.measure import MeasureParams, measure
+    from moe_rl.megatron.hf_weights import iter_hf_weights
     from moe_rl.rollout.megatron_engine import MegatronEngine
-    from moe_rl.trainer.hf_weights import iter_hf_weights
 
     config = load_recipe(
         TINY_RECIPE, [*TINY_MODEL_OVERRIDES, "rollout.quant=bf16", "rollout.top_p=0.9", "rollout.top_k=8"]

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moe_rl.trainer.hf_weights import (  # noqa: E402
+from moe_rl.megatron.hf_weights import (  # noqa: E402
     SafetensorsReader,
     fuse,
     hf_names_for,
@@ -20,7 +20,7 @@ from moe_rl.trainer.hf_weights import (  # noqa: E402
     save_hf_checkpoint,
     split,
 )
-from moe_rl.trainer.model import build_gpt_model, hf_config_to_model_config  # noqa: E402
+from moe_rl.megatron.model import build_gpt_model, hf_config_to_model_config  # noqa: E402
 
 VOCAB, SEQ = 64, 11
 pytestmark = pytest.mark.usefixtures("device")

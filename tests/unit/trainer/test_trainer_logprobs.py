@@ -10,9 +10,9 @@ import pytest
 import torch
 from trainer_testing import micro_batches, tiny_deepseek, tiny_qwen
 
+from moe_rl.megatron.model import build_gpt_model
+from moe_rl.megatron.replay import RoutingReplay
 from moe_rl.trainer.logprobs import PassOptions, logprob_pass, old_logprobs
-from moe_rl.trainer.model import build_gpt_model
-from moe_rl.trainer.replay import RoutingReplay
 
 TEMPERATURE = 0.7
 pytestmark = pytest.mark.usefixtures("device")
@@ -95,7 +95,7 @@ def test_logp_pass_has_grad_and_missing_mask_is_an_error(device):
 
 def test_padding_to_a_common_length_changes_nothing(device):
     """Expert-parallel ranks pad micro-batches to one length; the real tokens' logits stay put."""
-    from moe_rl.trainer.logprobs import forward_logits
+    from moe_rl.megatron.forward import forward_logits
 
     cfg = tiny_qwen()
     model = build_gpt_model(cfg, seed=14).eval()
@@ -115,7 +115,7 @@ def test_padding_to_a_common_length_changes_nothing(device):
 
 def test_a_micro_batch_off_the_model_device_is_refused(device):
     """The worker's boundary moves micro-batches; a pass never moves them itself."""
-    from moe_rl.trainer.logprobs import forward_logits
+    from moe_rl.megatron.forward import forward_logits
 
     cfg = tiny_qwen()
     model = build_gpt_model(cfg, seed=15).eval()

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from moe_rl.trainer import megatron_compat
-from moe_rl.trainer.attention import PackedLayout, SDPACoreAttention
-from moe_rl.trainer.megatron_compat import SHIMS, apply_process_shims, shims_for
+from moe_rl.megatron import compat as megatron_compat
+from moe_rl.megatron.attention import PackedLayout, SDPACoreAttention
+from moe_rl.megatron.compat import SHIMS, apply_process_shims, shims_for
 
 TE_SHIMS = {"moe_utils.te_general_gemm", "multi_latent_attention.HAVE_TE"}
 CUDA_SHIMS = {shim.name for shim in SHIMS} - TE_SHIMS
@@ -54,10 +54,10 @@ def test_process_setup_applies_the_choice_once(monkeypatch):
 def test_building_a_model_requires_process_setup(monkeypatch):
     from trainer_testing import tiny_qwen
 
-    from moe_rl.trainer.model import build_gpt_model
+    from moe_rl.megatron.model import build_gpt_model
 
     monkeypatch.setattr(megatron_compat, "_setup_done", False)
-    with pytest.raises(RuntimeError, match="call moe_rl.trainer.parallel.init_parallel"):
+    with pytest.raises(RuntimeError, match="call moe_rl.megatron.parallel.init_parallel"):
         build_gpt_model(tiny_qwen())
 
 

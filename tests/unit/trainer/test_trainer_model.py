@@ -7,8 +7,8 @@ import torch
 from trainer_testing import DEEPSEEK_V3_HF, tiny_deepseek, tiny_qwen
 
 from moe_rl.config.schema import ModelConfig
-from moe_rl.trainer.logprobs import forward_logits
-from moe_rl.trainer.model import (
+from moe_rl.megatron.forward import forward_logits
+from moe_rl.megatron.model import (
     build_gpt_model,
     hf_config_to_model_config,
     moe_layer_pattern,
@@ -157,7 +157,7 @@ def test_model_config_to_hf_config_inverts(family):
     import dataclasses
 
     transformers = pytest.importorskip("transformers")
-    from moe_rl.trainer.model import model_config_to_hf_config
+    from moe_rl.megatron.model import model_config_to_hf_config
 
     cfg = tiny_qwen() if family == "qwen3_moe" else tiny_deepseek()
     hf = model_config_to_hf_config(cfg)

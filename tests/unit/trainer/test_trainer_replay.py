@@ -8,8 +8,8 @@ import torch
 from trainer_testing import assert_same, tiny_deepseek, tiny_qwen
 
 from moe_rl.config.schema import TrainerConfig
-from moe_rl.trainer.model import build_gpt_model
-from moe_rl.trainer.replay import RoutingReplay
+from moe_rl.megatron.model import build_gpt_model
+from moe_rl.megatron.replay import RoutingReplay
 
 SEQ = 12
 pytestmark = pytest.mark.usefixtures("device")

@@ -11,7 +11,7 @@ import torch
 from trainer_testing import DEEPSEEK_V3_HF as DEEPSEEK_V3_BASE_HF
 from trainer_testing import tiny_deepseek, tiny_qwen
 
-from moe_rl.trainer.model import (
+from moe_rl.megatron.model import (
     build_gpt_model,
     hf_config_to_model_config,
     model_config_to_hf_config,
@@ -62,7 +62,7 @@ def _deepseek_hf(mscale: float, mscale_all_dim: float):
 
 
 def _megatron_logits(model_config, folder, tokens):
-    from moe_rl.trainer.hf_weights import load_hf_checkpoint
+    from moe_rl.megatron.hf_weights import load_hf_checkpoint
 
     model = build_gpt_model(model_config, seed=7).eval()
     load_hf_checkpoint(model, folder)

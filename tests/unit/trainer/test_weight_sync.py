@@ -7,9 +7,9 @@ import pytest
 import torch
 from trainer_testing import tiny_recipe
 
+from moe_rl.megatron.hf_weights import iter_hf_weights
+from moe_rl.megatron.model import build_gpt_model
 from moe_rl.rollout.megatron_engine import MegatronEngine
-from moe_rl.trainer.hf_weights import iter_hf_weights
-from moe_rl.trainer.model import build_gpt_model
 from moe_rl.weight_sync.buckets import detach
 from moe_rl.weight_sync.sender import sends, stream_buckets
 from moe_rl.weight_sync.wire import WireEncoder

@@ -3,7 +3,7 @@
 Each shim is the smallest change that lets the library's own code path run, and is keyed on what
 is missing, not on the machine: `shims_for` chooses them from two facts (does this process see
 CUDA, does ``transformer_engine`` import), and `apply_process_shims` applies that choice once,
-at process setup (`moe_rl.trainer.parallel.init_parallel`, which every process that builds a
+at process setup (`moe_rl.megatron.parallel.init_parallel`, which every process that builds a
 Megatron model goes through first). Building a model applies nothing; it checks that the setup
 ran (`require_process_setup`).
 
@@ -44,7 +44,7 @@ Without CUDA (only there: on a CUDA machine the originals are right):
 Not shims, but limits the model builder handles: without CUDA, ``MoEAlltoAllTokenDispatcher``
 creates a ``torch.cuda.Stream`` in its constructor (``RuntimeError: torch.cuda.Stream requires
 CUDA support``), so the ``allgather`` dispatcher is used (`token_dispatcher`); without
-transformer-engine the local layer spec with `moe_rl.trainer.attention.SDPACoreAttention` is used.
+transformer-engine the local layer spec with `moe_rl.megatron.attention.SDPACoreAttention` is used.
 """
 
 from __future__ import annotations
@@ -222,6 +222,6 @@ def require_process_setup() -> None:
     """Raise unless `apply_process_shims` ran in this process (through ``init_parallel``)."""
     if not _setup_done:
         raise RuntimeError(
-            "Megatron process setup has not run: call moe_rl.trainer.parallel.init_parallel() before "
+            "Megatron process setup has not run: call moe_rl.megatron.parallel.init_parallel() before "
             "building a model"
         )

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from moe_rl.trainer.rules import replay_layout_error
+from moe_rl.megatron.rules import replay_layout_error
 
 log = logging.getLogger(__name__)
 

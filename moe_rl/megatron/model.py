@@ -14,7 +14,7 @@ Two families:
 
 On CUDA with transformer-engine the TE layer specs are used; without transformer-engine (CPU, or
 CUDA without it, a configuration Megatron supports) the local specs with the packed SDPA core
-attention (`moe_rl.trainer.attention.SDPACoreAttention`). The model is built on the process's
+attention (`moe_rl.megatron.attention.SDPACoreAttention`). The model is built on the process's
 device (`moe_rl.device`): on CUDA Megatron initializes it there (CUDA RNG tracker seeded by
 ``model_parallel_cuda_manual_seed``), on CPU ``use_cpu_initialization=True`` draws every weight
 from the torch CPU generator. Initialization is deterministic per device: the seed is set before
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from moe_rl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from moe_rl.config.validate import check_rope_scaling
-from moe_rl.trainer.attention import SDPACoreAttention
-from moe_rl.trainer.megatron_compat import (
+from moe_rl.megatron.attention import SDPACoreAttention
+from moe_rl.megatron.compat import (
     cuda_available,
     require_process_setup,
     te_available,
@@ -241,7 +241,7 @@ def build_gpt_model(
 ):
     """A Megatron ``GPTModel`` MoE for this pipeline stage, initialized from ``seed``.
 
-    Megatron's parallel state must be initialized (`moe_rl.trainer.parallel.init_parallel`).
+    Megatron's parallel state must be initialized (`moe_rl.megatron.parallel.init_parallel`).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel

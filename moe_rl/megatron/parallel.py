@@ -4,7 +4,7 @@
 ``megatron.core.parallel_state.initialize_model_parallel`` with the recipe's TP / PP / VPP /
 CP / EP / ETP sizes; data parallelism is what is left of the world. It is the process setup of
 every process that builds a Megatron model: it applies the compatibility shims the process needs
-(`megatron_compat.apply_process_shims`), selects the process's CUDA device (``LOCAL_RANK``) and
+(`compat.apply_process_shims`), selects the process's CUDA device (``LOCAL_RANK``) and
 uses NCCL where the process sees CUDA, gloo where it does not. A process launched by ``torchrun`` (or any launcher that
 sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``) joins that world; a plain process
 gets a world of one on an in-memory store.
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config.schema import ParallelConfig
-from moe_rl.trainer.megatron_compat import apply_process_shims, cuda_available
-from moe_rl.trainer.rules import check_layout
+from moe_rl.megatron.compat import apply_process_shims, cuda_available
+from moe_rl.megatron.rules import check_layout
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,99 @@
+"""The rules of the Megatron layer on a recipe: how the world splits into TP / PP / EP / ETP / CP /
+DP, what the model's shapes must divide, what routing replay can replay. Parallel init and
+`RoutingReplay` enforce them at run time; the trainer's rules (`moe_rl.trainer.rules`) include
+them, and `moe_rl.validation` calls them before anything loads. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from moe_rl.config.schema import ParallelConfig, RecipeConfig
+from moe_rl.validation import Rule, first_broken
+
+
+def divisible(name: str, value: int, value_name: str, divisor: int, divisor_name: str) -> Rule:
+    ok = divisor > 0 and value % divisor == 0
+    verb = "is" if ok else "is not"
+    return Rule(name, ok, f"{value_name}={value} {verb} divisible by {divisor_name}={divisor}")
+
+
+def data_parallel_size(p: ParallelConfig) -> int:
+    return max(1, p.trainer_world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                                          * p.context_parallel_size))  # fmt: skip
+
+
+def layout_rules(p: ParallelConfig) -> list[Rule]:
+    """How the world splits (what Megatron's parallel state needs)."""
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    model_parallel = (
+        f"TP*PP*CP (parallel.tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+        f"context_parallel_size={cp})"
+    )
+    expert_parallel = (
+        f"EP*ETP*PP (parallel.expert_model_parallel_size={ep}, expert_tensor_parallel_size={etp}, "
+        f"pipeline_model_parallel_size={pp})"
+    )
+    return [
+        divisible("world % (TP*PP*CP)", p.trainer_world_size, "parallel.trainer_world_size", tp * pp * cp, model_parallel),
+        divisible("world % (EP*ETP*PP)", p.trainer_world_size, "parallel.trainer_world_size", ep * etp * pp,
+                   expert_parallel),
+        Rule("sequence parallel needs TP > 1", not p.sequence_parallel or tp > 1,
+             f"parallel.sequence_parallel={p.sequence_parallel}, TP={tp}"),
+        Rule("EP with TP needs sequence parallel", not (ep > 1 and tp > 1) or p.sequence_parallel,
+             f"EP={ep}, TP={tp}, parallel.sequence_parallel={p.sequence_parallel} (Megatron's MoE layer)"),
+        Rule("no virtual pipeline stages", p.virtual_pipeline_model_parallel_size in (None, 1),
+             f"parallel.virtual_pipeline_model_parallel_size={p.virtual_pipeline_model_parallel_size}: the trainer "
+             "runs Megatron's non-interleaved 1F1B schedule; use null"),
+    ]  # fmt: skip
+
+
+def model_rules(config: RecipeConfig) -> list[Rule]:
+    m, p = config.model, config.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    rules = [divisible("heads % TP", m.num_attention_heads, "model.num_attention_heads", tp, "TP")]
+    if m.attention == "gqa":
+        rules.append(
+            divisible("query groups % TP", m.num_key_value_heads, "model.num_key_value_heads", tp, "TP")
+        )
+    rules.append(divisible("layers % PP", m.num_layers, "model.num_layers", pp, "PP"))
+    if m.first_k_dense_layers or m.num_experts == 0:
+        rules.append(divisible("dense FFN % TP", m.ffn_hidden_size, "model.ffn_hidden_size", tp, "TP"))
+    if m.num_experts:
+        rules.append(
+            divisible(
+                "experts % EP",
+                m.num_experts,
+                "model.num_experts",
+                p.expert_model_parallel_size,
+                "EP (parallel.expert_model_parallel_size)",
+            )
+        )
+        rules.append(divisible("expert FFN % ETP", m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size",
+                                p.expert_tensor_parallel_size, "ETP"))  # fmt: skip
+    if m.num_experts and m.moe_router_num_groups:
+        groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk or 1
+        per_group = m.num_experts // groups if m.num_experts % groups == 0 else 0
+        ok = per_group > 0 and group_topk <= groups and m.moe_router_topk <= group_topk * per_group
+        rules.append(Rule("router groups", ok,
+                          f"{m.num_experts} experts in {groups} groups of {per_group}; a token uses {group_topk} "
+                          f"groups and top-{m.moe_router_topk} experts (needs experts % groups == 0, group_topk "
+                          "<= groups, topk <= group_topk * experts per group)"))  # fmt: skip
+    return rules
+
+
+def replay_layout_error(routing_replay: str, context_parallel_size: int) -> str | None:
+    """Routing replay replays per packed token; a context-parallel rank holds only a slice."""
+    if routing_replay != "off" and context_parallel_size > 1:
+        return (
+            f"algo.routing_replay={routing_replay} with parallel.context_parallel_size={context_parallel_size}: "
+            "routing replay does not support context parallelism; use context_parallel_size=1 or "
+            "algo.routing_replay=off"
+        )
+    return None
+
+
+def check_layout(parallel: ParallelConfig, world_size: int) -> None:
+    """The layout rules for the world a process actually joined (parallel init)."""
+    import dataclasses
+
+    first_broken(layout_rules(dataclasses.replace(parallel, trainer_world_size=world_size)))
