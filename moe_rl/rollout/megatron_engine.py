@@ -61,7 +61,7 @@ the trainer's layout (the trainer group sends it every tensor)."""
 
 @dataclass
 class _Packed:
-    """The fields `moe_rl.trainer.logprobs.forward_logits` reads from a micro-batch."""
+    """The fields `moe_rl.megatron.forward.forward_logits` reads from a micro-batch."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
