@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -57,3 +59,33 @@ def test_ci_turns_skipped_e2e_and_slurm_tests_into_failures(tmp_path):
     strict = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**env, "CI": "true"})
     assert strict.returncode == 1
     assert "2 failed" in strict.stdout and "may not skip in CI" in strict.stdout, strict.stdout
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [("rollout", "moe_rl.trainer"), ("megatron", "moe_rl.trainer"), ("megatron", "moe_rl.rollout"),
+     ("weight_sync", "moe_rl.trainer"), ("trainer", "moe_rl.rollout"), ("algo", "moe_rl.trainer"),
+     ("data", "moe_rl.trainer")],
+)  # fmt: skip
+def test_layers_import_only_their_floors(package, forbidden):
+    """Code both the trainer and the engines need lives on a floor both import (moe_rl.megatron,
+    moe_rl.data, ...); neither side reaches into the other."""
+    offenders = [
+        f"{path.relative_to(REPO)} imports {module}"
+        for path in sorted((REPO / "moe_rl" / package).rglob("*.py"))
+        for module in _imports(path)
+        if module == forbidden or module.startswith(forbidden + ".")
+    ]
+    assert offenders == []
