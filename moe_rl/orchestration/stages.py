@@ -133,10 +133,12 @@ class Stages:
         while True:
             pending = pending if pending is not None and pending.step == step else self.launch_rollout(step)
             refs = self.engines.collect(pending.generation)
+            t_reward = time.perf_counter()
             shards, summary_ref = self.rewarder.prepare.remote(
                 refs, pending.generation.plan, pending.prompts, self.version, self.trainer.dp_size
             )
             summary: Prepared = ray.get(summary_ref, timeout=RAY_TIMEOUT_S)
+            reward_s = time.perf_counter() - t_reward
             if summary.stale is None:
                 break
             self.num_stale_rejected += summary.num_samples
@@ -144,7 +146,8 @@ class Stages:
             pending = None
         rollout = Rollout(ray.get(shards, timeout=RAY_TIMEOUT_S), summary)
         metrics = {
-            "time/rollout_s": time.perf_counter() - t0,
+            "time/rollout_s": time.perf_counter() - t0 - reward_s,
+            "time/reward_s": reward_s,  # merge, score, validate and shard in the reward worker
             "policy/version": self.version,
             "policy/batch_min_version": summary.min_version,
             "policy/staleness": self.version - summary.min_version,

@@ -170,16 +170,16 @@ def test_engine_crash_is_detected_and_the_engine_restarted(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("max_staleness", "expect_rejections"), [(1, False), (0, True)], ids=["eta-1-accepts", "eta-0-rejects"]
+    ("max_staleness", "expect_rejections", "engines"),
+    [(1, False, 2), (0, True, 1)],
+    ids=["eta-1-accepts-two-engines", "eta-0-rejects"],
 )
-def test_async_one_step_off_policy_respects_the_staleness_bound(tmp_path, max_staleness, expect_rejections):
+def test_async_one_step_off_policy_respects_the_staleness_bound(
+    tmp_path, max_staleness, expect_rejections, engines
+):
     name = f"async{max_staleness}"
-    _finish(
-        _train(
-            [TINY, "run.steps=4", "run.mode=async", f"run.max_staleness={max_staleness}", f"run.name={name}"],
-            tmp_path,
-        )
-    )
+    args = [TINY, "run.steps=4", "run.mode=async", f"run.max_staleness={max_staleness}", f"run.name={name}"]
+    _finish(_train([*args, f"rollout.num_engines={engines}"], tmp_path))
     records = _metrics(tmp_path / name)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     staleness = [r["policy/staleness"] for r in records]
@@ -191,3 +191,4 @@ def test_async_one_step_off_policy_respects_the_staleness_bound(tmp_path, max_st
         # batches after the first were generated while the previous step trained
         assert staleness == [0, 1, 1, 1] and rejected == 0
     assert all(s <= max_staleness for s in staleness)
+    assert all(r["rollout/engines"] == engines for r in records)
