@@ -259,14 +259,16 @@ def split(kind: str, tensor: Tensor, config) -> list[Tensor]:
 
 
 def iter_hf_weight_groups(
-    model: torch.nn.Module, select: Callable[[str], bool] | None = None
+    model: torch.nn.Module, select: Callable[[str], bool] | None = None, copy: bool = True
 ) -> Iterator[tuple[str, list[tuple[str, Tensor]]]]:
     """``(megatron_name, [(hf_name, tensor), ...])`` for every tensor this rank holds, in order:
     the HF pieces of one Megatron tensor together (a fused QKV or gate/up tensor gives several).
 
     Each piece is a contiguous, detached copy (at most one Megatron tensor's pieces are live at a
-    time). Tensor-parallel shards are gathered, so every rank of a TP group must iterate together.
-    ``select(megatron_name)`` False skips a tensor (still taking part in its gather).
+    time); with ``copy=False`` a piece may be a view of the parameter, valid until the weights
+    change (for a consumer that copies it at once, as the weight sync does). Tensor-parallel
+    shards are gathered, so every rank of a TP group must iterate together. ``select(megatron_name)``
+    False skips a tensor (still taking part in its gather).
     """
     gpt = _unwrap(model)
     for name, tensor in _local_tensors(gpt):
@@ -280,7 +282,8 @@ def iter_hf_weight_groups(
             whole = gather_shards(whole, rule.kind, tp_split)
         if wanted:
             pieces = split(rule.kind, whole, gpt.config)
-            yield name, [(hf_name, piece.contiguous().clone()) for hf_name, piece in zip(rule.hf, pieces)]
+            pieces = [piece.contiguous() for piece in pieces]
+            yield name, list(zip(rule.hf, [p.clone() for p in pieces] if copy else pieces))
 
 
 def iter_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:

@@ -57,6 +57,7 @@ class TrainerRank:
         _setup_process(config, threads)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.worker = None
+        self._packer = None  # the bucket buffer, kept from sync to sync
 
     def pid(self) -> int:
         return os.getpid()
@@ -92,6 +93,7 @@ class TrainerRank:
         """Send the tensors this rank owns to every engine, bucket by bucket (see
         `moe_rl.weight_sync.sender`); returns the bytes, bucket count, quantization report and the
         indices of engines that died on the way."""
+        from moe_rl.weight_sync.buckets import BucketPacker
         from moe_rl.weight_sync.sender import stream_buckets
         from moe_rl.weight_sync.wire import WireEncoder
 
@@ -102,7 +104,9 @@ class TrainerRank:
         dead: set[int] = set()
         in_flight: list[tuple[int, Any]] = []
         sent = buckets = 0
-        for bucket in stream_buckets(self.worker.model, encoder, capacity, self.rank):
+        if self._packer is None or self._packer.capacity != capacity:
+            self._packer = BucketPacker(capacity, sender=self.rank)
+        for bucket in stream_buckets(self.worker.model, encoder, capacity, self.rank, self._packer):
             ref = ray.put(bucket)  # one copy in the store, read by every replica on the node
             next_flight = [(i, engine.receive_bucket.remote(ref, into)) for i, engine in alive.items()]
             dead |= _settle(in_flight)  # at most two buckets in flight: this one and the last
@@ -278,11 +282,19 @@ def make_engine(config: RecipeConfig, model_path: str | None = None):
     return VLLMEngine.from_recipe(config, model_path)
 
 
+RAY_ENV = {"RAY_free_objects_period_milliseconds": "50"}
+"""Ray frees released objects in batches (every second by default); weight-sync buckets are
+released as soon as every engine has loaded them, so the store holds about two, not a whole
+model's worth (the sbatch script exports the same for the nodes of a Slurm job)."""
+
+
 def start_ray(config: RecipeConfig) -> bool:
     """Join the Ray cluster of a Slurm job (RAY_ADDRESS) or start a local one sized for the run's
     processes; returns whether this call started Ray (then the caller shuts it down)."""
     if ray.is_initialized():
         return False
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)

@@ -30,6 +30,7 @@ class LocalRun:
         from moe_rl.rewards.registry import build_prompt_source, build_scorer
         from moe_rl.rollout.megatron_engine import MegatronEngine
         from moe_rl.trainer.worker import TrainerWorker
+        from moe_rl.weight_sync.buckets import BucketPacker
 
         if config.parallel.trainer_world_size != 1 or config.rollout.engine != "megatron":
             raise ValueError(
@@ -43,6 +44,7 @@ class LocalRun:
         self.scorer = build_scorer(config)
         self.source = build_prompt_source(config)
         self.version = 0
+        self.packer = BucketPacker(config.rollout.sync_bucket_mb << 20)
         self.sync(0)
 
     def sync(self, version: int) -> dict[str, float]:
@@ -55,7 +57,7 @@ class LocalRun:
         encoder = WireEncoder(cfg.quant, cfg.model.num_layers, self.engine.capabilities.quantized_wire)
         self.engine.begin_weight_update(version)
         sent = buckets = 0
-        for bucket in stream_buckets(self.trainer.model, encoder, cfg.rollout.sync_bucket_mb << 20):
+        for bucket in stream_buckets(self.trainer.model, encoder, self.packer.capacity, packer=self.packer):
             self.engine.receive_bucket(bucket)
             sent, buckets = sent + bucket.nbytes, buckets + 1
         out = self.engine.finish_weight_update(version)

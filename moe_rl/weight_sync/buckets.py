@@ -78,32 +78,44 @@ def _as_bytes(tensor: Tensor) -> Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+class BucketPacker:
+    """Packs groups of ``(name, tensor, meta)`` into buckets of at most ``capacity`` bytes (a group
+    larger than that: a bucket of its own), in order, in one working buffer that it keeps from sync
+    to sync (grown to the largest group when one is larger than ``capacity``, never shrunk): a
+    sender holds one buffer, whose pages are touched once.
+
+    A yielded bucket's buffer is valid until the next bucket is requested. Publish it (``ray.put``
+    copies it) or `detach` it before asking for the next.
+    """
+
+    def __init__(self, capacity: int, sender: int = 0):
+        if capacity <= 0:
+            raise ValueError(f"bucket capacity={capacity} bytes must be > 0")
+        self.capacity, self.sender = capacity, sender
+        self.buffer = np.empty(0, dtype=np.uint8)
+
+    def pack(self, groups: Iterator[Sequence[tuple[str, Tensor, dict]]]) -> Iterator[Bucket]:
+        entries: list[Entry] = []
+        used = count = 0
+        for group in groups:
+            size = sum(t.numel() * t.element_size() for _, t, _ in group)
+            if entries and used + size > self.capacity:
+                yield Bucket(entries, self.buffer[:used], index=count, sender=self.sender)
+                entries, used, count = [], 0, count + 1
+            if used + size > self.buffer.nbytes:  # first use, or an oversized group alone in its bucket
+                self.buffer = np.empty(max(self.capacity, size), dtype=np.uint8)
+            for name, tensor, meta in group:
+                entries.append(_write(self.buffer, used, name, tensor, meta))
+                used += entries[-1].nbytes
+        if entries:
+            yield Bucket(entries, self.buffer[:used], index=count, sender=self.sender)
+
+
 def pack_buckets(
     groups: Iterator[Sequence[tuple[str, Tensor, dict]]], capacity: int, sender: int = 0
 ) -> Iterator[Bucket]:
-    """Pack groups of ``(name, tensor, meta)`` into buckets of at most ``capacity`` bytes (a group
-    larger than that: a bucket of its own), in order.
-
-    One working buffer is reused: a yielded bucket's buffer is valid until the next bucket is
-    requested. Publish it (``ray.put`` copies it) or `detach` it before asking for the next.
-    """
-    if capacity <= 0:
-        raise ValueError(f"bucket capacity={capacity} bytes must be > 0")
-    buffer = np.empty(capacity, dtype=np.uint8)
-    entries: list[Entry] = []
-    used = count = 0
-    for group in groups:
-        size = sum(t.numel() * t.element_size() for _, t, _ in group)
-        if entries and used + size > capacity:
-            yield Bucket(entries, buffer[:used], index=count, sender=sender)
-            entries, used, count = [], 0, count + 1
-        if not entries and buffer.nbytes != max(capacity, size):  # an oversized group is alone in its bucket
-            buffer = np.empty(max(capacity, size), dtype=np.uint8)
-        for name, tensor, meta in group:
-            entries.append(_write(buffer, used, name, tensor, meta))
-            used += entries[-1].nbytes
-    if entries:
-        yield Bucket(entries, buffer[:used], index=count, sender=sender)
+    """`BucketPacker.pack` with a packer of its own (a fresh buffer)."""
+    return BucketPacker(capacity, sender).pack(groups)
 
 
 def _write(buffer: np.ndarray, offset: int, name: str, tensor: Tensor, meta: dict) -> Entry:

@@ -4,6 +4,7 @@ only when every tensor of the model has arrived exactly once."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -18,9 +19,14 @@ def bucket_items(bucket: Bucket) -> list[tuple[str, Tensor, dict]]:
     return [(entry.name, tensor, entry.meta) for entry, tensor in bucket.tensors()]
 
 
-def decoded(bucket: Bucket) -> Iterable[tuple[str, Tensor]]:
-    """A bucket's weights as the values the engine computes with (`wire.decode`)."""
-    return decode(bucket_items(bucket))
+def decoded(bucket: Bucket, device: torch.device | str | None = None) -> Iterable[tuple[str, Tensor]]:
+    """A bucket's weights as the values the engine computes with (`wire.decode`), one at a time.
+    With ``device`` what travelled is moved there first (FP8 bytes, not their float32 values) and
+    decoded there."""
+    items = bucket_items(bucket)
+    if device is not None:
+        items = [(name, tensor.to(device), meta) for name, tensor, meta in items]
+    return decode(items)
 
 
 class ModelReceiver:
@@ -31,6 +37,8 @@ class ModelReceiver:
 
         self.model = model
         self.index = hf_index(model)
+        self.pieces = Counter(self.index.values())
+        """Megatron tensor -> how many HF tensors it is made of (fused QKV, gate/up: several)."""
         self.expected = set(self.index.values())
         self.loaded: set[str] = set()
         self.bytes = 0
@@ -39,15 +47,28 @@ class ModelReceiver:
         self.loaded, self.bytes = set(), 0
 
     def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
-        """Load whole Megatron tensors (all their HF pieces are in ``named``)."""
+        """Load each Megatron tensor as soon as all its HF pieces have come by in ``named`` (they
+        travel together), so only one tensor's decoded values are held at a time."""
         from moe_rl.megatron.hf_weights import load_hf_subset
 
-        weights = dict(named)
-        again = {self.index[n] for n in weights if n in self.index} & self.loaded
-        if again:
-            raise ValueError(f"weights {sorted(again)[:3]} arrived twice in one sync")
-        self.loaded |= load_hf_subset(self.model, weights, self.index)
-        self.bytes += sum(t.numel() * t.element_size() for t in weights.values())
+        pending: dict[str, dict[str, Tensor]] = {}
+        for name, tensor in named:
+            owner = self.index.get(name)
+            if owner is None:  # not a tensor of this model: load_hf_subset names it (or ignores it)
+                load_hf_subset(self.model, {name: tensor}, self.index)
+                continue
+            if owner in self.loaded:
+                raise ValueError(f"weight {owner!r} arrived twice in one sync")
+            group = pending.setdefault(owner, {})
+            group[name] = tensor
+            if len(group) == self.pieces[owner]:
+                self.loaded |= load_hf_subset(self.model, pending.pop(owner), self.index)
+                self.bytes += sum(t.numel() * t.element_size() for t in group.values())
+        if pending:
+            owner, group = next(iter(pending.items()))
+            raise ValueError(
+                f"Megatron tensor {owner!r} arrived without all its pieces (got {sorted(group)})"
+            )
 
     def finish(self) -> None:
         """Raise unless every tensor of the model arrived in this sync."""

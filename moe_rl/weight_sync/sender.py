@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from moe_rl.weight_sync.buckets import Bucket, pack_buckets
+from moe_rl.weight_sync.buckets import Bucket, BucketPacker
 from moe_rl.weight_sync.wire import WireEncoder
 
 EXPERT_MARK = ".mlp.experts."
@@ -42,13 +42,19 @@ def weight_groups(model: torch.nn.Module, encoder: WireEncoder) -> Iterator[list
     """What this rank sends, encoded, one Megatron tensor (all its HF pieces) at a time."""
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
 
-    for _, group in iter_hf_weight_groups(model, select=sends):
+    for _, group in iter_hf_weight_groups(model, select=sends, copy=False):  # the packer copies
         yield encoder.encode_group(group)
 
 
 def stream_buckets(
-    model: torch.nn.Module, encoder: WireEncoder, capacity: int, rank: int = 0
+    model: torch.nn.Module,
+    encoder: WireEncoder,
+    capacity: int,
+    rank: int = 0,
+    packer: BucketPacker | None = None,
 ) -> Iterator[Bucket]:
     """This rank's buckets (none on ranks that own nothing; they still join the gathers). Each
-    bucket is valid until the next is requested (`buckets.pack_buckets`)."""
-    return pack_buckets(weight_groups(model, encoder), capacity, sender=rank)
+    bucket is valid until the next is requested (`buckets.BucketPacker`); pass the rank's own
+    ``packer`` to reuse its buffer from sync to sync."""
+    packer = packer or BucketPacker(capacity, sender=rank)
+    return packer.pack(weight_groups(model, encoder))

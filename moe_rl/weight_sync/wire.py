@@ -88,8 +88,14 @@ def quantize_int8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tup
 
 
 def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
-    """The values a quantized engine holds: ``data · scale`` blockwise, float32."""
-    return data.float() * _expand(scale.float(), block, data.shape)
+    """The values a quantized engine holds: ``data · scale`` blockwise, float32 (one float32 tensor
+    of the weight's size; the scales are broadcast over their blocks, not expanded)."""
+    out = data.float()
+    (rows, cols), (bo, bi) = out.shape, block
+    if rows % bo == 0 and cols % bi == 0:
+        out.view(rows // bo, bo, cols // bi, bi).mul_(scale.float()[:, None, :, None])
+        return out
+    return out.mul_(_expand(scale.float(), block, out.shape))
 
 
 class WireEncoder:

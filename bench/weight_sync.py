@@ -1,0 +1,688 @@
+"""Weight sync throughput and memory: the bucketed sync as the runtime does it, against a raw copy and a
+raw Ray transfer of the same bytes, measured in one process.
+
+Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 2 min with ``--quick``, about 7 min
+without; most of it is FP8 encoding and decoding, which on CPU run at ~0.1 GB/s).
+
+* Sender: this process (the Ray driver, not an actor) runs the loop of `TrainerRank.stream_weights`:
+  for each bucket of `pack_buckets`: ``ref = ray.put(bucket)``, ``receive.remote(ref)`` on every
+  receiver, then wait for the previous bucket's deliveries (at most two buckets in flight).
+* Receivers: 1 or 2 Ray actors (``--recv-threads`` torch threads each, default 1) that, like an engine,
+  decode each bucket (`moe_rl.weight_sync.receiver.decoded`) and copy every tensor into a preallocated,
+  pre-touched tensor of the state, so the bytes really land in receiver memory.
+* States:
+  - ``tiny``: the model of ``recipes/tiny_moe.yaml`` (Megatron ``GPTModel``, fp32, ~0.9 MB) at the
+    recipe's bucket size, iterated with `iter_hf_weight_groups` (which copies each piece) and encoded
+    with ``encoder.encode_group`` inside the loop, exactly as the runtime does;
+  - ``synthetic``: bf16 tensors named and shaped like DeepSeek-V3 / Kimi-K2 MoE layers (experts'
+    ``gate_proj`` / ``up_proj`` 2048×7168 travelling together, ``down_proj`` 7168×2048, attention
+    ``o_proj`` 7168×7168, router 256×7168, its fp32 expert bias, norms, and a slice of ``embed_tokens``):
+    2 layers of 6 experts and 4096 embedding rows, 1,267 MB (``--quick``: 1 layer of 2 experts and
+    1024 rows, 284 MB); bucket sizes 64 / 256 / 1024 MB (``--quick``: 16 / 64 MB). MB here are MiB.
+    The share of embedding / router / norm bytes (not quantized) sets the FP8 byte ratio: ~5 % here, less
+    in a whole DeepSeek-V3.
+* Recipes: ``bf16`` (every tensor travels as it is) and ``fp8_block128`` (e4m3 data + fp32 scales per
+  128×128 block for 2-D weights; routers, embeddings, norms and 1-D tensors travel as they are).
+* Modes (column ``mode``: what the time covers):
+  - ``inline``: everything the runtime does per sync: copy of each group's pieces (what
+    `iter_hf_weight_groups` does), encode (FP8 on CPU is ModelOpt: slow), pack, put, deliver, decode,
+    copy into the receiver's state;
+  - ``transport``: the synthetic state encoded once up front (timed and printed separately), then
+    timed: pack, put, deliver, decode, copy into the receiver's state.
+
+Per configuration: one untimed pass first (the memory pass, also the warm-up; it also checks that every
+tensor arrived once with the decoded values), then ``--repeat`` timed passes; ``s`` is their median.
+Throughput is bytes moved (sum of the bucket sizes: what is published once, whatever the number of
+receivers) over seconds. Baselines on the same number of bytes, run right after each timed pass (paired,
+so that both see the same machine load; ``%copy`` / ``%ray`` are medians of the per-pass ratios):
+(i) raw copy: ``dst.copy_(src)`` of flat uint8 tensors in this process (default torch threads, best of 3);
+(ii) raw Ray transfer: one ``ray.put`` of one flat buffer, and every receiver copying it into a
+preallocated flat tensor (so the bytes land as in the sync). The object store's pages are touched once
+up front (a store warm-up), because a run's later syncs reuse them; a first sync pays the page faults.
+On the tiny state the raw copy takes microseconds and the raw Ray transfer a few milliseconds: its
+ratios compare fixed per-sync costs (task round trips, ModelOpt calls), not bandwidth.
+
+Memory (memory pass; ``/proc/self/status`` sampled every 2 ms in a thread, after ``malloc_trim(0)`` so
+that reused heap memory counts; ``VmHWM`` reset through ``/proc/self/clear_refs``):
+  - ``sender+ MB``: the sender's peak private memory (``RssAnon``) above what it held before the sync
+    (the state and, in transport mode, its encoded copy): pack buffer, piece copies, encoding temporaries.
+    The object store is shared memory and is NOT counted in it; it is reported apart:
+  - ``store MB``: peak bytes in use in Ray's object store during the sync (raylet's store stats, polled),
+    i.e. published buckets, including released ones Ray has not freed yet: Ray frees in batches every
+    ``free_objects_period_milliseconds`` (1000 ms by default; ``--free-objects-ms`` sets it), so the
+    store holds about a second's worth of buckets, not just the two in flight;
+  - ``recv RSS``: largest receiver peak RSS in MB (``VmHWM``: its preallocated state, its private
+    memory, and the object store pages it has mapped, ``(shm)``, which are shared, not its own);
+  - ``recv+MB``: largest receiver peak private memory above its state (decode temporaries).
+
+Not a test: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import functools
+import gc
+import logging
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root, for moe_rl
+
+log = logging.getLogger("bench.weight_sync")
+
+MB = 1 << 20
+RECIPES = ("bf16", "fp8_block128")
+HIDDEN, EXPERT_FFN, ROUTED_EXPERTS = 7168, 2048, 256
+SYNTH_NUM_LAYERS = 61  # what the encoder is told (DeepSeek-V3): no layer is excluded by position
+SYNTH_FIRST_LAYER = 3  # DeepSeek-V3's first MoE layer
+THROUGHPUT_TARGET = 0.5  # of the raw copy
+MEMORY_TARGET = 2.0  # buckets
+RATIO_TARGET = 0.55  # fp8_block128 bytes / bf16 bytes
+
+Group = list[tuple[str, torch.Tensor]]
+Encoded = list[tuple[str, torch.Tensor, dict]]
+
+
+# ---------------------------------------------------------------------------------------- memory
+_FIELDS = ("VmHWM", "RssAnon", "RssShmem")
+
+
+def proc_status() -> dict[str, int]:
+    """``VmHWM``, ``RssAnon``, ``RssShmem`` of this process, in bytes."""
+    out = dict.fromkeys(_FIELDS, 0)
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in out:
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def reset_peak() -> None:
+    """Give free heap memory back to the OS (so that reusing it shows as RSS growth) and reset ``VmHWM``
+    to the current RSS (Linux ``clear_refs``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class StoreUsage:
+    """Bytes in use in the local Ray object store, asked of the raylet (Ray internals: None when the
+    call is not available in this Ray version)."""
+
+    def __init__(self):
+        self._stub = None
+        try:
+            from ray._private.grpc_utils import init_grpc_channel
+            from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+            node = next(n for n in ray.nodes() if n["Alive"])
+            channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+            self._stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+            self._request = node_manager_pb2.FormatGlobalMemoryInfoRequest(include_memory_info=False)
+            self.used()
+        except Exception as exc:  # internal API
+            log.warning("object store usage not available (%s): store MB not measured", exc)
+            self._stub = None
+
+    def used(self) -> int | None:
+        if self._stub is None:
+            return None
+        return int(
+            self._stub.FormatGlobalMemoryInfo(self._request, timeout=10).store_stats.object_store_bytes_used
+        )
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Wait until the store is empty (Ray frees released objects in batches, every second)."""
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            used = self.used()
+            if used is None:
+                time.sleep(1.2)
+                return
+            if used == 0:
+                return
+            time.sleep(0.05)
+
+
+class PeakSampler:
+    """Peak ``RssAnon`` / ``RssShmem`` above their values at ``__enter__`` (and the object store's peak
+    bytes when given ``store``), sampled in a thread; ``VmHWM`` at ``__exit__`` after a reset."""
+
+    def __init__(self, interval: float = 0.002, store: StoreUsage | None = None):
+        self.interval, self.store = interval, store
+        self.result: dict[str, float] = {}
+
+    def __enter__(self) -> PeakSampler:
+        reset_peak()
+        self.start = proc_status()
+        self.peak = dict(self.start)
+        self.store_peak = self.store.used() if self.store else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        now = proc_status()
+        for key in ("RssAnon", "RssShmem"):
+            self.peak[key] = max(self.peak[key], now[key])
+        if self.store_peak is not None:
+            self.store_peak = max(self.store_peak, self.store.used() or 0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.result = {
+            "anon": self.peak["RssAnon"] - self.start["RssAnon"],
+            "anon_start": self.start["RssAnon"],
+            "shmem": self.peak["RssShmem"] - self.start["RssShmem"],
+            "shm": self.peak["RssShmem"],
+            "hwm": proc_status()["VmHWM"],
+            "store": self.store_peak,
+        }
+
+
+# ------------------------------------------------------------------------------------- receivers
+class Receiver:
+    """A rollout engine's side of the sync (a Ray actor): decodes each bucket and copies every tensor
+    into its preallocated state; also the receiving side of the raw Ray transfer."""
+
+    def __init__(self, threads: int):
+        torch.set_num_threads(threads)
+        self.state: dict[str, torch.Tensor] = {}
+        self.flat: torch.Tensor | None = None
+        self.loaded: list[str] = []
+        self.sampler: PeakSampler | None = None
+
+    def allocate(self, spec: list[tuple[str, tuple[int, ...], str]]) -> int:
+        """Preallocate (and touch) the state: ``[(name, shape, dtype name)]``; returns its bytes."""
+        self.state = {}
+        gc.collect()
+        for name, shape, dtype in spec:
+            self.state[name] = torch.empty(shape, dtype=getattr(torch, dtype)).zero_()
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+    def allocate_flat(self, nbytes: int) -> None:
+        self.flat = None
+        gc.collect()
+        if nbytes:
+            self.flat = torch.empty(nbytes, dtype=torch.uint8).zero_()
+
+    def begin(self, sample: bool) -> None:
+        """Start a sync; ``sample`` (the memory pass): zero the state first (so the checksums see only
+        what arrives), then sample memory until `end`."""
+        if sample:
+            for t in self.state.values():
+                t.zero_()
+        gc.collect()
+        self.loaded = []
+        self.sampler = PeakSampler() if sample else None
+        if self.sampler:
+            self.sampler.__enter__()
+
+    @torch.no_grad()
+    def receive(self, bucket) -> int:
+        from moe_rl.weight_sync.receiver import decoded
+
+        for name, value in decoded(bucket):
+            self.state[name].copy_(value)
+            self.loaded.append(name)
+        return bucket.nbytes
+
+    def receive_raw(self, buffer: np.ndarray) -> int:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a published buffer is read-only; only read
+            self.flat.copy_(torch.from_numpy(buffer))
+        return buffer.nbytes
+
+    def end(self, checksums: bool) -> dict:
+        out: dict = {"loaded": len(self.loaded), "unique": len(set(self.loaded))}
+        if self.sampler:
+            self.sampler.__exit__()
+            out.update(self.sampler.result)
+        if checksums:
+            out["sums"] = {name: float(t.sum(dtype=torch.float64)) for name, t in self.state.items()}
+        self.loaded, self.sampler = [], None
+        return out
+
+
+# ---------------------------------------------------------------------------------------- states
+def synthetic_groups(layers: int, experts: int, vocab_rows: int, seed: int = 0) -> list[Group]:
+    """bf16 tensors named and shaped like DeepSeek-V3 / Kimi-K2 MoE layers, grouped as Megatron's
+    tensors are (an expert's gate_proj and up_proj are one fused tensor: they travel together)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=g)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    groups: list[Group] = [[("model.embed_tokens.weight", w(vocab_rows, HIDDEN))]]
+    for layer in range(SYNTH_FIRST_LAYER, SYNTH_FIRST_LAYER + layers):
+        p = f"model.layers.{layer}"
+        groups += [
+            [(f"{p}.input_layernorm.weight", ones(HIDDEN))],
+            [(f"{p}.self_attn.o_proj.weight", w(HIDDEN, HIDDEN))],
+            [(f"{p}.post_attention_layernorm.weight", ones(HIDDEN))],
+            [(f"{p}.mlp.gate.weight", w(ROUTED_EXPERTS, HIDDEN))],
+            [(f"{p}.mlp.gate.e_score_correction_bias", torch.zeros(ROUTED_EXPERTS))],
+        ]
+        for e in range(experts):
+            x = f"{p}.mlp.experts.{e}"
+            groups.append(
+                [
+                    (f"{x}.gate_proj.weight", w(EXPERT_FFN, HIDDEN)),
+                    (f"{x}.up_proj.weight", w(EXPERT_FFN, HIDDEN)),
+                ]
+            )
+            groups.append([(f"{x}.down_proj.weight", w(HIDDEN, EXPERT_FFN))])
+    groups.append([("model.norm.weight", ones(HIDDEN))])
+    return groups
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class State:
+    """A state to sync: how to iterate its groups as the runtime does, and what a receiver holds."""
+
+    name: str
+    groups: Callable[[], Iterator[Group]]
+    """Fresh ``(hf_name, tensor)`` groups, each piece its own copy (as `iter_hf_weight_groups`)."""
+    spec: list[tuple[str, tuple[int, ...], str]]
+    num_layers: int
+    bucket_mbs: list[int]
+    modes: dict[str, list[tuple[int, int]]]
+    """mode -> [(bucket MB, receivers)]."""
+    encoded: dict[str, list[Encoded]] = field(default_factory=dict)
+    """recipe -> the state encoded once (transport mode)."""
+    held: list[Group] = field(default_factory=list)
+    """The synthetic state's tensors (what a trainer holds)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * getattr(torch, dtype).itemsize for _, shape, dtype in self.spec)
+
+
+def spec_of(groups: Iterator[Group]) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for g in groups for n, t in g]
+
+
+def tiny_state() -> State:
+    from moe_rl.config import load_recipe
+    from moe_rl.megatron.hf_weights import iter_hf_weight_groups
+    from moe_rl.megatron.model import build_gpt_model
+    from moe_rl.megatron.parallel import init_parallel
+
+    config = load_recipe(ROOT / "recipes" / "tiny_moe.yaml")
+    init_parallel(config.parallel)
+    model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
+
+    def groups() -> Iterator[Group]:
+        return (group for _, group in iter_hf_weight_groups(model))
+
+    mb = config.rollout.sync_bucket_mb
+    return State(
+        "tiny", groups, spec_of(groups()), config.model.num_layers, [mb], {"inline": [(mb, 1), (mb, 2)]}
+    )
+
+
+def synthetic_state(quick: bool) -> State:
+    layers, experts = (1, 2) if quick else (2, 6)
+    held = synthetic_groups(layers, experts, vocab_rows=4096 if not quick else 1024)
+
+    def groups() -> Iterator[Group]:  # the runtime's iterator copies each piece (iter_hf_weight_groups)
+        return ([(n, t.clone()) for n, t in group] for group in held)
+
+    sizes = [16, 64] if quick else [64, 256, 1024]
+    mid = sizes[len(sizes) // 2]
+    modes = {"transport": [(s, r) for s in sizes for r in (1, 2)], "inline": [(mid, 1)]}
+    return State("synthetic", groups, spec_of(iter(held)), SYNTH_NUM_LAYERS, sizes, modes, held=held)
+
+
+@functools.cache
+def quant_config(recipe: str):
+    from moe_rl.config import load_recipe
+
+    return load_recipe(ROOT / "recipes" / "tiny_moe.yaml", [f"rollout.quant={recipe}"]).quant
+
+
+def encoder_for(state: State, recipe: str):
+    from moe_rl.weight_sync.wire import WireEncoder
+
+    return WireEncoder(quant_config(recipe), state.num_layers, quantized_wire=True)
+
+
+# ------------------------------------------------------------------------------------------ sync
+@dataclass
+class Run:
+    seconds: float
+    nbytes: int
+    buckets: int
+    largest: int
+    sender: dict = field(default_factory=dict)
+    receivers: list[dict] = field(default_factory=list)
+
+
+def run_sync(
+    make_groups: Callable[[], Iterator[Encoded]], capacity: int, receivers: list, store: StoreUsage | None
+) -> Run:
+    """One sync: the loop of `TrainerRank.stream_weights` (at most two buckets in flight). With ``store``
+    (the memory pass) the sender and the receivers sample their memory and the receivers checksum."""
+    from moe_rl.weight_sync.buckets import pack_buckets
+
+    memory = store is not None
+    ray.get([r.begin.remote(memory) for r in receivers])
+    sampler = PeakSampler(store=store) if memory else contextlib.nullcontext()
+    with sampler:
+        start = time.perf_counter()
+        in_flight: list = []
+        sent = count = largest = 0
+        for bucket in pack_buckets(make_groups(), capacity):
+            ref = ray.put(bucket)  # one copy in the store, read by every receiver on the node
+            next_flight = [r.receive.remote(ref) for r in receivers]
+            ray.get(in_flight, timeout=600)  # at most two buckets in flight: this one and the last
+            in_flight = next_flight
+            sent += bucket.nbytes
+            count += 1
+            largest = max(largest, bucket.nbytes)
+        ray.get(in_flight, timeout=600)
+        seconds = time.perf_counter() - start
+    ends = ray.get([r.end.remote(memory) for r in receivers])
+    return Run(seconds, sent, count, largest, sampler.result if memory else {}, ends)
+
+
+def check(run: Run, expected: dict[str, float], label: str) -> None:
+    """Every tensor arrived exactly once and holds the decoded values (float64 sums)."""
+    for i, end in enumerate(run.receivers):
+        if end["loaded"] != len(expected) or end["unique"] != len(expected):
+            raise AssertionError(f"{label} receiver {i}: {end['loaded']} tensors loaded, {end['unique']} "
+                                 f"distinct, {len(expected)} expected")  # fmt: skip
+        bad = [
+            n for n, s in expected.items() if not math.isclose(end["sums"][n], s, rel_tol=1e-6, abs_tol=1e-6)
+        ]
+        if bad:
+            raise AssertionError(f"{label} receiver {i}: values differ from the decoded ones, e.g. {bad[:3]}")
+
+
+def expected_sums(encoded: Iterator[Encoded], spec) -> dict[str, float]:
+    """What a receiver's state sums to after the sync (decoded values cast to the state's dtype)."""
+    from moe_rl.weight_sync.wire import decode
+
+    dtypes = {name: getattr(torch, dtype) for name, _, dtype in spec}
+    return {
+        name: float(value.to(dtypes[name]).sum(dtype=torch.float64))
+        for items in encoded
+        for name, value in decode(items)
+    }
+
+
+# ------------------------------------------------------------------------------------- baselines
+class Baselines:
+    """The raw transfers of ``nbytes``, run between the sync's timed passes (paired: neighbouring
+    measurements share the machine's load): raw copy ``dst.copy_(src)`` of flat uint8 in this process
+    (best of 3 copies: the copy bandwidth available at that moment), and raw Ray transfer: one ``ray.put`` of ``src`` + every receiver copying it
+    into its own preallocated flat tensor."""
+
+    def __init__(self, nbytes: int, receivers: list):
+        self.nbytes, self.receivers = nbytes, receivers
+        self.src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        self.dst = torch.empty_like(self.src).zero_()
+        ray.get([r.allocate_flat.remote(nbytes) for r in receivers])
+        self.copy_seconds(), self.ray_seconds(len(receivers))  # warm-up
+
+    def copy_seconds(self) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            self.dst.copy_(self.src)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def ray_seconds(self, n: int) -> float:
+        start = time.perf_counter()
+        ref = ray.put(self.src.numpy())
+        ray.get([r.receive_raw.remote(ref) for r in self.receivers[:n]], timeout=600)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        ray.get([r.allocate_flat.remote(0) for r in self.receivers])
+        self.src = self.dst = None
+
+
+def warm_store(nbytes: int) -> None:
+    """Touch ``nbytes`` of the object store's pages once (a run's later syncs reuse them)."""
+    chunk = np.ones(min(nbytes, 256 * MB), dtype=np.uint8)
+    refs = [ray.put(chunk) for _ in range(max(1, nbytes // chunk.nbytes))]
+    del refs
+
+
+# ------------------------------------------------------------------------------------------ main
+@dataclass
+class Row:
+    state: str
+    recipe: str
+    mode: str
+    bucket_mb: int
+    recv: int
+    memory: Run
+    passes: list[tuple[float, float, float]] = field(default_factory=list)
+    """(sync, raw copy, raw Ray) seconds of each timed pass."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.state}/{self.recipe}/{self.mode}/{self.bucket_mb}MB/{self.recv}recv"
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(s for s, _, _ in self.passes)
+
+    def gbs(self, which: int) -> float:
+        """GB/s of the sync (0), the raw copy (1), the raw Ray transfer (2): median over passes."""
+        return statistics.median(self.memory.nbytes / p[which] for p in self.passes) / 1e9
+
+    def of(self, which: int) -> float:
+        """The sync's throughput as a share of baseline ``which``: median of the per-pass ratios."""
+        return statistics.median(p[which] / p[0] for p in self.passes)
+
+
+def fp8_encode_cost(state: State) -> str:
+    """Encode of one o_proj-shaped weight: quantize alone vs `WireEncoder.encode` (+ its QuantReport)."""
+    from moe_rl.weight_sync.wire import quantize_fp8
+
+    cfg = quant_config("fp8_block128")
+    name, weight = next((n, t) for g in state.held for n, t in g if n.endswith("o_proj.weight"))
+    encoder = encoder_for(state, "fp8_block128")
+    encoder.encode(name, weight)  # warm-up
+    start = time.perf_counter()
+    quantize_fp8(weight, cfg)
+    quantize_s = time.perf_counter() - start
+    with PeakSampler() as sampler:
+        start = time.perf_counter()
+        encoder.encode(name, weight)
+        encode_s = time.perf_counter() - start
+    extra = sampler.result["anon"]
+    return (
+        f"fp8 encode of one {tuple(weight.shape)} bf16 weight ({nbytes_of(weight) / MB:.0f} MB): quantize_fp8 "
+        f"{quantize_s:.2f} s, WireEncoder.encode {encode_s:.2f} s (quantize + the QuantReport's dequantize "
+        f"and error); encode peak extra memory {extra / MB:.0f} MB = {extra / nbytes_of(weight):.1f}x the weight"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="~0.3 GB synthetic state, 16/64 MB buckets")
+    parser.add_argument("--repeat", type=int, default=None, help="timed passes per config (default 2)")
+    parser.add_argument("--recv-threads", type=int, default=1, help="torch threads per receiver actor")
+    parser.add_argument(
+        "--free-objects-ms", type=int, default=None,
+        help="Ray's free_objects_period_milliseconds (default: Ray's own, 1000 ms)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    repeat = args.repeat or 2
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|modelopt)")
+    wall = time.perf_counter()
+
+    init: dict = {"num_cpus": 4, "include_dashboard": False}
+    if args.free_objects_ms is not None:
+        init["_system_config"] = {"free_objects_period_milliseconds": args.free_objects_ms}
+    ray.init(**init)
+    try:
+        run_all(args, repeat)
+    finally:
+        ray.shutdown()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nbench wall time {time.perf_counter() - wall:.0f} s; load average at the end {load}")
+
+
+def run_all(args: argparse.Namespace, repeat: int) -> None:
+    store = StoreUsage()
+    actor = ray.remote(num_cpus=1)(Receiver)
+    receivers = [actor.remote(args.recv_threads) for _ in range(2)]
+    states = [tiny_state(), synthetic_state(args.quick)]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    free = args.free_objects_ms if args.free_objects_ms is not None else "Ray's default (1000)"
+    print(f"CPU: {os.cpu_count()} cores, load average {load}; sender = the Ray driver (torch threads "
+          f"{torch.get_num_threads()}); 2 receiver actors ({args.recv_threads} torch thread(s) each); "
+          f"free_objects_period_milliseconds {free}")  # fmt: skip
+    print(f"timed: median of {repeat} passes after one untimed memory pass; each pass followed by the raw "
+          f"copy and the raw Ray transfer of the same bytes (paired ratios)")  # fmt: skip
+
+    rows: list[Row] = []
+    sizes: dict[tuple[str, str], int] = {}
+    for state in states:
+        print(f"\nstate {state.name}: {len(state.spec)} tensors, {state.nbytes / MB:,.1f} MB "
+              f"({', '.join(sorted({d for _, _, d in state.spec}))}); receivers hold it preallocated")  # fmt: skip
+        expected = {}
+        for recipe in RECIPES:
+            encoder = encoder_for(state, recipe)
+            start = time.perf_counter()
+            encoded = [encoder.encode_group(g) for g in state.groups()]  # the first fp8 one imports ModelOpt
+            seconds = time.perf_counter() - start
+            sizes[state.name, recipe] = sent = sum(nbytes_of(t) for g in encoded for _, t, _ in g)
+            what = f"{recipe}: {sent / MB:,.1f} MB travel"
+            if encoder.active:
+                r = encoder.report
+                e4m3 = sum(nbytes_of(t) for g in encoded for n, t, _ in g if n in r.per_tensor)
+                what += (f" ({r.num_quantized} tensors quantized: {e4m3 / MB:,.1f} MB e4m3 + scales; {r.num_kept} "
+                         f"as they are; rel. error {r.rel_err:.4f})")  # fmt: skip
+            first = " (includes importing ModelOpt)" if encoder.active and state.name == "tiny" else ""
+            print(f"  {what}; encode once (piece copies + WireEncoder): {seconds:.2f} s "
+                  f"= {state.nbytes / seconds / 1e9:.2f} GB/s of input{first}")  # fmt: skip
+            expected[recipe] = expected_sums(encoded, state.spec)
+            if "transport" in state.modes:
+                state.encoded[recipe] = encoded
+            del encoded
+        if state.held:
+            print("  " + fp8_encode_cost(state))
+
+        warm_store(2 * state.nbytes + 2 * max(state.bucket_mbs) * MB)
+        ray.get([r.allocate.remote(state.spec) for r in receivers])
+        for recipe in RECIPES:
+            gc.collect()
+            baselines = Baselines(sizes[state.name, recipe], receivers)
+            for mode, configs in state.modes.items():
+                for bucket_mb, n in configs:
+                    if mode == "transport":
+                        encoded = state.encoded[recipe]
+
+                        def make_groups(encoded=encoded) -> Iterator[Encoded]:
+                            return iter(encoded)
+                    else:
+
+                        def make_groups(recipe=recipe, state=state) -> Iterator[Encoded]:
+                            encoder = encoder_for(state, recipe)  # one per sync, as stream_weights
+                            return (encoder.encode_group(g) for g in state.groups())
+
+                    store.drain()
+                    memory = run_sync(make_groups, bucket_mb * MB, receivers[:n], store)
+                    row = Row(state.name, recipe, mode, bucket_mb, n, memory)
+                    check(memory, expected[recipe], row.label)
+                    for _ in range(repeat):
+                        sync = run_sync(make_groups, bucket_mb * MB, receivers[:n], None).seconds
+                        row.passes.append((sync, baselines.copy_seconds(), baselines.ray_seconds(n)))
+                    rows.append(row)
+                    print(f"  done {row.label}: {row.seconds:.2f} s", flush=True)
+            baselines.close()
+            state.encoded.pop(recipe, None)
+        ray.get([r.allocate.remote([]) for r in receivers])
+        gc.collect()
+    report(rows, sizes)
+
+
+def report(rows: list[Row], sizes: dict) -> None:
+    print("\nsync: GB/s = bytes moved / median seconds. Baselines on the same bytes, run right after each "
+          "timed pass: copy = dst.copy_(src) of flat uint8 in the driver; ray = one ray.put + every receiver "
+          "copies it into a preallocated flat tensor; %copy, %ray = median of the per-pass ratios")  # fmt: skip
+    print(f"  {'state':9s} {'recipe':12s} {'mode':9s} {'bucket':>6s} {'recv':>4s} {'bkts':>4s} {'MB moved':>9s} "
+          f"{'s':>7s} {'GB/s':>6s} {'copy':>6s} {'ray':>6s} {'%copy':>6s} {'%ray':>6s} {'sender+MB':>9s} "
+          f"{'store MB':>8s} {'recv RSS':>8s} {'(shm)':>7s} {'recv+MB':>7s}")  # fmt: skip
+    for row in rows:
+        m = row.memory
+        store = "n/a" if m.sender["store"] is None else f"{m.sender['store'] / MB:.0f}"
+        rss = max(m.receivers, key=lambda e: e["hwm"])
+        print(f"  {row.state:9s} {row.recipe:12s} {row.mode:9s} {row.bucket_mb:6d} {row.recv:4d} {m.buckets:4d} "
+              f"{m.nbytes / MB:9.1f} {row.seconds:7.3f} {row.gbs(0):6.2f} {row.gbs(1):6.2f} {row.gbs(2):6.2f} "
+              f"{row.of(1):6.1%} {row.of(2):6.1%} {m.sender['anon'] / MB:9.1f} {store:>8s} "
+              f"{rss['hwm'] / MB:8.0f} {rss['shm'] / MB:7.0f} "
+              f"{max(e['anon'] for e in m.receivers) / MB:7.1f}")  # fmt: skip
+
+    print()
+    for row in rows:
+        what = (
+            "encode+pack+put+deliver+decode+copy" if row.mode == "inline" else "pack+put+deliver+decode+copy"
+        )
+        print(f"sync throughput {row.label} ({what}): {row.gbs(0):.2f} GB/s = {row.of(1):.1%} of raw copy "
+              f"(target >= {THROUGHPUT_TARGET:.0%}); = {row.of(2):.1%} of raw Ray transfer")  # fmt: skip
+    for row in rows:
+        m = row.memory
+        unit = row.bucket_mb * MB
+        over = (
+            f"; largest bucket {m.largest / MB:.0f} MB: {m.sender['anon'] / m.largest:.2f} of it"
+            if m.largest > unit
+            else ""
+        )
+        store = "" if m.sender["store"] is None else (
+            f"; object store (shared, not counted) peak {m.sender['store'] / MB:.0f} MB = {m.sender['store'] / unit:.2f} buckets"
+        )  # fmt: skip
+        print(f"sender peak extra memory {row.label}: {m.sender['anon'] / MB:.1f} MB = {m.sender['anon'] / unit:.2f} buckets "
+              f"(target <= {MEMORY_TARGET:g} buckets; private RSS{over}){store}")  # fmt: skip
+    for state in dict.fromkeys(s for s, _ in sizes):
+        ratio = sizes[state, "fp8_block128"] / sizes[state, "bf16"]
+        note = (
+            ""
+            if state == "synthetic"
+            else " [tiny: its weights are fp32, so 'bf16 bytes' are fp32 bytes here]"
+        )
+        print(f"fp8_block128 bytes / bf16 bytes ({state}) = {ratio:.3f} (target <= {RATIO_TARGET}){note}")
+
+
+if __name__ == "__main__":
+    main()
