@@ -12,7 +12,7 @@ without; most of it is FP8 encoding and decoding, which on CPU run at ~0.1 GB/s)
   pre-touched tensor of the state, so the bytes really land in receiver memory.
 * States:
   - ``tiny``: the model of ``recipes/tiny_moe.yaml`` (Megatron ``GPTModel``, fp32, ~0.9 MB) at the
-    recipe's bucket size, iterated with `iter_hf_weight_groups` (which copies each piece) and encoded
+    recipe's bucket size, iterated with `iter_hf_weight_groups` (views, as the sender does) and encoded
     with ``encoder.encode_group`` inside the loop, exactly as the runtime does;
   - ``synthetic``: bf16 tensors named and shaped like DeepSeek-V3 / Kimi-K2 MoE layers (experts'
     ``gate_proj`` / ``up_proj`` 2048×7168 travelling together, ``down_proj`` 7168×2048, attention
@@ -24,9 +24,9 @@ without; most of it is FP8 encoding and decoding, which on CPU run at ~0.1 GB/s)
 * Recipes: ``bf16`` (every tensor travels as it is) and ``fp8_block128`` (e4m3 data + fp32 scales per
   128×128 block for 2-D weights; routers, embeddings, norms and 1-D tensors travel as they are).
 * Modes (column ``mode``: what the time covers):
-  - ``inline``: everything the runtime does per sync: copy of each group's pieces (what
-    `iter_hf_weight_groups` does), encode (FP8 on CPU is ModelOpt: slow), pack, put, deliver, decode,
-    copy into the receiver's state;
+  - ``inline``: everything the runtime does per sync: encode (FP8 on CPU is ModelOpt: slow), pack
+    into the sender's bucket buffer (kept from sync to sync), put, deliver, decode, copy into the
+    receiver's state;
   - ``transport``: the synthetic state encoded once up front (timed and printed separately), then
     timed: pack, put, deliver, decode, copy into the receiver's state.
 
@@ -304,6 +304,16 @@ def synthetic_groups(layers: int, experts: int, vocab_rows: int, seed: int = 0) 
     return groups
 
 
+_PACKERS: dict[int, object] = {}
+
+
+def packer_for(capacity: int):
+    """The sender's packer of this bucket size, kept from sync to sync (as `TrainerRank` keeps its)."""
+    from moe_rl.weight_sync.buckets import BucketPacker
+
+    return _PACKERS.setdefault(capacity, BucketPacker(capacity))
+
+
 def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -314,7 +324,7 @@ class State:
 
     name: str
     groups: Callable[[], Iterator[Group]]
-    """Fresh ``(hf_name, tensor)`` groups, each piece its own copy (as `iter_hf_weight_groups`)."""
+    """``(hf_name, tensor)`` groups, views of what the trainer holds (as the sender iterates them)."""
     spec: list[tuple[str, tuple[int, ...], str]]
     num_layers: int
     bucket_mbs: list[int]
@@ -345,7 +355,7 @@ def tiny_state() -> State:
     model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
 
     def groups() -> Iterator[Group]:
-        return (group for _, group in iter_hf_weight_groups(model))
+        return (group for _, group in iter_hf_weight_groups(model, copy=False))  # as the sender does
 
     mb = config.rollout.sync_bucket_mb
     return State(
@@ -357,8 +367,8 @@ def synthetic_state(quick: bool) -> State:
     layers, experts = (1, 2) if quick else (2, 6)
     held = synthetic_groups(layers, experts, vocab_rows=4096 if not quick else 1024)
 
-    def groups() -> Iterator[Group]:  # the runtime's iterator copies each piece (iter_hf_weight_groups)
-        return ([(n, t.clone()) for n, t in group] for group in held)
+    def groups() -> Iterator[Group]:  # the sender packs views of the parameters (no copy of its own)
+        return iter(held)
 
     sizes = [16, 64] if quick else [64, 256, 1024]
     mid = sizes[len(sizes) // 2]
@@ -395,8 +405,6 @@ def run_sync(
 ) -> Run:
     """One sync: the loop of `TrainerRank.stream_weights` (at most two buckets in flight). With ``store``
     (the memory pass) the sender and the receivers sample their memory and the receivers checksum."""
-    from moe_rl.weight_sync.buckets import pack_buckets
-
     memory = store is not None
     ray.get([r.begin.remote(memory) for r in receivers])
     sampler = PeakSampler(store=store) if memory else contextlib.nullcontext()
@@ -404,7 +412,7 @@ def run_sync(
         start = time.perf_counter()
         in_flight: list = []
         sent = count = largest = 0
-        for bucket in pack_buckets(make_groups(), capacity):
+        for bucket in packer_for(capacity).pack(make_groups()):
             ref = ray.put(bucket)  # one copy in the store, read by every receiver on the node
             next_flight = [r.receive.remote(ref) for r in receivers]
             ray.get(in_flight, timeout=600)  # at most two buckets in flight: this one and the last
@@ -550,6 +558,9 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|modelopt)")
     wall = time.perf_counter()
 
+    from moe_rl.orchestration.actors import RAY_ENV
+
+    os.environ.update(RAY_ENV)  # the runtime's Ray settings (released buckets freed every 50 ms)
     init: dict = {"num_cpus": 4, "include_dashboard": False}
     if args.free_objects_ms is not None:
         init["_system_config"] = {"free_objects_period_milliseconds": args.free_objects_ms}

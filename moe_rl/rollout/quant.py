@@ -45,18 +45,26 @@ class QuantReport:
     per_tensor: dict[str, float] = field(default_factory=dict)
 
     def add(self, name: str, original: torch.Tensor, sent: torch.Tensor | None, bits: float) -> None:
-        self.bytes_full += original.numel() * original.element_size()
+        """One tensor of the sync: kept (``sent`` None) or quantized to ``sent`` at ``bits`` per weight."""
         if sent is None:
             self.num_kept += 1
+            self.bytes_full += original.numel() * original.element_size()
             self.bytes_sent += original.numel() * original.element_size()
             return
+        err_sq = float((sent.float() - original.float()).pow(2).sum())
+        self.add_quantized(name, original, err_sq, float(original.float().pow(2).sum()), bits)
+
+    def add_quantized(
+        self, name: str, original: torch.Tensor, err_sq: float, ref_sq: float, bits: float
+    ) -> None:
+        """A quantized tensor whose squared error and squared norm the caller measured (e.g. in
+        chunks, without full-size float copies)."""
+        self.bytes_full += original.numel() * original.element_size()
         self.num_quantized += 1
         self.bytes_sent += int(original.numel() * bits / 8)
-        diff = (sent.float() - original.float()).pow(2).sum()
-        ref = original.float().pow(2).sum()
-        self.err_sq += float(diff)
-        self.ref_sq += float(ref)
-        rel = float((diff / ref.clamp_min(1e-30)).sqrt())
+        self.err_sq += err_sq
+        self.ref_sq += ref_sq
+        rel = (err_sq / max(ref_sq, 1e-30)) ** 0.5
         self.per_tensor[name] = rel
         if rel >= self.max_rel_err:
             self.max_rel_err, self.worst_tensor = rel, name

@@ -114,12 +114,30 @@ class WireEncoder:
             return [(name, tensor, {})]
         quantize = quantize_fp8 if self.cfg.method == "fp8" else quantize_int8
         data, scale, block = quantize(tensor, self.cfg)
-        self.report.add(name, tensor, dequantize(data, scale, block), 8)
+        self.report.add_quantized(name, tensor, *_errors(tensor, data, scale, block), bits=8)
         meta = {"block": list(block), "scale": scale_name(name)}
         return [(name, data, meta), (scale_name(name), scale, {"scale_of": name})]
 
     def encode_group(self, group: Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor, dict]]:
         return [item for name, tensor in group for item in self.encode(name, tensor)]
+
+
+ERROR_ROWS = 1024
+"""Rows per chunk when the sender measures the quantization error (bounded temporaries)."""
+
+
+def _errors(original: Tensor, data: Tensor, scale: Tensor, block: tuple[int, int]) -> tuple[float, float]:
+    """``(Σ (dequantized − original)², Σ original²)``, chunk by chunk of whole row blocks."""
+    step = max(block[0], ERROR_ROWS // block[0] * block[0])
+    err = ref = 0.0
+    for start in range(0, original.shape[0], step):
+        rows = slice(start, start + step)
+        first = start // block[0]
+        part = dequantize(data[rows], scale[first : first + -(-data[rows].shape[0] // block[0])], block)
+        x = original[rows].float()
+        err += float((part - x).pow(2).sum())
+        ref += float(x.pow(2).sum())
+    return err, ref
 
 
 def decode(items: Iterable[tuple[str, Tensor, dict]]) -> Iterator[tuple[str, Tensor]]:
