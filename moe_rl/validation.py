@@ -22,8 +22,6 @@ from moe_rl.config.loader import ConfigError
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import Machine
 
-COMPONENTS = ("recipe", "trainer", "engine", "placement")
-
 
 @dataclass(frozen=True)
 class Rule:

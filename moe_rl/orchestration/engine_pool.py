@@ -72,9 +72,6 @@ class EnginePool:
     def restarts(self) -> int:
         return sum(r.restarts for r in self.replicas)
 
-    def actors(self) -> list[Any]:
-        return [r.actor for r in self.replicas]
-
     # ------------------------------------------------------------------ lifecycle
     def start(self, version: int) -> dict[str, float]:
         for replica in self.replicas:

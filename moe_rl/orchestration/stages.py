@@ -88,12 +88,10 @@ class Stages:
         self.num_stale_rejected = 0
         self._pending_state: dict = {}
         self._probe_source = None
-        self._rollout: Rollout | None = None
-        self._sync_metrics: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ start / resume
     def start(self) -> int:
-        self._sync_metrics = self.engines.start(version=0)
+        self.engines.start(version=0)
         return 0
 
     def restore(self, sink) -> int:

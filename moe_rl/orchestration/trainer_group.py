@@ -68,9 +68,6 @@ class TrainerGroup:
     def world_size(self) -> int:
         return len(self.ranks)
 
-    def pids(self) -> list[int]:
-        return self._all("pid")
-
     def compute_old_logp(
         self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], plan
     ) -> dict[str, float]:

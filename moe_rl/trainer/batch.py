@@ -10,7 +10,6 @@ log-prob comes from the logits at ``response_positions[r] - 1``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,21 +113,3 @@ def make_train_micro_batches(
         TrainMicroBatch(m, advantages[m.response_token_index].to(torch.float32), old_logp=m.old_logp)
         for m in micro
     ]
-
-
-def split_mini_batches(
-    micro_batches: Sequence[TrainMicroBatch], num_mini_batches: int
-) -> list[list[TrainMicroBatch]]:
-    """Split a rollout batch's micro-batches into ``num_mini_batches`` optimizer steps, in order."""
-    if num_mini_batches < 1 or num_mini_batches > len(micro_batches):
-        raise ValueError(
-            f"trainer.num_mini_batches={num_mini_batches} must be in 1..{len(micro_batches)} "
-            "(the number of micro-batches)"
-        )
-    size, extra = divmod(len(micro_batches), num_mini_batches)
-    out, start = [], 0
-    for i in range(num_mini_batches):
-        end = start + size + (1 if i < extra else 0)
-        out.append(list(micro_batches[start:end]))
-        start = end
-    return out
