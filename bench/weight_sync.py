@@ -4,16 +4,20 @@ raw Ray transfer of the same bytes, measured in one process.
 Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 2 min with ``--quick``, about 7 min
 without; most of it is FP8 encoding and decoding, which on CPU run at ~0.1 GB/s).
 
-* Sender: this process (the Ray driver, not an actor) runs the loop of `TrainerRank.stream_weights`:
-  for each bucket of `pack_buckets`: ``ref = ray.put(bucket)``, ``receive.remote(ref)`` on every
-  receiver, then wait for the previous bucket's deliveries (at most two buckets in flight).
+* Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
+  `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to
+  every receiver, then waits for the previous bucket's deliveries (at most two buckets in flight).
+* Transports (column ``via``): ``shm``, the sender's two shared-memory slots (what the runtime uses
+  when every engine is on the trainer rank's node: the bucket is written once into a slot, receivers
+  read it in place) and ``store``, Ray's object store (across nodes: the bucket is packed, then
+  ``ray.put`` copies it into the store).
 * Receivers: 1 or 2 Ray actors (``--recv-threads`` torch threads each, default 1) that, like an engine,
   decode each bucket (`moe_rl.weight_sync.receiver.decoded`) and copy every tensor into a preallocated,
   pre-touched tensor of the state, so the bytes really land in receiver memory.
 * States:
   - ``tiny``: the model of ``recipes/tiny_moe.yaml`` (Megatron ``GPTModel``, fp32, ~0.9 MB) at the
     recipe's bucket size, iterated with `iter_hf_weight_groups` (views, as the sender does) and encoded
-    with ``encoder.encode_group`` inside the loop, exactly as the runtime does;
+    with ``encoder.lazy_group`` inside the loop (straight into the bucket), exactly as the runtime does;
   - ``synthetic``: bf16 tensors named and shaped like DeepSeek-V3 / Kimi-K2 MoE layers (experts'
     ``gate_proj`` / ``up_proj`` 2048×7168 travelling together, ``down_proj`` 7168×2048, attention
     ``o_proj`` 7168×7168, router 256×7168, its fp32 expert bias, norms, and a slice of ``embed_tokens``):
@@ -24,11 +28,11 @@ without; most of it is FP8 encoding and decoding, which on CPU run at ~0.1 GB/s)
 * Recipes: ``bf16`` (every tensor travels as it is) and ``fp8_block128`` (e4m3 data + fp32 scales per
   128×128 block for 2-D weights; routers, embeddings, norms and 1-D tensors travel as they are).
 * Modes (column ``mode``: what the time covers):
-  - ``inline``: everything the runtime does per sync: encode (FP8 on CPU is ModelOpt: slow), pack
-    into the sender's bucket buffer (kept from sync to sync), put, deliver, decode, copy into the
+  - ``inline``: everything the runtime does per sync: encode straight into the bucket (FP8 block
+    quantization in torch on CPU, a few row blocks at a time), publish, deliver, decode, copy into the
     receiver's state;
   - ``transport``: the synthetic state encoded once up front (timed and printed separately), then
-    timed: pack, put, deliver, decode, copy into the receiver's state.
+    timed: pack (a copy into the bucket), publish, deliver, decode, copy into the receiver's state.
 
 Per configuration: one untimed pass first (the memory pass, also the warm-up; it also checks that every
 tensor arrived once with the decoded values), then ``--repeat`` timed passes; ``s`` is their median.
@@ -40,19 +44,21 @@ so that both see the same machine load; ``%copy`` / ``%ray`` are medians of the 
 preallocated flat tensor (so the bytes land as in the sync). The object store's pages are touched once
 up front (a store warm-up), because a run's later syncs reuse them; a first sync pays the page faults.
 On the tiny state the raw copy takes microseconds and the raw Ray transfer a few milliseconds: its
-ratios compare fixed per-sync costs (task round trips, ModelOpt calls), not bandwidth.
+ratios compare fixed per-sync costs (task round trips), not bandwidth.
 
 Memory (memory pass; ``/proc/self/status`` sampled every 2 ms in a thread, after ``malloc_trim(0)`` so
 that reused heap memory counts; ``VmHWM`` reset through ``/proc/self/clear_refs``):
   - ``sender+ MB``: the sender's peak private memory (``RssAnon``) above what it held before the sync
-    (the state and, in transport mode, its encoded copy): pack buffer, piece copies, encoding temporaries.
-    The object store is shared memory and is NOT counted in it; it is reported apart:
+    (the state and, in transport mode, its encoded copy): pack buffer, encoding temporaries;
+  - ``slots MB``: the sender's shared-memory slots (``shm``: shared memory, not in ``RssAnon``). The
+    memory target counts ``sender+MB`` + ``slots MB``. The object store is shared memory too and is
+    NOT counted in it (a store is there for Ray anyway); it is reported apart:
   - ``store MB``: peak bytes in use in Ray's object store during the sync (raylet's store stats, polled),
     i.e. published buckets, including released ones Ray has not freed yet: Ray frees in batches every
     ``free_objects_period_milliseconds`` (1000 ms by default; ``--free-objects-ms`` sets it), so the
     store holds about a second's worth of buckets, not just the two in flight;
   - ``recv RSS``: largest receiver peak RSS in MB (``VmHWM``: its preallocated state, its private
-    memory, and the object store pages it has mapped, ``(shm)``, which are shared, not its own);
+    memory, and the object store pages or slots it has mapped, ``(shm)``, which are shared, not its own);
   - ``recv+MB``: largest receiver peak private memory above its state (decode temporaries).
 
 Not a test: numbers depend on the machine.
@@ -304,14 +310,29 @@ def synthetic_groups(layers: int, experts: int, vocab_rows: int, seed: int = 0) 
     return groups
 
 
-_PACKERS: dict[int, object] = {}
+_PACKERS: dict[tuple[int, str], object] = {}
+TRANSPORTS = ("shm", "store")
 
 
-def packer_for(capacity: int):
-    """The sender's packer of this bucket size, kept from sync to sync (as `TrainerRank` keeps its)."""
+def packer_for(capacity: int, transport: str):
+    """The sender's packer of this bucket size and transport, kept from sync to sync (as `TrainerRank`
+    keeps its): ``shm`` packs into two shared-memory slots, ``store`` into one buffer that is put in
+    Ray's object store."""
     from moe_rl.weight_sync.buckets import BucketPacker
+    from moe_rl.weight_sync.shm import SharedSlots
 
-    return _PACKERS.setdefault(capacity, BucketPacker(capacity))
+    key = (capacity, transport)
+    if key not in _PACKERS:
+        slots = SharedSlots(capacity) if transport == "shm" else None
+        _PACKERS[key] = BucketPacker(capacity, slots=slots)
+    return _PACKERS[key]
+
+
+def close_packers() -> None:
+    for packer in _PACKERS.values():
+        if packer.slots is not None:
+            packer.slots.close()
+    _PACKERS.clear()
 
 
 def nbytes_of(t: torch.Tensor) -> int:
@@ -328,8 +349,8 @@ class State:
     spec: list[tuple[str, tuple[int, ...], str]]
     num_layers: int
     bucket_mbs: list[int]
-    modes: dict[str, list[tuple[int, int]]]
-    """mode -> [(bucket MB, receivers)]."""
+    modes: dict[str, list[tuple[int, int, str]]]
+    """mode -> [(bucket MB, receivers, transport)]."""
     encoded: dict[str, list[Encoded]] = field(default_factory=dict)
     """recipe -> the state encoded once (transport mode)."""
     held: list[Group] = field(default_factory=list)
@@ -358,9 +379,8 @@ def tiny_state() -> State:
         return (group for _, group in iter_hf_weight_groups(model, copy=False))  # as the sender does
 
     mb = config.rollout.sync_bucket_mb
-    return State(
-        "tiny", groups, spec_of(groups()), config.model.num_layers, [mb], {"inline": [(mb, 1), (mb, 2)]}
-    )
+    modes = {"inline": [(mb, n, t) for t in TRANSPORTS for n in (1, 2)]}
+    return State("tiny", groups, spec_of(groups()), config.model.num_layers, [mb], modes)
 
 
 def synthetic_state(quick: bool) -> State:
@@ -372,7 +392,10 @@ def synthetic_state(quick: bool) -> State:
 
     sizes = [16, 64] if quick else [64, 256, 1024]
     mid = sizes[len(sizes) // 2]
-    modes = {"transport": [(s, r) for s in sizes for r in (1, 2)], "inline": [(mid, 1)]}
+    modes = {
+        "transport": [(s, r, t) for t in TRANSPORTS for s in sizes for r in (1, 2)],
+        "inline": [(mid, 1, t) for t in TRANSPORTS],
+    }
     return State("synthetic", groups, spec_of(iter(held)), SYNTH_NUM_LAYERS, sizes, modes, held=held)
 
 
@@ -401,29 +424,29 @@ class Run:
 
 
 def run_sync(
-    make_groups: Callable[[], Iterator[Encoded]], capacity: int, receivers: list, store: StoreUsage | None
+    make_groups: Callable[[], Iterator[Encoded]],
+    capacity: int,
+    transport: str,
+    receivers: list,
+    store: StoreUsage | None,
 ) -> Run:
-    """One sync: the loop of `TrainerRank.stream_weights` (at most two buckets in flight). With ``store``
-    (the memory pass) the sender and the receivers sample their memory and the receivers checksum."""
+    """One sync: `TrainerRank.stream_weights`'s packer and `publish` loop (at most two buckets in
+    flight). With ``store`` (the memory pass) the sender and the receivers sample their memory and the
+    receivers checksum."""
+    from moe_rl.weight_sync.sender import publish
+
     memory = store is not None
     ray.get([r.begin.remote(memory) for r in receivers])
     sampler = PeakSampler(store=store) if memory else contextlib.nullcontext()
+    packer = packer_for(capacity, transport)
     with sampler:
         start = time.perf_counter()
-        in_flight: list = []
-        sent = count = largest = 0
-        for bucket in packer_for(capacity).pack(make_groups()):
-            ref = ray.put(bucket)  # one copy in the store, read by every receiver on the node
-            next_flight = [r.receive.remote(ref) for r in receivers]
-            ray.get(in_flight, timeout=600)  # at most two buckets in flight: this one and the last
-            in_flight = next_flight
-            sent += bucket.nbytes
-            count += 1
-            largest = max(largest, bucket.nbytes)
-        ray.get(in_flight, timeout=600)
+        out = publish(packer.pack(make_groups()), {i: r.receive.remote for i, r in enumerate(receivers)}, 600)
         seconds = time.perf_counter() - start
     ends = ray.get([r.end.remote(memory) for r in receivers])
-    return Run(seconds, sent, count, largest, sampler.result if memory else {}, ends)
+    slots = packer.slots.nbytes() if packer.slots is not None else 0
+    sender = {**sampler.result, "slots": slots} if memory else {}
+    return Run(seconds, out.bytes, out.buckets, out.largest, sender, ends)
 
 
 def check(run: Run, expected: dict[str, float], label: str) -> None:
@@ -499,13 +522,14 @@ class Row:
     mode: str
     bucket_mb: int
     recv: int
+    transport: str
     memory: Run
     passes: list[tuple[float, float, float]] = field(default_factory=list)
     """(sync, raw copy, raw Ray) seconds of each timed pass."""
 
     @property
     def label(self) -> str:
-        return f"{self.state}/{self.recipe}/{self.mode}/{self.bucket_mb}MB/{self.recv}recv"
+        return f"{self.state}/{self.recipe}/{self.mode}/{self.transport}/{self.bucket_mb}MB/{self.recv}recv"
 
     @property
     def seconds(self) -> float:
@@ -620,7 +644,7 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
             gc.collect()
             baselines = Baselines(sizes[state.name, recipe], receivers)
             for mode, configs in state.modes.items():
-                for bucket_mb, n in configs:
+                for bucket_mb, n, transport in configs:
                     if mode == "transport":
                         encoded = state.encoded[recipe]
 
@@ -630,20 +654,21 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
 
                         def make_groups(recipe=recipe, state=state) -> Iterator[Encoded]:
                             encoder = encoder_for(state, recipe)  # one per sync, as stream_weights
-                            return (encoder.encode_group(g) for g in state.groups())
+                            return (encoder.lazy_group(g) for g in state.groups())
 
                     store.drain()
-                    memory = run_sync(make_groups, bucket_mb * MB, receivers[:n], store)
-                    row = Row(state.name, recipe, mode, bucket_mb, n, memory)
+                    memory = run_sync(make_groups, bucket_mb * MB, transport, receivers[:n], store)
+                    row = Row(state.name, recipe, mode, bucket_mb, n, transport, memory)
                     check(memory, expected[recipe], row.label)
                     for _ in range(repeat):
-                        sync = run_sync(make_groups, bucket_mb * MB, receivers[:n], None).seconds
+                        sync = run_sync(make_groups, bucket_mb * MB, transport, receivers[:n], None).seconds
                         row.passes.append((sync, baselines.copy_seconds(), baselines.ray_seconds(n)))
                     rows.append(row)
                     print(f"  done {row.label}: {row.seconds:.2f} s", flush=True)
             baselines.close()
             state.encoded.pop(recipe, None)
         ray.get([r.allocate.remote([]) for r in receivers])
+        close_packers()
         gc.collect()
     report(rows, sizes)
 
@@ -651,40 +676,42 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
 def report(rows: list[Row], sizes: dict) -> None:
     print("\nsync: GB/s = bytes moved / median seconds. Baselines on the same bytes, run right after each "
           "timed pass: copy = dst.copy_(src) of flat uint8 in the driver; ray = one ray.put + every receiver "
-          "copies it into a preallocated flat tensor; %copy, %ray = median of the per-pass ratios")  # fmt: skip
-    print(f"  {'state':9s} {'recipe':12s} {'mode':9s} {'bucket':>6s} {'recv':>4s} {'bkts':>4s} {'MB moved':>9s} "
-          f"{'s':>7s} {'GB/s':>6s} {'copy':>6s} {'ray':>6s} {'%copy':>6s} {'%ray':>6s} {'sender+MB':>9s} "
-          f"{'store MB':>8s} {'recv RSS':>8s} {'(shm)':>7s} {'recv+MB':>7s}")  # fmt: skip
+          "copies it into a preallocated flat tensor; %copy, %ray = median of the per-pass ratios. via: shm = "
+          "the sender's two shared-memory slots, store = Ray's object store")  # fmt: skip
+    print(f"  {'state':9s} {'recipe':12s} {'mode':9s} {'via':5s} {'bucket':>6s} {'recv':>4s} {'bkts':>4s} "
+          f"{'MB moved':>9s} {'s':>7s} {'GB/s':>6s} {'copy':>6s} {'ray':>6s} {'%copy':>6s} {'%ray':>6s} "
+          f"{'sender+MB':>9s} {'slots MB':>8s} {'store MB':>8s} {'recv RSS':>8s} {'(shm)':>7s} {'recv+MB':>7s}")  # fmt: skip
     for row in rows:
         m = row.memory
         store = "n/a" if m.sender["store"] is None else f"{m.sender['store'] / MB:.0f}"
         rss = max(m.receivers, key=lambda e: e["hwm"])
-        print(f"  {row.state:9s} {row.recipe:12s} {row.mode:9s} {row.bucket_mb:6d} {row.recv:4d} {m.buckets:4d} "
-              f"{m.nbytes / MB:9.1f} {row.seconds:7.3f} {row.gbs(0):6.2f} {row.gbs(1):6.2f} {row.gbs(2):6.2f} "
-              f"{row.of(1):6.1%} {row.of(2):6.1%} {m.sender['anon'] / MB:9.1f} {store:>8s} "
-              f"{rss['hwm'] / MB:8.0f} {rss['shm'] / MB:7.0f} "
+        print(f"  {row.state:9s} {row.recipe:12s} {row.mode:9s} {row.transport:5s} {row.bucket_mb:6d} {row.recv:4d} "
+              f"{m.buckets:4d} {m.nbytes / MB:9.1f} {row.seconds:7.3f} {row.gbs(0):6.2f} {row.gbs(1):6.2f} "
+              f"{row.gbs(2):6.2f} {row.of(1):6.1%} {row.of(2):6.1%} {m.sender['anon'] / MB:9.1f} "
+              f"{m.sender['slots'] / MB:8.0f} {store:>8s} {rss['hwm'] / MB:8.0f} {rss['shm'] / MB:7.0f} "
               f"{max(e['anon'] for e in m.receivers) / MB:7.1f}")  # fmt: skip
 
     print()
     for row in rows:
-        what = (
-            "encode+pack+put+deliver+decode+copy" if row.mode == "inline" else "pack+put+deliver+decode+copy"
-        )
+        publish = "pack into a slot" if row.transport == "shm" else "pack+put"
+        what = ("encode+" if row.mode == "inline" else "") + publish + "+deliver+decode+copy"
         print(f"sync throughput {row.label} ({what}): {row.gbs(0):.2f} GB/s = {row.of(1):.1%} of raw copy "
               f"(target >= {THROUGHPUT_TARGET:.0%}); = {row.of(2):.1%} of raw Ray transfer")  # fmt: skip
     for row in rows:
         m = row.memory
         unit = row.bucket_mb * MB
+        held = m.sender["anon"] + m.sender["slots"]
         over = (
-            f"; largest bucket {m.largest / MB:.0f} MB: {m.sender['anon'] / m.largest:.2f} of it"
+            f"; largest bucket {m.largest / MB:.0f} MB: {held / m.largest:.2f} of it"
             if m.largest > unit
             else ""
         )
-        store = "" if m.sender["store"] is None else (
+        store = "" if m.sender["store"] is None or row.transport == "shm" else (
             f"; object store (shared, not counted) peak {m.sender['store'] / MB:.0f} MB = {m.sender['store'] / unit:.2f} buckets"
         )  # fmt: skip
-        print(f"sender peak extra memory {row.label}: {m.sender['anon'] / MB:.1f} MB = {m.sender['anon'] / unit:.2f} buckets "
-              f"(target <= {MEMORY_TARGET:g} buckets; private RSS{over}){store}")  # fmt: skip
+        print(f"sender peak extra memory {row.label}: {held / MB:.1f} MB = {held / unit:.2f} buckets "
+              f"(target <= {MEMORY_TARGET:g} buckets; private RSS {m.sender['anon'] / MB:.1f} MB + shared slots "
+              f"{m.sender['slots'] / MB:.0f} MB{over}){store}")  # fmt: skip
     for state in dict.fromkeys(s for s, _ in sizes):
         ratio = sizes[state, "fp8_block128"] / sizes[state, "bf16"]
         note = (

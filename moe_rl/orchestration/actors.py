@@ -15,6 +15,7 @@ Placement (how many of each, which GPUs, which nodes) is `moe_rl.orchestration.p
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -57,7 +58,8 @@ class TrainerRank:
         _setup_process(config, threads)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.worker = None
-        self._packer = None  # the bucket buffer, kept from sync to sync
+        self._packer = None  # the bucket buffers (or shared slots), kept from sync to sync
+        self._engine_nodes: dict[str, str | None] = {}
 
     def pid(self) -> int:
         return os.getpid()
@@ -91,33 +93,57 @@ class TrainerRank:
 
     def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, into: str) -> dict[str, Any]:
         """Send the tensors this rank owns to every engine, bucket by bucket (see
-        `moe_rl.weight_sync.sender`); returns the bytes, bucket count, quantization report and the
-        indices of engines that died on the way."""
-        from moe_rl.weight_sync.buckets import BucketPacker
-        from moe_rl.weight_sync.sender import stream_buckets
+        `moe_rl.weight_sync.sender`): through shared-memory slots when every engine runs on this
+        node, else through the object store. Returns the bytes, bucket count, quantization report
+        and the indices of engines that died on the way."""
+        from moe_rl.weight_sync.sender import publish, stream_buckets
         from moe_rl.weight_sync.wire import WireEncoder
 
         config = self.config
         encoder = WireEncoder(config.quant, config.model.num_layers, quantized_wire=quantized_wire)
-        capacity = config.rollout.sync_bucket_mb << 20
-        alive = dict(enumerate(engines))
-        dead: set[int] = set()
-        in_flight: list[tuple[int, Any]] = []
-        sent = buckets = 0
-        if self._packer is None or self._packer.capacity != capacity:
-            self._packer = BucketPacker(capacity, sender=self.rank)
-        for bucket in stream_buckets(self.worker.model, encoder, capacity, self.rank, self._packer):
-            ref = ray.put(bucket)  # one copy in the store, read by every replica on the node
-            next_flight = [(i, engine.receive_bucket.remote(ref, into)) for i, engine in alive.items()]
-            dead |= _settle(in_flight)  # at most two buckets in flight: this one and the last
-            in_flight = next_flight
-            for i in dead:
-                alive.pop(i, None)
-            sent += bucket.nbytes
-            buckets += 1
-        dead |= _settle(in_flight)
-        return {"bytes": sent, "buckets": buckets, "report": encoder.report if encoder.active else None,
-                "dead": sorted(dead)}  # fmt: skip
+        nodes = self._nodes_of(engines)
+        dead = {i for i, node in nodes.items() if node is None}
+        shared = all(node == ray.get_runtime_context().get_node_id() for node in nodes.values() if node)
+        packer = self._packer_for(config.rollout.sync_bucket_mb << 20, shared)
+        receivers = {
+            i: functools.partial(engine.receive_bucket.remote, into=into)
+            for i, engine in enumerate(engines)
+            if i not in dead
+        }
+        buckets = stream_buckets(self.worker.model, encoder, packer.capacity, self.rank, packer)
+        out = publish(buckets, receivers, RAY_TIMEOUT_S)
+        return {"bytes": out.bytes, "buckets": out.buckets, "report": encoder.report if encoder.active else None,
+                "dead": sorted(dead | out.dead), "shared_memory": int(shared)}  # fmt: skip
+
+    def release(self) -> None:
+        """Remove this rank's shared weight-sync slots (before the actor is killed)."""
+        if self._packer is not None and self._packer.slots is not None:
+            self._packer.slots.close()
+        self._packer = None
+
+    def _packer_for(self, capacity: int, shared: bool):
+        """The rank's packer, kept from sync to sync (its buffers or shared slots are reused)."""
+        from moe_rl.weight_sync.buckets import BucketPacker
+        from moe_rl.weight_sync.shm import SharedSlots
+
+        packer = self._packer
+        if packer is None or packer.capacity != capacity or (packer.slots is not None) != shared:
+            if packer is not None and packer.slots is not None:
+                packer.slots.close()
+            slots = SharedSlots(capacity, tag=str(self.rank)) if shared else None
+            self._packer = packer = BucketPacker(capacity, sender=self.rank, slots=slots)
+        return packer
+
+    def _nodes_of(self, engines: Sequence[Any]) -> dict[int, str | None]:
+        """Each engine's node id (None: its process is gone), asked once per engine actor."""
+        for engine in engines:
+            key = engine._actor_id.hex()
+            if key not in self._engine_nodes:
+                try:
+                    self._engine_nodes[key] = ray.get(engine.node_id.remote(), timeout=RAY_TIMEOUT_S)
+                except ray.exceptions.RayActorError:
+                    self._engine_nodes[key] = None
+        return {i: self._engine_nodes[e._actor_id.hex()] for i, e in enumerate(engines)}
 
     def save_hf(self, directory: str) -> str:
         """This group's weights as a Hugging Face folder (collective; every rank writes its own)."""
@@ -134,17 +160,6 @@ class TrainerRank:
 
     def load_checkpoint(self, directory: str) -> int:
         return self.worker.load_checkpoint(directory)
-
-
-def _settle(flight: list[tuple[int, Any]]) -> set[int]:
-    """Wait for deliveries; the indices of engines whose process died."""
-    dead = set()
-    for i, ref in flight:
-        try:
-            ray.get(ref, timeout=RAY_TIMEOUT_S)
-        except ray.exceptions.RayActorError:
-            dead.add(i)
-    return dead
 
 
 class EngineActor:
@@ -170,6 +185,9 @@ class EngineActor:
             _maybe_fail(self.replica, self._generates)
         batch = self.engine.generate(prompts, sampling, group_ids)
         return batch, {"replica": self.replica, "samples": batch.num_samples}
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def begin_weight_update(self, version: int, into: str = "engine") -> None:
         self._target(into).begin_weight_update(version)

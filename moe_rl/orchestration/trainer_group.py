@@ -10,6 +10,7 @@ merged over pipeline stages), so every rank holds the same ones.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -110,6 +111,8 @@ class TrainerGroup:
         return steps.pop()
 
     def shutdown(self) -> None:
+        with contextlib.suppress(ray.exceptions.RayError):  # shared weight-sync slots: removed now
+            ray.get([rank.release.remote() for rank in self.ranks], timeout=30)
         for rank in self.ranks:
             ray.kill(rank)
         remove_placement_group(self.pg)

@@ -23,16 +23,20 @@ Paths
   B200) with Triton importable: one launch of a fused Triton kernel (grid over experts × row
   blocks × column blocks; each program reads its block once, reduces the amax, divides, casts and
   writes): one read of the input and one write of the outputs, 3 bytes per bf16 element.
-* Everything else (CPU tensors, no Triton, ROCm, GPUs below sm_90, other float dtypes): ModelOpt
-  itself (``reference_fp8_block``; a 3-D stack loops over its experts), on the tensor's device.
-  Below sm_90 the Triton cast is not the one torch does: on sm_89 Triton converts fp32 → e4m3 by
-  rounding to fp16 toward zero first (a double rounding), and older GPUs have no e4m3 at all.
+* Everything else (CPU tensors, no Triton, ROCm, GPUs below sm_90, other float dtypes): the same
+  arithmetic in torch operations, a few row blocks at a time (``torch_fp8_block``), on the tensor's
+  device, so its temporaries stay a few MB whatever the weight's size (ModelOpt makes several
+  full-size float32 copies, and is ~100× slower on CPU). Below sm_90 the Triton cast is not the one
+  torch does: on sm_89 Triton converts fp32 → e4m3 by rounding to fp16 toward zero first (a double
+  rounding), and older GPUs have no e4m3 at all. ``reference_fp8_block`` runs ModelOpt itself, the
+  reference both paths are tested against.
 
 Outputs are on the input's device; nothing is moved between devices.
 
 Bit-identity contract
 ---------------------
-The Triton kernel's ``data`` and ``scale`` equal ModelOpt's (run on the same tensor), compared as
+The Triton kernel's and the torch path's ``data`` and ``scale`` equal ModelOpt's (run on the same
+tensor), compared as
 raw bytes, on every block whose elements are all finite, subnormal ones included; blocks whose
 scale is 0 follow the zero-block rule below. What that rests on (read from the PTX that Triton 3.6,
 torch 2.11's, and 3.9 emit for sm_90):
@@ -120,9 +124,9 @@ def _zero_blocks_to_zero(data: torch.Tensor, scale: torch.Tensor, block_size: in
     zero = scale == 0
     if not bool(zero.any()):
         return
-    rows, cols = data.shape[-2:]
-    mask = zero.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
-    data.view(torch.uint8).masked_fill_(mask[..., :rows, :cols], 0)
+    raw, b = data.view(torch.uint8), block_size
+    for *lead, r, c in zero.nonzero().tolist():  # block by block: no full-size mask
+        raw[(*lead, slice(r * b, (r + 1) * b), slice(c * b, (c + 1) * b))] = 0
 
 
 def reference_fp8_block(
@@ -130,7 +134,7 @@ def reference_fp8_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ModelOpt's block-FP8 quantization of `weight` (2-D, or 3-D looped over its experts).
 
-    This is the path `quantize_fp8_block` takes off CUDA. With ``raw=False`` (default) the
+    The reference `quantize_fp8_block`'s paths are tested against. With ``raw=False`` (default) the
     zero-block rule of the module docstring is applied (scale 0 → data +0); ``raw=True`` returns
     exactly what ModelOpt returns (NaN data in all-zero blocks). Runs on `weight`'s device.
     """
@@ -148,6 +152,61 @@ def reference_fp8_block(
     return data, scale
 
 
+CHUNK_ELEMENTS = 1 << 20
+"""Elements of a weight the torch path holds as float32 at a time (whole row blocks; at least one)."""
+
+
+def torch_fp8_block(
+    weight: torch.Tensor, block_size: int = 128, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-FP8 quantization in torch operations, a few row blocks at a time (the zero-block rule
+    applied). The path `quantize_fp8_block` takes without the Triton kernel. ``out``: contiguous
+    ``(data, scale)`` tensors of the result's dtypes and shapes to write into (e.g. a bucket)."""
+    _check(weight, block_size)
+    data, scale = out if out is not None else _empty_result(weight, block_size)
+    scale_shape = _scale_shape(weight.shape, block_size)
+    if (data.dtype, tuple(data.shape), scale.dtype, tuple(scale.shape)) != (
+        torch.float8_e4m3fn,
+        tuple(weight.shape),
+        torch.float32,
+        scale_shape,
+    ):
+        raise ValueError(
+            f"out= must be float8_e4m3fn {tuple(weight.shape)} and float32 {scale_shape}, got "
+            f"{data.dtype} {tuple(data.shape)} and {scale.dtype} {tuple(scale.shape)}"
+        )
+    if weight.numel() == 0:
+        return data, scale
+    for w, d, s in zip(weight.reshape(-1, *weight.shape[-2:]), data.view(-1, *data.shape[-2:]),
+                       scale.view(-1, *scale.shape[-2:])):  # fmt: skip
+        _torch_2d(w, d, s, block_size)
+    _zero_blocks_to_zero(data, scale, block_size)
+    return data, scale
+
+
+def _torch_2d(weight: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, b: int) -> None:
+    """Fill ``data`` and ``scale`` of one 2-D weight, row blocks by row blocks: ``amax`` over each
+    zero-padded block, ``scale = amax / 448``, ``data = e4m3(x / scale)`` (IEEE division), in two
+    float32 scratch tensors of one chunk that every chunk reuses."""
+    rows, cols = weight.shape
+    col_blocks = _cdiv(cols, b)
+    step = min(max(1, CHUNK_ELEMENTS // (b * col_blocks * b)), _cdiv(rows, b)) * b
+    x = torch.zeros(step, col_blocks * b, dtype=torch.float32, device=weight.device)  # padding stays 0
+    magnitude = torch.empty_like(x)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        row_blocks = _cdiv(n, b)
+        chunk = x[: row_blocks * b]
+        chunk[:n, :cols].copy_(weight[start : start + n])
+        chunk[n:].zero_()  # the last chunk's padding rows
+        blocks = chunk.view(row_blocks, b, col_blocks, b)
+        torch.abs(chunk, out=magnitude[: row_blocks * b])
+        block_scale = magnitude[: row_blocks * b].view(row_blocks, b, col_blocks, b).amax(dim=(1, 3)) / 448.0
+        scale[start // b : start // b + row_blocks] = block_scale
+        blocks.div_(block_scale[:, None, :, None])
+        data[start : start + n].copy_(chunk[:n, :cols])  # the round-to-nearest-even e4m3 cast
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
@@ -158,7 +217,7 @@ def _triton_importable() -> bool:
         import triton
         import triton.language  # noqa: F401
     except ImportError:
-        log.debug("triton is not importable: block-FP8 quantization uses ModelOpt")
+        log.debug("triton is not importable: block-FP8 quantization runs in torch operations")
         return False
     return True
 
@@ -169,7 +228,7 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 
 def triton_path_available(weight: torch.Tensor) -> bool:
-    """Whether `quantize_fp8_block(weight)` runs the fused Triton kernel (else ModelOpt)."""
+    """Whether `quantize_fp8_block(weight)` runs the fused Triton kernel (else `torch_fp8_block`)."""
     if not weight.is_cuda or weight.dtype not in _TRITON_DTYPES or torch.version.hip is not None:
         return False
     index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
@@ -184,7 +243,7 @@ def quantize_fp8_block(weight: torch.Tensor, block_size: int = 128) -> tuple[tor
     Returns ``(data, scale)``: float8_e4m3fn data of `weight`'s shape and float32 scales
     [ceil(out/b), ceil(in/b)] (3-D: [E, ceil(out/b), ceil(in/b)]), on `weight`'s device, with
     ``weight ≈ data.float() * scale`` blockwise. On CUDA (sm_90+, Triton importable) one fused
-    Triton kernel launch; elsewhere ModelOpt. Bit-identical to ModelOpt except that all-zero blocks
+    Triton kernel launch; elsewhere `torch_fp8_block`. Bit-identical to ModelOpt except that all-zero blocks
     give scale 0 and data 0 instead of NaN (see the module docstring for the exact contract).
     """
     _check(weight, block_size)
@@ -192,7 +251,7 @@ def quantize_fp8_block(weight: torch.Tensor, block_size: int = 128) -> tuple[tor
         return _empty_result(weight, block_size)
     if triton_path_available(weight):
         return _triton_quantize(weight, block_size)
-    return reference_fp8_block(weight, block_size)
+    return torch_fp8_block(weight, block_size)
 
 
 def kernel_configs(block_size: int) -> list[tuple[int, int]]:

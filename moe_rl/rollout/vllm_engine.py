@@ -212,14 +212,19 @@ class VLLMEngine:
 
         if self._incoming is None:
             raise RuntimeError("receive_bucket before begin_weight_update")
+        arrived: set[str] = set()
         for name, tensor in decoded(bucket):
             layer = _layer_of(name)
             if layer not in self._layers or name not in self._layers[layer]:
                 raise ValueError(f"weight {name!r} is not in the engine's checkpoint {self.model_path}")
             self._pending.setdefault(layer, {})[name] = tensor
+            arrived.add(name)
             if len(self._pending[layer]) == len(self._layers[layer]):
                 self._reload(self._pending.pop(layer))
                 self._reloaded.add(layer)
+        for tensors in self._pending.values():  # a layer still incomplete: its views of this bucket's
+            for name in arrived & tensors.keys():  # buffer are copied (the sender reuses the buffer)
+                tensors[name] = tensors[name].clone()
         return {"bytes": float(bucket.nbytes)}
 
     def _reload(self, tensors: dict[str, torch.Tensor]) -> None:

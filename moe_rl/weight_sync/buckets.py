@@ -2,9 +2,15 @@
 
 A bucket holds whole groups (all the HF pieces of one Megatron tensor travel together, so a
 receiver can fuse them on arrival) up to about ``capacity`` bytes; a group larger than that gets a
-bucket of its own. The buffer is a NumPy ``uint8`` array: Ray publishes it out of band (one copy
-into the object store, read without copying by every receiver on the node), and the packer reuses
-one buffer for every bucket it fills, so a sender holds one buffer, not one per bucket.
+bucket of its own. Its bytes live in one of two places:
+
+* a shared-memory slot of the sender (`moe_rl.weight_sync.shm`), when every receiver is on the
+  sender's node: the bucket that travels is its entries and the slot's name, and receivers read the
+  bytes in place;
+* a NumPy ``uint8`` buffer that the packer reuses for every bucket it fills, published through Ray's
+  object store (one copy into the store, read without copying by every receiver on a node).
+
+Either way a sender holds at most two buckets' worth of buffers, not one per bucket.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import Tensor
+
+from moe_rl.weight_sync.shm import SharedSlots, SlotRef, read_slot
+from moe_rl.weight_sync.wire import LazyGroup, Piece
 
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
@@ -46,20 +55,37 @@ class Bucket:
     """Tensors in one flat buffer, ready to publish; `tensors` gives them back as views."""
 
     entries: list[Entry]
-    buffer: np.ndarray
-    """uint8, exactly ``nbytes`` long."""
+    buffer: np.ndarray | None
+    """uint8, exactly ``nbytes`` long (on a receiver of a shared slot: mapped on first use)."""
     index: int = 0
     """Position in its sender's stream."""
     sender: int = 0
     """Trainer rank that sent it."""
+    slot: SlotRef | None = None
+    """The shared-memory slot holding the bytes; then only the entries and this travel."""
 
     @property
     def nbytes(self) -> int:
-        return int(self.buffer.nbytes)
+        return self.slot.nbytes if self.slot is not None else int(self.buffer.nbytes)
+
+    @property
+    def data(self) -> np.ndarray:
+        """The bucket's bytes (a receiver of a shared slot maps it here)."""
+        if self.buffer is None:
+            self.buffer = read_slot(self.slot)
+        return self.buffer
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.slot is not None:
+            state["buffer"] = None  # the bytes stay in the slot
+        return state
 
     def tensors(self) -> Iterator[tuple[Entry, Tensor]]:
-        """``(entry, tensor)`` views into the buffer (read-only when the buffer is)."""
-        flat = torch.from_numpy(self.buffer) if self.buffer.flags.writeable else _readonly(self.buffer)
+        """``(entry, tensor)`` views into the buffer (read-only when the buffer is). Views of a
+        shared slot are valid while the receiver handles the bucket: copy what is kept longer."""
+        data = self.data
+        flat = torch.from_numpy(data) if data.flags.writeable else _readonly(data)
         for entry in self.entries:
             raw = flat[entry.offset : entry.offset + entry.nbytes]
             yield entry, raw.view(_DTYPES[entry.dtype]).reshape(entry.shape)
@@ -74,41 +100,60 @@ def _readonly(buffer: np.ndarray) -> Tensor:
         return torch.from_numpy(buffer)
 
 
-def _as_bytes(tensor: Tensor) -> Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 class BucketPacker:
     """Packs groups of ``(name, tensor, meta)`` into buckets of at most ``capacity`` bytes (a group
-    larger than that: a bucket of its own), in order, in one working buffer that it keeps from sync
-    to sync (grown to the largest group when one is larger than ``capacity``, never shrunk): a
-    sender holds one buffer, whose pages are touched once.
+    larger than that: a bucket of its own), in order, into buffers it keeps from sync to sync (grown
+    to the largest group when one is larger than ``capacity``, never shrunk), whose pages are touched
+    once:
 
-    A yielded bucket's buffer is valid until the next bucket is requested. Publish it (``ray.put``
-    copies it) or `detach` it before asking for the next.
+    * without ``slots``: one working buffer. A yielded bucket's buffer is valid until the next
+      bucket is requested: publish it (``ray.put`` copies it) or `detach` it before asking for the next;
+    * with ``slots`` (`shm.SharedSlots`): bucket ``i`` goes to slot ``i % num_slots``, valid until the
+      packer comes back to that slot; the caller makes sure receivers are done with it by then.
     """
 
-    def __init__(self, capacity: int, sender: int = 0):
+    def __init__(self, capacity: int, sender: int = 0, slots: SharedSlots | None = None):
         if capacity <= 0:
             raise ValueError(f"bucket capacity={capacity} bytes must be > 0")
-        self.capacity, self.sender = capacity, sender
+        self.capacity, self.sender, self.slots = capacity, sender, slots
         self.buffer = np.empty(0, dtype=np.uint8)
 
-    def pack(self, groups: Iterator[Sequence[tuple[str, Tensor, dict]]]) -> Iterator[Bucket]:
+    def _target(self, index: int, size: int) -> tuple[np.ndarray, str | None]:
+        """Where bucket ``index`` is written, for a bucket of at least ``size`` bytes."""
+        if self.slots is not None:
+            return self.slots.buffer(index, max(size, self.capacity))
+        if size > self.buffer.nbytes:
+            self.buffer = np.empty(max(self.capacity, size), dtype=np.uint8)
+        return self.buffer, None
+
+    def pack(self, groups: Iterator[LazyGroup | Sequence[tuple[str, Tensor, dict]]]) -> Iterator[Bucket]:
+        """Buckets of ``groups``: lists of ``(name, tensor, meta)`` (copied in) or `wire.LazyGroup`
+        (written in place, e.g. quantized straight into the bucket)."""
         entries: list[Entry] = []
         used = count = 0
+        target, path = None, None
         for group in groups:
-            size = sum(t.numel() * t.element_size() for _, t, _ in group)
+            lazy = group if isinstance(group, LazyGroup) else LazyGroup.of(group)
+            size = lazy.nbytes
             if entries and used + size > self.capacity:
-                yield Bucket(entries, self.buffer[:used], index=count, sender=self.sender)
-                entries, used, count = [], 0, count + 1
-            if used + size > self.buffer.nbytes:  # first use, or an oversized group alone in its bucket
-                self.buffer = np.empty(max(self.capacity, size), dtype=np.uint8)
-            for name, tensor, meta in group:
-                entries.append(_write(self.buffer, used, name, tensor, meta))
-                used += entries[-1].nbytes
+                yield self._bucket(entries, target, path, used, count)
+                entries, used, count, target = [], 0, count + 1, None
+            if target is None or used + size > target.nbytes:  # a new bucket, or an oversized group
+                target, path = self._target(count, size)
+            views = []
+            for piece in lazy.pieces:
+                entries.append(_entry(piece, used))
+                views.append(_view(target, entries[-1], piece.dtype))
+                used += piece.nbytes
+            lazy.fill(views)
         if entries:
-            yield Bucket(entries, self.buffer[:used], index=count, sender=self.sender)
+            yield self._bucket(entries, target, path, used, count)
+
+    def _bucket(
+        self, entries: list[Entry], target: np.ndarray, path: str | None, used: int, index: int
+    ) -> Bucket:
+        slot = SlotRef(path, used) if path is not None else None
+        return Bucket(entries, target[:used], index=index, sender=self.sender, slot=slot)
 
 
 def pack_buckets(
@@ -118,15 +163,20 @@ def pack_buckets(
     return BucketPacker(capacity, sender).pack(groups)
 
 
-def _write(buffer: np.ndarray, offset: int, name: str, tensor: Tensor, meta: dict) -> Entry:
-    dtype = str(tensor.dtype).removeprefix("torch.")
+def _entry(piece: Piece, offset: int) -> Entry:
+    dtype = str(piece.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
-        raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, which no bucket carries")
-    nbytes = tensor.numel() * tensor.element_size()
-    torch.from_numpy(buffer[offset : offset + nbytes]).copy_(_as_bytes(tensor))
-    return Entry(name, dtype, tuple(tensor.shape), offset, nbytes, dict(meta))
+        raise ValueError(f"weight {piece.name!r} has dtype {piece.dtype}, which no bucket carries")
+    return Entry(piece.name, dtype, piece.shape, offset, piece.nbytes, dict(piece.meta))
+
+
+def _view(buffer: np.ndarray, entry: Entry, dtype: torch.dtype) -> Tensor:
+    """A writable tensor over ``entry``'s bytes of ``buffer``."""
+    return (
+        torch.from_numpy(buffer[entry.offset : entry.offset + entry.nbytes]).view(dtype).reshape(entry.shape)
+    )
 
 
 def detach(bucket: Bucket) -> Bucket:
     """``bucket`` with its own copy of the bytes (to keep it past the next one)."""
-    return Bucket(bucket.entries, bucket.buffer.copy(), bucket.index, bucket.sender)
+    return Bucket(bucket.entries, bucket.data.copy(), bucket.index, bucket.sender)

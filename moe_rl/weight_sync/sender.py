@@ -14,12 +14,14 @@ twice, and no rank gathers more than one tensor at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
-from moe_rl.weight_sync.wire import WireEncoder
+from moe_rl.weight_sync.wire import LazyGroup, WireEncoder
 
 EXPERT_MARK = ".mlp.experts."
 
@@ -38,12 +40,13 @@ def sends(megatron_name: str) -> bool:
     )
 
 
-def weight_groups(model: torch.nn.Module, encoder: WireEncoder) -> Iterator[list]:
-    """What this rank sends, encoded, one Megatron tensor (all its HF pieces) at a time."""
+def weight_groups(model: torch.nn.Module, encoder: WireEncoder) -> Iterator[LazyGroup]:
+    """What this rank sends, one Megatron tensor (all its HF pieces) at a time, encoded by the
+    packer straight into the bucket."""
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
 
-    for _, group in iter_hf_weight_groups(model, select=sends, copy=False):  # the packer copies
-        yield encoder.encode_group(group)
+    for _, group in iter_hf_weight_groups(model, select=sends, copy=False):  # views; the packer writes
+        yield encoder.lazy_group(group)
 
 
 def stream_buckets(
@@ -58,3 +61,56 @@ def stream_buckets(
     ``packer`` to reuse its buffer from sync to sync."""
     packer = packer or BucketPacker(capacity, sender=rank)
     return packer.pack(weight_groups(model, encoder))
+
+
+@dataclass
+class Published:
+    """What one sender's stream delivered."""
+
+    bytes: int = 0
+    buckets: int = 0
+    largest: int = 0
+    """Bytes of the largest bucket."""
+    dead: set[int] = field(default_factory=set)
+    """Receivers whose process died on the way (they got no later bucket)."""
+
+
+def publish(
+    buckets: Iterable[Bucket], receivers: dict[int, Callable[[Any], Any]], timeout_s: float
+) -> Published:
+    """Deliver every bucket to every receiver, with at most two buckets in flight: bucket ``i`` is
+    handed to all receivers, then the deliveries of bucket ``i - 1`` are awaited, so the packer's
+    buffer (or shared slot) of bucket ``i - 1`` is free again when bucket ``i + 1`` is packed.
+
+    ``receivers`` maps a receiver's index to a function that starts its delivery (a Ray call
+    returning an object reference). A bucket in a shared slot travels as itself (entries and the
+    slot's name); any other bucket is put in Ray's object store once, for all receivers.
+    """
+    import ray
+
+    out, alive, in_flight = Published(), dict(receivers), []
+    for bucket in buckets:
+        message = bucket if bucket.slot is not None else ray.put(bucket)
+        next_flight = [(i, deliver(message)) for i, deliver in alive.items()]
+        out.dead |= _settle(in_flight, timeout_s)
+        in_flight = next_flight
+        for i in out.dead:
+            alive.pop(i, None)
+        out.bytes += bucket.nbytes
+        out.buckets += 1
+        out.largest = max(out.largest, bucket.nbytes)
+    out.dead |= _settle(in_flight, timeout_s)
+    return out
+
+
+def _settle(flight: list[tuple[int, Any]], timeout_s: float) -> set[int]:
+    """Wait for deliveries; the indices of receivers whose process died."""
+    import ray
+
+    dead = set()
+    for i, ref in flight:
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            dead.add(i)
+    return dead

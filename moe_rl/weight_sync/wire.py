@@ -22,7 +22,9 @@ what the engine will hold, bytes sent).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -98,6 +100,45 @@ def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
     return out.mul_(_expand(scale.float(), block, out.shape))
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One tensor that travels, before its bytes exist: name, dtype, shape and wire meta."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    meta: dict
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class LazyGroup:
+    """A group's pieces and how to write them: ``fill(views)`` writes each piece into its view (a
+    tensor of the piece's dtype and shape in the bucket), so what travels is computed straight into
+    the bucket, with no encoded copy of the group besides it."""
+
+    pieces: list[Piece]
+    fill: Callable[[Sequence[Tensor]], None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(piece.nbytes for piece in self.pieces)
+
+    @staticmethod
+    def of(items: Sequence[tuple[str, Tensor, dict]]) -> LazyGroup:
+        """Tensors that already exist, copied into the bucket as they are."""
+        pieces = [Piece(name, t.dtype, tuple(t.shape), meta) for name, t, meta in items]
+        return LazyGroup(pieces, lambda views: _copy_all([t for _, t, _ in items], views))
+
+
+def _copy_all(tensors: Sequence[Tensor], views: Sequence[Tensor]) -> None:
+    for tensor, view in zip(tensors, views, strict=True):
+        view.copy_(tensor.detach())
+
+
 class WireEncoder:
     """The sender's side: HF-named tensors -> what travels, with the sync's `QuantReport`."""
 
@@ -121,8 +162,52 @@ class WireEncoder:
     def encode_group(self, group: Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor, dict]]:
         return [item for name, tensor in group for item in self.encode(name, tensor)]
 
+    def lazy_group(self, group: Iterable[tuple[str, Tensor]]) -> LazyGroup:
+        """`encode_group`, written into the bucket by the packer: quantized data and scales go
+        straight into their place (block FP8 on CPU without any full-size temporary), other tensors
+        are copied there; the `QuantReport` is filled as each piece is written."""
+        pieces: list[Piece] = []
+        writers: list[tuple[int, Callable[..., None]]] = []
+        for name, tensor in group:
+            if not self.active or not should_quantize(name, tensor, self.cfg, self.num_layers):
+                if self.active:
+                    self.report.add(name, tensor, None, 16)
+                pieces.append(Piece(name, tensor.dtype, tuple(tensor.shape), {}))
+                writers.append((1, lambda view, t=tensor: view.copy_(t.detach())))
+                continue
+            block = _block(self.cfg, tensor.shape)
+            scales = (math.ceil(tensor.shape[0] / block[0]), math.ceil(tensor.shape[1] / block[1]))
+            dtype = torch.float8_e4m3fn if self.cfg.method == "fp8" else torch.int8
+            pieces += [
+                Piece(name, dtype, tuple(tensor.shape), {"block": list(block), "scale": scale_name(name)}),
+                Piece(scale_name(name), torch.float32, scales, {"scale_of": name}),
+            ]
+            writers.append((2, lambda data, scale, n=name, t=tensor: self._quantize_into(n, t, data, scale)))
 
-ERROR_ROWS = 1024
+        def fill(views: Sequence[Tensor]) -> None:
+            at = 0
+            for count, write in writers:
+                write(*views[at : at + count])
+                at += count
+
+        return LazyGroup(pieces, fill)
+
+    def _quantize_into(self, name: str, tensor: Tensor, data: Tensor, scale: Tensor) -> None:
+        block = _block(self.cfg, tensor.shape)
+        if self.cfg.method == "fp8" and self.cfg.granularity == "block" and tensor.device == data.device:
+            from moe_rl.rollout.fp8_block import torch_fp8_block
+
+            torch_fp8_block(tensor, self.cfg.block_size, out=(data, scale))  # in place, row blocks at a time
+            sent_data, sent_scale = data, scale
+        else:  # computed on the tensor's device (the Triton kernel on CUDA), then copied in
+            quantize = quantize_fp8 if self.cfg.method == "fp8" else quantize_int8
+            sent_data, sent_scale, block = quantize(tensor, self.cfg)
+            data.copy_(sent_data)
+            scale.copy_(sent_scale)
+        self.report.add_quantized(name, tensor, *_errors(tensor, sent_data, sent_scale, block), bits=8)
+
+
+ERROR_ROWS = 128
 """Rows per chunk when the sender measures the quantization error (bounded temporaries)."""
 
 
@@ -134,9 +219,10 @@ def _errors(original: Tensor, data: Tensor, scale: Tensor, block: tuple[int, int
         rows = slice(start, start + step)
         first = start // block[0]
         part = dequantize(data[rows], scale[first : first + -(-data[rows].shape[0] // block[0])], block)
-        x = original[rows].float()
-        err += float((part - x).pow(2).sum())
-        ref += float(x.pow(2).sum())
+        x = original[rows].float().reshape(-1)  # (the weight itself when it is float32: read only)
+        ref += float(torch.dot(x, x))
+        diff = part.reshape(-1).sub_(x)
+        err += float(torch.dot(diff, diff))
     return err, ref
 
 

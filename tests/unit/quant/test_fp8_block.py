@@ -2,7 +2,8 @@
 
 Three tiers, all compared with ModelOpt's `FP8QTensor.quantize` called here directly:
 
-* CPU: the project function (ModelOpt + the zero-block rule) on several shapes and dtypes.
+* CPU: the project function (`torch_fp8_block`: torch operations, a few row blocks at a time) on
+  several shapes and dtypes, in one chunk and in many.
 * Triton interpreter: the Triton kernel itself, run on CPU tensors under ``TRITON_INTERPRET=1``
   in a subprocess (the variable must be set before Triton is imported; this process stays
   unaffected). Skipped where Triton is not importable.
@@ -107,7 +108,7 @@ def special_weight() -> torch.Tensor:
     return w
 
 
-# --- CPU: the project function is ModelOpt (+ the zero-block rule) ---------------------------------
+# --- CPU: the project function (the torch path) is ModelOpt (+ the zero-block rule) ------------------
 
 CPU_CASES = [
     ((256, 384), torch.bfloat16, 128),
@@ -129,6 +130,16 @@ def test_cpu_path_is_modelopt_bit_for_bit(shape, dtype, b):
     assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
     assert torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32))
     assert data.device.type == "cpu" and not triton_path_available(w)
+
+
+@pytest.mark.parametrize("chunk", [1, 128 * 128 * 3])
+def test_torch_path_in_row_chunks_is_modelopt(monkeypatch, chunk):
+    """A chunk of one row block (or three 128-blocks of elements) at a time: the same bits."""
+    monkeypatch.setattr(fp8_block, "CHUNK_ELEMENTS", chunk)
+    for w, b in [(random_weight((520, 300), torch.bfloat16), 128), (special_weight(), 128),
+                 (random_weight((3, 70, 50), torch.float32), 16)]:  # fmt: skip
+        data, scale = fp8_block.torch_fp8_block(w, b)
+        assert_matches_modelopt(data, scale, w, b)
 
 
 def test_real_quantize_fp8_block_delegates():

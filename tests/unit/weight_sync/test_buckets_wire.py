@@ -104,3 +104,39 @@ def test_a_quantized_weight_without_its_scales_is_an_error():
     )
     with pytest.raises(ValueError, match="without its scales"):
         list(decode(items[:1]))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        FP8_BLOCK,
+        QuantConfig(name="fp8_tensor", method="fp8", granularity="tensor"),
+        QuantConfig(name="int8", method="int8", granularity="channel"),
+        QuantConfig(name="bf16", method="none"),
+    ],
+    ids=lambda c: c.name,
+)
+def test_lazy_groups_write_the_same_bytes_and_report_as_encoded_ones(cfg):
+    """What the sender writes straight into the bucket equals encoding first, then copying."""
+    groups = [[(n, t.bfloat16() if t.dim() == 2 else t) for n, t in g] for g in _groups(1)]
+    groups[1][0][1][:4] = 0  # zero blocks
+    eager, lazy = WireEncoder(cfg, num_layers=2), WireEncoder(cfg, num_layers=2)
+    want = [detach(b) for b in pack_buckets((eager.encode_group(g) for g in groups), capacity=200)]
+    got = [detach(b) for b in pack_buckets((lazy.lazy_group(g) for g in groups), capacity=200)]
+    assert [b.entries for b in got] == [b.entries for b in want]
+    for g, w in zip(got, want, strict=True):
+        assert bytes(g.data) == bytes(w.data)
+    assert (lazy.report.num_quantized, lazy.report.bytes_sent) == (
+        eager.report.num_quantized,
+        eager.report.bytes_sent,
+    )
+    assert lazy.report.err_sq == pytest.approx(eager.report.err_sq, rel=1e-6)
+    assert (lazy.report.num_quantized > 0) == (cfg.method != "none")
+
+
+def test_torch_fp8_block_out_must_fit():
+    from moe_rl.rollout.fp8_block import torch_fp8_block
+
+    weight = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="out= must be float8_e4m3fn"):
+        torch_fp8_block(weight, 4, out=(torch.empty(8, 8, dtype=torch.float8_e4m3fn), torch.empty(3, 2)))

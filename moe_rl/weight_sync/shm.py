@@ -1,0 +1,167 @@
+"""Buckets through node-local shared memory: the CPU counterpart of CUDA IPC.
+
+When every receiver runs on the sender's node, the sender packs each bucket straight into one of
+two shared-memory slots (files in ``/dev/shm``, or the temporary folder when ``/dev/shm`` is too
+small) that it keeps from sync to sync, and sends the receivers only the slot's name and length;
+each receiver maps the slot once and reads the bucket in place. So a bucket's bytes are written once
+by the sender and read once by every receiver, into pages that stay mapped in both: no copy into an
+object store, no page faults on fresh allocations.
+
+A slot is reused two buckets later, after every receiver has returned from that bucket (the sender
+waits for the deliveries of bucket ``i - 1`` before it packs bucket ``i + 1``), so a receiver must
+not keep views of a bucket past its ``receive_bucket`` call: what it keeps longer, it copies. A slot
+that must hold a group larger than itself is replaced by a larger file under a new name (receivers
+map the new one on sight); the sender removes its files when it closes, and files left by a sender
+that died are removed by the next sender started on the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+PREFIX = "moe_rl-sync-"
+SHM_DIR = Path("/dev/shm")
+_GENERATIONS = itertools.count(1)
+"""Slot files get a name never used before in this process: a receiver that mapped an earlier file
+of the same name (now removed) must not mistake it for the new one."""
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """Where a bucket's bytes are: the first ``nbytes`` of the slot file ``path``."""
+
+    path: str
+    nbytes: int
+
+
+def slot_dir(nbytes: int) -> Path:
+    """``/dev/shm`` when it exists and has room for ``nbytes`` more, else the temporary folder
+    (a file there is still shared through the page cache)."""
+    if SHM_DIR.is_dir() and shutil.disk_usage(SHM_DIR).free > 2 * nbytes:
+        return SHM_DIR
+    return Path(tempfile.gettempdir())
+
+
+def _remove_stale(folder: Path) -> None:
+    """Slot files of senders on this node that no longer run (``moe_rl-sync-<pid>-…``)."""
+    for path in folder.glob(f"{PREFIX}*"):
+        pid = path.name.removeprefix(PREFIX).split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Slot:
+    """One shared file, mapped writable by its sender."""
+
+    def __init__(self, path: Path, nbytes: int):
+        self.path, self.nbytes = path, nbytes
+        with open(path, "w+b") as f:
+            f.truncate(nbytes)
+            self._map = mmap.mmap(f.fileno(), nbytes)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.array[:: mmap.PAGESIZE] = 0  # touch every page once: later buckets write to mapped pages
+
+    def close(self) -> None:
+        self.array = None
+        with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
+            self._map.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+class SharedSlots:
+    """The sender's slots (two by default), each at least ``capacity`` bytes."""
+
+    def __init__(self, capacity: int, num_slots: int = 2, tag: str = "0"):
+        if capacity <= 0 or num_slots < 2:
+            raise ValueError(
+                f"shared slots need capacity > 0 and at least 2 slots, got {capacity}, {num_slots}"
+            )
+        self.capacity, self.tag = capacity, tag
+        self._slots: list[_Slot | None] = [None] * num_slots
+        self._finalizer = weakref.finalize(self, _close_all, self._slots)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def buffer(self, index: int, nbytes: int) -> tuple[np.ndarray, str]:
+        """A writable buffer of ``nbytes`` in slot ``index % num_slots`` and the slot file's path
+        (a new file when the slot was smaller)."""
+        i = index % len(self._slots)
+        slot = self._slots[i]
+        if slot is None or slot.nbytes < nbytes:
+            if slot is not None:
+                slot.close()
+            size = max(self.capacity, nbytes)
+            folder = slot_dir(size)
+            _remove_stale(folder)
+            path = folder / f"{PREFIX}{os.getpid()}-{self.tag}-{i}-{next(_GENERATIONS)}"
+            slot = self._slots[i] = _Slot(path, size)
+        return slot.array[:nbytes], str(slot.path)
+
+    def nbytes(self) -> int:
+        """Bytes of shared memory the slots hold."""
+        return sum(slot.nbytes for slot in self._slots if slot is not None)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close_all(slots: list[_Slot | None]) -> None:
+    for i, slot in enumerate(slots):
+        if slot is not None:
+            slot.close()
+            slots[i] = None
+
+
+_MAPPED: dict[str, np.ndarray] = {}
+"""Slot files this receiver process has mapped (read-only), by path."""
+
+
+def read_slot(ref: SlotRef) -> np.ndarray:
+    """The bucket bytes at ``ref``, read-only and without a copy (each slot file is mapped once per
+    process; a sender's replacement file drops the mapping of the one it replaced)."""
+    array = _MAPPED.get(ref.path)
+    if array is None:
+        _forget_replaced(ref.path)
+        try:
+            with open(ref.path, "rb") as f:
+                array = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        except FileNotFoundError as exc:
+            raise RuntimeError(
+                f"weight-sync slot {ref.path} is gone: its sender stopped or replaced it before this "
+                "receiver read the bucket"
+            ) from exc
+        _MAPPED[ref.path] = array
+    if ref.nbytes > array.nbytes:
+        raise RuntimeError(f"weight-sync slot {ref.path} holds {array.nbytes} bytes, the bucket {ref.nbytes}")
+    return array[: ref.nbytes]
+
+
+def _forget_replaced(path: str) -> None:
+    """Drop the mappings of earlier files of the same sender slot (same name up to the generation)."""
+    stem = path.rsplit("-", 1)[0]
+    for old in [p for p in _MAPPED if p.rsplit("-", 1)[0] == stem]:
+        del _MAPPED[old]

@@ -1,0 +1,110 @@
+"""Buckets through the sender's shared-memory slots: only entries and a slot name travel, receivers
+read the bytes in place, slots are reused every other bucket, grown under a new name, and removed."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.weight_sync import shm
+from moe_rl.weight_sync.buckets import Bucket, BucketPacker
+
+
+@pytest.fixture
+def slots(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)  # this test's own folder, not the machine's /dev/shm
+    monkeypatch.setattr(shm, "_MAPPED", {})
+    slots = shm.SharedSlots(64, tag="t")
+    yield slots
+    slots.close()
+
+
+def _groups(sizes: list[int]):
+    return [[(f"w{i}", torch.arange(n, dtype=torch.float32) + 1000 * i, {})] for i, n in enumerate(sizes)]
+
+
+def _received(bucket: Bucket) -> dict[str, torch.Tensor]:
+    """The bucket as a receiver gets it: pickled (as Ray sends it), then read from the slot."""
+    wire = pickle.dumps(bucket)
+    assert len(wire) < 1024, "a shared-slot bucket must travel without its bytes"
+    shm._MAPPED.clear()  # a receiver maps the slot itself
+    return {e.name: t.clone() for e, t in pickle.loads(wire).tensors()}
+
+
+def test_buckets_alternate_between_two_slots_and_arrive_intact(slots, tmp_path):
+    packer = BucketPacker(64, slots=slots)
+    groups = _groups([16, 16, 16, 8])  # 64 B, 64 B, 64 B, 32 B: a bucket each
+    paths = []
+    for bucket, group in zip(packer.pack(iter(groups)), groups, strict=True):
+        assert bucket.slot is not None and bucket.slot.nbytes == bucket.nbytes
+        paths.append(bucket.slot.path)
+        got = _received(bucket)
+        assert torch.equal(got[group[0][0]], group[0][1])
+    assert paths[0] == paths[2] and paths[1] == paths[3] and paths[0] != paths[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({Path(p).name for p in paths})
+    assert slots.nbytes() == 128
+
+
+def test_an_oversized_group_gets_a_larger_slot_under_a_new_name(slots, tmp_path):
+    packer = BucketPacker(64, slots=slots)
+    first = next(packer.pack(iter(_groups([8]))))
+    old = first.slot.path
+    _received(first)
+    big = next(packer.pack(iter(_groups([40]))))  # 160 B > 64 B: slot 0 replaced
+    assert big.slot.path != old and not Path(old).exists() and big.nbytes == 160
+    assert torch.equal(_received(big)["w0"], torch.arange(40, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="is gone"):
+        shm.read_slot(shm.SlotRef(old, 32))
+
+
+def test_close_removes_the_files_and_stale_ones_of_dead_senders_go(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = tmp_path / f"{shm.PREFIX}{int(dead.stdout)}-0-0-1"
+    stale.write_bytes(b"x" * 10)
+    mine = tmp_path / f"{shm.PREFIX}{os.getpid()}-other-0-1"  # a live sender's: kept
+    mine.write_bytes(b"y")
+    slots = shm.SharedSlots(32)
+    slots.buffer(0, 8)
+    assert not stale.exists() and mine.exists()
+    assert len(list(tmp_path.glob(f"{shm.PREFIX}{os.getpid()}-0-*"))) == 1
+    slots.close()
+    assert list(tmp_path.glob(f"{shm.PREFIX}{os.getpid()}-0-*")) == []
+    with pytest.raises(ValueError, match="at least 2 slots"):
+        shm.SharedSlots(32, num_slots=1)
+
+
+def test_another_process_reads_the_bucket_in_place(slots):
+    bucket = next(BucketPacker(64, slots=slots).pack(iter(_groups([12]))))
+    code = (
+        "import pickle, sys, torch\n"
+        "bucket = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(sum(float(t.sum()) for _, t in bucket.tensors()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(bucket), capture_output=True, check=True
+    )
+    assert float(out.stdout) == float(torch.arange(12, dtype=torch.float32).sum())
+
+
+def test_a_new_sender_never_reuses_a_file_name_a_receiver_may_have_mapped(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(shm, "_MAPPED", {})
+    first = shm.SharedSlots(32)
+    bucket = next(BucketPacker(32, slots=first).pack(iter(_groups([4]))))
+    assert float(next(bucket.tensors())[1].sum()) == 6.0
+    shm.read_slot(bucket.slot)  # mapped by this "receiver"
+    first.close()
+    second = shm.SharedSlots(32)  # same tag, same process: a new name all the same
+    again = next(BucketPacker(32, slots=second).pack(iter([[("w", torch.full((4,), 7.0), {})]])))
+    assert again.slot.path != bucket.slot.path
+    assert torch.equal(_received(again)["w"], torch.full((4,), 7.0))
+    second.close()
