@@ -2,7 +2,8 @@
 
 The script (`slurm/ray_job.sbatch`) starts Ray over the allocation and runs `moe-rl train` on the
 resolved recipe; on a requeue it runs `moe-rl train --resume RUN_DIR`. Every value that reaches
-the script is quoted with `shlex.quote`, so a recipe value cannot inject shell code.
+the script is quoted with `shlex.quote`, so a recipe value cannot inject shell code, and every `%`
+of a path in a log file pattern (`--output`) is doubled, so Slurm expands only the pattern's own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
+from moe_rl.config.validate import check_text
 from moe_rl.orchestration.placement import placement_lines
 
 log = logging.getLogger("moe_rl.submit")
@@ -71,31 +73,46 @@ def resolve(recipe: str, overrides: Sequence[str], args: SlurmArgs) -> RecipeCon
     return config
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def _check_text(field: str, value: str | None) -> None:
-    if value is not None and _CONTROL.search(value):
-        raise ConfigError(f"{field}={value!r} contains a control character (newline, tab, ...)")
+MANAGED_OPTIONS = ("-o", "--output", "-e", "--error")
+"""sbatch options `moe-rl submit` sets itself: the job's log goes where `moe-rl logs` reads it."""
 
 
 def _check_submittable(config: RecipeConfig) -> None:
-    """Values that become file names or `#SBATCH` lines (`load_recipe` checked everything else)."""
+    """Values that become file names or `#SBATCH` lines (`load_recipe` checked everything else,
+    `run.name` included)."""
     c = config.cluster
     for field, value in (
-        ("run.name", config.run.name),
         ("run.output_dir", config.run.output_dir),
         ("cluster.partition", c.partition),
         ("cluster.account", c.account),
         ("cluster.time", c.time),
     ):
-        _check_text(field, value)
+        check_text(field, value)
+    if "\\" in config.run.output_dir:
+        raise ConfigError(
+            f"run.output_dir={config.run.output_dir!r} contains `\\`: sbatch and srun would then leave "
+            "%x and %j in the log file names unexpanded; use a folder without backslashes"
+        )
     for i, option in enumerate(c.extra_sbatch):
-        _check_text(f"cluster.extra_sbatch[{i}]", option)
-        if not option.startswith("-"):
-            raise ConfigError(f"cluster.extra_sbatch[{i}]={option!r} must be an sbatch option (`--qos=high`)")
-    if "/" in config.run.name or config.run.name in ("", ".", ".."):
-        raise ConfigError(f"run.name={config.run.name!r} must be a plain folder name (no `/`)")
+        _check_extra_option(f"cluster.extra_sbatch[{i}]", option)
+
+
+def _check_extra_option(field: str, option: str) -> None:
+    check_text(field, option)
+    if not option.startswith("-"):
+        raise ConfigError(f"{field}={option!r} must be an sbatch option (`--qos=high`)")
+    name = option.split("=", 1)[0] if option.startswith("--") else option[:2]
+    if name in MANAGED_OPTIONS:
+        raise ConfigError(
+            f"{field}={option!r}: moe-rl submit sets {name} itself (logs go to <run dir>/logs); "
+            "choose the folder with run.output_dir and run.name"
+        )
+
+
+def log_pattern(path: Path) -> str:
+    """`path` for an sbatch / srun `--output` pattern: a `%` of the path itself is doubled (`%%` is
+    a literal `%`), so only the pattern's own `%x`, `%j`, `%n` expand."""
+    return str(path).replace("%", "%%")
 
 
 def run_dir_of(config: RecipeConfig) -> Path:
@@ -119,7 +136,7 @@ def sbatch_options(config: RecipeConfig, workdir: Path) -> list[str]:
         "--mem=0",
         f"--time={q(c.time)}",
         f"--chdir={q(str(workdir))}",
-        f"--output={q(str(logs / '%x-%j.out'))}",
+        f"--output={q(log_pattern(logs) + '/%x-%j.out')}",
         "--open-mode=append",
         "--export=ALL",
         f"--signal=B:USR1@{int(c.signal_grace_s)}",
@@ -151,6 +168,7 @@ def render_script(
         "sbatch_options": "\n".join(sbatch_options(config, workdir)),
         "run_dir": q(str(run_dir)),
         "log_dir": q(str(run_dir / "logs")),
+        "log_pattern": q(log_pattern(run_dir / "logs")),
         "ray_port": q(str(config.cluster.ray_port)),
         "ray_join_timeout": q(str(config.cluster.ray_join_timeout_s)),
         "gpus_per_node": q(str(config.cluster.gpus_per_node)),

@@ -9,7 +9,12 @@ Order of precedence, lowest first:
   5. the command-line overrides (`trainer.lr=2e-6`).
 
 Unknown keys are errors naming the key and the closest valid key; values of the wrong type are
-errors naming the full path and the expected type. Cross-field checks live in `validate.py`.
+errors naming the full path and the expected type. Value and cross-field checks live in
+`validate.py`.
+
+Files are UTF-8. An empty recipe file (nothing, or only comments) is an error, and so is an empty
+quantization recipe (a recipe named by `rollout.quant` must define its `quant` section); an empty
+`defaults:` piece is a placeholder layer and adds nothing.
 """
 
 from __future__ import annotations
@@ -59,14 +64,25 @@ def recipes_root(recipe: Path) -> Path:
     return recipe.resolve().parent
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_text(path: Path) -> str:
     if not path.is_file():
         raise ConfigError(f"recipe file not found: {path}")
+    raw = path.read_bytes()
     try:
-        data = parse_yaml(path.read_text()) or {}
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
+        ) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any] | None:
+    """The mapping in a YAML file; None when the file holds nothing (empty, or only comments)."""
+    try:
+        data = parse_yaml(_read_text(path))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
+    if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
     return data
 
@@ -83,6 +99,9 @@ def _load_layers(path: Path, root: Path, seen: tuple[Path, ...] = ()) -> list[tu
         chain = " -> ".join(str(p.name) for p in (*seen, path))
         raise ConfigError(f"recipe defaults form a cycle: {chain}")
     data = _read_yaml(path)
+    if data is None and not seen:
+        raise ConfigError(f"recipe {path} is empty")
+    data = data or {}  # an empty piece adds nothing
     defaults = data.pop("defaults", [])
     if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
         raise ConfigError(f"{path}: `defaults` must be a list of recipe piece names, got {defaults!r}")
@@ -194,6 +213,8 @@ def _quant_layer(root: Path, name: str) -> tuple[str, dict[str, Any]]:
             f"(available: {', '.join(available) or 'none'})"
         )
     data = _read_yaml(path)
+    if data is None:
+        raise ConfigError(f"quantization recipe {path} is empty")
     check_keys(data, str(path))
     if set(data) - {"quant"}:
         raise ConfigError(f"{path}: a quantization recipe may only set the `quant` section")
@@ -201,7 +222,13 @@ def _quant_layer(root: Path, name: str) -> tuple[str, dict[str, Any]]:
 
 
 def load_recipe(recipe: str | Path, overrides: Sequence[str] = (), validate: bool = True) -> RecipeConfig:
-    """Load `recipe` with `overrides` into a typed `RecipeConfig` (validated unless told not to)."""
+    """Load `recipe` with `overrides` into a typed `RecipeConfig`.
+
+    Every field's own value is always checked (`check_values`: ranges, finite numbers, choices, the
+    run name), so nothing downstream divides by a zero size. `validate=False` skips the rest: the
+    cross-field checks and the components' rules (a recipe piece alone, or `moe-rl plan`, which
+    reports those rules itself).
+    """
     path = Path(recipe)
     root = recipes_root(path)
     layers = [(str(p), d) for p, d in _load_layers(path, root)]
@@ -221,6 +248,10 @@ def load_recipe(recipe: str | Path, overrides: Sequence[str] = (), validate: boo
         from moe_rl.validation import validate as validate_all
 
         validate_all(config)
+    else:
+        from moe_rl.config.validate import check_values
+
+        check_values(config)
     return config
 
 

@@ -1,6 +1,9 @@
-"""The recipe's own consistency: choices, types, positive sizes, batch shapes, correction bands.
-They run before any heavy import, so a bad recipe fails in well under a second; every error names
-the field, its value and what would be valid.
+"""The recipe's own consistency: choices, finite numbers, ranges of sizes and counts, the run
+name, batch shapes, correction bands. They run before any heavy import, so a bad recipe fails in
+well under a second; every error names the field, its value and what would be valid.
+
+`check_values` tests each field on its own (the `RANGES` table, finite floats, choices, the run
+name); `load_recipe` runs it on everything it loads. `validate_recipe` adds the cross-field checks.
 
 The rules of the components that run a recipe (the trainer's layout, the engine's capabilities,
 placement) live with those components; `moe_rl.validation` calls all of them.
@@ -8,7 +11,13 @@ placement) live with those components; `moe_rl.validation` calls all of them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+import math
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from moe_rl.config.loader import ConfigError
 from moe_rl.config.schema import ModelConfig, RecipeConfig
@@ -47,8 +56,94 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _get(config: RecipeConfig, path: str) -> object:
-    value: object = config
+@dataclass(frozen=True)
+class Bound:
+    """The values a field may take on its own: a test, and how an error message states it."""
+
+    ok: Callable[[Any], bool]
+    text: str
+
+
+POSITIVE = Bound(lambda v: v > 0, "> 0")
+NON_NEGATIVE = Bound(lambda v: v >= 0, ">= 0")
+NULL_OR_POSITIVE = Bound(lambda v: v is None or v > 0, "null or > 0")
+UNIT_FROM_ZERO = Bound(lambda v: 0 <= v < 1, "in [0, 1)")
+UNIT_TO_ONE = Bound(lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def _each(bound: Bound, *paths: str) -> dict[str, Bound]:
+    return dict.fromkeys(paths, bound)
+
+
+# Every numeric field whose valid values do not depend on other fields. Sizes and counts are > 0
+# wherever 0 means nothing (every divisor among them); offsets, counters and intervals are >= 0.
+RANGES: dict[str, Bound] = {
+    **_each(POSITIVE, "run.steps"),
+    **_each(NON_NEGATIVE, "run.seed", "run.max_staleness", "run.checkpoint_every"),
+    **_each(POSITIVE, "model.vocab_size", "model.hidden_size", "model.num_layers",
+            "model.num_attention_heads", "model.num_key_value_heads", "model.head_dim",
+            "model.ffn_hidden_size", "model.moe_ffn_hidden_size", "model.kv_lora_rank",
+            "model.qk_nope_head_dim", "model.qk_rope_head_dim", "model.v_head_dim", "model.rope_theta",
+            "model.max_position_embeddings", "model.rms_norm_eps", "model.init_std"),
+    **_each(NON_NEGATIVE, "model.num_experts", "model.first_k_dense_layers", "model.num_shared_experts",
+            "model.moe_aux_loss_coeff"),
+    **_each(NULL_OR_POSITIVE, "model.moe_router_num_groups", "model.moe_router_group_topk",
+            "model.moe_router_topk_scaling_factor", "model.q_lora_rank"),
+    **_each(POSITIVE, "parallel.trainer_world_size", "parallel.tensor_model_parallel_size",
+            "parallel.pipeline_model_parallel_size", "parallel.expert_model_parallel_size",
+            "parallel.expert_tensor_parallel_size", "parallel.context_parallel_size"),
+    **_each(POSITIVE, "rollout.batch_size", "rollout.group_size", "rollout.max_new_tokens",
+            "rollout.temperature", "rollout.num_engines", "rollout.tensor_parallel_size",
+            "rollout.sync_bucket_mb", "rollout.max_model_len"),
+    "rollout.top_k": Bound(lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
+    **_each(UNIT_TO_ONE, "rollout.top_p", "rollout.gpu_memory_utilization"),
+    **_each(POSITIVE, "quant.block_size", "quant.calib_tokens"),
+    **_each(NON_NEGATIVE, "quant.exclude_first_layers", "quant.exclude_last_layers"),
+    **_each(UNIT_FROM_ZERO, "algo.clip_eps_low", "algo.gspo_eps_low"),
+    **_each(NON_NEGATIVE, "algo.clip_eps_high", "algo.gspo_eps_high", "algo.espo_alpha"),
+    "algo.espo_rho": Bound(lambda v: 0 < v < 1, "in (0, 1)"),
+    **_each(POSITIVE, "algo.espo_num_groups", "algo.dgo_beta", "algo.corrections.tis.cap"),
+    **_each(POSITIVE, "trainer.lr", "trainer.num_mini_batches", "trainer.max_tokens_per_microbatch",
+            "trainer.logprob_chunk_size"),
+    **_each(NON_NEGATIVE, "trainer.min_lr", "trainer.lr_warmup_steps", "trainer.weight_decay",
+            "trainer.grad_clip"),
+    **_each(UNIT_FROM_ZERO, "trainer.adam_beta1", "trainer.adam_beta2"),
+    **_each(POSITIVE, "data.max_prompt_len", "data.offline_batches"),
+    **_each(POSITIVE, "cluster.nodes", "cluster.trainer_nodes", "cluster.ray_join_timeout_s",
+            "cluster.gpu_memory_gib"),
+    **_each(NON_NEGATIVE, "cluster.gpus_per_node", "cluster.rollout_nodes", "cluster.signal_grace_s"),
+    "cluster.ray_port": Bound(lambda v: 1 <= v <= 65535, "a TCP port in [1, 65535]"),
+    **_each(NON_NEGATIVE, "logging.diagnose_every"),
+}  # fmt: skip
+
+UNBOUNDED: tuple[str, ...] = (
+    "algo.corrections.tis.cap",
+    "algo.corrections.icepop.high",
+    "algo.corrections.rejection.low",
+    "algo.corrections.rejection.high",
+)
+"""Float fields where .inf / -.inf means "no bound" (as in `moe_rl.algo.corrections`); every other
+float field must be finite."""
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _float_paths(cls: type = RecipeConfig, prefix: str = "") -> list[str]:
+    """Paths of the schema's `float` and `float | None` fields."""
+    paths: list[str] = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            paths += _float_paths(tp, f"{prefix}{name}.")
+        elif tp is float or float in typing.get_args(tp):
+            paths.append(f"{prefix}{name}")
+    return paths
+
+
+FLOATS: tuple[str, ...] = tuple(_float_paths())
+
+
+def _get(config: RecipeConfig, path: str) -> Any:
+    value: Any = config
     for part in path.split("."):
         value = getattr(value, part)
     return value
@@ -59,22 +154,64 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def check_text(field: str, value: str | None) -> None:
+    """Refuse a control character (newline, tab, ...) in a value that becomes a file name or a
+    line of a script."""
+    _require(
+        value is None or not _CONTROL.search(value),
+        f"{field}={value!r} contains a control character (newline, tab, ...)",
+    )
+
+
+def _check_finite(config: RecipeConfig) -> None:
+    for path in FLOATS:
+        value = _get(config, path)
+        if value is None:
+            continue
+        if path in UNBOUNDED:
+            _require(not math.isnan(value), f"{path}={value} must be a number (.inf or -.inf: no bound)")
+        else:
+            _require(math.isfinite(value), f"{path}={value} must be a finite number")
+
+
 def _check_choices(config: RecipeConfig) -> None:
     for path, valid in CHOICES.items():
         value = _get(config, path)
         _require(value in valid, f"{path}={value!r} is not one of: {', '.join(valid)}")
 
 
-def _check_positive(config: RecipeConfig, paths: Iterable[str], strict: bool = True) -> None:
-    for path in paths:
+def _check_ranges(config: RecipeConfig) -> None:
+    for path, bound in RANGES.items():
         value = _get(config, path)
-        ok = value > 0 if strict else value >= 0  # type: ignore[operator]
-        _require(ok, f"{path}={value!r} must be {'> 0' if strict else '>= 0'}")
+        _require(bound.ok(value), f"{path}={value!r} must be {bound.text}")
+
+
+def _check_run_name(name: str) -> None:
+    """The run directory is `<run.output_dir>/<run.name>`, and Slurm log paths are built from it."""
+    check_text("run.name", name)
+    _require(
+        name not in ("", ".", "..") and "/" not in name and "\\" not in name,
+        f"run.name={name!r} must be a plain folder name inside run.output_dir (no `/` or `\\`; "
+        "not empty, `.` or `..`)",
+    )
+    _require(
+        "%" not in name,
+        f"run.name={name!r} must not contain `%`: sbatch and srun expand %j, %N, ... in the job's log paths",
+    )
+
+
+def check_values(config: RecipeConfig) -> None:
+    """Each field on its own: finite floats, choices, ranges, the run name. `load_recipe` runs
+    these on every recipe it loads (with `validate=False` too), so no later computation divides by
+    a zero size or carries a NaN."""
+    _check_finite(config)
+    _check_choices(config)
+    _check_ranges(config)
+    _check_run_name(config.run.name)
 
 
 def _check_model(config: RecipeConfig) -> None:
     m = config.model
-    _check_positive(config, ("model.vocab_size", "model.hidden_size", "model.num_layers"))
     _require(
         m.num_experts == 0 or 1 <= m.moe_router_topk <= m.num_experts,
         f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts={m.num_experts}]",
@@ -101,6 +238,11 @@ def _check_model(config: RecipeConfig) -> None:
             f"model.num_experts={m.num_experts} must be divisible by "
             f"model.moe_router_num_groups={m.moe_router_num_groups}",
         )
+    _require(
+        m.eos_token_id is None or 0 <= m.eos_token_id < m.vocab_size,
+        f"model.eos_token_id={m.eos_token_id} must be null or a token id in "
+        f"[0, model.vocab_size={m.vocab_size})",
+    )
     check_rope_scaling(m)
 
 
@@ -143,17 +285,6 @@ def check_rope_scaling(m: ModelConfig) -> None:
 
 def _check_batches(config: RecipeConfig) -> None:
     r = config.rollout
-    _check_positive(config, ("rollout.batch_size", "rollout.group_size", "rollout.max_new_tokens"))
-    _check_positive(config, ("trainer.num_mini_batches", "rollout.temperature", "rollout.sync_bucket_mb"))
-    _check_positive(config, ("rollout.num_engines", "rollout.tensor_parallel_size"))
-    _check_positive(
-        config,
-        (
-            "parallel.trainer_world_size", "parallel.tensor_model_parallel_size",
-            "parallel.pipeline_model_parallel_size", "parallel.expert_model_parallel_size",
-            "parallel.expert_tensor_parallel_size", "parallel.context_parallel_size",
-        ),
-    )  # fmt: skip
     _require(
         r.batch_size % r.group_size == 0,
         f"rollout.batch_size={r.batch_size} must be divisible by rollout.group_size={r.group_size}",
@@ -162,8 +293,6 @@ def _check_batches(config: RecipeConfig) -> None:
         config.algo.advantage != "rloo" or r.group_size >= 2,
         f"algo.advantage=rloo needs rollout.group_size >= 2 (got {r.group_size})",
     )
-    _require(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
-    _require(r.top_k == -1 or r.top_k > 0, f"rollout.top_k={r.top_k} must be -1 (off) or > 0")
     longest = config.data.max_prompt_len + r.max_new_tokens
     _require(
         longest <= config.model.max_position_embeddings,
@@ -174,11 +303,6 @@ def _check_batches(config: RecipeConfig) -> None:
 
 def _check_algo(config: RecipeConfig) -> None:
     a, c = config.algo, config.algo.corrections
-    if a.objective == "espo":
-        _require(0 < a.espo_rho < 1, f"algo.espo_rho={a.espo_rho} must be in (0, 1)")
-        _require(a.espo_num_groups >= 1, f"algo.espo_num_groups={a.espo_num_groups} must be >= 1")
-    _require(0 <= a.clip_eps_low < 1, f"algo.clip_eps_low={a.clip_eps_low} must be in [0, 1)")
-    _require(a.clip_eps_high >= 0, f"algo.clip_eps_high={a.clip_eps_high} must be >= 0")
     _require(
         0 <= c.icepop.low < c.icepop.high,
         f"algo.corrections.icepop: need 0 <= low < high (got {c.icepop.low}, {c.icepop.high})",
@@ -187,7 +311,6 @@ def _check_algo(config: RecipeConfig) -> None:
         c.rejection.low < c.rejection.high,
         f"algo.corrections.rejection: need low < high (got {c.rejection.low}, {c.rejection.high})",
     )
-    _require(c.tis.cap > 0, f"algo.corrections.tis.cap={c.tis.cap} must be > 0")
     if a.routing_replay != "off":
         _require(
             config.model.num_experts > 0,
@@ -214,10 +337,6 @@ def _check_algo(config: RecipeConfig) -> None:
             "run.mode=offline trains on stored trajectories: use algo.routing_replay=off|r2 and "
             "algo.corrections.keep_sampling_mask=false",
         )
-        _require(
-            config.data.offline_batches > 0,
-            f"data.offline_batches={config.data.offline_batches} must be > 0",
-        )
 
 
 def _check_quant(config: RecipeConfig) -> None:
@@ -227,14 +346,22 @@ def _check_quant(config: RecipeConfig) -> None:
         f"quant.name={q.name!r} differs from rollout.quant={config.rollout.quant!r}: "
         "switch recipes with rollout.quant=NAME",
     )
-    _require(q.block_size > 0, f"quant.block_size={q.block_size} must be > 0")
-    _require(q.calib_tokens > 0, f"quant.calib_tokens={q.calib_tokens} must be > 0")
+
+
+def _check_schedule(config: RecipeConfig) -> None:
+    t = config.trainer
+    _require(
+        t.min_lr <= t.lr,
+        f"trainer.min_lr={t.min_lr} must be <= trainer.lr={t.lr} (the schedule decays to it)",
+    )
 
 
 def validate_recipe(config: RecipeConfig) -> None:
-    """Run every cross-field check; raise `ConfigError` on the first failure."""
-    _check_choices(config)
+    """Every field on its own (`check_values`), then every cross-field check; raise `ConfigError`
+    on the first failure."""
+    check_values(config)
     _check_model(config)
     _check_batches(config)
+    _check_schedule(config)
     _check_algo(config)
     _check_quant(config)
