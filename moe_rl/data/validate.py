@@ -40,11 +40,18 @@ _FLAT_FIELDS = {
 
 
 def validate(
-    batch: TrajectoryBatch, *, vocab_size: int | None = None, logp_tolerance: float = DEFAULT_LOGP_TOLERANCE
+    batch: TrajectoryBatch,
+    *,
+    vocab_size: int | None = None,
+    num_experts: int | None = None,
+    topk: int | None = None,
+    logp_tolerance: float = DEFAULT_LOGP_TOLERANCE,
 ) -> None:
     """Raise ``TrajectoryError`` unless ``batch`` satisfies the trajectory contract.
 
-    ``vocab_size``, when given, bounds token ids and kept ids to ``[0, vocab_size)``.
+    ``vocab_size``, when given, bounds token ids and kept ids to ``[0, vocab_size)``;
+    ``num_experts`` and ``topk``, when given, are the model's: a routing trace must have been
+    recorded with the same expert count and top-k (its ids are then bounded by ``num_experts``).
     """
     _check_types(batch)
     _check_metadata(batch)
@@ -56,6 +63,7 @@ def validate(
         _check_logp("old_logp", batch.old_logp, batch.response_offsets, logp_tolerance)
     _check_version_spans(batch)
     _check_sampling_mask(batch, vocab_size)
+    _check_routing_model(batch, num_experts, topk)
     _check_routing(batch)
 
 
@@ -371,6 +379,24 @@ def _check_routing(batch: TrajectoryBatch) -> None:
         "duplicate expert id within a token's top-k",
         "distinct expert ids per token and layer",
     )
+
+
+def _check_routing_model(batch: TrajectoryBatch, num_experts: int | None, topk: int | None) -> None:
+    """A routing trace must come from a model with ``num_experts`` experts and top-``topk`` routing."""
+    if batch.routed_experts is None:
+        return
+    for name, model_value, key in (
+        ("num_experts", num_experts, "num_experts"),
+        ("topk", topk, "moe_router_topk"),
+    ):
+        value = getattr(batch, name)
+        if model_value is not None and value != model_value:
+            raise TrajectoryError(
+                name,
+                "routing trace recorded with a different MoE shape than the model's",
+                value=value,
+                expected=f"{model_value} (model.{key})",
+            )
 
 
 def _duplicate_in_topk(topk_idx: np.ndarray) -> np.ndarray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import reprlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -34,24 +35,91 @@ class ByteTokenizer:
 
 
 def read_records(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, str]]:
-    """(prompt, answer) pairs from a `.jsonl` or `.parquet` file; a missing column is an error."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    """(prompt, answer) pairs from a `.jsonl` or `.parquet` file.
 
-        rows = pq.read_table(path).to_pylist()
+    Every prompt must be a string and every answer a string or a number; a missing column, a
+    null, a list or an unreadable line is a ``ValueError`` naming the file, the row and the column.
+    """
+    keys = {prompt_key: "data.prompt_key", answer_key: "data.answer_key"}
+    if path.suffix == ".parquet":
+        rows = _parquet_rows(path, keys)
     elif path.suffix in (".jsonl", ".json"):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = _jsonl_rows(path, keys)
     else:
         raise ValueError(f"data.task=file:{path}: expected a .jsonl or .parquet file")
-    records = []
-    for i, row in enumerate(rows):
-        for key, field in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-            if key not in row:
-                raise ValueError(f"{path}: row {i} has no column {key!r} ({field}); columns: {sorted(row)}")
-        records.append((str(row[prompt_key]), str(row[answer_key])))
+    records = [
+        (
+            _text(path, where, row, prompt_key, _PROMPT_TYPES),
+            _text(path, where, row, answer_key, _ANSWER_TYPES),
+        )
+        for where, row in rows
+    ]
     if not records:
         raise ValueError(f"{path}: no rows")
     return records
+
+
+_PROMPT_TYPES: tuple[tuple[type, ...], str] = ((str,), "a string")
+_ANSWER_TYPES: tuple[tuple[type, ...], str] = ((str, int, float), "a string or a number")
+
+
+def _parquet_rows(path: Path, keys: dict[str, str]) -> list[tuple[str, dict]]:
+    """``(f"row {i}", row)`` for each row (0-based) of the two columns named in ``keys``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as err:
+        raise ValueError(f"{path}: not a readable Parquet file: {err}") from err
+    for key, option in keys.items():
+        if key not in table.column_names:
+            raise ValueError(f"{path}: no column {key!r} ({option}); columns present: {table.column_names}")
+    try:
+        rows = table.select(list(keys)).to_pylist()
+    except (OSError, pa.ArrowException) as err:
+        raise ValueError(f"{path}: columns {list(keys)} cannot be read: {err}") from err
+    return [(f"row {i}", row) for i, row in enumerate(rows)]
+
+
+def _jsonl_rows(path: Path, keys: dict[str, str]) -> list[tuple[str, dict]]:
+    """``(f"line {n}", object)`` for each non-blank line (1-based), every key of ``keys`` present."""
+    rows = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+            row = json.loads(line) if line.strip() else None
+        except UnicodeDecodeError as err:
+            bad = raw[err.start : err.start + 1]
+            raise ValueError(
+                f"{path}: line {number} is not UTF-8 text (byte offset {err.start} in the line: {bad!r})"
+            ) from err
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path}: line {number} is not valid JSON: {err.msg} (column {err.colno})"
+            ) from err
+        if row is None:
+            continue
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {number} is a JSON {type(row).__name__}; expected an object")
+        for key, option in keys.items():
+            if key not in row:
+                raise ValueError(
+                    f"{path}: line {number} has no column {key!r} ({option}); columns: {sorted(row)}"
+                )
+        rows.append((f"line {number}", row))
+    return rows
+
+
+def _text(path: Path, where: str, row: dict, key: str, allowed: tuple[tuple[type, ...], str]) -> str:
+    """``row[key]`` as text; refused unless of an ``allowed`` type (never a null, a list or a bool)."""
+    value, (types, description) = row[key], allowed
+    if isinstance(value, bool) or not isinstance(value, types):
+        kind = "null" if value is None else type(value).__name__
+        raise ValueError(
+            f"{path}: {where}, column {key!r}: got {reprlib.repr(value)} ({kind}); expected {description}"
+        )
+    return str(value)
 
 
 class PromptSource:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from moe_rl.errors import RewardFunctionError
+
 TextReward = Callable[[str, str], float]
 
 
@@ -28,12 +30,14 @@ def load_user_function(spec: str) -> TextReward:
     """`package.module:function` → the function (called as `fn(response_text, answer_text)`)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"data.reward={spec!r}: a user reward is given as `package.module:function`")
+        raise RewardFunctionError(
+            f"data.reward={spec!r}: a user reward is given as `package.module:function`"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"data.reward={spec!r}: cannot import {module_name}: {exc}") from exc
+        raise RewardFunctionError(f"data.reward={spec!r}: cannot import {module_name}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"data.reward={spec!r}: {module_name} has no function {attr}")
+        raise RewardFunctionError(f"data.reward={spec!r}: {module_name} has no function {attr}")
     return fn

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 
+from moe_rl.config import ConfigError
+from moe_rl.errors import RewardFunctionError
 from moe_rl.rewards.datasets import ByteTokenizer, PromptSource, Tokenizer
 from moe_rl.rewards.functions import exact_match, load_user_function, math_answer
 from moe_rl.rewards.tasks import Prompt, SyntheticTask, get_task, until_eos
@@ -16,24 +20,33 @@ class RewardScorer:
     """Scores responses: the synthetic task's own checker, or a text reward on decoded responses."""
 
     def __init__(self, reward: str, task: SyntheticTask | None = None, tokenizer: Tokenizer | None = None):
-        self.task = task
-        self.tokenizer = tokenizer
+        self.task, self.tokenizer, self.reward = task, tokenizer, reward
         if reward == "synthetic":
             if task is None:
-                raise ValueError("data.reward=synthetic needs data.task=synthetic:<task>")
+                raise ConfigError("data.reward=synthetic needs data.task=synthetic:<task>")
             self.text_fn = None
         else:
             self.text_fn = TEXT_REWARDS.get(reward) or load_user_function(reward)
             if tokenizer is None:
-                raise ValueError(f"data.reward={reward} scores text: the model needs a tokenizer")
+                raise ConfigError(f"data.reward={reward} scores text: the model needs a tokenizer")
 
     def score(self, prompt: Prompt, response: Sequence[int]) -> float:
         if self.text_fn is None:
             return float(self.task.score(prompt, response))
-        value = float(self.text_fn(self.tokenizer.decode(until_eos(response)), str(prompt.answer)))
-        if value != value:  # NaN
-            raise ValueError(f"reward function returned NaN for answer {prompt.answer!r}")
-        return value
+        text = self.tokenizer.decode(until_eos(response))
+        try:
+            value = self.text_fn(text, str(prompt.answer))
+        except Exception as exc:  # the user's code: any failure is reported as theirs, with the input
+            raise RewardFunctionError(
+                f"reward function data.reward={self.reward} raised {type(exc).__name__}: {exc} "
+                f"(response {text[:80]!r}, answer {prompt.answer!r})"
+            ) from exc
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardFunctionError(
+                f"reward function data.reward={self.reward} returned {value!r} ({type(value).__name__}) for "
+                f"answer {prompt.answer!r}; it must return a finite number"
+            )
+        return float(value)
 
     def score_all(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> list[float]:
         if len(prompts) != len(responses):
@@ -52,7 +65,7 @@ def build_tokenizer(config) -> Tokenizer | None:
         return None
     tokenizer = ByteTokenizer()
     if config.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"data.task={config.data.task} on a model without a tokenizer uses bytes (vocabulary "
             f"{tokenizer.vocab_size}); model.vocab_size={config.model.vocab_size} is too small"
         )

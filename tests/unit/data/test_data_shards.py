@@ -54,11 +54,11 @@ def test_old_logp_is_not_stored_by_default(tmp_path: Path) -> None:
 def test_metadata_change_starts_a_new_shard(tmp_path: Path) -> None:
     a, b = _batches()[:2]
     manifest = write_shards(
-        [a.replace(policy_version=5), b.replace(policy_version=6)], tmp_path, max_samples_per_shard=100
+        [a.replace(policy_version=8), b.replace(policy_version=9)], tmp_path, max_samples_per_shard=100
     )
-    assert [(s.num_samples, s.policy_version) for s in manifest.shards] == [(5, 5), (5, 6)]
+    assert [(s.num_samples, s.policy_version) for s in manifest.shards] == [(5, 8), (5, 9)]
     versions = [c.policy_version for c in read_shards(tmp_path)]
-    assert versions == [5, 6]
+    assert versions == [8, 9]
 
 
 def test_round_trip_without_optional_fields_and_with_uint16_routing(tmp_path: Path) -> None:
