@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from moe_rl.config import ConfigError, load_recipe
+from moe_rl.errors import UserError
 from moe_rl.log import setup_logging
 
 log = logging.getLogger("moe_rl.cli")
@@ -27,6 +28,10 @@ def _build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run the RL job of a recipe")
     _add_recipe_args(train)
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    train.add_argument(
+        "--force-new", action="store_true",
+        help="start over in a run directory that holds a run (deletes its checkpoints and metrics)",
+    )  # fmt: skip
 
     config = sub.add_parser("config", help="inspect recipes")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -124,7 +129,7 @@ def _config_command(args: argparse.Namespace) -> int:
 def _train_command(args: argparse.Namespace) -> int:
     from launch.train import train
 
-    return train(args.recipe, args.overrides, resume=args.resume)
+    return train(args.recipe, args.overrides, resume=args.resume, force_new=args.force_new)
 
 
 def _submit_command(args: argparse.Namespace) -> int:
@@ -208,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level.upper())
     try:
         return COMMANDS[args.command](args)
-    except ConfigError as exc:
+    except UserError as exc:  # a recipe, dataset row, stored trajectory or reward function: one line
         log.error("%s", exc)
         return 2
 

@@ -1,4 +1,4 @@
-"""`moe-rl train`: resolve the recipe, prepare the run directory, run the RL loop."""
+"""`moe-rl train`: resolve the recipe, take the run directory, check the inputs, run the RL loop."""
 
 from __future__ import annotations
 
@@ -8,16 +8,12 @@ from pathlib import Path
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from moe_rl.device import hide_cuda_if_cpu
+from moe_rl.errors import UserError, user_error_of
+from moe_rl.orchestration.run_dir import RunLock, claim
 
 log = logging.getLogger("moe_rl.train")
-
-
-def prepare_run_dir(config: RecipeConfig) -> Path:
-    """Create `<output_dir>/<name>` and write the resolved recipe into it."""
-    run_dir = Path(config.run.output_dir) / config.run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    return run_dir
+LOG_FILE = "logs/train.log"
+"""The driver's log in the run directory: every message, and the full traceback of an error."""
 
 
 def check_machine(config: RecipeConfig, machine=None) -> None:
@@ -29,8 +25,28 @@ def check_machine(config: RecipeConfig, machine=None) -> None:
     validate(config, machine or Machine.detect())
 
 
-def train(recipe: str, overrides: Sequence[str] = (), resume: str | None = None) -> int:
-    """Run the job of `recipe` (or continue the run directory `resume`); returns the exit code."""
+def check_inputs(config: RecipeConfig) -> None:
+    """What the run reads before it starts anything heavy: stored trajectories of an offline run,
+    the prompt dataset (every row) and the reward function (imported), so bad data or a missing
+    function is refused in seconds."""
+    from moe_rl.rewards.registry import build_prompt_source, build_scorer
+
+    if config.run.mode == "offline" and config.data.trajectories is not None:
+        from moe_rl.orchestration.stages import read_offline
+
+        read_offline(config, Path(config.data.trajectories))  # read again by the run: a check, not a cache
+    build_prompt_source(config)  # offline runs draw evaluation prompts from it
+    build_scorer(config)
+
+
+def train(
+    recipe: str, overrides: Sequence[str] = (), resume: str | None = None, force_new: bool = False
+) -> int:
+    """Run the job of `recipe` (or continue the run directory `resume`); returns the exit code.
+    The run directory is locked for the run's life; one that already holds a run is refused unless
+    it is resumed or ``force_new`` starts it over."""
+    if resume and force_new:
+        raise ConfigError("--resume continues a run and --force-new starts it over: give one of them")
     if resume:
         run_dir = Path(resume)
         if not (run_dir / "config.yaml").is_file():
@@ -38,12 +54,29 @@ def train(recipe: str, overrides: Sequence[str] = (), resume: str | None = None)
         config = load_recipe(run_dir / "config.yaml", overrides)
     else:
         config = load_recipe(recipe, overrides)
-        run_dir = prepare_run_dir(config)
-    log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
-    hide_cuda_if_cpu(config.run.device)  # before torch looks for CUDA
-    check_machine(config)
-    from moe_rl.log import setup_logging
+        run_dir = Path(config.run.output_dir) / config.run.name
+    with RunLock(run_dir):
+        if not resume:
+            claim(run_dir, force_new)
+            (run_dir / "config.yaml").write_text(to_yaml(config))
+        log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
+        hide_cuda_if_cpu(config.run.device)  # before torch looks for CUDA
+        check_machine(config)
+        check_inputs(config)
+        return _run(config, run_dir, resume is not None)
+
+
+def _run(config: RecipeConfig, run_dir: Path, resume: bool) -> int:
+    from moe_rl.log import log_to_file, setup_logging
     from moe_rl.orchestration.driver import run
 
     setup_logging(config.logging.level)
-    return run(config, run_dir, resume=resume is not None)
+    trace = log_to_file(run_dir / LOG_FILE)
+    try:
+        return run(config, run_dir, resume=resume)
+    except Exception as exc:
+        user = user_error_of(exc)
+        if user is None:
+            raise
+        trace.exception("the run stopped on bad input")  # the full traceback, in the log file only
+        raise UserError(f"{user} (traceback: {run_dir / LOG_FILE})") from None

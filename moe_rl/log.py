@@ -25,6 +25,22 @@ def setup_logging(level: str | int = "INFO") -> None:
     root.setLevel(level)
 
 
+def log_to_file(path: str | os.PathLike[str]) -> logging.Logger:
+    """Copy every project message to ``path`` (appended), and return a logger that writes there
+    only: for tracebacks the terminal should not show."""
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S"))
+    logging.getLogger().addHandler(handler)
+    trace = logging.getLogger("moe_rl.trace")
+    trace.propagate = False
+    trace.handlers = [handler]
+    return trace
+
+
 def progress(enabled: bool = True) -> Progress:
     """A progress display for loops over steps, samples or tokens (disabled off a terminal in CI)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -32,9 +32,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A recipe or override that cannot be used, with the offending key and what would be valid."""
 
 

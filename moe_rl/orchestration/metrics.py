@@ -62,13 +62,14 @@ class MetricsSink:
             self.wandb = wandb.init(project=wandb_project, name=run_name, config=dict(config or {}))
 
     def resume_from(self, step: int) -> None:
-        """Keep only the records of steps < `step` (a resumed run rewrites the rest)."""
+        """Keep only the records of steps < `step` (a resumed run rewrites the rest); written to a
+        temporary file and renamed, so an interruption leaves the old file whole."""
         if not self.path.exists():
             return
-        kept = [
-            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] < step
-        ]
-        self.path.write_text("".join(f"{line}\n" for line in kept))
+        kept = [json.dumps(record) for record in _records(self.path) if record["step"] < step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         record: dict[str, Any] = {"step": step}
@@ -108,4 +109,25 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ValueError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _records(path)
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of ``path``, one per line. A torn last line (a write cut short by a crash)
+    is reported and dropped; a bad line elsewhere is an error naming it."""
+    lines = path.read_bytes().split(b"\n")
+    records = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a step record")
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if all(not rest.strip() for rest in lines[number:]):
+                log.warning("%s: line %d is incomplete (a write cut short); dropped", path, number)
+                break
+            raise ValueError(f"{path}: line {number} is not a metrics record ({exc}): {raw[:80]!r}") from None
+        records.append(record)
+    return records

@@ -22,9 +22,10 @@ import torch
 
 from moe_rl.config.loader import ConfigError
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.data.shards import read_shards
+from moe_rl.data.shards import read_trajectories
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
+from moe_rl.orchestration import run_dir
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
 from moe_rl.orchestration.batches import Prepared, step_advantages, step_spec
 from moe_rl.orchestration.engine_pool import EnginePool, Generation
@@ -95,20 +96,24 @@ class Stages:
         return 0
 
     def restore(self, sink) -> int:
-        latest = self.run_dir / "checkpoints" / "latest"
-        if not latest.exists():  # e.g. a Slurm job requeued before its first checkpoint
+        """Continue from the newest complete, intact checkpoint (`run_dir.newest_usable`); metrics
+        and checkpoints after it are dropped only once it has loaded."""
+        usable = run_dir.newest_usable(self.run_dir)
+        if usable is None:  # e.g. a Slurm job requeued before its first checkpoint
             log.warning("--resume %s: no checkpoint yet; starting from step 0", self.run_dir)
             sink.resume_from(0)
             return self.start()
-        ckpt = self.run_dir / "checkpoints" / latest.read_text().strip()
-        state = json.loads((ckpt / "driver.json").read_text())
-        self.trainer.load_checkpoint(str(ckpt / "trainer"))
+        state = json.loads((usable.path / "driver.json").read_text())
+        self.trainer.load_checkpoint(str(usable.path / "trainer"))
         self.source.load_state(state["source"])
         self.version, self.step_done = state["version"], state["step"]
         self.num_stale_rejected = state["num_stale_rejected"]
         self.engines.start(version=self.version)
+        run_dir.set_aside_newer(usable.path.parent, self.step_done)
         sink.resume_from(self.step_done + 1)
-        log.info("resumed from %s at step %d (policy version %d)", ckpt, self.step_done + 1, self.version)
+        log.info(
+            "resumed from %s at step %d (policy version %d)", usable.path, self.step_done + 1, self.version
+        )
         return self.step_done + 1
 
     # ------------------------------------------------------------------ stages
@@ -232,12 +237,8 @@ class Stages:
                     part = folder / f"batch_{i:04d}"
                     ray.get(self.rewarder.dump.remote(str(part), OFFLINE_STEP + i), timeout=RAY_TIMEOUT_S)
                 done.write_text("")
-        data = TrajectoryBatch.concat(list(read_stored(Path(folder))))
+        data = read_offline(self.config, Path(folder))
         size = self.config.rollout.batch_size
-        if data.num_samples < size:
-            raise ValueError(
-                f"data.trajectories={folder}: {data.num_samples} samples < rollout.batch_size={size}"
-            )
         return [data.slice(i, i + size) for i in range(0, data.num_samples - size + 1, size)]
 
     def offline_batch(self, dataset: list[TrajectoryBatch], step: int) -> tuple[Rollout, dict[str, Any]]:
@@ -270,12 +271,17 @@ class Stages:
             self.checkpoint()
 
     def checkpoint(self) -> None:
-        """Trainer state + driver state after the last finished step (none finished: nothing)."""
+        """Trainer state + driver state after the last finished step (none finished: nothing),
+        sealed by a manifest written last (`run_dir.write_manifest`)."""
         if self.step_done < 0:
             return
         step = self.step_done
         name = f"step_{step:06d}"
-        ckpt = self.run_dir / "checkpoints" / name
+        folder = self.run_dir / "checkpoints"
+        ckpt = folder / name
+        if run_dir.verify(ckpt) is None:  # this step is saved already (a stop right after a checkpoint)
+            return
+        (ckpt / run_dir.MANIFEST).unlink(missing_ok=True)  # not complete until sealed again
         ckpt.mkdir(parents=True, exist_ok=True)
         self.trainer.save_checkpoint(str(ckpt / "trainer"))
         source = self._pending_state.get(step + 1, self.source.state())
@@ -286,7 +292,8 @@ class Stages:
             "source": _jsonable(source),
         }
         (ckpt / "driver.json").write_text(json.dumps(state))
-        (self.run_dir / "checkpoints" / "latest").write_text(name)
+        run_dir.write_manifest(ckpt)
+        run_dir.mark_latest(folder, name)
         log.info("checkpoint %s", ckpt)
 
     def shutdown(self) -> None:
@@ -295,17 +302,21 @@ class Stages:
         ray.kill(self.rewarder)
 
 
-def read_stored(folder: Path):
-    """Trajectory shards of ``folder``: a shard folder (``manifest.json``), or a folder of them
-    (a run's ``trajectories/step_*``, the offline data's ``batch_*``), read in name order."""
-    if (folder / "manifest.json").exists():
-        yield from read_shards(folder, include_old_logp=False)
-        return
-    parts = sorted(p for p in folder.iterdir() if (p / "manifest.json").exists()) if folder.is_dir() else []
-    if not parts:
-        raise FileNotFoundError(f"data.trajectories={folder}: no manifest.json in it or in its subfolders")
-    for part in parts:
-        yield from read_shards(part, include_old_logp=False)
+def read_offline(config: RecipeConfig, folder: Path) -> TrajectoryBatch:
+    """Stored trajectories for offline training, validated like live data against the model
+    (token ids, expert ids, kept sets, log-probs): nothing trains on data that fails `validate`."""
+    m = config.model
+    stored = read_trajectories(
+        folder, include_old_logp=False, vocab_size=m.vocab_size, num_experts=m.num_experts or None,
+        topk=m.moe_router_topk if m.num_experts else None,
+    )  # fmt: skip
+    data = TrajectoryBatch.concat(list(stored))
+    size = config.rollout.batch_size
+    if data.num_samples < size:
+        raise ConfigError(
+            f"data.trajectories={folder}: {data.num_samples} samples < rollout.batch_size={size}"
+        )
+    return data
 
 
 def _jsonable(state: dict) -> dict:

@@ -203,7 +203,7 @@ def test_every_command_refuses_the_same_way(override, expected, tmp_path, caplog
     def past_validation(*_):
         raise AssertionError("train went past validation")
 
-    monkeypatch.setattr(launch.train, "prepare_run_dir", past_validation)
+    monkeypatch.setattr(launch.train, "RunLock", past_validation)
     out = f"run.output_dir={tmp_path / 'runs'}"
     errors = {}
     for command in (["config", "show"], ["plan"], ["submit", "--dry-run"], ["train"]):

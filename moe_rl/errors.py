@@ -1,0 +1,26 @@
+"""The project's base error for problems with what a user gave it: a recipe value, a dataset row,
+stored trajectories, a reward function. `moe-rl` reports one of these as one line that names the
+field / file / row / function and the value (the traceback goes to the run's log file), wherever
+it was raised: in the driver or, through Ray, in a worker."""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Bad input from the user; the message says what, where, and what would be valid."""
+
+
+class RewardFunctionError(UserError):
+    """A reward function raised, or returned something that is not a finite number."""
+
+
+def user_error_of(exc: BaseException) -> UserError | None:
+    """The `UserError` behind ``exc``: itself, or the cause Ray wrapped it in (a task's error
+    reaches the driver as a ``RayTaskError`` whose ``cause`` is the worker's exception)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, UserError) and type(exc).__module__.split(".")[0] != "ray":
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+        seen += 1
+    return None

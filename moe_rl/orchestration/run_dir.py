@@ -1,0 +1,224 @@
+"""A run directory belongs to one run: its lock, its checkpoints and what proves them complete.
+
+* **Ownership.** `RunLock` holds an exclusive ``flock`` on ``<run_dir>/run.lock`` for the run's
+  life; the operating system releases it when the process ends, however it ends, so a lock left by
+  a dead process is never in the way (it is reported, from the owner it names, and taken over).
+  `claim` refuses a directory that already holds a run unless the user resumes it or asks to start
+  over (``--force-new``).
+* **Checkpoints that prove themselves.** A checkpoint ``checkpoints/step_NNNNNN/`` is complete only
+  when its ``manifest.json`` (size and CRC-32 of every file in it) exists; it is written last, and
+  atomically (a temporary file renamed). `newest_usable` scans ``checkpoints/`` (``latest`` is only a
+  hint), verifies the newest checkpoint against its manifest and falls back to older ones, saying
+  why each newer one was skipped.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_rl.config import ConfigError
+
+log = logging.getLogger("moe_rl.run_dir")
+
+LOCK = "run.lock"
+MANIFEST = "manifest.json"
+CHECKPOINT = re.compile(r"step_(\d{6,})")
+RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "trajectories", "offline_data", "config.yaml")
+"""What a run writes into its directory (``--force-new`` removes these; logs stay)."""
+
+
+class RunDirInUse(ConfigError):
+    """Another live process holds the run directory."""
+
+
+class RunLock:
+    """An exclusive lock on a run directory for this process's life (see the module docstring)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self._file = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")  # noqa: SIM115 (held open for the run's life)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            owner = f.read().strip() or "another process"
+            f.close()
+            raise RunDirInUse(
+                f"run directory {self.path.parent} is in use by {owner}; wait for that run to end, stop it, "
+                "or choose another run.name"
+            ) from None
+        f.seek(0)
+        previous = f.read().strip()
+        if previous:
+            log.warning("run directory %s: the previous run (%s) ended without releasing it; taking it over",
+                        self.path.parent, previous)  # fmt: skip
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.truncate(0)  # a clean end: nothing to report next time
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    return any((Path(run_dir) / name).exists() for name in ("metrics.jsonl", "checkpoints"))
+
+
+def claim(run_dir: Path, force_new: bool) -> None:
+    """Make ``run_dir`` ready for a new run (its lock already held): refuse one that holds a run,
+    unless ``force_new``, which removes that run's files (logs stay)."""
+    if not holds_a_run(run_dir):
+        return
+    if not force_new:
+        steps = [int(m.group(1)) for m in map(CHECKPOINT.fullmatch, _names(run_dir / "checkpoints")) if m]
+        saved = f"checkpoints of steps {sorted(steps)}" if steps else "no checkpoint"
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run ({saved}); continue it with "
+            f"`moe-rl train --resume {run_dir}`, start it over with --force-new (deletes its checkpoints "
+            "and metrics), or choose another run.name"
+        )
+    log.warning("--force-new: removing the earlier run's checkpoints and metrics from %s", run_dir)
+    for name in RUN_ARTIFACTS:
+        path = Path(run_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+# --------------------------------------------------------------------------------- checkpoints
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(ckpt: Path) -> list[Path]:
+    return sorted(
+        p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp")
+    )
+
+
+def write_manifest(ckpt: Path) -> None:
+    """Seal a checkpoint: sizes and CRC-32 of its files, written last and atomically."""
+    files = {str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in _files(ckpt)}
+    tmp = ckpt / f"{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt / MANIFEST)
+
+
+def verify(ckpt: Path) -> str | None:
+    """Why ``ckpt`` cannot be resumed from (None: complete and intact)."""
+    manifest = ckpt / MANIFEST
+    if not manifest.is_file():
+        return "no manifest.json (the save did not finish)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        return f"manifest.json is unreadable ({exc})"
+    for name, want in files.items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {want['bytes']}"
+        if _crc32(path) != want["crc32"]:
+            return f"{name} does not match its checksum (damaged)"
+    return None
+
+
+@dataclass(frozen=True)
+class Usable:
+    path: Path
+    step: int
+
+
+def newest_usable(run_dir: Path) -> Usable | None:
+    """The newest complete, intact checkpoint under ``run_dir/checkpoints`` (None: there is none at
+    all). Newer ones that fail verification are reported and skipped; if every one fails, that is
+    an error (resuming from step 0 would overwrite them)."""
+    folder = Path(run_dir) / "checkpoints"
+    found = sorted(
+        ((int(m.group(1)), folder / m.group(0)) for m in map(CHECKPOINT.fullmatch, _names(folder)) if m),
+        reverse=True,
+    )
+    skipped = []
+    for step, path in found:
+        problem = verify(path)
+        if problem is None:
+            for name, why in skipped:
+                log.warning(
+                    "checkpoint %s is not usable (%s); resuming from the older %s", name, why, path.name
+                )
+            _check_hint(folder, path.name)
+            return Usable(path, step)
+        skipped.append((path.name, problem))
+    if skipped:
+        reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
+        raise ConfigError(
+            f"--resume {run_dir}: no usable checkpoint ({reasons}); start over with --force-new or fix the files"
+        )
+    return None
+
+
+def _check_hint(folder: Path, chosen: str) -> None:
+    latest = folder / "latest"
+    hint = latest.read_text().strip() if latest.is_file() else None
+    if hint != chosen:
+        log.warning(
+            "checkpoints/latest says %s; resuming from %s, the newest usable checkpoint", hint, chosen
+        )
+
+
+def mark_latest(folder: Path, name: str) -> None:
+    """Point ``checkpoints/latest`` at ``name`` (atomically; a hint for people and tools)."""
+    tmp = folder / "latest.tmp"
+    tmp.write_text(name)
+    os.replace(tmp, folder / "latest")
+
+
+def set_aside_newer(folder: Path, step: int) -> None:
+    """Checkpoints after ``step`` (unusable ones a resume skipped) are renamed ``<name>.unusable-<time>``:
+    kept for a look, no longer taken for checkpoints, and out of the way of the steps run again."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name in _names(folder):
+        m = CHECKPOINT.fullmatch(name)
+        if m and int(m.group(1)) > step:
+            os.replace(folder / name, folder / f"{name}.unusable-{stamp}")
+            log.warning("set aside checkpoint %s as %s.unusable-%s", name, name, stamp)
