@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,12 +105,15 @@ SCALED_OUT = ["parallel.trainer_world_size=2", "rollout.num_engines=2"]
     ids=["ctrl-c-dp2-two-engines", "sigterm-one-rank"],
 )
 def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig, layout):
+    """Interrupted, then its newest checkpoint damaged (truncated / 4 KiB overwritten), `latest`
+    deleted and a torn line left in metrics.jsonl: the resume falls back to the checkpoint before,
+    refuses a second run in the same directory meanwhile, and ends equal to an uninterrupted run."""
     common = [TINY, "run.steps=6", *layout]
     straight = _train([*common, "run.name=straight"], tmp_path)
     _finish(straight)
     reference = _metrics(tmp_path / "straight")
 
-    interrupted = _train([*common, "run.name=cut"], tmp_path)
+    interrupted = _train([*common, "run.name=cut", "run.checkpoint_every=1"], tmp_path)
     metrics = tmp_path / "cut" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -119,30 +123,40 @@ def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig, l
     interrupted.send_signal(sig)  # the step in flight finishes, then a consistent checkpoint
     out, _ = interrupted.communicate(timeout=300)
     assert interrupted.returncode == 130, out[-3000:]
-    assert (tmp_path / "cut" / "checkpoints" / "latest").exists()
+    checkpoints = tmp_path / "cut" / "checkpoints"
+    newest = checkpoints / (checkpoints / "latest").read_text()
+    _damage(newest, truncate=sig == signal.SIGINT)
+    (checkpoints / "latest").unlink()
+    with metrics.open("a") as f:
+        f.write('{"step": 9, "reward/me')  # a write cut short
 
-    resume = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.cli",
-            "train",
-            TINY,
-            "--resume",
-            str(tmp_path / "cut"),
-            "logging.progress=false",
-            *layout,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert resume.returncode == 0, resume.stdout[-3000:] + resume.stderr[-3000:]
+    resume = _train([TINY, "--resume", str(tmp_path / "cut"), *layout], tmp_path)
+    lock = tmp_path / "cut" / "run.lock"
+    while not (lock.exists() and lock.read_text()):
+        assert resume.poll() is None, resume.communicate()[0][-3000:]
+        time.sleep(0.1)
+    second = _train([TINY, "--resume", str(tmp_path / "cut")], tmp_path)
+    out2, _ = second.communicate(timeout=120)
+    assert second.returncode == 2 and f"is in use by pid {resume.pid} " in out2, out2[-2000:]
+    out = _finish(resume)
+    assert f"checkpoint {newest.name} is not usable" in out and "resuming from the older" in out, out[-3000:]
+    assert "is incomplete (a write cut short); dropped" in out
     resumed = _metrics(tmp_path / "cut")
     assert [r["step"] for r in resumed] == list(range(6))
     for a, b in zip(reference, resumed):
         assert _comparable(a) == _comparable(b), f"step {a['step']} differs after resume"
+
+
+def _damage(checkpoint: Path, truncate: bool) -> None:
+    """Cut the checkpoint's largest file in half, or overwrite 4 KiB in its middle (same size)."""
+    largest = max((p for p in checkpoint.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = largest.read_bytes()
+    assert len(data) > 8192, largest
+    if truncate:
+        largest.write_bytes(data[: len(data) // 2])
+    else:
+        middle = len(data) // 2
+        largest.write_bytes(data[:middle] + bytes(4096) + data[middle + 4096 :])
 
 
 def test_engine_crash_is_detected_and_the_engine_restarted(tmp_path):
@@ -192,3 +206,25 @@ def test_async_one_step_off_policy_respects_the_staleness_bound(
         assert staleness == [0, 1, 1, 1] and rejected == 0
     assert all(s <= max_staleness for s in staleness)
     assert all(r["rollout/engines"] == engines for r in records)
+
+
+def test_a_failing_reward_function_stops_the_run_with_one_line(tmp_path):
+    """A user's reward function that raises, on the reward worker (a Ray actor): the driver prints
+    one line naming the function, the exception and the input; the traceback is in logs/train.log."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    (tmp_path / "bad_reward.py").write_text(
+        "def score(response, answer):\n    return {'reward': 1}[answer]\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    args = [TINY, "run.name=badreward", "run.steps=2", f"data.task=file:{data}", "data.reward=bad_reward:score",
+            "model.vocab_size=320", "rollout.batch_size=16"]  # fmt: skip
+    proc = _train(args, tmp_path, env=env)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    (line,) = [x for x in out.splitlines() if " E moe_rl" in x or " E launch" in x]
+    assert re.search(r"reward function data.reward=bad_reward:score raised KeyError: '(\d)' \(response .*, "
+                     r"answer '\1'\) \(traceback: .*train.log\)$", line), line  # fmt: skip
+    log_file = tmp_path / "badreward" / "logs" / "train.log"
+    assert "Traceback" in log_file.read_text() and "KeyError" in log_file.read_text()
