@@ -9,7 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from moe_rl.errors import UserError
 from moe_rl.rewards.tasks import BOS, EOS, Prompt, get_task
+
+
+class DatasetError(UserError):
+    """A prompt dataset (or `data.task`) that cannot be used: the file, row / line and column named."""
 
 
 class Tokenizer(Protocol):
@@ -46,7 +51,7 @@ def read_records(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str
     elif path.suffix in (".jsonl", ".json"):
         rows = _jsonl_rows(path, keys)
     else:
-        raise ValueError(f"data.task=file:{path}: expected a .jsonl or .parquet file")
+        raise DatasetError(f"data.task=file:{path}: expected a .jsonl or .parquet file")
     records = [
         (
             _text(path, where, row, prompt_key, _PROMPT_TYPES),
@@ -55,7 +60,7 @@ def read_records(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str
         for where, row in rows
     ]
     if not records:
-        raise ValueError(f"{path}: no rows")
+        raise DatasetError(f"{path}: no rows")
     return records
 
 
@@ -71,14 +76,14 @@ def _parquet_rows(path: Path, keys: dict[str, str]) -> list[tuple[str, dict]]:
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as err:
-        raise ValueError(f"{path}: not a readable Parquet file: {err}") from err
+        raise DatasetError(f"{path}: not a readable Parquet file: {err}") from err
     for key, option in keys.items():
         if key not in table.column_names:
-            raise ValueError(f"{path}: no column {key!r} ({option}); columns present: {table.column_names}")
+            raise DatasetError(f"{path}: no column {key!r} ({option}); columns present: {table.column_names}")
     try:
         rows = table.select(list(keys)).to_pylist()
     except (OSError, pa.ArrowException) as err:
-        raise ValueError(f"{path}: columns {list(keys)} cannot be read: {err}") from err
+        raise DatasetError(f"{path}: columns {list(keys)} cannot be read: {err}") from err
     return [(f"row {i}", row) for i, row in enumerate(rows)]
 
 
@@ -91,20 +96,20 @@ def _jsonl_rows(path: Path, keys: dict[str, str]) -> list[tuple[str, dict]]:
             row = json.loads(line) if line.strip() else None
         except UnicodeDecodeError as err:
             bad = raw[err.start : err.start + 1]
-            raise ValueError(
+            raise DatasetError(
                 f"{path}: line {number} is not UTF-8 text (byte offset {err.start} in the line: {bad!r})"
             ) from err
         except json.JSONDecodeError as err:
-            raise ValueError(
+            raise DatasetError(
                 f"{path}: line {number} is not valid JSON: {err.msg} (column {err.colno})"
             ) from err
         if row is None:
             continue
         if not isinstance(row, dict):
-            raise ValueError(f"{path}: line {number} is a JSON {type(row).__name__}; expected an object")
+            raise DatasetError(f"{path}: line {number} is a JSON {type(row).__name__}; expected an object")
         for key, option in keys.items():
             if key not in row:
-                raise ValueError(
+                raise DatasetError(
                     f"{path}: line {number} has no column {key!r} ({option}); columns: {sorted(row)}"
                 )
         rows.append((f"line {number}", row))
@@ -116,7 +121,7 @@ def _text(path: Path, where: str, row: dict, key: str, allowed: tuple[tuple[type
     value, (types, description) = row[key], allowed
     if isinstance(value, bool) or not isinstance(value, types):
         kind = "null" if value is None else type(value).__name__
-        raise ValueError(
+        raise DatasetError(
             f"{path}: {where}, column {key!r}: got {reprlib.repr(value)} ({kind}); expected {description}"
         )
     return str(value)
@@ -140,10 +145,10 @@ class PromptSource:
         self.records: list[tuple[str, str]] = []
         if kind == "file":
             if tokenizer is None:
-                raise ValueError(f"data.task={task}: text prompts need a tokenizer")
+                raise DatasetError(f"data.task={task}: text prompts need a tokenizer")
             self.records = read_records(Path(name), prompt_key, answer_key)
         elif kind != "synthetic":
-            raise ValueError(f"data.task={task!r}: expected `synthetic:<task>` or `file:<path>`")
+            raise DatasetError(f"data.task={task!r}: expected `synthetic:<task>` or `file:<path>`")
         self.tokenizer = tokenizer
         self.max_prompt_len = max_prompt_len
         self._order: list[int] = []
@@ -155,7 +160,7 @@ class PromptSource:
         text, answer = self.records[self._order.pop()]
         ids = [*self.tokenizer.encode(text), EOS]
         if len(ids) > self.max_prompt_len:
-            raise ValueError(
+            raise DatasetError(
                 f"prompt {text[:40]!r}... has {len(ids)} tokens > data.max_prompt_len={self.max_prompt_len}"
             )
         return Prompt(tuple(ids), answer, "file")

@@ -11,6 +11,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moe_rl.errors import UserError
+
 PAD, BOS, EOS = 0, 1, 2
 DIGIT0 = 3
 NUM_DIGITS = 10
@@ -134,7 +136,5 @@ TASKS: dict[str, type[SyntheticTask]] = {t.name: t for t in (RepeatDigit, CountU
 
 def get_task(name: str) -> SyntheticTask:
     if name not in TASKS:
-        raise ValueError(
-            f"data.task=synthetic:{name} is unknown; synthetic tasks: {', '.join(sorted(TASKS))}"
-        )
+        raise UserError(f"data.task=synthetic:{name} is unknown; synthetic tasks: {', '.join(sorted(TASKS))}")
     return TASKS[name]()

@@ -88,3 +88,29 @@ def test_count_up_scores_successors_of_the_previous_token():
     assert task.score(prompt, [EOS]) == 0.0
     # a wrong token still lets the next one count from it
     assert task.score(prompt, [digit_token((last + 5) % 10), digit_token((last + 6) % 10)]) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("raise RuntimeError('no network')", "raised RuntimeError: no network (response 'abc', answer '7')"),
+        ("return float('nan')", "returned nan (float) for answer '7'; it must return a finite number"),
+        ("return 'yes'", "returned 'yes' (str) for answer '7'; it must return a finite number"),
+        ("return None", "returned None (NoneType) for answer '7'"),
+    ],
+    ids=["raises", "nan", "string", "none"],
+)
+def test_a_misbehaving_reward_function_is_named_with_its_input(tmp_path, monkeypatch, body, expected):
+    from moe_rl.errors import RewardFunctionError
+    from moe_rl.rewards.tasks import Prompt
+
+    module = f"user_reward_{len(body)}_{sum(map(ord, body))}"  # a fresh module per case
+    (tmp_path / f"{module}.py").write_text(f"def score(response, answer):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tok = ByteTokenizer()
+    scorer = RewardScorer(f"{module}:score", tokenizer=tok)
+    prompt = Prompt(ids=tuple(tok.encode("q")), answer="7")
+    with pytest.raises(RewardFunctionError) as err:
+        scorer.score(prompt, tok.encode("abc")[1:])
+    assert str(err.value).startswith(f"reward function data.reward={module}:score ")
+    assert expected in str(err.value)
