@@ -162,6 +162,7 @@ class EnginePool:
                 "sync/bytes": streamed["bytes"],
                 "sync/buckets": streamed["buckets"],
                 "sync/senders": streamed["senders"],
+                "sync/shared_memory": streamed["shared_memory"],
             }
         )
         return metrics

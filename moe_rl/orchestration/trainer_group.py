@@ -93,6 +93,7 @@ class TrainerGroup:
             "bytes": sum(r["bytes"] for r in results),
             "buckets": sum(r["buckets"] for r in results),
             "senders": sum(1 for r in results if r["buckets"]),
+            "shared_memory": int(all(r["shared_memory"] for r in results if r["buckets"])),
             "report": report,
             "dead": sorted({i for r in results for i in r["dead"]}),
         }
