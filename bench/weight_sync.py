@@ -2,7 +2,12 @@
 raw Ray transfer of the same bytes, measured in one process.
 
 Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 2 min with ``--quick``, about 7 min
-without; most of it is FP8 encoding and decoding, which on CPU run at ~0.1 GB/s).
+without; most of it is FP8 decoding, which on CPU runs at ~0.2 GB/s: torch converts e4m3 to float
+one element at a time there).
+
+Two copies are the least a sync can do (the sender writes the bucket, each receiver reads it into its
+weights), so on a machine whose raw copy is bound by memory bandwidth, ~50 % of the raw copy is the
+ceiling of a one-receiver sync.
 
 * Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
   `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to
