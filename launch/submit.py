@@ -21,6 +21,7 @@ from pathlib import Path
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from moe_rl.config.validate import check_text
 from moe_rl.orchestration.placement import placement_lines
+from moe_rl.orchestration.run_dir import holds_a_run
 
 log = logging.getLogger("moe_rl.submit")
 
@@ -229,6 +230,11 @@ def submit(
             f"{q_path(run_dir / SCRIPT_NAME)}\n"
         )
         return 0
+    if holds_a_run(run_dir):
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run (metrics or checkpoints); continue it with "
+            f"`moe-rl train --resume {run_dir}` or submit under another run.name"
+        )
     if (run_dir / JOB_ID_FILE).exists():
         log.warning(
             "%s already holds job %s; it is replaced by the new job",

@@ -158,6 +158,9 @@ def test_submit_writes_run_dir_and_job_id(tmp_path, monkeypatch, capsys):
     assert (run_dir / "slurm_job_id").read_text() == "4242\n"
     assert (run_dir / "config.yaml").is_file() and (run_dir / "logs").is_dir()
     assert (bin_dir / "args").read_text().split() == ["--parsable", str(run_dir / "job.sbatch")]
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')  # the job ran: a second submit is refused
+    with pytest.raises(ConfigError, match="already holds a run .*moe-rl train --resume"):
+        submit(TINY, [f"run.output_dir={tmp_path / 'runs'}"], CPU)
 
 
 def test_missing_sbatch_is_a_clear_error(tmp_path, monkeypatch):
