@@ -54,6 +54,7 @@ log = logging.getLogger("bench.trainer_step")
 BASE = [
     "algo.routing_replay='off'",
     "algo.objective=ppo_clip",
+    "algo.aggregation=token_mean",
     "algo.corrections.keep_sampling_mask=false",
     "algo.corrections.icepop.enabled=false",
     "algo.corrections.opsm.enabled=false",

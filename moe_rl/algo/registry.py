@@ -58,6 +58,11 @@ DEFAULT_AGGREGATION = {
 }
 """The papers' aggregations; ``seq_mean_group_mean`` is ESPO's own (not in `AGGREGATIONS`)."""
 
+OWN_AGGREGATIONS: dict[str, tuple[str, ...]] = {"espo": ("seq_mean_group_mean",)}
+"""Aggregations only one objective defines (`objectives.ESPO_AGGREGATION`: token-mean within an
+entropy group, mean over the response's groups, mean over responses); a recipe may choose them
+for that objective only."""
+
 ADVANTAGE_PARAMS: dict[str, dict[str, Any]] = {"grpo": {"eps": 1e-6}, "dr_grpo": {}, "rloo": {}}
 
 CORRECTION_PARAMS: dict[str, Any] = {
@@ -142,13 +147,14 @@ def bind_objective(
 ) -> Callable[..., Any]:
     """Objective `name` with its hyper-parameters and aggregation bound; returns ``f(**tensors) -> LossOutput``.
 
-    `aggregation` None = the paper's (`DEFAULT_AGGREGATION`); otherwise one of `AGGREGATIONS`.
+    `aggregation` None = the paper's (`DEFAULT_AGGREGATION`); otherwise one of `AGGREGATIONS` or
+    the objective's own (`OWN_AGGREGATIONS`).
     """
     hparams = objective_params(name, params, **kwargs)
     if aggregation is None:
         aggregation = DEFAULT_AGGREGATION[name]
     else:
-        _choice("algo.aggregation", aggregation, AGGREGATIONS)
+        _choice("algo.aggregation", aggregation, AGGREGATIONS + OWN_AGGREGATIONS.get(name, ()))
     hparams["aggregation"] = aggregation
     return _filter_call(_load(*_OBJECTIVE_FUNCS[name]), hparams, f"objective {name!r}")
 

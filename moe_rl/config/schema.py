@@ -297,7 +297,9 @@ class AlgoConfig:
     advantage: str = "grpo"
     """`grpo`, `dr_grpo`, `rloo`."""
     aggregation: str = "token_mean"
-    """`token_mean`, `seq_mean_token_sum`, `seq_mean_token_mean`, `seq_mean_token_sum_norm`."""
+    """`token_mean`, `seq_mean_token_sum`, `seq_mean_token_mean`, `seq_mean_token_sum_norm`, or, for
+    ESPO only, its own `seq_mean_group_mean` (token-mean within an entropy group, mean over the
+    response's groups, mean over responses)."""
     policy_mode: str = "decoupled"
     """`decoupled` (rollout, old and current policies kept apart) or `bypass`
     (old_logp := rollout_logp, one trainer forward fewer)."""

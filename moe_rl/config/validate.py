@@ -42,6 +42,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
         "seq_mean_token_sum",
         "seq_mean_token_mean",
         "seq_mean_token_sum_norm",
+        "seq_mean_group_mean",  # ESPO's own
     ),
     "algo.policy_mode": ("decoupled", "bypass"),
     "algo.routing_replay": ("off", "r2", "r3"),
@@ -326,6 +327,11 @@ def _check_algo(config: RecipeConfig) -> None:
             config.rollout.return_sampling_mask,
             "algo.corrections.keep_sampling_mask=true needs rollout.return_sampling_mask=true",
         )
+    _require(
+        a.aggregation != "seq_mean_group_mean" or a.objective == "espo",
+        f"algo.aggregation=seq_mean_group_mean is ESPO's own (entropy groups); algo.objective={a.objective} "
+        "takes token_mean, seq_mean_token_sum, seq_mean_token_mean or seq_mean_token_sum_norm",
+    )
     _require(
         (a.objective == "dgo") == (config.run.mode == "offline"),
         f"algo.objective={a.objective} with run.mode={config.run.mode}: DGO is the offline objective "

@@ -81,6 +81,15 @@ def _objective_params(config: RecipeConfig) -> dict:
     return {k: getattr(algo, k) for k in names if hasattr(algo, k)}
 
 
+def recipe_objective(config: RecipeConfig):
+    """The loss function the trainer trains ``config`` with: its objective, hyper-parameters and
+    aggregation bound. DGO's loss −w_i·log π(y_i|x) is REINFORCE with A_i = w_i: the driver computes
+    the weights over the whole batch (a prompt's N samples may span micro-batches) and passes them
+    as advantages."""
+    objective = "reinforce" if config.algo.objective == "dgo" else config.algo.objective
+    return registry.bind_objective(objective, _objective_params(config), aggregation=config.algo.aggregation)
+
+
 def _correction_params(config: RecipeConfig) -> dict:
     corrections = dataclasses.asdict(config.algo.corrections)
     corrections.pop("keep_sampling_mask")
@@ -123,13 +132,7 @@ class TrainerWorker:
         steps = total_steps or config.run.steps * trainer.num_mini_batches
         self.scheduler = build_scheduler(self.optimizer, trainer, steps)
         self.replay = RoutingReplay(self.model) if config.algo.routing_replay != "off" else None
-        # DGO's loss −w_i·log π(y_i|x) is REINFORCE with A_i = w_i: the driver computes the weights
-        # over the whole batch (a prompt's N samples may span micro-batches) and passes them as
-        # advantages.
-        objective = "reinforce" if config.algo.objective == "dgo" else config.algo.objective
-        self.objective = registry.bind_objective(
-            objective, _objective_params(config), aggregation=config.algo.aggregation
-        )
+        self.objective = recipe_objective(config)
         self.corrections = registry.bind_corrections(_correction_params(config))
         self.options = PassOptions(
             temperature=config.rollout.temperature,
@@ -219,7 +222,7 @@ class TrainerWorker:
     def _denominator(self, mb: TrainMicroBatch) -> Tensor:
         mask = torch.ones(mb.micro.response_positions.numel(), dtype=torch.bool, device=self.device)
         mode = self.config.algo.aggregation
-        if mode not in registry.AGGREGATIONS:
+        if mode not in registry.AGGREGATIONS:  # ESPO's seq_mean_group_mean: a mean over responses
             mode = "seq_mean_token_mean"  # any sequence mode: the count of responses
         return local_denominator(mask, mb.seq_ids, num_seqs=mb.num_samples, mode=mode)
 
