@@ -1,6 +1,6 @@
-"""The tiny recipe's loss is ESPO with ESPO's own aggregation, as the paper writes it: computed here
-by hand (plain Python, per response and entropy group) and compared with the function the trainer
-binds from the recipe."""
+"""A recipe's loss with ESPO's own aggregation (`algo.aggregation=seq_mean_group_mean`) is ESPO as
+the paper writes it: computed here by hand (plain Python, per response and entropy group) and
+compared with the function the trainer binds from the recipe."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def by_hand(alpha: float, rho: float, vocab: int) -> float:
     return sum(per_response) / len(per_response)
 
 
-def test_the_tiny_recipe_trains_espo_with_its_own_aggregation():
-    config = load_recipe(TINY)
+def test_a_recipe_trains_espo_with_its_own_aggregation():
+    config = load_recipe(TINY, ["algo.aggregation=seq_mean_group_mean"])
     a = config.algo
     assert (a.objective, a.aggregation) == ("espo", "seq_mean_group_mean")
     loss_fn = recipe_objective(config)
