@@ -67,4 +67,4 @@ def test_a_recipe_trains_espo_with_its_own_aggregation():
 
 def test_espos_aggregation_is_refused_for_other_objectives():
     with pytest.raises(ConfigError, match="algo.aggregation=seq_mean_group_mean is ESPO's own"):
-        load_recipe(TINY, ["algo.objective=ppo_clip"])
+        load_recipe(TINY, ["algo.objective=ppo_clip", "algo.aggregation=seq_mean_group_mean"])
