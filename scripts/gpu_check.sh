@@ -13,7 +13,8 @@
 #   diagnose  moe-rl diagnose recipes/tiny_moe.yaml --quant bf16,fp8_block128,nvfp4 run.device=cuda
 #   rl        RL steps of the tiny recipe on the GPU in one process (no Ray there): the trainer worker,
 #             the Megatron engine and the bucket weight sync (python -m moe_rl.orchestration.local)
-#   bench     bench/fp8_quant.py, bench/trainer_step.py --size mid, bench/algo_stack.py (--device cuda)
+#   bench     bench/fp8_quant.py, bench/trainer_step.py --size mid, bench/algo_stack.py,
+#             bench/engine_length.py (--device cuda)
 #
 # Settings (environment):
 #   GPU_CHECK_OUT            log folder (default gpu_check_logs)
@@ -25,13 +26,13 @@
 #   GPU_CHECK_WORKERS        pytest-xdist workers of the unit tier (default 8; 0: no xdist)
 #   GPU_CHECK_QUANT          diagnose's --quant list (default bf16,fp8_block128,nvfp4)
 #   GPU_CHECK_DIAGNOSE_ARGS  extra diagnose arguments (e.g. "--prompts 8")
-#   GPU_CHECK_BENCH_ARGS     extra arguments appended to every bench command (all three must accept them)
+#   GPU_CHECK_BENCH_ARGS     extra arguments appended to every bench command (all four must accept them)
 #   GPU_CHECK_RL_STEPS       RL steps of the rl tier (default 8)
 #   GPU_CHECK_SKIP_INSTALL=1 use the current environment, install nothing (no WHEEL_DIR needed)
 #   GPU_CHECK_ALLOW_CPU=1    run without CUDA, only to smoke-test this script on a CPU machine:
 #                            tiers run on the CPU (diagnose run.device=cpu, benches --device cpu,
-#                            trainer_step --size tiny --quick, algo_stack --quick); their results
-#                            say nothing about the GPU path
+#                            trainer_step --size tiny --quick, algo_stack --quick, engine_length
+#                            --quick); their results say nothing about the GPU path
 #   PYTHON                   interpreter (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -210,7 +211,7 @@ for tier in $tiers; do
       ran+=(rl)
       ;;
     bench)
-      for b in fp8_quant trainer_step algo_stack; do
+      for b in fp8_quant trainer_step algo_stack engine_length; do
         args=(--device "$dev")
         [ "$b" = trainer_step ] && args+=(--size "$trainer_size")
         if [ -n "${GPU_CHECK_BENCH_ARGS+set}" ]; then
@@ -290,7 +291,7 @@ for line in open(sys.argv[1]):
 PY
 fi
 # the target lines of every bench, what trainer_step measured, algo_stack's size and ratio table
-bench_re='target|^fp8 block quant|^(tiny|mid) MoE|^memory:|^stack bench:|^ *(case|whole step|loss math|ESPO entropy)'
+bench_re='target|^fp8 block quant|^(tiny|mid) MoE|^memory:|^stack bench:|^ *(case|whole step|loss math|ESPO entropy)|^engine_length'
 bench_lines=""
 for name in "${ran[@]}"; do
   if [[ "$name" == bench_* ]]; then
@@ -300,7 +301,8 @@ done
 bench_lines="$(sed '/^$/d' <<<"$bench_lines")"
 if [ -n "$bench_lines" ]; then
   echo
-  echo "--- bench targets (R3 overhead <= 3%, stack share <= 5%, FP8 quantizer >= 50% of copy bandwidth) ---"
+  echo "--- bench targets (R3 overhead <= 3%, stack share <= 5%, FP8 quantizer >= 50% of copy bandwidth," \
+    "KV-cached engine time(1024)/time(16) per token <= 1.3) ---"
   printf '%s\n' "$bench_lines"
 fi
 echo

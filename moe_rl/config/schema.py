@@ -170,6 +170,10 @@ class RolloutConfig:
     """Top-k sampling (-1: off)."""
     top_p: float = 1.0
     """Top-p (nucleus) sampling (1.0: off)."""
+    megatron_kv_cache_gib: float = 8.0
+    """Megatron engine: the most memory its KV cache may take, GiB. The cache holds keys and values
+    of every attention layer for every sequence of a `generate` call (longest prompt +
+    max_new_tokens slots each); a call that needs more is refused with the numbers."""
     return_routing: bool = True
     """Ask the engine for the routed experts of every token (needed by R3)."""
     return_sampling_mask: bool = True

@@ -95,7 +95,7 @@ RANGES: dict[str, Bound] = {
             "parallel.expert_tensor_parallel_size", "parallel.context_parallel_size"),
     **_each(POSITIVE, "rollout.batch_size", "rollout.group_size", "rollout.max_new_tokens",
             "rollout.temperature", "rollout.num_engines", "rollout.tensor_parallel_size",
-            "rollout.sync_bucket_mb", "rollout.max_model_len"),
+            "rollout.sync_bucket_mb", "rollout.max_model_len", "rollout.megatron_kv_cache_gib"),
     "rollout.top_k": Bound(lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
     **_each(UNIT_TO_ONE, "rollout.top_p", "rollout.gpu_memory_utilization"),
     **_each(POSITIVE, "quant.block_size", "quant.calib_tokens"),

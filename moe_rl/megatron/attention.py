@@ -68,9 +68,10 @@ class SDPACoreAttention(torch.nn.Module):
     signature): inputs ``[sq, b, heads, dim]`` (``sbhd``) or, with ``packed_seq_params`` in
     ``thd`` format, ``[tokens, heads, dim]``; output ``[sq, b, heads * v_dim]`` (``[tokens,
     heads * v_dim]`` when packed). Grouped-query attention repeats each key/value group over its
-    ``heads / groups`` query heads, as Megatron does. Softmax scale: the one given (MLA passes
-    its own), else ``1/sqrt(kv_channels)``. Context parallelism is not supported (as in the
-    local ``DotProductAttention``).
+    ``heads / groups`` query heads, as Megatron does; a single query position (a decoding step
+    over Megatron's KV cache) runs each group's heads as its queries instead. Softmax scale: the
+    one given (MLA passes its own), else ``1/sqrt(kv_channels)``. Context parallelism is not
+    supported (as in the local ``DotProductAttention``).
     """
 
     def __init__(
@@ -122,8 +123,11 @@ class SDPACoreAttention(torch.nn.Module):
         is_causal = attention_mask is None and getattr(mask_type, "name", "") == "causal"
         # Megatron masks are True where attention is NOT allowed; SDPA's are the opposite.
         sdpa_mask = None if attention_mask is None else ~attention_mask
-        out = self._sdpa(q, k, v, sdpa_mask, is_causal, dropout)
         sq, b = query.shape[0], query.shape[1]
+        if sq == 1:
+            out = self._single_position(q, k, v, sdpa_mask, dropout)
+        else:
+            out = self._sdpa(q, k, v, sdpa_mask, is_causal, dropout)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params, dropout: float) -> Tensor:
@@ -135,6 +139,22 @@ class SDPACoreAttention(torch.nn.Module):
         layout = PackedLayout.build(cu_seqlens, query.shape[0], query.device)
         q, k, v = (layout.pad(x) for x in (query, key, value))
         return layout.unpad(self._sdpa(q, k, v, layout.mask, False, dropout))
+
+    def _single_position(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float
+    ) -> Tensor:
+        """One query position ``[b, heads, 1, dim]`` over keys and values ``[b, groups, S, dim]``:
+        a decoding step over Megatron's KV cache (past the prefill Megatron asks for no causal
+        mask; a one-token prefill has one key). The ``heads / groups`` query heads of a group run
+        as that group's queries, so each cached key and value is read once per group instead of
+        being copied for every head."""
+        b, heads, _, dim = q.shape
+        groups = k.shape[1]
+        grouped = q.reshape(b, groups, heads // groups, dim)
+        out = F.scaled_dot_product_attention(
+            grouped, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale
+        )
+        return out.reshape(b, heads, 1, out.shape[-1])
 
     def _sdpa(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout: float

@@ -41,6 +41,16 @@ Without CUDA (only there: on a CUDA machine the originals are right):
    tokens in ``torch.zeros([], dtype=torch.int, device="cuda")`` (``total_num_tokens``); their
    point-to-point buffers already follow shim 3. Only that module sees the proxy.
 
+Without flash-attn, for incremental decoding only (applied by
+`moe_rl.megatron.decoding.KVCacheDecoder`, which alone uses that path):
+
+7. ``megatron.core.models.common.embeddings.rope_utils.apply_rotary_emb_flash`` becomes
+   `rotary_with_cos_sin`, flash-attn's ``apply_rotary_emb`` written in torch. Megatron's static
+   inference context keeps rotated keys in its cache when ``flash_decode`` is set, rotating each
+   new key (and query) with ``apply_rotary_pos_emb_with_cos_sin``; without flash-attn that function
+   falls back to ``_apply_rotary_pos_emb_bshd`` with the cosines and sines as if they were angles
+   (it takes their cosines again), which is wrong.
+
 Not shims, but limits the model builder handles: without CUDA, ``MoEAlltoAllTokenDispatcher``
 creates a ``torch.cuda.Stream`` in its constructor (``RuntimeError: torch.cuda.Stream requires
 CUDA support``), so the ``allgather`` dispatcher is used (`token_dispatcher`); without
@@ -172,6 +182,38 @@ def _shim_schedules_torch() -> bool:
         return False
     schedules.torch = _CPUFactoryTorch()
     return True
+
+
+def rotary_with_cos_sin(
+    x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, inplace: bool = False
+) -> Tensor:
+    """flash-attn's ``apply_rotary_emb`` (shim 7): ``x`` ``[batch, seq, heads, dim]``, ``cos``,
+    ``sin`` ``[seq, rot / 2]``; the first ``rot`` dims of each head become
+    ``x·cos + rotate_half(x)·sin`` (halves, or adjacent pairs when ``interleaved``), the operations of
+    Megatron's unfused RoPE (``_apply_rotary_pos_emb_bshd``), so the values are the same."""
+    rot, seq = 2 * cos.shape[-1], x.shape[1]
+    if interleaved:
+        cos, sin = (c[:seq].repeat_interleave(2, dim=-1) for c in (cos, sin))
+        t, t_pass = x[..., :rot], x[..., rot:]
+        rotated = torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1).flatten(-2)
+    else:
+        cos, sin = (torch.cat((c[:seq], c[:seq]), dim=-1) for c in (cos, sin))
+        t, t_pass = x[..., :rot], x[..., rot:]
+        half1, half2 = torch.chunk(t, 2, dim=-1)
+        rotated = torch.cat((-half2, half1), dim=-1)
+    cos, sin = (c[None, :, None, :].to(x.dtype) for c in (cos, sin))
+    return torch.cat((t * cos + rotated * sin, t_pass), dim=-1)
+
+
+def apply_decoding_shims() -> list[str]:
+    """Shim 7 where flash-attn's rotary kernel is missing; returns its name if this call applied it."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.apply_rotary_emb_flash is not None:
+        return []
+    rope_utils.apply_rotary_emb_flash = rotary_with_cos_sin
+    log.debug("Megatron compatibility shim applied: rope_utils.apply_rotary_emb_flash")
+    return ["rope_utils.apply_rotary_emb_flash"]
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,17 @@ It is the CPU path for R3 and keep-sampling-mask, and the zero-mismatch referenc
 fake quantization at each weight sync (`moe_rl.rollout.quant`), so the engine computes with the
 values a quantized engine would hold.
 
-Decoding recomputes the whole prefix each step (no KV cache; the tiny models this engine serves
-on CPU make that cheap) as one packed sequence per step (Megatron ``thd`` layout). Every step
-runs under RouterReplay RECORD; the routing of a position is taken from the step that first
-computed it, which is exactly the routing its next token was sampled with. As in vLLM, the last
-sampled token is never forwarded, so a trace has ``prompt_len + response_len − 1`` rows.
+Decoding is incremental (`Decoding.KV_CACHE`): the prompts are prefilled once, then each step
+feeds one token per unfinished sequence through Megatron-core's static inference context, the KV
+cache ``GPTModel.forward`` accepts (`moe_rl.megatron.decoding.KVCacheDecoder`); finished sequences
+leave the batch. The cache holds every sequence of a `generate` call, longest prompt +
+``max_new_tokens`` slots, and may take at most ``rollout.megatron_kv_cache_gib``; a call that needs
+more is refused with the numbers. `Decoding.RECOMPUTE` re-runs every prefix at each step as one
+packed sequence (Megatron ``thd`` layout): the reference the cached path is tested against, and
+the path taken where the core attention ignores explicit masks (transformer-engine's). Every
+forward runs under RouterReplay RECORD and a step keeps the routing of the positions it computes
+for the first time, which is exactly the routing each next token was sampled with. As in vLLM,
+the last sampled token is never forwarded, so a trace has ``prompt_len + response_len − 1`` rows.
 Sampling follows vLLM's semantics (`moe_rl.rollout.sampler`).
 
 Device: the engine owns the process's device (`moe_rl.device`). Prompts are packed there, the
@@ -27,6 +33,7 @@ calibration runs at the next `generate`, on that call's prompts.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -37,6 +44,14 @@ import torch
 from moe_rl.config.schema import ParallelConfig, RecipeConfig
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.device import check_process_device
+from moe_rl.megatron.decoding import (
+    Decoder,
+    KVCacheDecoder,
+    RecomputeDecoder,
+    StepOutput,
+    kv_cache_unsupported,
+    pack_sequences,
+)
 from moe_rl.rollout.capabilities import engine_capabilities
 from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
 from moe_rl.rollout.quant import (
@@ -59,27 +74,16 @@ WHOLE_MODEL = ParallelConfig()
 the trainer's layout (the trainer group sends it every tensor)."""
 
 
-@dataclass
-class _Packed:
-    """The fields `moe_rl.megatron.forward.forward_logits` reads from a micro-batch."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
+_pack = pack_sequences  # the name earlier importers use
 
 
-def _pack(seqs: Sequence[list[int]], device: torch.device) -> _Packed:
-    """Token sequences as one packed sequence on ``device`` (built there from Python lists)."""
-    lengths = [len(s) for s in seqs]
-    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=device)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int64, device=device).cumsum(0)
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
-    positions = torch.tensor([p for n in lengths for p in range(n)], dtype=torch.int64, device=device)
-    return _Packed(ids, positions, cu)
+class Decoding(enum.Enum):
+    """How the engine computes each step's logits (see module docstring)."""
+
+    KV_CACHE = "kv_cache"
+    """Prefill once, then one token per sequence per step on Megatron's static inference context."""
+    RECOMPUTE = "recompute"
+    """Every step re-runs every prefix (the reference for the cached path)."""
 
 
 def _calibration_chunks(sequences: Sequence[list[int]], budget: int) -> list[list[list[int]]]:
@@ -119,7 +123,9 @@ class MegatronEngine:
 
     name = "megatron"
 
-    def __init__(self, config: RecipeConfig, seed: int | None = None):
+    def __init__(self, config: RecipeConfig, seed: int | None = None, decoding: Decoding | None = None):
+        """``decoding``: `Decoding.KV_CACHE` or `Decoding.RECOMPUTE`; None takes the KV cache where the
+        model's core attention supports it (`moe_rl.megatron.decoding.kv_cache_unsupported`)."""
         from moe_rl.megatron.model import build_gpt_model
         from moe_rl.megatron.parallel import init_parallel
         from moe_rl.megatron.replay import RoutingReplay
@@ -131,6 +137,7 @@ class MegatronEngine:
         self.model = build_gpt_model(config.model, WHOLE_MODEL, config.trainer, seed=config.run.seed)
         self.model.eval()
         self.replay = RoutingReplay(self.model) if config.model.num_experts else None
+        self.decoding = self._check_decoding(decoding)
         self.quantizer = WeightQuantizer(config.quant, config.model.num_layers)
         self._receiver = ModelReceiver(self.model)
         self._wire_quantized = config.quant.method in WIRE_METHODS
@@ -143,6 +150,20 @@ class MegatronEngine:
         self.last_quant_report: QuantReport | None = None
         self._awq_pending: dict[str, torch.Tensor] | None = None
         self._calibration: list[list[int]] = []
+
+    def _check_decoding(self, decoding: Decoding | None) -> Decoding:
+        """The decoding to use: ``decoding`` if this model supports it, the KV cache if None and it can."""
+        if decoding is not None and not isinstance(decoding, Decoding):
+            raise ValueError(f"decoding={decoding!r}; expected one of {', '.join(str(d) for d in Decoding)}")
+        if decoding is Decoding.RECOMPUTE:
+            return decoding
+        reason = kv_cache_unsupported(self.model)
+        if reason is None:
+            return Decoding.KV_CACHE
+        if decoding is Decoding.KV_CACHE:
+            raise ValueError(f"decoding={Decoding.KV_CACHE}: {reason}; use {Decoding.RECOMPUTE}")
+        log.warning("Megatron engine: %s; decoding recomputes every prefix at each step", reason)
+        return Decoding.RECOMPUTE
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -242,7 +263,7 @@ class MegatronEngine:
 
         def forward_loop(model):
             for chunk in chunks:
-                forward_logits(model, _pack(chunk, self.device))
+                forward_logits(model, pack_sequences(chunk, self.device))
 
         def include(name: str, weight: torch.Tensor) -> bool:
             hf = hf_names_for(self.model, name).hf
@@ -264,29 +285,41 @@ class MegatronEngine:
         return report
 
     # ------------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def _step(self, rollouts: list[_Rollout]) -> None:
-        from moe_rl.megatron.forward import forward_logits
+    def _decoder(self) -> Decoder:
+        if self.decoding is Decoding.KV_CACHE:
+            return KVCacheDecoder(
+                self.model, self.replay, self.device, self.config.rollout.megatron_kv_cache_gib
+            )
+        return RecomputeDecoder(self.model, self.replay, self.device)
 
-        packed = _pack([r.prompt + r.response for r in rollouts], self.device)
-        if self.replay is not None:
-            with self.replay.record() as rec:
-                logits = forward_logits(self.model, packed)
-            trace = rec.topk_idx_TLK
-        else:
-            logits, trace = forward_logits(self.model, packed), None
-        last = packed.cu_seqlens[1:].long() - 1
-        spec = self._spec
-        out = self._sample(logits[last], spec)
-        # back to the CPU, once per step: sampled ids, log-probs, kept sets, routing rows
-        tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
-        kept_ids, kept_offsets = out.kept_ids.cpu(), out.kept_offsets.tolist()
-        bounds = packed.cu_seqlens.tolist()
-        trace = None if trace is None else trace.cpu()
+    @torch.no_grad()
+    def _decode(self, rollouts: list[_Rollout], spec: SamplingSpec) -> None:
+        """Prefill every prompt, then one token per unfinished rollout per step until all finish."""
+        decoder = self._decoder()
+        out = decoder.prefill([r.prompt for r in rollouts], spec.max_new_tokens)
+        active = list(rollouts)
+        while True:
+            self._take(active, out, spec)
+            alive = [i for i, r in enumerate(active) if not r.finish]
+            if not alive:
+                return
+            if len(alive) < len(active):
+                decoder.keep(alive)
+                active = [active[i] for i in alive]
+            out = decoder.step([r.response[-1] for r in active])
+
+    def _take(self, rollouts: list[_Rollout], out: StepOutput, spec: SamplingSpec) -> None:
+        """Sample each rollout's next token from the step's logits and record it with its log-prob,
+        kept set and the routing rows the step computed (read back to the CPU once per step)."""
+        sampled = self._sample(out.logits, spec)
+        tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs.tolist()
+        kept_ids, kept_offsets = sampled.kept_ids.cpu(), sampled.kept_offsets.tolist()
+        trace = None if out.topk_idx_TLK is None else out.topk_idx_TLK.cpu()
+        start = 0
         for i, r in enumerate(rollouts):
             if trace is not None:
-                start = bounds[i] if not r.response else bounds[i + 1] - 1
-                r.routing.append(trace[start : bounds[i + 1]])
+                r.routing.append(trace[start : start + out.num_new[i]])
+                start += out.num_new[i]
             token = tokens[i]
             r.response.append(token)
             r.logp.append(logprobs[i])
@@ -325,15 +358,11 @@ class MegatronEngine:
             self._apply_awq(self._calibration or [list(p) for p in checked])
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
-        self._spec = sampling
         rollouts = [
             _Rollout(list(p), g, [], [], [], [])
             for p, g in zip((p for p in checked for _ in range(sampling.n)), groups)
         ]
-        active = list(rollouts)
-        while active:
-            self._step(active)
-            active = [r for r in active if not r.finish]
+        self._decode(rollouts, sampling)
         if self.config.quant.method == "int4_awq":
             self._calibration = [r.prompt + r.response for r in rollouts]
         return self._to_batch(rollouts)
