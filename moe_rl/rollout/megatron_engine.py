@@ -74,9 +74,6 @@ WHOLE_MODEL = ParallelConfig()
 the trainer's layout (the trainer group sends it every tensor)."""
 
 
-_pack = pack_sequences  # the name earlier importers use
-
-
 class Decoding(enum.Enum):
     """How the engine computes each step's logits (see module docstring)."""
 

@@ -21,12 +21,12 @@ def model_config(family: str):
 
 
 def logits_of(model) -> torch.Tensor:
+    from moe_rl.megatron.decoding import pack_sequences
     from moe_rl.megatron.forward import forward_logits
-    from moe_rl.rollout.megatron_engine import _pack
 
     model.eval()
     with torch.no_grad():
-        return forward_logits(model, _pack(SEQUENCES, next(model.parameters()).device))
+        return forward_logits(model, pack_sequences(SEQUENCES, next(model.parameters()).device))
 
 
 def write_reference(family: str, folder: str) -> torch.Tensor:

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from moe_rl.config import load_recipe
+from moe_rl.megatron.decoding import pack_sequences
 from moe_rl.megatron.forward import forward_logits
 from moe_rl.megatron.hf_weights import hf_names_for, iter_hf_weights, load_hf_weights
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.replay import release_router_replay
 from moe_rl.rollout.engine import SamplingSpec
-from moe_rl.rollout.megatron_engine import MegatronEngine, _calibration_chunks, _pack
+from moe_rl.rollout.megatron_engine import MegatronEngine, _calibration_chunks
 from moe_rl.rollout.quant import WeightQuantizer, awq_effective_weights, should_quantize
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("device")]
@@ -39,7 +40,7 @@ def reference():
 
 def packed(model, seqs):
     """``seqs`` packed on the model's device."""
-    return _pack(seqs, next(model.parameters()).device)
+    return pack_sequences(seqs, next(model.parameters()).device)
 
 
 def log_probs(model, seqs) -> torch.Tensor:
