@@ -105,6 +105,38 @@ def to_tokens(seq_values: Tensor, seq_ids: Tensor) -> Tensor:
     return seq_values[seq_ids]
 
 
+def zero_variance_signs(rewards: Tensor, group_ids: Tensor, *, correct_threshold: float = 0.5) -> Tensor:
+    """Per response [S] int8: +1 in an all-correct zero-variance group (group reward ≥
+    `correct_threshold`), −1 in an all-wrong one, 0 elsewhere. Computed over the whole rollout
+    batch, since a group may be split over micro-batches and data-parallel ranks."""
+    report = zero_variance_groups(rewards, group_ids)
+    sign = torch.where(rewards >= correct_threshold, 1, -1).to(torch.int8)
+    return torch.where(report.seq_zero_variance, sign, torch.zeros_like(sign))
+
+
+def zvp_shape(
+    token_advantages: Tensor,
+    entropy: Tensor,
+    loss_mask: Tensor,
+    seq_ids: Tensor,
+    *,
+    num_seqs: int,
+    signs: Tensor,
+    alpha: float = 0.1,
+) -> Tensor:
+    """RL-ZVP's token advantages where `signs` [S] (`zero_variance_signs`) is non-zero:
+    ``α·sg(H_t)`` for +1, ``−α·(max_k H_k − H_t)`` for −1 (max over the response's tokens with
+    `loss_mask` True); `token_advantages` elsewhere."""
+    check_num_seqs(num_seqs)
+    check_tokens(loss_mask, seq_ids, token_advantages=token_advantages, entropy=entropy)
+    check_1d("signs", signs, num_seqs)
+    h = entropy.detach().to(token_advantages.dtype)
+    h_max = segment_amax(h, loss_mask, seq_ids, num_seqs, 0.0)[seq_ids]
+    sign = signs[seq_ids]
+    shaped = torch.where(sign > 0, alpha * h, -alpha * (h_max - h))
+    return torch.where((sign != 0) & loss_mask, shaped, token_advantages)
+
+
 def rl_zvp(
     token_advantages: Tensor,
     entropy: Tensor,
@@ -122,7 +154,9 @@ def rl_zvp(
     For a response whose group is zero-variance (all rewards equal):
     all-correct (group reward ≥ `correct_threshold`): ``A_t = α·sg(H_t)``;
     all-wrong: ``A_t = −α·(max_k H_k − H_t)``, max over the response's tokens with
-    `loss_mask` True. Other responses keep `token_advantages` unchanged.
+    `loss_mask` True. Other responses keep `token_advantages` unchanged. The RL loop applies the
+    same two steps apart: `zero_variance_signs` on the whole batch (driver), `zvp_shape` per
+    micro-batch once π_old's entropy is known (trainer).
 
     Args:
         token_advantages: [T] advantages already broadcast to tokens (e.g. GRPO's, 0 on ZVP groups).
@@ -132,12 +166,8 @@ def rl_zvp(
         correct_threshold: reward at or above which a zero-variance group counts as all-correct
             (0.5 suits {0, 1} rewards).
     """
-    check_num_seqs(num_seqs)
-    check_tokens(loss_mask, seq_ids, token_advantages=token_advantages, entropy=entropy)
     check_1d("rewards", rewards, num_seqs)
-    report = zero_variance_groups(rewards, group_ids)
-    h = entropy.detach().to(token_advantages.dtype)
-    h_max = segment_amax(h, loss_mask, seq_ids, num_seqs, 0.0)[seq_ids]
-    correct = (rewards >= correct_threshold)[seq_ids]
-    shaped = torch.where(correct, alpha * h, -alpha * (h_max - h))
-    return torch.where(report.seq_zero_variance[seq_ids] & loss_mask, shaped, token_advantages)
+    signs = zero_variance_signs(rewards, group_ids, correct_threshold=correct_threshold)
+    return zvp_shape(
+        token_advantages, entropy, loss_mask, seq_ids, num_seqs=num_seqs, signs=signs, alpha=alpha
+    )

@@ -81,12 +81,14 @@ class TrainerRank:
         return {"rank": info.rank, "dp_rank": info.dp_rank, "dp_size": info.dp_size, "pp_rank": info.pp_rank}
 
     def compute_old_logp(
-        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], plan
-    ) -> dict[str, float]:
+        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], plan,
+        zvp_signs: Sequence[torch.Tensor] | None = None,
+    ) -> dict[str, float]:  # fmt: skip
         """Fetch this rank's shard (by its data-parallel rank) and run the π_old pass on it."""
         dp = self.worker.info.dp_rank
         shard = ray.get(shard_refs[dp], timeout=RAY_TIMEOUT_S)
-        return self.worker.old_logp_of(shard, advantages[dp], plan.rank(dp))
+        signs = None if zvp_signs is None else zvp_signs[dp]
+        return self.worker.old_logp_of(shard, advantages[dp], plan.rank(dp), zvp_signs=signs)
 
     def train(self) -> dict[str, float]:
         return self.worker.train_on_batch()

@@ -3,8 +3,9 @@
 * `dispatch`: a step's prompts over the engine replicas by token load (a prompt's ``n`` samples
   stay on one replica), and the permutation that merges the replicas' batches back into prompt
   order.
-* `step_spec`, `step_advantages`: a step's sampling and its advantages (the driver's math, shared
-  with the in-process loop of `moe_rl.orchestration.local`).
+* `step_spec`, `step_advantages`, `step_zero_variance`: a step's sampling, its advantages and the
+  RL-ZVP signs of its zero-variance groups (the driver's math, shared with the in-process loop of
+  `moe_rl.orchestration.local`).
 * `prepare`: what the reward worker does with the replicas' batches: merge, score, validate, check
   staleness, split into mini-batches and token-balanced data-parallel shards
   (`moe_rl.data.packing.plan_shards`; each trainer rank fetches its own by object reference) and summarize what the driver needs (rewards, group ids, lengths, versions):
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from moe_rl.algo import registry
-from moe_rl.algo.advantages import zero_variance_groups
+from moe_rl.algo.advantages import zero_variance_groups, zero_variance_signs
 from moe_rl.algo.objectives import dgo_weights
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.errors import TrajectoryError
@@ -158,3 +159,12 @@ def step_advantages(
     }
     metrics["advantage/abs_mean"] = float(adv.abs().mean())
     return adv, metrics
+
+
+def step_zero_variance(config: RecipeConfig, rewards: Tensor, group_ids: Tensor) -> Tensor | None:
+    """Per-sample RL-ZVP signs of a scored batch (`moe_rl.algo.advantages.zero_variance_signs`)
+    when `algo.zero_variance_shaping` is on, else None. Each trainer rank turns the signs of its
+    samples into token advantages once π_old's entropy is known."""
+    if not config.algo.zero_variance_shaping:
+        return None
+    return zero_variance_signs(rewards, group_ids)

@@ -73,7 +73,13 @@ class LocalRun:
 
     def step(self, step: int) -> dict[str, float]:
         """generate → reward → advantages → old log-probs → train → sync."""
-        from moe_rl.orchestration.batches import length_metrics, prepare, step_advantages, step_spec
+        from moe_rl.orchestration.batches import (
+            length_metrics,
+            prepare,
+            step_advantages,
+            step_spec,
+            step_zero_variance,
+        )
 
         cfg, t0 = self.config, time.perf_counter()
         prompts = self.source.next_batch(cfg.rollout.batch_size // cfg.rollout.group_size)
@@ -89,7 +95,8 @@ class LocalRun:
         advantages, metrics = step_advantages(cfg, summary.rewards, summary.group_ids)
         metrics.update(length_metrics(batch))
         metrics["reward/mean"] = float(summary.rewards.mean())
-        metrics.update(self.trainer.old_logp_of(batch, advantages, summary.plan.rank(0)))
+        signs = step_zero_variance(cfg, summary.rewards, summary.group_ids)
+        metrics.update(self.trainer.old_logp_of(batch, advantages, summary.plan.rank(0), zvp_signs=signs))
         metrics.update(self.trainer.train_on_batch())
         metrics.update(self.sync(step + 1))
         metrics["time/step_s"] = time.perf_counter() - t0

@@ -27,7 +27,7 @@ from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
 from moe_rl.orchestration import run_dir
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
-from moe_rl.orchestration.batches import Prepared, step_advantages, step_spec
+from moe_rl.orchestration.batches import Prepared, step_advantages, step_spec, step_zero_variance
 from moe_rl.orchestration.engine_pool import EnginePool, Generation
 from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
 from moe_rl.orchestration.trainer_group import TrainerGroup
@@ -70,8 +70,6 @@ class Stages:
     """Everything one run needs between steps (see `moe_rl.orchestration.driver`)."""
 
     def __init__(self, config: RecipeConfig, run_dir: Path):
-        if config.algo.zero_variance_shaping:
-            raise ConfigError("algo.zero_variance_shaping=true is not supported by the RL loop yet")
         self.config, self.run_dir = config, Path(run_dir)
         self.placement = plan_placement(config, Machine.detect(), node_roles=_node_roles())
         p = self.placement
@@ -181,11 +179,14 @@ class Stages:
         return adv
 
     def old_logp(self, rollout: Rollout, advantages: torch.Tensor, metrics: dict[str, Any]) -> None:
-        """π_old on every trainer rank: each fetches its own shard (with its advantages)."""
+        """π_old on every trainer rank: each fetches its own shard (with its advantages and, under
+        RL-ZVP, its samples' zero-variance signs)."""
         t0 = time.perf_counter()
         summary = rollout.summary
         per_shard = [advantages[idx] for idx in summary.plan.indices]
-        metrics.update(self.trainer.compute_old_logp(rollout.shards, per_shard, summary.plan))
+        signs = step_zero_variance(self.config, summary.rewards, summary.group_ids)
+        per_signs = None if signs is None else [signs[idx] for idx in summary.plan.indices]
+        metrics.update(self.trainer.compute_old_logp(rollout.shards, per_shard, summary.plan, per_signs))
         metrics["time/old_logp_s"] = time.perf_counter() - t0
 
     def train(self, metrics: dict[str, Any]) -> None:

@@ -70,10 +70,12 @@ class TrainerGroup:
         return len(self.ranks)
 
     def compute_old_logp(
-        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], plan
-    ) -> dict[str, float]:
+        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], plan,
+        zvp_signs: Sequence[torch.Tensor] | None = None,
+    ) -> dict[str, float]:  # fmt: skip
         """Each rank fetches shard ``dp_rank`` (by reference) and runs the π_old pass on it."""
-        return self._all("compute_old_logp", list(shard_refs), list(advantages), plan)[0]
+        signs = None if zvp_signs is None else list(zvp_signs)
+        return self._all("compute_old_logp", list(shard_refs), list(advantages), plan, signs)[0]
 
     def train(self) -> dict[str, float]:
         return self._all("train")[0]

@@ -37,6 +37,10 @@ class TrainMicroBatch:
     """Optimizer steps the trainer had taken when it computed ``old_logp``."""
     old_routing_metrics: dict | None = None
     """Routing agreement of the old-logp pass (trainer-natural vs replayed routing)."""
+    zvp_sign: Tensor | None = None
+    """int8 ``[S]``: RL-ZVP sign of each sample of this micro-batch (+1 all-correct zero-variance
+    group, −1 all-wrong, 0 other); the worker shapes ``advantages`` with it once π_old's entropy is
+    known (`moe_rl.algo.advantages.zvp_shape`)."""
 
     def __post_init__(self) -> None:
         num_resp = self.micro.response_positions.numel()
@@ -61,7 +65,7 @@ class TrainMicroBatch:
         trajectories arrive as CPU tensors and are moved once); returns ``self``."""
         device = torch.device(device)
         self.micro = self.micro.to(device)
-        for name in _PER_TOKEN_FIELDS:
+        for name in _TENSOR_FIELDS:
             value = getattr(self, name)
             if value is not None and value.device != device:
                 setattr(self, name, value.to(device))
@@ -81,7 +85,7 @@ class TrainMicroBatch:
         return torch.repeat_interleave(self.micro.sample_indices, lengths, output_size=self.micro.num_tokens)
 
 
-_PER_TOKEN_FIELDS = ("advantages", "old_logp", "old_entropy", "recorded_routing")
+_TENSOR_FIELDS = ("advantages", "old_logp", "old_entropy", "recorded_routing", "zvp_sign")
 
 
 def token_advantages(sample_advantages: Tensor, response_lengths: Tensor) -> Tensor:
@@ -94,11 +98,13 @@ def make_train_micro_batches(
     advantages: Tensor,
     max_tokens_per_microbatch: int,
     num_microbatches: int | None = None,
+    zvp_signs: Tensor | None = None,
 ) -> list[TrainMicroBatch]:
     """Pack ``batch`` and attach advantages.
 
     ``advantages`` is per sample ``[S]`` or per response token ``[ΣR]`` (flat, in the batch's
-    response order); ``old_logp`` already present in the batch is carried over.
+    response order); ``old_logp`` already present in the batch is carried over. ``zvp_signs``
+    (per sample ``[S]``, RL-ZVP) goes with each micro-batch's samples.
     """
     num_resp = int(batch.response_lengths().sum())
     if advantages.numel() == batch.num_samples and num_resp != batch.num_samples:
@@ -108,8 +114,18 @@ def make_train_micro_batches(
             f"advantages must have one value per sample ({batch.num_samples}) or per response token "
             f"({num_resp}), got {advantages.numel()}"
         )
+    if zvp_signs is not None and zvp_signs.numel() != batch.num_samples:
+        raise ValueError(
+            f"zvp_signs must have one value per sample ({batch.num_samples}), got {zvp_signs.numel()}"
+        )
+    signs = None if zvp_signs is None else zvp_signs.to(torch.int8)
     micro = pack_microbatches(batch, max_tokens_per_microbatch, num_microbatches=num_microbatches)
     return [
-        TrainMicroBatch(m, advantages[m.response_token_index].to(torch.float32), old_logp=m.old_logp)
+        TrainMicroBatch(
+            m,
+            advantages[m.response_token_index].to(torch.float32),
+            old_logp=m.old_logp,
+            zvp_sign=None if signs is None else signs[m.sample_indices],
+        )
         for m in micro
     ]

@@ -57,8 +57,12 @@ def _algo_rules(config: RecipeConfig) -> list[Rule]:
              f"got {t.compute_entropy}"),
         Rule("no reference model", a.kl.coef == 0,
              f"algo.kl.coef={a.kl.coef}: the trainer keeps no reference model; use 0"),
-        Rule("no zero-variance shaping", not a.zero_variance_shaping,
-             f"algo.zero_variance_shaping={a.zero_variance_shaping}: the RL loop does not apply it yet"),
+        Rule("zero-variance shaping has the old policy's entropy", not a.zero_variance_shaping or t.compute_entropy,
+             f"algo.zero_variance_shaping={a.zero_variance_shaping} needs trainer.compute_entropy=true "
+             f"(RL-ZVP shapes advantages with π_old's entropy), got {t.compute_entropy}"),
+        Rule("zero-variance shaping shapes advantages", not a.zero_variance_shaping or a.objective != "dgo",
+             f"algo.zero_variance_shaping={a.zero_variance_shaping} with algo.objective={a.objective}: DGO "
+             "trains on sample weights, not advantages; turn one of them off"),
     ]  # fmt: skip
 
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_rl.algo import registry
+from moe_rl.algo.advantages import zvp_shape
 from moe_rl.algo.aggregate import local_denominator
 from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
 from moe_rl.config.schema import RecipeConfig
@@ -196,13 +197,27 @@ class TrainerWorker:
                     mb.sample_of_token, self._pad_length(mb),
                 )  # fmt: skip
             mb.old_logp, mb.old_entropy = out.logp.detach(), out.entropy
+            shaped = self._shape_zero_variance(mb)
             mb.old_weights_version = self.step
             if record:
                 mb.recorded_routing = out.recorded_routing
             if self.diagnostics:
                 with self.timer.section("diagnostics"):
-                    metrics.append(self._old_metrics(mb, out, trace, local))
+                    metrics.append({**self._old_metrics(mb, out, trace, local), **shaped})
         return self._reduce_metrics(metrics, prefix="old/")
+
+    def _shape_zero_variance(self, mb: TrainMicroBatch) -> dict[str, Tensor]:
+        """RL-ZVP: the advantages of tokens in zero-variance groups from π_old's entropy (the
+        driver marked their samples, `TrainMicroBatch.zvp_sign`); the share of tokens shaped."""
+        if mb.zvp_sign is None:
+            return {}
+        if mb.old_entropy is None:
+            raise ValueError("zero-variance shaping needs π_old's entropy: set trainer.compute_entropy=true")
+        mb.advantages = zvp_shape(
+            mb.advantages, mb.old_entropy, torch.ones_like(mb.advantages, dtype=torch.bool), mb.seq_ids,
+            num_seqs=mb.num_samples, signs=mb.zvp_sign, alpha=self.config.algo.zero_variance_alpha,
+        )  # fmt: skip
+        return {"zvp_token_share": (mb.zvp_sign[mb.seq_ids] != 0).float().mean()}
 
     def _old_metrics(self, mb: TrainMicroBatch, out: LogprobOutput, trace, local) -> dict[str, Tensor]:
         mask = torch.ones_like(mb.old_logp, dtype=torch.bool)
@@ -340,12 +355,14 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ a rollout batch
     def old_logp_of(
-        self, batch: TrajectoryBatch, advantages: Tensor, share: RankShare | None = None
-    ) -> dict[str, float]:
+        self, batch: TrajectoryBatch, advantages: Tensor, share: RankShare | None = None,
+        zvp_signs: Tensor | None = None,
+    ) -> dict[str, float]:  # fmt: skip
         """Take this rank's share of a rollout batch (a CPU trajectory, its samples mini-batch after
         mini-batch, `moe_rl.data.packing.ShardPlan`) with its per-sample advantages: pack each
         mini-batch into its micro-batches, keep them, and run the π_old pass over all of them.
-        Without ``share`` the batch is the whole rollout batch of a one-rank trainer."""
+        Without ``share`` the batch is the whole rollout batch of a one-rank trainer. ``zvp_signs``
+        (per sample, RL-ZVP) are the driver's zero-variance signs of these samples."""
         t = self.config.trainer
         if share is None:
             share = plan_shards(batch, 1, t.max_tokens_per_microbatch, t.num_mini_batches).rank(0)
@@ -354,10 +371,18 @@ class TrainerWorker:
                 f"a rank's share lists {sum(share.samples)} samples, its batch has {batch.num_samples} and "
                 f"{advantages.numel()} advantages"
             )
+        if self.config.algo.zero_variance_shaping != (zvp_signs is not None):
+            raise ValueError(
+                f"algo.zero_variance_shaping={self.config.algo.zero_variance_shaping} but zero-variance signs "
+                f"were {'not ' if zvp_signs is None else ''}given"
+            )
         self.mini_batches, start = [], 0
         for size, count in zip(share.samples, share.micro_batches):
             part, adv = batch.slice(start, start + size), advantages[start : start + size]
-            self.mini_batches.append(make_train_micro_batches(part, adv, t.max_tokens_per_microbatch, count))
+            signs = None if zvp_signs is None else zvp_signs[start : start + size]
+            self.mini_batches.append(
+                make_train_micro_batches(part, adv, t.max_tokens_per_microbatch, count, zvp_signs=signs)
+            )
             start += size
         return self.compute_old_logp([mb for mini in self.mini_batches for mb in mini])
 
@@ -443,6 +468,7 @@ class TrainerWorker:
                     mb.old_entropy = response_entropy(
                         logits, mb.micro, options.temperature, options.chunk_size
                     )
+                found[id(mb)].update(self._shape_zero_variance(mb))
             mb.old_weights_version = self.step
             if self.diagnostics:
                 mask = torch.ones_like(mb.old_logp, dtype=torch.bool)

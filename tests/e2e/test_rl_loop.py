@@ -4,6 +4,7 @@ Megatron trainer, Megatron engine with fp8_block128 fake quantization, the stabi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -184,17 +185,25 @@ def test_engine_crash_is_detected_and_the_engine_restarted(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("max_staleness", "expect_rejections", "engines"),
-    [(1, False, 2), (0, True, 1)],
-    ids=["eta-1-accepts-two-engines", "eta-0-rejects"],
+    ("max_staleness", "expect_rejections", "engines", "shaping"),
+    [(1, False, 2, True), (0, True, 1, False)],
+    ids=["eta-1-accepts-two-engines-zvp", "eta-0-rejects"],
 )
 def test_async_one_step_off_policy_respects_the_staleness_bound(
-    tmp_path, max_staleness, expect_rejections, engines
+    tmp_path, max_staleness, expect_rejections, engines, shaping
 ):
+    """Async with a staleness bound; the η=1 run also shapes zero-variance groups (RL-ZVP)."""
     name = f"async{max_staleness}"
     args = [TINY, "run.steps=4", "run.mode=async", f"run.max_staleness={max_staleness}", f"run.name={name}"]
-    _finish(_train([*args, f"rollout.num_engines={engines}"], tmp_path))
+    args += [f"rollout.num_engines={engines}", f"algo.zero_variance_shaping={str(shaping).lower()}"]
+    _finish(_train(args, tmp_path))
     records = _metrics(tmp_path / name)
+    if shaping:  # the untrained model's all-wrong groups got entropy-shaped advantages
+        assert all(r["advantage/zero_variance_groups"] > 0 for r in records)
+        assert all(0 < r["old/zvp_token_share"] <= 1 for r in records)
+        assert all(math.isfinite(r["train/loss"]) for r in records)
+    else:
+        assert not any("old/zvp_token_share" in r for r in records)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     staleness = [r["policy/staleness"] for r in records]
     rejected = records[-1]["rollout/stale_rejected_samples"]
