@@ -353,6 +353,9 @@ class TrainerConfig:
     """AdamW beta1."""
     adam_beta2: float = 0.999
     """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon (added to sqrt(v)); a weight whose gradient is near it moves by an amount set
+    by the gradient's last bits."""
     grad_clip: float = 1.0
     """Gradient-norm clip (0 disables)."""
     num_mini_batches: int = 1

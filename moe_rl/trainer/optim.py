@@ -34,8 +34,6 @@ from moe_rl.megatron.compat import cuda_available
 
 log = logging.getLogger(__name__)
 
-ADAM_EPS = 1e-8
-
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     """Megatron's default: biases and 1-D tensors (norm weights) get no weight decay."""
@@ -66,7 +64,7 @@ class TorchAdamW:
             [g for g in groups if g["params"]],
             lr=trainer.lr,
             betas=(trainer.adam_beta1, trainer.adam_beta2),
-            eps=ADAM_EPS,
+            eps=trainer.adam_eps,
             weight_decay=trainer.weight_decay,
         )
         self.clip_grad = trainer.grad_clip
@@ -185,7 +183,7 @@ def build_optimizer(
         weight_decay=trainer.weight_decay,
         adam_beta1=trainer.adam_beta1,
         adam_beta2=trainer.adam_beta2,
-        adam_eps=ADAM_EPS,
+        adam_eps=trainer.adam_eps,
         clip_grad=trainer.grad_clip,
         bf16=trainer.precision == "bf16",
         params_dtype=torch.bfloat16 if trainer.precision == "bf16" else torch.float32,

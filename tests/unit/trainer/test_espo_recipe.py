@@ -1,5 +1,5 @@
-"""A recipe's loss with ESPO's own aggregation (`algo.aggregation=seq_mean_group_mean`) is ESPO as
-the paper writes it: computed here by hand (plain Python, per response and entropy group) and
+"""The stability stack's loss, ESPO with its own aggregation (`algo.aggregation=seq_mean_group_mean`),
+is ESPO as the paper writes it: computed here by hand (plain Python, per response and entropy group) and
 compared with the function the trainer binds from the recipe."""
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def by_hand(alpha: float, rho: float, vocab: int) -> float:
     return sum(per_response) / len(per_response)
 
 
-def test_a_recipe_trains_espo_with_its_own_aggregation():
-    config = load_recipe(TINY, ["algo.aggregation=seq_mean_group_mean"])
+def test_the_stability_stack_trains_espo_with_its_own_aggregation():
+    config = load_recipe(TINY, [])  # the tiny recipe includes recipes/algo/stability_stack.yaml
     a = config.algo
     assert (a.objective, a.aggregation) == ("espo", "seq_mean_group_mean")
     loss_fn = recipe_objective(config)
@@ -67,4 +67,4 @@ def test_a_recipe_trains_espo_with_its_own_aggregation():
 
 def test_espos_aggregation_is_refused_for_other_objectives():
     with pytest.raises(ConfigError, match="algo.aggregation=seq_mean_group_mean is ESPO's own"):
-        load_recipe(TINY, ["algo.objective=ppo_clip", "algo.aggregation=seq_mean_group_mean"])
+        load_recipe(TINY, ["algo.objective=ppo_clip"])  # the stack's aggregation, another objective

@@ -79,7 +79,10 @@ def test_the_worker_shapes_zero_variance_advantages_from_old_entropy():
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["trainer.compute_entropy=false", "algo.objective=ppo_clip"], "trainer.compute_entropy=true"),
+        (
+            ["trainer.compute_entropy=false", "algo.objective=ppo_clip", "algo.aggregation=token_mean"],
+            "trainer.compute_entropy=true",
+        ),
         (["algo.objective=dgo", "algo.aggregation=token_mean"], "algo.objective=dgo"),
     ],
 )
