@@ -104,6 +104,9 @@ def _add_diagnostics_parsers(sub: argparse._SubParsersAction) -> None:
         "--prompts", type=int, default=64, help="prompts (each sampled rollout.group_size times)"
     )
     diagnose.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    diagnose.add_argument(
+        "--budget-png", metavar="OUT", help="also draw the mismatch budget, a stacked bar per recipe (PNG)"
+    )
     report = sub.add_parser("report", help="plots and a markdown summary of a run directory's metrics")
     report.add_argument("run_dir", help="run directory with metrics.jsonl")
     report.add_argument("--out", help="output folder (default RUN_DIR/report)")
@@ -166,7 +169,7 @@ def _slurm_command(args: argparse.Namespace) -> int:
 def _diagnose_command(args: argparse.Namespace) -> int:
     from launch.diagnose import diagnose_command
 
-    return diagnose_command(args.recipe, args.overrides, args.quant, args.prompts, args.json)
+    return diagnose_command(args.recipe, args.overrides, args.quant, args.prompts, args.json, args.budget_png)
 
 
 def _report_command(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """`moe-rl diagnose`: resolve the recipe once per quantization recipe (a bad recipe or name fails
-here, before torch and Megatron load), run the zero-update test, print the table, write JSON."""
+here, before torch and Megatron load), run the zero-update test, print the tables, write JSON and
+the mismatch budget's stacked bars."""
 
 from __future__ import annotations
 
@@ -54,7 +55,12 @@ def resolve(
 
 
 def diagnose_command(
-    recipe: str, overrides: Sequence[str], quants: str | None, num_prompts: int, json_out: str | None
+    recipe: str,
+    overrides: Sequence[str],
+    quants: str | None,
+    num_prompts: int,
+    json_out: str | None,
+    budget_png: str | None = None,
 ) -> int:
     if num_prompts < 1:
         raise ConfigError(f"--prompts={num_prompts}: expected at least 1")
@@ -62,11 +68,13 @@ def diagnose_command(
     log.info("recipe %s resolved for %s; loading the trainer model", recipe, ", ".join(configs))
     runnable = [c for c in configs.values() if isinstance(c, RecipeConfig)]
     hide_cuda_if_cpu(runnable[0].run.device)  # before torch looks for CUDA
-    from moe_rl.diagnostics.render import render, write_json
+    from moe_rl.diagnostics.render import render, write_budget_png, write_json
     from moe_rl.diagnostics.zero_update import diagnose
 
     report = diagnose(configs, num_prompts, recipe)
     render(report)
     if json_out:
         log.info("wrote %s", write_json(report, json_out))
+    if budget_png:
+        log.info("wrote %s", write_budget_png(report, budget_png))
     return 0

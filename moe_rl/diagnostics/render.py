@@ -1,6 +1,7 @@
 """The terminal view of `moe-rl diagnose`: two rich tables (mismatch; corrections and routing),
-one row per recipe and mode, then the verdicts. A metric that is not available shows as ``n/a``
-with its reason listed under the table (in the JSON it is the full ``"not available: ..."``)."""
+one row per recipe and mode, the mismatch budget per recipe, then the verdicts. A metric that is
+not available shows as ``n/a`` with its reason listed under the table (in the JSON it is the full
+``"not available: ..."``). `write_budget_png` draws the budget as one stacked bar per recipe."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moe_rl.diagnostics.budget import SAME_WEIGHTS, SHARE_TITLES, SHARES, MismatchBudget, stack_bars
 from moe_rl.diagnostics.results import (
     MODE_TITLES,
     MODES,
@@ -89,6 +91,39 @@ def _table(report: DiagnoseReport, title: str, columns, reasons: list[str]) -> T
     return table
 
 
+def budget_cell(budget: MismatchBudget, share: str, reasons: list[str]) -> str:
+    """A share in KL k3 and as a percentage of the same-weights KL (signed), or ``n/a[i]``."""
+    value = getattr(budget, share)
+    if isinstance(value, NotAvailable):
+        return format_value(share, value, reasons)
+    total = budget.same_weights
+    percent = f" ({value / total:+.1%})" if total > 0 else ""
+    return ("0" if value == 0 else f"{value:.3g}") + percent
+
+
+def budget_table(report: DiagnoseReport, reasons: list[str]) -> Table:
+    """One row per recipe: KL k3 without corrections and its split by source (`budget`)."""
+    table = Table(
+        title="Mismatch budget: KL k3 at the same weights by source",
+        title_justify="left",
+        header_style="bold",
+    )
+    table.add_column("recipe")
+    table.add_column("KL k3, no R3/KSM", justify="right")
+    for share in SHARES:
+        table.add_column(SHARE_TITLES[share], justify="right")
+    for result in report.results:
+        if result.unavailable is not None:
+            table.add_row(result.quant, format_value("", result.unavailable, reasons), *([""] * len(SHARES)))
+            continue
+        budget = result.budget
+        if budget is None:
+            continue
+        cells = [budget_cell(budget, share, reasons) for share in SHARES]
+        table.add_row(result.quant, format_value("kl_k3", budget.same_weights, reasons), *cells)
+    return table
+
+
 def _verdict_lines(result: RecipeResult) -> list[str]:
     if result.unavailable is not None:
         return [f"[bold]{result.quant}[/]: {escape(str(result.unavailable))}"]
@@ -118,6 +153,13 @@ def render(report: DiagnoseReport, console: Console | None = None) -> None:
         "* the mode the recipe trains with. 'routing used': the routing the trainer computed with vs the "
         "engine's; 'routing natural': the trainer routers' own choice vs the engine's."
     )
+    if any(result.budget is not None for result in report.results):
+        console.print(budget_table(report, reasons))
+        console.print(
+            "routing + truncation + precision = the KL without R3 and KSM (percentages of it, signed); "
+            "with both R3 and KSM measured, routing and truncation are each the mean KL drop over the "
+            "two orders of removal."
+        )
     for i, reason in enumerate(reasons, 1):
         console.print(f"n/a[{i}]: not available: {reason}", markup=False)
     for result in report.results:
@@ -130,4 +172,34 @@ def write_json(report: DiagnoseReport, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    return path
+
+
+def write_budget_png(report: DiagnoseReport, path: str | Path) -> Path:
+    """The same-weights budget as a stacked bar per recipe (matplotlib, Agg backend); shares that
+    do not apply are named under their recipe."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, budgets = [], []
+    for result in report.results:
+        budget = result.budget
+        if result.unavailable is not None or budget is None:
+            labels.append(f"{result.quant}\nnot available")
+            budgets.append({})
+            continue
+        missing = [s for s in SAME_WEIGHTS if isinstance(getattr(budget, s), NotAvailable)]
+        labels.append(result.quant + "".join(f"\n{s}: n/a" for s in missing))
+        budgets.append({s: budget.amount(s) for s in SAME_WEIGHTS})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = plt.figure(figsize=(max(6.0, 2.2 * len(labels) + 2), 4.8), dpi=110, layout="constrained")
+    ax = fig.subplots()
+    stack_bars(ax, labels, budgets, SAME_WEIGHTS)
+    name = Path(report.recipe).stem if report.recipe else "the recipe"
+    ax.set_title(f"Mismatch budget of {name} (rollout.engine={report.engine}, same weights)")
+    fig.savefig(path)
+    plt.close(fig)
     return path

@@ -2,10 +2,11 @@
 
 Writes into ``RUN_DIR/report/``: ``reward.png``, ``mismatch.png`` (KL, χ², ESS of π_old vs the
 engine), ``masked.png`` (shares masked by IcePop / OPSM / rejection, clipped by PPO and TIS),
-``routing.png`` (routing agreement) and ``timings.png`` (stage timings as stacked shares of the
-step), plus ``report.md``: a summary table, the plots, and the decision-tree verdicts
-(`verdicts.run_verdicts`). A plot with no metric to show is not drawn; the summary says why.
-Matplotlib runs on the Agg backend (no display needed).
+``routing.png`` (routing agreement), ``timings.png`` (stage timings as stacked shares of the
+step) and ``budget.png`` (the mismatch budget of each probed step as a stacked bar,
+`moe_rl.diagnostics.budget`), plus ``report.md``: a summary table, the mismatch budget, the plots,
+and the decision-tree verdicts (`verdicts.run_verdicts`). A plot with no metric to show is not
+drawn; the summary says why. Matplotlib runs on the Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.diagnostics import verdicts
+from moe_rl.diagnostics.budget import METRIC_PREFIX, SHARE_TITLES, SHARES, stack_bars
 from moe_rl.diagnostics.results import NotAvailable, is_number
 
 log = logging.getLogger(__name__)
@@ -151,6 +153,22 @@ def draw_timings(fig, records: Records) -> None:
     _finish(right, "RL step", "step wall time (s)", "step time")
 
 
+def budget_records(records: Records) -> Records:
+    """The steps the mismatch probe ran at (they carry ``mismatch/precision``)."""
+    return [r for r in records if is_number(r.get(METRIC_PREFIX + "precision"))]
+
+
+def draw_budget(fig, records: Records) -> None:
+    probed = budget_records(records)
+    ax = fig.subplots()
+    budgets = [{s: _number(r.get(METRIC_PREFIX + s)) for s in SHARES} for r in probed]
+    stack_bars(ax, [str(r["step"]) for r in probed], budgets)
+    ax.set_xlabel("RL step (mismatch probe)")
+    missing = [s for s in SHARES if all(METRIC_PREFIX + s + "_na" in r for r in probed)]
+    if missing:
+        ax.set_title("n/a: " + ", ".join(missing), fontsize=9)
+
+
 PLOTS = (
     Plot("reward.png", "Reward", ("reward/mean",), draw_reward),
     Plot(
@@ -162,6 +180,12 @@ PLOTS = (
     Plot("masked.png", "Masked and clipped shares", tuple(k for k, _ in SHARE_SERIES), draw_masked),
     Plot("routing.png", "Routing agreement", tuple(k for k, _ in ROUTING_SERIES), draw_routing),
     Plot("timings.png", "Stage timings", ("time/step_s",), draw_timings),
+    Plot(
+        "budget.png",
+        "Mismatch budget: engine vs trainer KL k3 by source",
+        (METRIC_PREFIX + "precision",),
+        draw_budget,
+    ),
 )
 
 
@@ -173,6 +197,8 @@ def missing_reason(plot: Plot, records: Records) -> NotAvailable | None:
         return NotAvailable(
             "no routing agreement in metrics.jsonl (engine without routed experts, or R3/R2 off)"
         )
+    if plot.name == "budget.png":
+        return NotAvailable("the mismatch probe did not run (logging.diagnose_every=0)")
     return NotAvailable(f"none of {', '.join(plot.keys)} in metrics.jsonl")
 
 
@@ -232,11 +258,56 @@ def recipe_setup(run_dir: Path) -> tuple[verdicts.Setup | None, str]:
     return setup_of(config), line
 
 
+def _number(value: Any) -> float:
+    return float(value) if is_number(value) else 0.0
+
+
+def _applied(probed: Records, key: str) -> list[float]:
+    """Values of ``key`` at the probed steps where its share applied (no ``<key>_na`` reason)."""
+    return [float(r[key]) for r in probed if key + "_na" not in r and is_number(r.get(key))]
+
+
+def budget_table(records: Records) -> list[str]:
+    """Markdown rows of the mismatch budget over the probed steps: per share the mean and last
+    value where it applied, its signed percentage of the mean total, or why it did not apply."""
+    probed = budget_records(records)
+    if not probed:
+        return ["Not measured: the mismatch probe did not run (`logging.diagnose_every=0`)."]
+    applied = {share: _applied(probed, METRIC_PREFIX + share) for share in SHARES}
+    means = {share: sum(v) / len(v) for share, v in applied.items() if v}
+    total = sum(means.values())
+    lines = [
+        "| source | probes | mean KL k3 | last | share of total |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for share, values in applied.items():
+        count = f"{len(values)} of {len(probed)}"
+        if not values:
+            na = METRIC_PREFIX + share + "_na"
+            reasons = "; ".join(dict.fromkeys(str(r.get(na, "not logged")) for r in probed))
+            lines.append(f"| {SHARE_TITLES[share]} | {count} | n/a: {reasons} | | |")
+            continue
+        percent = f"{means[share] / total:+.1%}" if total > 0 else ""
+        lines.append(
+            f"| {SHARE_TITLES[share]} | {count} | {_fmt(means[share])} | {_fmt(values[-1])} | {percent} |"
+        )
+    lines.append(f"| total | | {_fmt(total)} | | |")
+    return lines
+
+
 def markdown(run_dir: Path, records: Records, drawn: Mapping[str, Path | NotAvailable]) -> str:
     setup, line = recipe_setup(run_dir)
     steps = [int(r["step"]) for r in records]
     intro = f"Run directory `{run_dir}`; {len(records)} steps ({min(steps)}–{max(steps)}). {line}."
     out = [f"# Run report: {run_dir.name}", "", intro, "", "## Summary", "", *summary_table(records), ""]
+    out += [
+        "## Mismatch budget", "",
+        "KL k3 of the engine's log-probs against the trainer's, split by source: routing (what R3 "
+        "removes) + truncation (what keep-sampling-mask removes) + precision (what remains at equal "
+        "weights), measured by the mismatch probe; staleness: what older rollout weights add "
+        "(`old/kl_k3` − `probe/kl_k3`, asynchronous steps).", "",
+        *budget_table(records), "",
+    ]  # fmt: skip
     out += [
         "## Verdicts", "",
         "Decision tree of the survey seed `off-policy-drift-survey.txt` on the mean `old/` metrics "

@@ -8,7 +8,10 @@ JSON it is the string ``"not available: <reason>"``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moe_rl.diagnostics.budget import MismatchBudget
 
 MODES = ("plain", "ksm", "r3", "r3+ksm")
 """Trainer recomputations: without / with R3 routing replay, without / with keep-sampling-mask."""
@@ -74,6 +77,8 @@ class RecipeResult:
     unavailable: NotAvailable | None = None
     """Set when the whole recipe cannot run on this engine (e.g. int4_awq on vLLM)."""
     verdicts: list[Any] = field(default_factory=list)
+    budget: MismatchBudget | None = None
+    """The same-weights KL k3 split into routing, truncation and precision (`budget`)."""
 
     def value(self, mode: str, metric: str) -> Value:
         if self.unavailable is not None:
@@ -91,6 +96,8 @@ class RecipeResult:
         }
         out.update(weights=self.weights, counts=self.counts, seconds=self.seconds)
         out["verdicts"] = [v.to_json() for v in self.verdicts]
+        if self.budget is not None:
+            out["budget"] = self.budget.to_json()
         return out
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.diagnostics import binding
+from moe_rl.diagnostics.budget import kl_by_mode, mismatch_budget, truncation_applies
 from moe_rl.diagnostics.measure import MeasureParams, measure
 from moe_rl.diagnostics.results import DiagnoseReport, NotAvailable, RecipeResult
 from moe_rl.diagnostics.verdicts import zero_update_verdicts
@@ -110,6 +111,7 @@ def diagnose_recipe(
     result.counts = {"responses": batch.num_samples, "response_tokens": batch.num_response_tokens}
     result.configured_mode = binding.configured_mode(config, result.modes)
     result.verdicts = zero_update_verdicts(result.modes, result.configured_mode, binding.setup_of(config))
+    result.budget = mismatch_budget(kl_by_mode(result.modes), truncation_applies(params.top_k, params.top_p))
     return result
 
 

@@ -217,7 +217,7 @@ class EngineActor:
             self._reference = ReferenceModel(self.config)
         return self._reference
 
-    def probe(self, prompts) -> dict[str, float]:
+    def probe(self, prompts) -> dict[str, float | str]:
         """The zero-update mismatch probe (`moe_rl.diagnostics.probe`): the engine as it is now vs
         the full-precision reference model, which the last reference sync filled."""
         from moe_rl.diagnostics.probe import mismatch_probe

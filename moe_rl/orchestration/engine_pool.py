@@ -203,7 +203,7 @@ class EnginePool:
                     ) from exc
         return [gen.refs[r][0] for r in sorted(gen.refs)]
 
-    def probe(self, prompts) -> dict[str, float]:
+    def probe(self, prompts) -> dict[str, float | str]:
         """The mismatch probe on replica 0: its reference model gets the trainer's weights at full
         precision through the same bucket stream, then the engine is measured against it."""
         actor = self.replicas[0].actor

@@ -25,6 +25,7 @@ from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.shards import read_trajectories
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
+from moe_rl.diagnostics.budget import staleness_metrics
 from moe_rl.orchestration import run_dir
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
 from moe_rl.orchestration.batches import Prepared, step_advantages, step_spec, step_zero_variance
@@ -212,7 +213,8 @@ class Stages:
 
     def maybe_probe(self, step: int, metrics: dict[str, Any]) -> None:
         """Every `logging.diagnose_every` steps, right after a sync: the engine-vs-trainer mismatch
-        at equal weights on fresh prompts (a stream of its own; never trained on)."""
+        at equal weights on fresh prompts (a stream of its own; never trained on), and the mismatch
+        budget (`moe_rl.diagnostics.budget`) with what staleness added to the step's batch."""
         every = self.config.logging.diagnose_every
         if not every or (step + 1) % every:
             return
@@ -223,6 +225,7 @@ class Stages:
             self.config.rollout.batch_size // self.config.rollout.group_size
         )
         metrics.update(self.engines.probe(prompts))
+        metrics.update(staleness_metrics(metrics))
 
     # ------------------------------------------------------------------ offline (DGO)
     def offline_dataset(self) -> list[TrajectoryBatch]:

@@ -1,6 +1,7 @@
 """`moe-rl diagnose` on the tiny MoE with the Megatron engine: the bf16 engine matches the
 trainer exactly, fp8_block128 does not; R3 makes the routing used agree with the engine's and
-lowers the KL; nvfp4 runs on CUDA and is "not available", with the reason, on the CPU."""
+lowers the KL; nvfp4 runs on CUDA and is "not available", with the reason, on the CPU. The
+mismatch budget splits each recipe's KL into routing and precision (top_p=1: no truncation)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from matplotlib import image
 
 from launch.cli import main
 
@@ -22,13 +24,12 @@ TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe.yaml")
 def diagnosed(tmp_path_factory):
     out = tmp_path_factory.mktemp("diagnose") / "diagnose.json"
     terminal = io.StringIO()
+    args = ["--json", str(out), "--budget-png", str(out.with_suffix(".png"))]
     with contextlib.redirect_stdout(terminal):
-        code = main(
-            ["diagnose", TINY, "--quant", "bf16,fp8_block128,nvfp4", "--prompts", "8", "--json", str(out)]
-        )
+        code = main(["diagnose", TINY, "--quant", "bf16,fp8_block128,nvfp4", "--prompts", "8", *args])
     assert code == 0
     data = json.loads(out.read_text())
-    return {r["quant"]: r for r in data["recipes"]}, data, terminal.getvalue()
+    return {r["quant"]: r for r in data["recipes"]}, data, terminal.getvalue(), out.with_suffix(".png")
 
 
 def test_bf16_engine_matches_the_trainer_exactly(diagnosed):
@@ -77,3 +78,23 @@ def test_report_json_header(diagnosed):
     data = diagnosed[1]
     assert (data["engine"], data["num_prompts"], data["responses_per_prompt"]) == ("megatron", 8, 8)
     assert data["recipes"][0]["counts"]["responses"] == 64
+
+
+def test_mismatch_budget(diagnosed):
+    """bf16: nothing to split. fp8_block128: the KL without R3 is routing (what R3 removes) plus
+    precision (what remains); top_p=1 truncates nothing and the zero-update test has no staleness."""
+    bf16, fp8 = diagnosed[0]["bf16"]["budget"], diagnosed[0]["fp8_block128"]["budget"]
+    assert bf16["routing"] == 0.0 and bf16["precision"] <= 1e-9
+    for budget in (bf16, fp8):
+        assert budget["truncation"].startswith("not available: rollout.top_p=1 and rollout.top_k=-1")
+        assert budget["staleness"].startswith("not available: zero-update test")
+    modes = diagnosed[0]["fp8_block128"]["modes"]
+    assert (
+        fp8["routing"] == pytest.approx(modes["plain"]["kl_k3"] - modes["r3"]["kl_k3"]) and fp8["routing"] > 0
+    )
+    assert fp8["precision"] == modes["r3"]["kl_k3"] > 0
+    assert fp8["same_weights"] == pytest.approx(modes["plain"]["kl_k3"])
+    assert "budget" not in diagnosed[0]["nvfp4"] or diagnosed[0]["nvfp4"]["budget"]["precision"] > 0
+    assert "Mismatch budget" in diagnosed[2] and "routing (R3 removes)" in diagnosed[2]
+    height, width = image.imread(diagnosed[3]).shape[:2]
+    assert diagnosed[3].stat().st_size > 10_000 and width >= 600 and height >= 400

@@ -1,8 +1,11 @@
-"""`moe-rl report` on a real run directory: a 3-step tiny-MoE run of `moe-rl train`, then the
-report's PNGs exist, are real images, and report.md names the run's recipe."""
+"""`moe-rl report` on a real run directory: a 3-step tiny-MoE run of `moe-rl train` (asynchronous,
+top-p 0.9, the mismatch probe every step), then the report's PNGs exist, are real images, and
+report.md names the run's recipe and tables the mismatch budget the probe logged."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +16,17 @@ from matplotlib import image
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-PNGS = ("reward.png", "mismatch.png", "masked.png", "routing.png", "timings.png")
+PNGS = ("reward.png", "mismatch.png", "masked.png", "routing.png", "timings.png", "budget.png")
+SHARES = ("routing", "truncation", "precision", "staleness")
 
 
 def test_report_of_a_tiny_run(tmp_path):
     train = [sys.executable, "-m", "launch.cli", "train", str(REPO / "recipes" / "tiny_moe.yaml"),
-             "run.steps=3", f"run.output_dir={tmp_path}", "logging.tensorboard=false"]  # fmt: skip
+             "run.steps=3", f"run.output_dir={tmp_path}", "logging.tensorboard=false", "run.mode=async",
+             "rollout.top_p=0.9", "logging.diagnose_every=1"]  # fmt: skip
     subprocess.run(train, check=True, cwd=REPO, capture_output=True, timeout=600)
     run = tmp_path / "tiny_moe"
+    _check_budget_metrics([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
     out = subprocess.run(
         [sys.executable, "-m", "launch.cli", "report", str(run)],
         cwd=REPO,
@@ -37,3 +43,27 @@ def test_report_of_a_tiny_run(tmp_path):
     assert "rollout.quant=fp8_block128" in md and "routing_replay=r3" in md and "3 steps" in md
     assert all(f"]({name})" in md for name in PNGS)
     assert "| `old/kl_k3` |" in md and "| `old/routing_agreement` |" in md
+    assert "## Mismatch budget" in md and "| truncation (KSM removes) | 3 of 3 |" in md
+    assert "| staleness (async adds) | 2 of 3 |" in md
+
+
+def _check_budget_metrics(records: list[dict]) -> None:
+    """Every step probed: the shares are finite; top-p 0.9 leaves a truncation share KSM removes,
+    fp8 weights a precision share; staleness applies once batches are one version old."""
+    assert [r["policy/staleness"] for r in records] == [0, 1, 1]
+    for r in records:
+        values = [r[f"mismatch/{share}"] for share in SHARES]
+        assert all(isinstance(v, float) and math.isfinite(v) for v in values), r
+        assert r["mismatch/truncation"] > 0 and r["mismatch/precision"] > 0
+        assert "mismatch/routing_na" not in r and "mismatch/truncation_na" not in r
+        same = r["mismatch/routing"] + r["mismatch/truncation"] + r["mismatch/precision"]
+        assert math.isclose(same, r["probe/kl_k3_plain"], rel_tol=1e-5, abs_tol=1e-12)
+    assert (
+        records[0]["mismatch/staleness"] == 0.0
+        and "policy/staleness=0" in records[0]["mismatch/staleness_na"]
+    )
+    for r in records[1:]:
+        assert "mismatch/staleness_na" not in r
+        assert math.isclose(
+            r["mismatch/staleness"], r["old/kl_k3"] - r["probe/kl_k3"], rel_tol=1e-9, abs_tol=1e-15
+        )

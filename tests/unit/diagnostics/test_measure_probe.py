@@ -57,7 +57,12 @@ def batch(engine, prompts):
 
 def test_probe_at_equal_weights_is_zero_in_the_recipes_mode(engine, trainer, prompts, config):
     out = mismatch_probe(engine, trainer, prompts, config)
+    budget = {k: out.pop(k) for k in list(out) if k.startswith("mismatch/")}
     assert all(key.startswith("probe/") for key in out) and all(isinstance(v, float) for v in out.values())
+    # the budget: same routing and numerics, so the whole KL without KSM is truncation by top-p 0.9
+    assert set(budget) == {"mismatch/routing", "mismatch/truncation", "mismatch/precision"}
+    assert budget["mismatch/truncation"] == pytest.approx(out["probe/kl_k3_plain"], rel=1e-6)
+    assert budget["mismatch/precision"] <= 1e-9 and abs(budget["mismatch/routing"]) <= 1e-9
     assert out["probe/kl_k3"] <= 1e-9 and abs(out["probe/kl_k1"]) < 1e-6  # R3 + KSM, as configured
     assert out["probe/routing_agreement"] == 1.0 and out["probe/routing_agreement_plain"] == 1.0
     assert out["probe/prob_pearson"] > 0.9999 and out["probe/icepop_masked_frac"] == 0.0
@@ -116,7 +121,12 @@ def test_vllm_cpu_like_batch_reports_why_routing_and_ksm_are_missing(trainer, ba
             return bare
 
     out = mismatch_probe(VLLMLike(), trainer, [[1, 2]] * 6, config)
-    assert "probe/kl_k3" in out and not any("routing" in k for k in out)
+    assert "probe/kl_k3" in out and not any("routing" in k for k in out if k.startswith("probe/"))
+    # neither R3 nor KSM can remove anything: both shares n/a (0), the whole KL stays in precision
+    assert out["mismatch/routing"] == 0.0 and out["mismatch/truncation"] == 0.0
+    assert out["mismatch/routing_na"].startswith(no_routing.reason)
+    assert out["mismatch/truncation_na"].startswith(no_masks.reason)
+    assert out["mismatch/precision"] == out["probe/kl_k3"] > 1e-4  # top-p 0.9 against the full vocabulary
     assert "probe/opsm_masked_seq_frac" not in out  # bare token ids: no rewards, no advantages
 
 

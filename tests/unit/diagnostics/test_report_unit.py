@@ -25,6 +25,9 @@ def write_run(folder, steps=5, routing=True):
             }  # fmt: skip
             if routing:
                 record["old/routing_agreement"] = 0.97
+            if i % 2:  # the mismatch probe ran
+                record |= {"mismatch/routing": 1e-4, "mismatch/truncation": 2e-5, "mismatch/precision": 5e-5,
+                           "mismatch/staleness": 0.0, "mismatch/staleness_na": "policy/staleness=0"}  # fmt: skip
             f.write(json.dumps(record) + "\n")
     return folder
 
@@ -40,6 +43,8 @@ def test_plots_and_markdown(tmp_path):
     assert "![Reward](reward.png)" in md and "| `old/kl_k3` | 0.0002 |" in md
     assert "IS variance blow-up" in md  # χ² token 1.5 > 1 → Cause D
     assert "no config.yaml" in md
+    assert "| routing (R3 removes) | 2 of 2 | 0.0001 | 0.0001 | +58.8% |" in md
+    assert "| staleness (async adds) | 0 of 2 | n/a: policy/staleness=0 | | |" in md
 
 
 def test_missing_routing_is_explained_not_plotted(tmp_path):

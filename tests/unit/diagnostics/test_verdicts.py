@@ -140,12 +140,13 @@ def test_verdict_level_is_checked():
         v.Verdict("bad", "x", "y", "z")
 
 
-def test_verdicts_results_and_binding_import_without_torch():
+def test_verdicts_results_binding_and_budget_import_without_torch():
     import subprocess
     import sys
 
     code = (
-        "import sys, moe_rl.diagnostics.verdicts, moe_rl.diagnostics.results, moe_rl.diagnostics.binding; "
+        "import sys, moe_rl.diagnostics.verdicts, moe_rl.diagnostics.results, moe_rl.diagnostics.binding, "
+        "moe_rl.diagnostics.budget; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
