@@ -7,7 +7,8 @@ tuples cheaply; the math modules are imported when something is bound.
 Names (``algo.*`` in recipes):
 
 * ``objective`` ∈ `OBJECTIVES`, hyper-parameters in `OBJECTIVE_PARAMS`;
-* ``advantage`` ∈ `ADVANTAGES`; ``aggregation`` ∈ `AGGREGATIONS`; ``kl.estimator`` ∈ `KL_ESTIMATORS`;
+* ``advantage`` ∈ `ADVANTAGES`; ``aggregation`` ∈ `AGGREGATIONS`; ``kl.estimator`` ∈ `KL_ESTIMATORS`
+  (``kl.coef`` and the aggregation bound with it by `bind_kl_loss`);
 * ``corrections``: ``tis.mode`` ∈ `TIS_MODES` (``tis.cap``), ``icepop.{enabled, low, high}``,
   ``rejection.{enabled, divergence ∈ REJECTION_DIVERGENCES, aggregation ∈
   REJECTION_AGGREGATIONS, low, high}``, ``opsm.{enabled, delta}``, ``mode`` ∈ `CORRECTION_MODES`.
@@ -183,6 +184,24 @@ def bind_kl(estimator: str) -> Callable[..., Any]:
     """KL estimator: ``f(logp=, ref_logp=, old_logp=None) -> [T]`` per-token values."""
     _choice("algo.kl.estimator", estimator, KL_ESTIMATORS)
     return _filter_call(_load("moe_rl.algo.kl", "kl_penalty"), {"estimator": estimator}, f"kl {estimator!r}")
+
+
+KL_AGGREGATION = {"seq_mean_group_mean": "seq_mean_token_mean"}
+"""The KL term's aggregation under an objective's own one: ESPO's groups belong to its clip, so its
+KL term is the mean over responses of each response's token mean (the same denominator, the count
+of responses)."""
+
+
+def bind_kl_loss(estimator: str, coef: float, aggregation: str) -> Callable[..., Any]:
+    """The KL penalty as a loss (`moe_rl.algo.kl.kl_loss`) with its estimator, coefficient and the
+    recipe's aggregation bound (`KL_AGGREGATION` for an objective's own):
+    ``f(logp=, ref_logp=, loss_mask=, seq_ids=, num_seqs=, old_logp=None) -> LossOutput``."""
+    _choice("algo.kl.estimator", estimator, KL_ESTIMATORS)
+    mode = _choice("algo.aggregation", KL_AGGREGATION.get(aggregation, aggregation), AGGREGATIONS)
+    if not isinstance(coef, int | float) or not coef > 0:
+        raise ValueError(f"algo.kl.coef must be > 0 for a KL loss, got {coef!r}")
+    bound = {"estimator": estimator, "coef": float(coef), "aggregation": mode}
+    return _filter_call(_load("moe_rl.algo.kl", "kl_loss"), bound, f"kl loss {estimator!r}")
 
 
 def flatten_corrections(params: Mapping[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:

@@ -289,9 +289,13 @@ class CorrectionsConfig:
 @dataclass
 class KLConfig:
     coef: float = 0.0
-    """KL penalty coefficient against the reference policy (0: no reference model)."""
+    """Coefficient of the KL penalty against the reference policy, the run's starting weights kept
+    frozen in the trainer; 0: no penalty and no reference model."""
     estimator: str = "k3"
-    """`k1`, `k2`, `k3`, `abs`, or `k3_is` (DeepSeek-V3.2 Eq. 7)."""
+    """`k1`, `k2`, `k3`, `abs`, or `k3_is` (DeepSeek-V3.2 Eq. 7: k3 weighted by π_θ/π_old)."""
+    offload_reference: bool = False
+    """Keep the reference model's weights in (pinned) host memory between old-logp passes and copy
+    them to the GPU for each pass; on a CPU trainer there is nothing to offload (no effect)."""
 
 
 @dataclass

@@ -104,6 +104,7 @@ RANGES: dict[str, Bound] = {
     **_each(NON_NEGATIVE, "algo.clip_eps_high", "algo.gspo_eps_high", "algo.espo_alpha"),
     "algo.espo_rho": Bound(lambda v: 0 < v < 1, "in (0, 1)"),
     **_each(POSITIVE, "algo.espo_num_groups", "algo.dgo_beta", "algo.corrections.tis.cap"),
+    "algo.kl.coef": NON_NEGATIVE,
     **_each(POSITIVE, "trainer.lr", "trainer.num_mini_batches", "trainer.max_tokens_per_microbatch",
             "trainer.logprob_chunk_size", "trainer.adam_eps"),
     **_each(NON_NEGATIVE, "trainer.min_lr", "trainer.lr_warmup_steps", "trainer.weight_decay",

@@ -1,6 +1,6 @@
 """What the trainer consumes: a packed `moe_rl.data.packing.MicroBatch` plus the per-token
 inputs the driver adds (advantages) and those the trainer fills in itself (old log-probs, the
-old policy's entropy, recorded routing for R2).
+old policy's entropy, the reference policy's log-probs for the KL penalty, recorded routing for R2).
 
 Alignment: ``T`` packed tokens (``input_ids``, ``position_ids``, ``loss_mask``, routing rows),
 ``R`` response tokens in packed order (``rollout_logp``, ``advantages``, ``old_logp``, the
@@ -31,6 +31,9 @@ class TrainMicroBatch:
     """float32 ``[R]``: π_old log-probs; filled by ``TrainerWorker.compute_old_logp``."""
     old_entropy: Tensor | None = None
     """float32 ``[R]``: full-vocabulary entropy of π_old at each response token (ESPO)."""
+    ref_logp: Tensor | None = None
+    """float32 ``[R]``: log-probs of the reference policy (the KL penalty's π_ref), filled by
+    ``TrainerWorker.compute_old_logp`` under the same routing and kept sets as ``old_logp``."""
     recorded_routing: Tensor | None = None
     """int64 ``[T, local MoE layers, k]``: the trainer's own routing in the old-logp pass (R2)."""
     old_weights_version: int | None = None
@@ -85,7 +88,7 @@ class TrainMicroBatch:
         return torch.repeat_interleave(self.micro.sample_indices, lengths, output_size=self.micro.num_tokens)
 
 
-_TENSOR_FIELDS = ("advantages", "old_logp", "old_entropy", "recorded_routing", "zvp_sign")
+_TENSOR_FIELDS = ("advantages", "old_logp", "old_entropy", "ref_logp", "recorded_routing", "zvp_sign")
 
 
 def token_advantages(sample_advantages: Tensor, response_lengths: Tensor) -> Tensor:

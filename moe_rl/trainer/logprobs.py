@@ -161,15 +161,17 @@ def old_logprobs(
     natural: bool = False,
     sample_of_token: Tensor | None = None,
     pad_to: int | None = None,
+    local: bool = False,
 ) -> LogprobOutput:
     """The ``old_logp`` pass (no grad; call with the model in eval mode).
 
-    Replays ``trace`` (``[T, all MoE layers, k]``) when given, records the routers' own choice
-    when ``record`` (R2), captures it under replay when ``natural`` (routing agreement).
-    Recorded and captured routing cover the micro-batch's own ``T`` tokens (not the padding).
+    Replays ``trace`` (``[T, all MoE layers, k]``; this stage's layers only if ``local``) when
+    given, records the routers' own choice when ``record`` (R2), captures it under replay when
+    ``natural`` (routing agreement). Recorded and captured routing cover the micro-batch's own
+    ``T`` tokens (not the padding).
     """
     num_tokens = pad_to or micro.num_tokens
-    with routing_mode(replay, trace, num_tokens, record, natural, sample_of_token) as routing:
+    with routing_mode(replay, trace, num_tokens, record, natural, sample_of_token, local) as routing:
         out = logprob_pass(model, micro, options, pad_to)
     recorded, natural_ids = routing.get("recorded"), routing.get("natural")
     out.recorded_routing = None if recorded is None else recorded[: micro.num_tokens]

@@ -55,8 +55,6 @@ def _algo_rules(config: RecipeConfig) -> list[Rule]:
         Rule("ESPO has the old policy's entropy", a.objective != "espo" or t.compute_entropy,
              f"algo.objective={a.objective} needs trainer.compute_entropy=true (entropy of π_old), "
              f"got {t.compute_entropy}"),
-        Rule("no reference model", a.kl.coef == 0,
-             f"algo.kl.coef={a.kl.coef}: the trainer keeps no reference model; use 0"),
         Rule("zero-variance shaping has the old policy's entropy", not a.zero_variance_shaping or t.compute_entropy,
              f"algo.zero_variance_shaping={a.zero_variance_shaping} needs trainer.compute_entropy=true "
              f"(RL-ZVP shapes advantages with π_old's entropy), got {t.compute_entropy}"),

@@ -2,16 +2,18 @@
 
 One worker per trainer process. It owns the model (``GPTModel`` in Megatron's
 ``DistributedDataParallel``), the optimizer and learning-rate schedule (`optim`), the routing
-replay adapter (`replay`), and binds the recipe's objective and corrections through
-`moe_rl.algo.registry` (the one place config meets the loss math).
+replay adapter (`replay`), with a KL penalty the frozen reference policy (`reference`, the
+starting weights: `moe_rl.trainer.reference`), and binds the recipe's objective, corrections and
+KL loss through `moe_rl.algo.registry` (the one place config meets the loss math).
 
 A step reads as the algorithm:
 
 * `compute_old_logp`: π_old on every micro-batch (no grad; replaying the engine's routing under
   R3, recording the trainer's under R2; over the kept sets under KSM; full-vocabulary entropy
-  for ESPO), plus training–inference mismatch diagnostics.
+  for ESPO), plus training–inference mismatch diagnostics; then π_ref with a KL penalty (same
+  routing, R2 replaying what the π_old pass recorded, same kept sets).
 * `train_step`: for one mini-batch, per micro-batch the ``logp`` pass (same routing and mask
-  rules), corrections and objective → ``loss_sum``; backward; gradients summed over
+  rules), corrections, objective and KL penalty → ``loss_sum``; backward; gradients summed over
   micro-batches and data-parallel ranks and divided by the global denominator
   (``finalize_model_grads(num_tokens=...)``: the local count is all-reduced over DP×CP);
   clipping and the optimizer step (optionally with the VCPO learning-rate scale).
@@ -39,7 +41,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +73,7 @@ from moe_rl.trainer.logprobs import (
     routing_mode,
 )
 from moe_rl.trainer.optim import build_optimizer, build_scheduler
+from moe_rl.trainer.reference import ReferencePolicy, saved_with_reference
 from moe_rl.trainer.rules import check_trainer
 
 log = logging.getLogger(__name__)
@@ -127,6 +130,8 @@ class TrainerWorker:
         self.model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
         if config.model.hf_path:
             load_hf_checkpoint(self.model, config.model.hf_path)
+        kl = config.algo.kl
+        self.reference = ReferencePolicy.of_policy(self.model, config, self.device) if kl.coef > 0 else None
         self.ddp = self._wrap_ddp(self.model)
         trainer = config.trainer
         self.optimizer = build_optimizer([self.ddp], trainer, config.parallel.use_distributed_optimizer)
@@ -135,6 +140,9 @@ class TrainerWorker:
         self.replay = RoutingReplay(self.model) if config.algo.routing_replay != "off" else None
         self.objective = recipe_objective(config)
         self.corrections = registry.bind_corrections(_correction_params(config))
+        self.kl_loss = (
+            registry.bind_kl_loss(kl.estimator, kl.coef, config.algo.aggregation) if kl.coef > 0 else None
+        )
         self.options = PassOptions(
             temperature=config.rollout.temperature,
             chunk_size=trainer.logprob_chunk_size,
@@ -179,14 +187,17 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ π_old
     def compute_old_logp(self, micro_batches: Sequence[TrainMicroBatch]) -> dict[str, float]:
-        """Fill ``old_logp`` (and ``old_entropy`` for ESPO, ``recorded_routing`` for R2) of each
-        micro-batch in place; return mismatch and routing diagnostics (means over micro-batches)."""
+        """Fill ``old_logp`` (and ``old_entropy`` for ESPO, ``recorded_routing`` for R2, ``ref_logp``
+        with a KL penalty) of each micro-batch in place; return mismatch and routing diagnostics
+        (means over micro-batches)."""
         self._to_device(micro_batches)
         self.ddp.eval()
         options = dataclasses.replace(self.options, entropy=self.config.trainer.compute_entropy)
         record = self.config.algo.routing_replay == "r2"
         if self.pipelined:
-            return self._pipelined_old_logp(micro_batches, options, record)
+            found = self._pipelined_old_logp(micro_batches, options, record)
+            self._reference_logp(micro_batches, options)
+            return found
         metrics: list[dict[str, Tensor]] = []
         for mb in micro_batches:
             trace, local = self._trace_for(mb) if not record else (None, False)
@@ -204,6 +215,7 @@ class TrainerWorker:
             if self.diagnostics:
                 with self.timer.section("diagnostics"):
                     metrics.append({**self._old_metrics(mb, out, trace, local), **shaped})
+        self._reference_logp(micro_batches, options)
         return self._reduce_metrics(metrics, prefix="old/")
 
     def _shape_zero_variance(self, mb: TrainMicroBatch) -> dict[str, Tensor]:
@@ -228,6 +240,20 @@ class TrainerWorker:
         found.update(mb.old_routing_metrics)
         return found
 
+    def _reference_logp(self, micro_batches: Sequence[TrainMicroBatch], options: PassOptions) -> None:
+        """π_ref's log-probs (``ref_logp``) of every micro-batch, with the routing and kept sets of
+        the policy's pass just run: R3 replays the engine's routing, R2 what the policy recorded."""
+        if self.reference is None:
+            return
+        options = dataclasses.replace(options, entropy=False)
+        with self.timer.section("ref_logp"), self.reference.resident():
+            if self.pipelined:
+                self.reference.pipelined_logp(micro_batches, options, self._trace_for, self._pad_length)
+                return
+            for mb in micro_batches:
+                trace, local = self._trace_for(mb)
+                mb.ref_logp = self.reference.logp(mb, options, trace, local, self._pad_length(mb))
+
     # ------------------------------------------------------------------ update
     def _to_device(self, micro_batches: Sequence[TrainMicroBatch]) -> None:
         """The boundary: move each micro-batch to this worker's device (once; a no-op after)."""
@@ -242,7 +268,7 @@ class TrainerWorker:
         return local_denominator(mask, mb.seq_ids, num_seqs=mb.num_samples, mode=mode)
 
     def _micro_loss(self, mb: TrainMicroBatch, logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """Corrections and objective on one micro-batch: ``(loss_sum, metrics)``."""
+        """Corrections, objective and KL penalty on one micro-batch: ``(loss_sum, metrics)``."""
         seq_ids, num_seqs = mb.seq_ids, mb.num_samples
         mask = torch.ones_like(logp, dtype=torch.bool)
         rollout = mb.micro.rollout_logp.to(logp.device)
@@ -258,7 +284,18 @@ class TrainerWorker:
                 num_seqs=num_seqs, weights=corr.weights, entropy=mb.old_entropy,
                 vocab_size=self.config.model.vocab_size,
             )  # fmt: skip
-        return out.loss_sum, {**corr.metrics, **out.metrics}
+        loss_sum, metrics = out.loss_sum, {**corr.metrics, **out.metrics}
+        if self.kl_loss is not None:
+            # The tokens the policy term counts (a correction's drop leaves both terms) and the same
+            # denominator; k3_is weights by π_θ/π_old, π_old being the rollout policy in bypass mode.
+            with self.timer.section("kl"):
+                kl = self.kl_loss(
+                    logp=logp, ref_logp=mb.ref_logp, old_logp=old, loss_mask=corr.mask, seq_ids=seq_ids,
+                    num_seqs=num_seqs,
+                )  # fmt: skip
+            loss_sum = loss_sum + kl.loss_sum
+            metrics.update(kl.metrics)
+        return loss_sum, metrics
 
     def _pad_length(self, mb: TrainMicroBatch) -> int | None:
         """Token count every expert-parallel rank pads this micro-batch to (None: no padding).
@@ -322,6 +359,11 @@ class TrainerWorker:
             and self.config.algo.policy_mode != "bypass"
         ):
             raise ValueError("train_step needs old_logp on every micro-batch: call compute_old_logp first")
+        if holds_logits and self.reference is not None and any(mb.ref_logp is None for mb in mini_batch):
+            raise ValueError(
+                f"algo.kl.coef={self.config.algo.kl.coef}: train_step needs ref_logp on every micro-batch; "
+                "call compute_old_logp first"
+            )
         self._to_device(mini_batch)
         self.ddp.train()
         self.ddp.zero_grad_buffer()
@@ -596,36 +638,56 @@ class TrainerWorker:
             torch.cuda.set_rng_state(state["cuda"])
             get_cuda_rng_tracker().set_states(state["cuda_tracker"])
 
-    def _sharded_state(self, is_loading: bool) -> dict:
+    def _sharded_state(self, is_loading: bool, reference: bool = True) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         model_sd = self.model.sharded_state_dict()
         rank, world = dist.get_rank(), dist.get_world_size()
-        return {
+        state = {
             "model": model_sd,
             "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "rng": ShardedObject("rng_state", self._rng_state(), (world,), (rank,), replica_id=0),
         }
+        if reference and self.reference is not None:
+            state["reference"] = self.reference.sharded_state_dict()
+        return state
+
+    def _reference_resident(self) -> AbstractContextManager:
+        """The reference's weights on the device for a checkpoint's save or load (when offloaded)."""
+        return self.reference.resident() if self.reference is not None else nullcontext()
 
     def save_checkpoint(self, directory: str | Path) -> Path:
-        """Save model, optimizer, schedule, RNG and step with Megatron ``dist_checkpointing``."""
+        """Save model, optimizer, schedule, RNG, step and, with a KL penalty, the reference policy
+        with Megatron ``dist_checkpointing``."""
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
         if dist.get_rank() == 0:
             directory.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state(is_loading=False), str(directory))
+        with self._reference_resident():
+            dist_checkpointing.save(self._sharded_state(is_loading=False), str(directory))
         log.info("saved checkpoint of step %d to %s", self.step, directory)
         return directory
 
     def load_checkpoint(self, directory: str | Path) -> int:
-        """Restore everything `save_checkpoint` wrote; returns the step."""
+        """Restore everything `save_checkpoint` wrote; returns the step. The reference policy is
+        the saved one, the original run's starting weights; a checkpoint saved without a KL penalty
+        holds none, and the reference stays the starting weights this worker built."""
         from megatron.core import dist_checkpointing
 
-        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(directory))
+        with_reference = self.reference is not None and saved_with_reference(directory)
+        if self.reference is not None and not with_reference:
+            log.warning(
+                "checkpoint %s holds no reference policy (saved with algo.kl.coef=0): the reference is "
+                "the starting weights of this run's model.hf_path or run.seed", directory,
+            )  # fmt: skip
+        with self._reference_resident():
+            state = dist_checkpointing.load(self._sharded_state(True, with_reference), str(directory))
+            if with_reference:
+                self.reference.load_sharded(state["reference"])
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

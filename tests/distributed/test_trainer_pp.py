@@ -1,7 +1,8 @@
 """Pipeline parallelism (gloo, CPU): Megatron's 1F1B schedule over two stages gives the gradients,
 metrics (on every rank), gradient norm and updated weights of the one-process trainer, with R3 replay (each stage replays its own layers'
 columns of the full-model trace), with R2 (each stage records and replays its own layers), and
-with activation recompute (REPLAY_BACKWARD pops each stage's ids in forward order)."""
+with activation recompute (REPLAY_BACKWARD pops each stage's ids in forward order), and with a KL
+penalty (the reference's forward-only pass through the schedule, R3 or R2 routing)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ CASES = {
         "algo.corrections.opsm.enabled=false",
     ),
     "r3_recompute": ("trainer.recompute_activations=true",),
+    # the reference's pass through the schedule; k1's gradient is not 0 where π_θ = π_ref
+    "r3_kl": ("algo.kl.coef=0.5", "algo.kl.estimator=k1"),
+    "r2_kl": (
+        "algo.routing_replay=r2",
+        "algo.corrections.keep_sampling_mask=false",
+        "algo.corrections.icepop.enabled=false",
+        "algo.corrections.opsm.enabled=false",
+        "algo.kl.coef=0.5",
+        "algo.kl.estimator=k1",
+    ),
 }
 
 
@@ -42,7 +53,8 @@ def weights(tmp_path_factory) -> str:
 def test_pp2_matches_pp1(case, weights, tmp_path):
     extra = CASES[case]
     reference = trainer_dp_worker.pipeline_outputs(1, weights, *extra)
-    assert case == "r2" or reference["__old__/old/routing_agreement"] < 1  # R3 traces are not natural
+    r3 = not case.startswith("r2")
+    assert not r3 or reference["__old__/old/routing_agreement"] < 1  # R3 traces are not natural
     mp.spawn(
         trainer_dp_worker.pipeline_rank_main,
         args=(2, free_port(), weights, str(tmp_path), extra),

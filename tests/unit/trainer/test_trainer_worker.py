@@ -91,7 +91,6 @@ def test_vcpo_scales_the_learning_rate():
     ("overrides", "match"),
     [
         (["trainer.compute_entropy=false"], "compute_entropy"),
-        (["algo.kl.coef=0.1"], "kl.coef"),
         (
             [
                 "parallel.pipeline_model_parallel_size=2",
