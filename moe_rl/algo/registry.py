@@ -144,12 +144,18 @@ def objective_params(name: str, params: Mapping[str, Any] | None = None, **kwarg
 
 
 def bind_objective(
-    name: str, params: Mapping[str, Any] | None = None, *, aggregation: str | None = None, **kwargs: Any
+    name: str,
+    params: Mapping[str, Any] | None = None,
+    *,
+    aggregation: str | None = None,
+    norm_len: float | None = None,
+    **kwargs: Any,
 ) -> Callable[..., Any]:
     """Objective `name` with its hyper-parameters and aggregation bound; returns ``f(**tensors) -> LossOutput``.
 
     `aggregation` None = the paper's (`DEFAULT_AGGREGATION`); otherwise one of `AGGREGATIONS` or
-    the objective's own (`OWN_AGGREGATIONS`).
+    the objective's own (`OWN_AGGREGATIONS`). `norm_len` is the constant L of
+    ``seq_mean_token_sum_norm`` (the trainer binds the recipe's ``rollout.max_new_tokens``).
     """
     hparams = objective_params(name, params, **kwargs)
     if aggregation is None:
@@ -157,6 +163,8 @@ def bind_objective(
     else:
         _choice("algo.aggregation", aggregation, AGGREGATIONS + OWN_AGGREGATIONS.get(name, ()))
     hparams["aggregation"] = aggregation
+    if norm_len is not None:
+        hparams["norm_len"] = norm_len
     return _filter_call(_load(*_OBJECTIVE_FUNCS[name]), hparams, f"objective {name!r}")
 
 
@@ -192,7 +200,9 @@ KL term is the mean over responses of each response's token mean (the same denom
 of responses)."""
 
 
-def bind_kl_loss(estimator: str, coef: float, aggregation: str) -> Callable[..., Any]:
+def bind_kl_loss(
+    estimator: str, coef: float, aggregation: str, norm_len: float | None = None
+) -> Callable[..., Any]:
     """The KL penalty as a loss (`moe_rl.algo.kl.kl_loss`) with its estimator, coefficient and the
     recipe's aggregation bound (`KL_AGGREGATION` for an objective's own):
     ``f(logp=, ref_logp=, loss_mask=, seq_ids=, num_seqs=, old_logp=None) -> LossOutput``."""
@@ -201,6 +211,8 @@ def bind_kl_loss(estimator: str, coef: float, aggregation: str) -> Callable[...,
     if not isinstance(coef, int | float) or not coef > 0:
         raise ValueError(f"algo.kl.coef must be > 0 for a KL loss, got {coef!r}")
     bound = {"estimator": estimator, "coef": float(coef), "aggregation": mode}
+    if norm_len is not None:
+        bound["norm_len"] = norm_len
     return _filter_call(_load("moe_rl.algo.kl", "kl_loss"), bound, f"kl loss {estimator!r}")
 
 

@@ -91,7 +91,10 @@ def recipe_objective(config: RecipeConfig):
     the weights over the whole batch (a prompt's N samples may span micro-batches) and passes them
     as advantages."""
     objective = "reinforce" if config.algo.objective == "dgo" else config.algo.objective
-    return registry.bind_objective(objective, _objective_params(config), aggregation=config.algo.aggregation)
+    return registry.bind_objective(
+        objective, _objective_params(config), aggregation=config.algo.aggregation,
+        norm_len=config.rollout.max_new_tokens,
+    )  # fmt: skip
 
 
 def _correction_params(config: RecipeConfig) -> dict:
@@ -141,7 +144,11 @@ class TrainerWorker:
         self.objective = recipe_objective(config)
         self.corrections = registry.bind_corrections(_correction_params(config))
         self.kl_loss = (
-            registry.bind_kl_loss(kl.estimator, kl.coef, config.algo.aggregation) if kl.coef > 0 else None
+            registry.bind_kl_loss(
+                kl.estimator, kl.coef, config.algo.aggregation, config.rollout.max_new_tokens
+            )
+            if kl.coef > 0
+            else None
         )
         self.options = PassOptions(
             temperature=config.rollout.temperature,

@@ -68,3 +68,21 @@ def test_the_stability_stack_trains_espo_with_its_own_aggregation():
 def test_espos_aggregation_is_refused_for_other_objectives():
     with pytest.raises(ConfigError, match="algo.aggregation=seq_mean_group_mean is ESPO's own"):
         load_recipe(TINY, ["algo.objective=ppo_clip"])  # the stack's aggregation, another objective
+
+
+def test_dr_grpo_constant_normalizer_is_the_recipes_max_new_tokens():
+    """`seq_mean_token_sum_norm` (Dr.GRPO): Σ_t l_t / L per response, L = rollout.max_new_tokens,
+    mean over responses; REINFORCE's token loss is −A·logp."""
+    config = load_recipe(TINY, ["algo.objective=reinforce", "algo.aggregation=seq_mean_token_sum_norm"])
+    length = config.rollout.max_new_tokens
+    out = recipe_objective(config)(
+        logp=torch.tensor(LOGP, dtype=torch.float64, requires_grad=True),
+        old_logp=torch.tensor(OLD, dtype=torch.float64),
+        advantages=torch.tensor(ADV, dtype=torch.float64),
+        loss_mask=torch.ones(9, dtype=torch.bool),
+        seq_ids=torch.tensor(SEQ),
+        num_seqs=2,
+        weights=None,
+    )
+    per_response = [sum(-ADV[t] * LOGP[t] for t, s in enumerate(SEQ) if s == seq) / length for seq in (0, 1)]
+    assert float(out.loss_sum / out.denom) == pytest.approx(sum(per_response) / 2, rel=1e-12)
