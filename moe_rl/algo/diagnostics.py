@@ -1,7 +1,8 @@
 """Training–inference mismatch diagnostics (detached 0-d tensors, for logging).
 
-Definitions follow verl's ``compute_offpolicy_metrics`` as described in the survey seed
-(``off-policy-drift-survey.txt``), with ``log_rho_t = old_logp − rollout_logp`` clamped to ±20:
+Definitions follow verl's ``compute_offpolicy_metrics`` as described in Chris Yuhao Liu,
+"Off-Policy Drift in LLM RL" (blog post, 2026), https://chrisliu298.ai/posts/off-policy-drift-in-llm-rl/
+(docs/algorithms.md, "Diagnostics"), with ``log_rho_t = old_logp − rollout_logp`` clamped to ±20:
 
 * ``kl_k1 = mean_t(rollout_logp − old_logp)``  (KL(μ ‖ π_old), samples from μ)
 * ``kl_k3 = mean_t(rho − log rho − 1)``
@@ -45,7 +46,8 @@ def ess_ratio(weights: Tensor, mask: Tensor | None = None) -> Tensor:
 
 
 def vcpo_lr_factor(ess: Tensor, ess_ref: float | Tensor, *, max_factor: float | None = None) -> Tensor:
-    """VCPO learning-rate scale ``sqrt(ESS/ESS_ref)`` [seed vcpo-stable-asynchrony, Eq. 5].
+    """VCPO learning-rate scale ``sqrt(ESS/ESS_ref)`` ["Stable Asynchrony: Variance-Controlled
+    Off-Policy RL for LLMs", arXiv 2602.17616, Eq. 5].
 
     `ess` and `ess_ref` are ESS ratios (`ess_ratio`); ``ESS_ref`` is the on-policy reference
     (≈ the first on-policy step). `max_factor` optionally caps the scale (e.g. 1.0).

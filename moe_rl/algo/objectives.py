@@ -442,7 +442,9 @@ def _group_mean_aggregate(
 
 
 def dgo_weights(rewards: Tensor, group_ids: Tensor, *, dgo_beta: float = 0.1) -> Tensor:
-    """DGO sample weights [seed: dgo-decoupled-generation-optimization]: ``w = exp(r/β) / mean_n exp(r_n/β)``.
+    """DGO sample weights: ``w = exp(r/β) / mean_n exp(r_n/β)`` ["Scaling Online RLVR Done Right with
+    Decoupled Generation & Optimization", ICLR 2026 blog post,
+    https://iclr-blogposts.github.io/2026/blog/2026/scaling-rlvr/].
 
     The mean runs over the N samples of the same prompt (`group_ids`); computed as a shifted
     softmax (``exp((r − max_g)/β)``) so large r/β does not overflow. Detached: the weights

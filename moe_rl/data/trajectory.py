@@ -1,7 +1,7 @@
 """``TrajectoryBatch``: the contract between rollout engines and trainers.
 
 Every response carries what the trainer needs to undo the off-policyness it knows about (see
-DESIGN.md, "The trajectory"). Ragged fields are stored flat with int64 offsets (``moe_rl.data.
+docs/design.md, "The trajectory"). Ragged fields are stored flat with int64 offsets (``moe_rl.data.
 ragged``); a batch of N samples has ``*_offsets`` of length N + 1.
 
 Layout decisions

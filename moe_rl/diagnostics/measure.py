@@ -7,7 +7,7 @@ keep-sampling-mask ones (DeepSeek-V3.2 §3.1), so four modes (`results.MODES`) f
 Per mode, with ``old_logp`` = the trainer's log-prob and ``rollout_logp`` the engine's:
 
 * `moe_rl.algo.diagnostics.mismatch_metrics`: KL k1/k3, χ² token/sequence, ESS, PPL ratio,
-  Pearson of probabilities, max/mean |Δp| (formulas in ALGORITHMS.md, "Diagnostics");
+  Pearson of probabilities, max/mean |Δp| (formulas in docs/algorithms.md, "Diagnostics");
 * the shares the recipe's corrections would mask at its hyper-parameters: IcePop tokens at
   [low, high], MIS (rejection) sequences and tokens, OPSM sequences (zero update: the current
   policy is the trainer, ``logp = old_logp``; advantages from the recipe's estimator);

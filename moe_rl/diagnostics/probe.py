@@ -2,8 +2,9 @@
 
 Right after a weight sync the engine and the trainer hold the same policy version, so sampling a
 few prompts with the engine and recomputing them with the trainer measures the engine mismatch
-alone, at the current weights — without the staleness of the training batches (survey seed,
-anti-pattern 1: check same-weight agreement before reading KL as policy change). The probe
+alone, at the current weights — without the staleness of the training batches (Chris Yuhao Liu,
+"Off-Policy Drift in LLM RL", 2026, anti-pattern 1: check same-weight agreement before reading KL
+as policy change). The probe
 recomputes in every trainer mode the batch supports, whatever the recipe trains with, so it also
 gives the mismatch budget (`moe_rl.diagnostics.budget`): what R3 would remove, what
 keep-sampling-mask would remove, and what remains.

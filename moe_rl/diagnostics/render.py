@@ -22,6 +22,7 @@ from moe_rl.diagnostics.results import (
     RecipeResult,
     is_number,
 )
+from moe_rl.diagnostics.verdicts import SURVEY
 
 MISMATCH_COLUMNS = (
     ("kl_k1", "KL k1"),
@@ -145,7 +146,7 @@ def render(report: DiagnoseReport, console: Console | None = None) -> None:
         "(old_logp) at the same weights"
     )
     console.print(head)
-    console.print(_table(report, "Mismatch (ALGORITHMS.md 'Diagnostics')", MISMATCH_COLUMNS, reasons))
+    console.print(_table(report, "Mismatch (docs/algorithms.md, 'Diagnostics')", MISMATCH_COLUMNS, reasons))
     console.print(
         _table(report, "Masked shares at the recipe's bands; routing agreement", SHARE_COLUMNS, reasons)
     )
@@ -162,6 +163,7 @@ def render(report: DiagnoseReport, console: Console | None = None) -> None:
         )
     for i, reason in enumerate(reasons, 1):
         console.print(f"n/a[{i}]: not available: {reason}", markup=False)
+    console.print(f"verdicts ('survey': {SURVEY}):", markup=False)
     for result in report.results:
         for line in _verdict_lines(result):
             console.print(line)

@@ -310,8 +310,8 @@ def markdown(run_dir: Path, records: Records, drawn: Mapping[str, Path | NotAvai
     ]  # fmt: skip
     out += [
         "## Verdicts", "",
-        "Decision tree of the survey seed `off-policy-drift-survey.txt` on the mean `old/` metrics "
-        "(engine vs trainer π_old at the rollout weights) and the trends:", "",
+        f"Decision tree of the survey ({verdicts.SURVEY}) on the mean `old/` metrics (engine vs "
+        "trainer π_old at the rollout weights) and the trends:", "",
     ]  # fmt: skip
     found = verdicts.run_verdicts(records, setup)
     out += [f"- **{v.level}** {v.message} _({v.source})_" for v in found] or ["- no rule fired"]

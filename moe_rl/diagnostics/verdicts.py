@@ -1,8 +1,9 @@
 """Verdicts: the survey's decision tree as rules over measured mismatch.
 
-Source: seed ``off-policy-drift-survey.txt``, "Diagnosing and fixing off-policy drift: a decision
-tree" (Step 1 classifies the symptom, Step 2 names cause A–F and the smallest fix) and "When to
-escalate from RS → IS → systems fix". Its thresholds are "operational defaults, not laws"; the
+Source (the "survey" of the rules and their messages): Chris Yuhao Liu, "Off-Policy Drift in LLM
+RL" (blog post, 2026), https://chrisliu298.ai/posts/off-policy-drift-in-llm-rl/, sections
+"Diagnosing and fixing off-policy drift: a decision tree" (Step 1 classifies the symptom, Step 2
+names cause A–F and the smallest fix) and "When to escalate from RS → IS → systems fix". Its thresholds are "operational defaults, not laws"; the
 ones the survey does not give are marked *ours*. Each rule is one short function that returns a
 `Verdict` or None; `zero_update_verdicts` runs them on one quantization recipe of `moe-rl
 diagnose`, `run_verdicts` on the per-step metrics of a training run (`moe-rl report`).
@@ -18,6 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_rl.diagnostics.results import is_number
+
+SURVEY = (
+    'Chris Yuhao Liu, "Off-Policy Drift in LLM RL" (blog post, 2026), '
+    "https://chrisliu298.ai/posts/off-policy-drift-in-llm-rl/"
+)
+"""The source of the decision tree: a verdict whose source says "survey" means this post."""
 
 KL_K3_NEGLIGIBLE = 1e-4
 """*Ours*: below this the mismatch is at the floor of the measurement. CompassMax-V3

@@ -1,7 +1,8 @@
 """`moe-rl diagnose`: the zero-update test for each rollout quantization recipe.
 
-Same weights, same prompts (survey seed ``off-policy-drift-survey.txt``, "Treating kl as
-policy learning before checking same-weight rollout/train agreement" is its anti-pattern 1):
+Same weights, same prompts (Chris Yuhao Liu, "Off-Policy Drift in LLM RL", blog post, 2026,
+https://chrisliu298.ai/posts/off-policy-drift-in-llm-rl/: "Treating kl as policy learning before
+checking same-weight rollout/train agreement" is its anti-pattern 1):
 
 1. one trainer model at full precision (`build_gpt_model` with the recipe's seed, or its
    ``model.hf_path``) — the reference π_old;

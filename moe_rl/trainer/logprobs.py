@@ -8,7 +8,7 @@ per-sample loop and no padding is needed (padding is added only where ranks must
 token count: `pad_micro_batch`).
 
 Per response token ``r`` at packed position ``p = response_positions[r]`` (formulas in
-ALGORITHMS.md, "Log-probabilities"):
+docs/algorithms.md, "Log-probabilities"):
 
 * ``logp_r = z_{p-1}[y_p]/T − logsumexp(z_{p-1}/T)`` (`moe_rl.algo.logprobs.token_logprobs`);
 * with keep-sampling-mask (DeepSeek-V3.2 §3.1) the logsumexp runs over the kept set S_r only
@@ -18,7 +18,7 @@ ALGORITHMS.md, "Log-probabilities"):
 Only the ``R`` rows of the logits that predict response tokens enter the vocabulary
 reductions, which run in chunks of ``chunk_size`` rows, so no fp32 ``[T, V]`` copy is made
 (the model's own ``[T, V]`` logits of the micro-batch are the only full-vocabulary tensor).
-Routing replay and the sampling mask are applied in both passes or in neither (DESIGN.md).
+Routing replay and the sampling mask are applied in both passes or in neither (docs/algorithms.md).
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ SEQ = [0] * 5 + [1] * 4
 
 
 def by_hand(alpha: float, rho: float, vocab: int) -> float:
-    """ESPO (ALGORITHMS.md): entropy groups per response, ℓ_τ = mean(logp − old), s_t = exp(ℓ_τ) in
-    value, ε_τ = α·mean(e)/log|V|, l_t = −min(s·A, clip(s, 1 ± ε)·A); token-mean in a group, mean of
-    the groups, mean of the responses."""
+    """ESPO (docs/algorithms.md, "espo"): entropy groups per response, ℓ_τ = mean(logp − old),
+    s_t = exp(ℓ_τ) in value, ε_τ = α·mean(e)/log|V|, l_t = −min(s·A, clip(s, 1 ± ε)·A); token-mean
+    in a group, mean of the groups, mean of the responses."""
     per_response = []
     for seq in (0, 1):
         tokens = [t for t, s in enumerate(SEQ) if s == seq]
