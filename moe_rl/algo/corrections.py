@@ -10,9 +10,9 @@ before ``exp``. Every function returns a `CorrectionOutput`:
   token) — AND it into the loss mask; masked tokens leave the denominator.
 * ``metrics``: detached 0-d tensors (shares over counted tokens / responses of this batch).
 
-Bypass vs decoupled (`resolve_old_logp`): bypass sets ``old_logp := rollout_logp`` (one
-forward pass fewer; the PPO ratio then absorbs the engine mismatch and TIS/IcePop weights are
-1); decoupled keeps the three policies separate.
+Bypass vs decoupled (`resolve_old_logp`): bypass sets ``old_logp := rollout_logp`` (the PPO
+ratio then absorbs the engine mismatch and TIS/IcePop weights are 1; a trainer that needs no
+π_old for anything else could skip that pass); decoupled keeps the three policies separate.
 """
 
 from __future__ import annotations

@@ -43,10 +43,25 @@ def _batch_rules(config: RecipeConfig) -> list[Rule]:
     return rules
 
 
+def _correction_rules(config: RecipeConfig) -> list[Rule]:
+    c = config.algo.corrections
+    rej = c.rejection
+    return [
+        Rule("one importance weight", not (c.icepop.enabled and c.tis.mode != "off"),
+             f"algo.corrections.icepop.enabled={c.icepop.enabled} with algo.corrections.tis.mode={c.tis.mode}: "
+             "both weight the loss by the rollout-vs-old ratio, which would count it twice; keep one"),
+        Rule("rejection band fits its divergence", not rej.enabled or rej.divergence == "k1" or rej.low <= 0,
+             f"algo.corrections.rejection.divergence={rej.divergence} with low={rej.low}: k2 and k3 are >= 0 and "
+             "0 when on-policy, so a band starting above 0 rejects the most on-policy responses; set low=0 "
+             "(the ratio band 0.999..1.001 is k1's)"),
+    ]  # fmt: skip
+
+
 def _algo_rules(config: RecipeConfig) -> list[Rule]:
     a, t = config.algo, config.trainer
     replay_error = replay_layout_error(a.routing_replay, config.parallel.context_parallel_size)
     return [
+        *_correction_rules(config),
         Rule("replay without context parallelism", replay_error is None,
              replay_error or f"algo.routing_replay={a.routing_replay}, CP={config.parallel.context_parallel_size}"),
         Rule("replay without the fused router", a.routing_replay == "off" or not t.moe_router_fusion,

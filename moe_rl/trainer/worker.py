@@ -82,7 +82,10 @@ log = logging.getLogger(__name__)
 def _objective_params(config: RecipeConfig) -> dict:
     algo = config.algo
     names = {k for spec in registry.OBJECTIVE_PARAMS.values() for k in spec}
-    return {k: getattr(algo, k) for k in names if hasattr(algo, k)}
+    params = {k: getattr(algo, k) for k in names if hasattr(algo, k)}
+    if params.get("dual_clip_c") is not None and params["dual_clip_c"] <= 1:
+        params["dual_clip_c"] = None  # the recipe's "<= 1 disables"
+    return params
 
 
 def recipe_objective(config: RecipeConfig):

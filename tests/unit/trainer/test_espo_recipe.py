@@ -86,3 +86,21 @@ def test_dr_grpo_constant_normalizer_is_the_recipes_max_new_tokens():
     )
     per_response = [sum(-ADV[t] * LOGP[t] for t, s in enumerate(SEQ) if s == seq) / length for seq in (0, 1)]
     assert float(out.loss_sum / out.denom) == pytest.approx(sum(per_response) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize(("c", "capped"), [(3.0, True), (1.0, False), (0.0, False)])
+def test_a_recipe_turns_dual_clip_off_with_c_at_most_one(c, capped):
+    """PPO-clip with a negative advantage and ratio 10: dual clip caps the token loss at −c·A."""
+    config = load_recipe(
+        TINY, ["algo.objective=ppo_clip", "algo.aggregation=token_mean", f"algo.dual_clip_c={c}"]
+    )
+    out = recipe_objective(config)(
+        logp=torch.tensor([math.log(10.0)], dtype=torch.float64),
+        old_logp=torch.tensor([0.0], dtype=torch.float64),
+        advantages=torch.tensor([-1.0], dtype=torch.float64),
+        loss_mask=torch.ones(1, dtype=torch.bool),
+        seq_ids=torch.tensor([0]),
+        num_seqs=1,
+        weights=None,
+    )
+    assert float(out.loss_sum / out.denom) == pytest.approx(3.0 if capped else 10.0)
