@@ -1,8 +1,9 @@
 """Typed recipe sections. One dataclass per section; the YAML recipes mirror them one-to-one.
 
-Every field carries a docstring (the string literal under it), which `moe-rl config doc` and the
-error messages use. Choices are plain strings checked by `moe_rl.config.validate`, so a wrong value
-gets a message listing the valid ones. This module imports nothing heavy.
+Every field carries a docstring (the string literal under it), which `moe-rl config docs`
+(`moe_rl.config.docs`) renders into `docs/recipes.md`; a test keeps that file in step, so a changed
+field means regenerating it. Choices are plain strings checked by `moe_rl.config.validate`, so a
+wrong value gets a message listing the valid ones. This module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -309,8 +310,9 @@ class AlgoConfig:
     ESPO only, its own `seq_mean_group_mean` (token-mean within an entropy group, mean over the
     response's groups, mean over responses)."""
     policy_mode: str = "decoupled"
-    """`decoupled` (rollout, old and current policies kept apart) or `bypass`
-    (old_logp := rollout_logp, one trainer forward fewer)."""
+    """`decoupled` (rollout, old and current policies kept apart) or `bypass` (the loss takes
+    old_logp := rollout_logp, so its ratio absorbs the engine mismatch; the trainer's π_old pass
+    still runs, for the mismatch diagnostics, ESPO's entropy and R2's recording)."""
     routing_replay: str = "off"
     """`off`, `r2` (replay the trainer's own old-logp routing), `r3` (replay the engine's)."""
     clip_eps_low: float = 0.2
@@ -394,6 +396,19 @@ class DataConfig:
     """Prompt column of a dataset file."""
     answer_key: str = "answer"
     """Answer column of a dataset file."""
+    prompt_template: str | None = None
+    """Dataset files: a `str.format` template over each record's fields that makes the prompt text,
+    e.g. `"Solve: {question}\\nAnswer:"` (`{{`, `}}` for literal braces); null: the
+    `data.prompt_key` column as it is."""
+    chat_template: bool = False
+    """Dataset files: render each prompt as a user turn with the tokenizer's chat template
+    (`apply_chat_template(..., add_generation_prompt=True)`); needs a tokenizer that has one, in
+    `model.hf_path`."""
+    system_prompt: str | None = None
+    """With `data.chat_template`: a system turn before every prompt (null: none)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """With `data.chat_template`: extra variables passed to the template, e.g.
+    `{enable_thinking: false}` (Qwen3: no thinking block)."""
     max_prompt_len: int = 64
     """Longest prompt, in tokens."""
     trajectories: str | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import string
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -363,6 +364,55 @@ def _check_schedule(config: RecipeConfig) -> None:
     )
 
 
+def prompt_template_fields(template: str) -> tuple[str, ...]:
+    """The record fields a `data.prompt_template` names, in order (``{question}`` and
+    ``{question!r:>10}`` name ``question``); a template that does not parse, uses a positional
+    field (``{}``, ``{0}``), an attribute or an index, or names no field is a `ConfigError`."""
+    where = f"data.prompt_template={template!r}"
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ConfigError(
+            f"{where} is not a format string: {exc} (write `{{{{` and `}}}}` for literal braces)"
+        ) from None
+    for name in names:
+        _require(
+            name.isidentifier(),
+            f"{where}: `{{{name}}}` is not a field name; name a record field, e.g. {{question}} "
+            "(write `{{` and `}}` for literal braces)",
+        )
+    _require(bool(names), f'{where} names no record field; e.g. "Solve: {{question}}"')
+    return tuple(dict.fromkeys(names))
+
+
+def _check_data(config: RecipeConfig) -> None:
+    """The prompt-format keys: for dataset files only, chat keys only with a chat template, a
+    template that names record fields. What needs the file or the tokenizer (a field missing from a
+    record, a tokenizer without a chat template) is checked where they are read,
+    `moe_rl.rewards.datasets`, before the run starts anything heavy."""
+    d = config.data
+    formatting = {
+        "data.prompt_template": d.prompt_template is not None,
+        "data.chat_template": d.chat_template,
+        "data.system_prompt": d.system_prompt is not None,
+        "data.chat_template_kwargs": bool(d.chat_template_kwargs),
+    }
+    if not d.task.startswith("file:"):
+        for key, used in formatting.items():
+            _require(
+                not used,
+                f"{key} formats the prompts of a dataset file (data.task=file:<path>); "
+                f"data.task={d.task} makes token-id prompts",
+            )
+    for key in ("data.system_prompt", "data.chat_template_kwargs"):
+        _require(
+            d.chat_template or not formatting[key],
+            f"{key} is used by the chat template: set data.chat_template=true (or remove {key})",
+        )
+    if d.prompt_template is not None:
+        prompt_template_fields(d.prompt_template)
+
+
 def validate_recipe(config: RecipeConfig) -> None:
     """Every field on its own (`check_values`), then every cross-field check; raise `ConfigError`
     on the first failure."""
@@ -372,3 +422,4 @@ def validate_recipe(config: RecipeConfig) -> None:
     _check_schedule(config)
     _check_algo(config)
     _check_quant(config)
+    _check_data(config)

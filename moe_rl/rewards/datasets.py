@@ -1,33 +1,67 @@
-"""Prompt sources: synthetic tasks or JSONL / Parquet files of prompts and answers."""
+"""Prompt sources: synthetic tasks or JSONL / Parquet files of prompts and answers.
+
+A file record becomes prompt text through `data.prompt_template` (a format string over its fields)
+or its `data.prompt_key` column, then token ids through the tokenizer, rendered as a user turn by
+the tokenizer's chat template with `data.chat_template`. The rules that need the file or the
+tokenizer live here and run when the source is built, which `moe-rl train` does before anything
+heavy starts: every record is read and checked (a field the template names missing from a record
+is an error naming the field, the record and the file), and a chat template that is missing or
+fails is an error naming the tokenizer. The rules on the keys alone live in
+`moe_rl.config.validate`.
+"""
 
 from __future__ import annotations
 
 import json
 import random
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from moe_rl.config.validate import prompt_template_fields
 from moe_rl.errors import UserError
-from moe_rl.rewards.tasks import BOS, EOS, Prompt, get_task
+from moe_rl.rewards.tasks import BOS, EOS, Prompt, get_task, until_eos
 
 
 class DatasetError(UserError):
     """A prompt dataset (or `data.task`) that cannot be used: the file, row / line and column named."""
 
 
+@dataclass(frozen=True)
+class ChatFormat:
+    """`data.chat_template`: each prompt is a user turn, after a system turn when
+    `data.system_prompt` is set; `kwargs` (`data.chat_template_kwargs`) go to the template."""
+
+    system_prompt: str | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def messages(self, text: str) -> list[dict[str, str]]:
+        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        return [*system, {"role": "user", "content": text}]
+
+
 class Tokenizer(Protocol):
+    name: str
+    """What the tokenizer is, for error messages."""
+    chat_template: str | None
+
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+    def encode_prompt(self, text: str, chat: ChatFormat | None = None) -> list[int]: ...
+    def decode_response(self, ids: Sequence[int]) -> str: ...
 
 
 class ByteTokenizer:
     """UTF-8 bytes shifted past the special ids (PAD 0, BOS 1, EOS 2): vocabulary 259.
 
-    For tiny models trained on text datasets without a tokenizer of their own.
+    For tiny models trained on text datasets without a tokenizer of their own. A prompt is
+    `BOS bytes EOS` (the layout of the synthetic tasks); a response ends at its first EOS.
     """
 
+    name = "the byte tokenizer (used when model.hf_path holds no tokenizer_config.json)"
+    chat_template = None
     offset = 3
     vocab_size = 256 + offset
 
@@ -38,14 +72,80 @@ class ByteTokenizer:
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.vocab_size)
         return data.decode(errors="replace")
 
+    def encode_prompt(self, text: str, chat: ChatFormat | None = None) -> list[int]:
+        assert chat is None, "the byte tokenizer has no chat template"
+        return [*self.encode(text), EOS]
 
-def read_records(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, str]]:
+    def decode_response(self, ids: Sequence[int]) -> str:
+        return self.decode(until_eos(ids))
+
+
+class HFTokenizer:
+    """The tokenizer of a Hugging Face folder (`model.hf_path`), loaded with `AutoTokenizer`.
+
+    A plain prompt is encoded as the tokenizer encodes text (its own BOS, if any); a chat prompt is
+    rendered by `apply_chat_template(messages, add_generation_prompt=True, **kwargs)` and encoded
+    without adding special tokens again (the template writes them). A response is decoded up to
+    `eos_token_id` (`model.eos_token_id`, where generation stops) without special tokens.
+    """
+
+    def __init__(self, folder: str | Path, eos_token_id: int | None = None):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(folder)
+        self.name = f"the tokenizer of model.hf_path={folder}"
+        self.eos_token_id = eos_token_id
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.hf.chat_template
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids))
+
+    def render_chat(self, text: str, chat: ChatFormat) -> str:
+        """The prompt as the chat template writes it, ending with the assistant turn's opening."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.hf.apply_chat_template(
+                chat.messages(text), tokenize=False, add_generation_prompt=True, **chat.kwargs
+            )
+        except TemplateError as err:
+            raise DatasetError(
+                f"data.chat_template: the chat template of {self.name} failed on prompt {text[:40]!r}: {err}"
+            ) from err
+
+    def encode_prompt(self, text: str, chat: ChatFormat | None = None) -> list[int]:
+        if chat is None:
+            return self.hf.encode(text)
+        return self.hf.encode(self.render_chat(text, chat), add_special_tokens=False)
+
+    def decode_response(self, ids: Sequence[int]) -> str:
+        body = list(ids)
+        if self.eos_token_id in body:
+            body = body[: body.index(self.eos_token_id)]
+        return self.hf.decode(body, skip_special_tokens=True)
+
+
+def read_records(
+    path: Path, prompt_key: str, answer_key: str, prompt_template: str | None = None
+) -> list[tuple[str, str]]:
     """(prompt, answer) pairs from a `.jsonl` or `.parquet` file.
 
-    Every prompt must be a string and every answer a string or a number; a missing column, a
-    null, a list or an unreadable line is a ``ValueError`` naming the file, the row and the column.
+    The prompt is the `prompt_key` column, or with `prompt_template` the template filled with the
+    record's fields. Every prompt must be a string, every answer and every field the template names
+    a string or a number; a missing column, a null, a list or an unreadable line is a
+    ``ValueError`` naming the file, the row and the column.
     """
-    keys = {prompt_key: "data.prompt_key", answer_key: "data.answer_key"}
+    if prompt_template is None:
+        keys = {prompt_key: "data.prompt_key"}
+    else:
+        keys = dict.fromkeys(prompt_template_fields(prompt_template), "data.prompt_template")
+    keys.setdefault(answer_key, "data.answer_key")
     if path.suffix == ".parquet":
         rows = _parquet_rows(path, keys)
     elif path.suffix in (".jsonl", ".json"):
@@ -54,7 +154,9 @@ def read_records(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str
         raise DatasetError(f"data.task=file:{path}: expected a .jsonl or .parquet file")
     records = [
         (
-            _text(path, where, row, prompt_key, _PROMPT_TYPES),
+            _text(path, where, row, prompt_key, _PROMPT_TYPES)
+            if prompt_template is None
+            else _fill(path, where, row, prompt_template),
             _text(path, where, row, answer_key, _ANSWER_TYPES),
         )
         for where, row in rows
@@ -66,6 +168,7 @@ def read_records(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str
 
 _PROMPT_TYPES: tuple[tuple[type, ...], str] = ((str,), "a string")
 _ANSWER_TYPES: tuple[tuple[type, ...], str] = ((str, int, float), "a string or a number")
+_FIELD_TYPES = _ANSWER_TYPES
 
 
 def _parquet_rows(path: Path, keys: dict[str, str]) -> list[tuple[str, dict]]:
@@ -116,15 +219,41 @@ def _jsonl_rows(path: Path, keys: dict[str, str]) -> list[tuple[str, dict]]:
     return rows
 
 
-def _text(path: Path, where: str, row: dict, key: str, allowed: tuple[tuple[type, ...], str]) -> str:
-    """``row[key]`` as text; refused unless of an ``allowed`` type (never a null, a list or a bool)."""
+def _value(path: Path, where: str, row: dict, key: str, allowed: tuple[tuple[type, ...], str]) -> Any:
+    """``row[key]``, refused unless of an ``allowed`` type (never a null, a list or a bool)."""
     value, (types, description) = row[key], allowed
     if isinstance(value, bool) or not isinstance(value, types):
         kind = "null" if value is None else type(value).__name__
         raise DatasetError(
             f"{path}: {where}, column {key!r}: got {reprlib.repr(value)} ({kind}); expected {description}"
         )
-    return str(value)
+    return value
+
+
+def _text(path: Path, where: str, row: dict, key: str, allowed: tuple[tuple[type, ...], str]) -> str:
+    return str(_value(path, where, row, key, allowed))
+
+
+def _fill(path: Path, where: str, row: dict, template: str) -> str:
+    """``template`` filled with the record's fields (each a string or a number)."""
+    values = {key: _value(path, where, row, key, _FIELD_TYPES) for key in prompt_template_fields(template)}
+    try:
+        return template.format(**values)
+    except (ValueError, TypeError, KeyError) as err:  # a format spec the value does not take
+        raise DatasetError(
+            f"{path}: {where}: data.prompt_template={template!r} cannot format the record's fields "
+            f"{reprlib.repr(values)}: {err}"
+        ) from err
+
+
+def _check_chat_template(tokenizer: Tokenizer) -> None:
+    if tokenizer.chat_template is None:
+        raise DatasetError(
+            f"data.chat_template=true needs a tokenizer with a chat template; {tokenizer.name} has none (no "
+            "`chat_template` in its tokenizer_config.json or chat_template.jinja): set "
+            "data.chat_template=false (data.prompt_template still formats the prompts), or point "
+            "model.hf_path at a folder whose tokenizer has one"
+        )
 
 
 class PromptSource:
@@ -138,6 +267,8 @@ class PromptSource:
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         max_prompt_len: int = 512,
+        prompt_template: str | None = None,
+        chat: ChatFormat | None = None,
     ):
         self.rng = random.Random(seed)
         kind, _, name = task.partition(":")
@@ -146,10 +277,13 @@ class PromptSource:
         if kind == "file":
             if tokenizer is None:
                 raise DatasetError(f"data.task={task}: text prompts need a tokenizer")
-            self.records = read_records(Path(name), prompt_key, answer_key)
+            self.records = read_records(Path(name), prompt_key, answer_key, prompt_template)
+            if chat is not None:
+                _check_chat_template(tokenizer)
+                tokenizer.encode_prompt(self.records[0][0], chat)  # a template that fails, fails now
         elif kind != "synthetic":
             raise DatasetError(f"data.task={task!r}: expected `synthetic:<task>` or `file:<path>`")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.chat = tokenizer, chat
         self.max_prompt_len = max_prompt_len
         self._order: list[int] = []
 
@@ -158,7 +292,7 @@ class PromptSource:
             self._order = list(range(len(self.records)))
             self.rng.shuffle(self._order)
         text, answer = self.records[self._order.pop()]
-        ids = [*self.tokenizer.encode(text), EOS]
+        ids = self.tokenizer.encode_prompt(text, self.chat)
         if len(ids) > self.max_prompt_len:
             raise DatasetError(
                 f"prompt {text[:40]!r}... has {len(ids)} tokens > data.max_prompt_len={self.max_prompt_len}"

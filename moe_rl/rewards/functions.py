@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable
 
 from moe_rl.errors import RewardFunctionError
@@ -16,14 +17,22 @@ def exact_match(response: str, answer: str) -> float:
 
 
 def math_answer(response: str, answer: str) -> float:
-    """1.0 when math-verify finds the response's final answer equivalent to the reference."""
+    """1.0 when math-verify finds the response's final answer equivalent to the reference.
+
+    ``response`` is the decoded response text (special tokens dropped); math-verify extracts its
+    final answer (a ``\\boxed{}`` one first, then LaTeX or plain expressions: ``17+25=42`` gives
+    42) and compares it with the reference symbolically. Its time limits use ``signal.alarm``,
+    which only the main thread may set: off the main thread (a threaded actor) it parses without
+    them.
+    """
     from math_verify import parse, verify
 
-    gold = parse(answer)
+    seconds = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(answer, parsing_timeout=seconds)
     if not gold:
         raise ValueError(f"math reward: the reference answer {answer!r} does not parse as math")
-    predicted = parse(response)
-    return float(bool(predicted) and verify(gold, predicted))
+    predicted = parse(response, parsing_timeout=seconds)
+    return float(bool(predicted) and verify(gold, predicted, timeout_seconds=seconds))
 
 
 def load_user_function(spec: str) -> TextReward:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from moe_rl.config import ConfigError
 from moe_rl.errors import RewardFunctionError
-from moe_rl.rewards.datasets import ByteTokenizer, PromptSource, Tokenizer
+from moe_rl.rewards.datasets import ByteTokenizer, ChatFormat, HFTokenizer, PromptSource, Tokenizer
 from moe_rl.rewards.functions import exact_match, load_user_function, math_answer
-from moe_rl.rewards.tasks import Prompt, SyntheticTask, get_task, until_eos
+from moe_rl.rewards.tasks import Prompt, SyntheticTask, get_task
 
 TEXT_REWARDS = {"exact_match": exact_match, "math": math_answer}
 
@@ -33,7 +33,7 @@ class RewardScorer:
     def score(self, prompt: Prompt, response: Sequence[int]) -> float:
         if self.text_fn is None:
             return float(self.task.score(prompt, response))
-        text = self.tokenizer.decode(until_eos(response))
+        text = self.tokenizer.decode_response(response)
         try:
             value = self.text_fn(text, str(prompt.answer))
         except Exception as exc:  # the user's code: any failure is reported as theirs, with the input
@@ -58,9 +58,7 @@ def build_tokenizer(config) -> Tokenizer | None:
     """The model's own tokenizer (a local HF folder), a byte tokenizer for text data on a model
     without one, or None for synthetic tasks (their prompts are token ids)."""
     if config.model.hf_path and (Path(config.model.hf_path) / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(config.model.hf_path)
+        return HFTokenizer(config.model.hf_path, eos_token_id=config.model.eos_token_id)
     if config.data.task.startswith("synthetic:"):
         return None
     tokenizer = ByteTokenizer()
@@ -80,7 +78,7 @@ def build_scorer(config) -> RewardScorer:
 
 
 def build_prompt_source(config) -> PromptSource:
-    """The seeded prompt stream of `data.task`."""
+    """The seeded prompt stream of `data.task`, formatted by the `data.*` template keys."""
     d = config.data
     return PromptSource(
         d.task,
@@ -89,4 +87,6 @@ def build_prompt_source(config) -> PromptSource:
         prompt_key=d.prompt_key,
         answer_key=d.answer_key,
         max_prompt_len=d.max_prompt_len,
+        prompt_template=d.prompt_template,
+        chat=ChatFormat(d.system_prompt, dict(d.chat_template_kwargs)) if d.chat_template else None,
     )
