@@ -13,6 +13,7 @@ from moe_rl.errors import UserError
 from moe_rl.log import setup_logging
 
 log = logging.getLogger("moe_rl.cli")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
@@ -22,11 +23,15 @@ def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-rl", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run the RL job of a recipe")
     _add_recipe_args(train)
+    train.add_argument(
+        "--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,
+        help="replaces logging.level for this run; DEBUG also shows the libraries' messages (logs/ has them)",
+    )  # fmt: skip
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     train.add_argument(
         "--force-new", action="store_true",
@@ -39,8 +44,12 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(show)
     check = config_sub.add_parser("check", help="load and validate recipes; print OK or the error")
     check.add_argument("recipes", nargs="+", help="recipe YAML files")
+    config_sub.add_parser(
+        "docs", help="print the recipe reference (every key, type, default, meaning) as markdown"
+    )
     _add_slurm_parsers(sub)
     _add_diagnostics_parsers(sub)
+    _add_export_parser(sub)
     return parser
 
 
@@ -112,11 +121,31 @@ def _add_diagnostics_parsers(sub: argparse._SubParsersAction) -> None:
     report.add_argument("--out", help="output folder (default RUN_DIR/report)")
 
 
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser(
+        "export", help="a run's checkpoint as a Hugging Face folder (safetensors) for transformers and vLLM"
+    )
+    export.add_argument("run_dir", help="run directory with config.yaml and checkpoints/")
+    export.add_argument("out", help="folder to write (absent or empty, unless --force)")
+    export.add_argument(
+        "--step", type=int, metavar="N", help="the checkpoint of step N (default: the newest usable one)"
+    )
+    export.add_argument(
+        "--shard-size", default="5GB", metavar="SIZE", help="largest shard (default 5GB; 500MB, 2GiB)"
+    )
+    export.add_argument("--force", action="store_true", help="replace OUT when it is not empty")
+
+
 def _config_command(args: argparse.Namespace) -> int:
     from moe_rl.config import to_yaml
 
     if args.config_command == "show":
         sys.stdout.write(to_yaml(load_recipe(args.recipe, args.overrides)))
+        return 0
+    if args.config_command == "docs":
+        from moe_rl.config.docs import render_recipe_docs
+
+        sys.stdout.write(render_recipe_docs())
         return 0
     failed = 0
     for recipe in args.recipes:
@@ -132,7 +161,9 @@ def _config_command(args: argparse.Namespace) -> int:
 def _train_command(args: argparse.Namespace) -> int:
     from launch.train import train
 
-    return train(args.recipe, args.overrides, resume=args.resume, force_new=args.force_new)
+    return train(
+        args.recipe, args.overrides, resume=args.resume, force_new=args.force_new, log_level=args.log_level
+    )
 
 
 def _submit_command(args: argparse.Namespace) -> int:
@@ -172,6 +203,12 @@ def _diagnose_command(args: argparse.Namespace) -> int:
     return diagnose_command(args.recipe, args.overrides, args.quant, args.prompts, args.json, args.budget_png)
 
 
+def _export_command(args: argparse.Namespace) -> int:
+    from launch.export import export_command
+
+    return export_command(args.run_dir, args.out, args.step, args.shard_size, args.force)
+
+
 def _report_command(args: argparse.Namespace) -> int:
     from launch.report import report_command
 
@@ -195,6 +232,7 @@ COMMANDS = {
     "ray-wait": _ray_wait_command,
     "diagnose": _diagnose_command,
     "report": _report_command,
+    "export": _export_command,
 }
 
 
@@ -213,7 +251,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    setup_logging(args.log_level.upper())
+    setup_logging(args.log_level or "INFO")
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:  # a recipe, dataset row, stored trajectory or reward function: one line

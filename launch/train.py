@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
@@ -40,11 +41,13 @@ def check_inputs(config: RecipeConfig) -> None:
 
 
 def train(
-    recipe: str, overrides: Sequence[str] = (), resume: str | None = None, force_new: bool = False
-) -> int:
+    recipe: str, overrides: Sequence[str] = (), resume: str | None = None, force_new: bool = False,
+    log_level: str | None = None,
+) -> int:  # fmt: skip
     """Run the job of `recipe` (or continue the run directory `resume`); returns the exit code.
     The run directory is locked for the run's life; one that already holds a run is refused unless
-    it is resumed or ``force_new`` starts it over."""
+    it is resumed or ``force_new`` starts it over. ``log_level`` (`--log-level`) replaces
+    `logging.level` for this invocation."""
     if resume and force_new:
         raise ConfigError("--resume continues a run and --force-new starts it over: give one of them")
     if resume:
@@ -59,6 +62,8 @@ def train(
         if not resume:
             claim(run_dir, force_new)
             (run_dir / "config.yaml").write_text(to_yaml(config))
+        if log_level:
+            config = replace(config, logging=replace(config.logging, level=log_level.upper()))
         log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
         hide_cuda_if_cpu(config.run.device)  # before torch looks for CUDA
         check_machine(config)
@@ -67,11 +72,16 @@ def train(
 
 
 def _run(config: RecipeConfig, run_dir: Path, resume: bool) -> int:
-    from moe_rl.log import log_to_file, setup_logging
-    from moe_rl.orchestration.driver import run
+    """The run, with the terminal kept for the project's messages: library messages and warnings go
+    to `logs/` only (`moe_rl.log`) unless `logging.verbose` or level DEBUG shows them."""
+    from moe_rl.log import log_to_file, route_library_logs, setup_logging, shows_libraries
+    from moe_rl.orchestration.driver import run  # imports Ray, which adds a log handler of its own
 
-    setup_logging(config.logging.level)
+    setup_logging(
+        config.logging.level, quiet=not shows_libraries(config.logging.level, config.logging.verbose)
+    )
     trace = log_to_file(run_dir / LOG_FILE)
+    route_library_logs()
     try:
         return run(config, run_dir, resume=resume)
     except Exception as exc:

@@ -454,7 +454,13 @@ class ClusterConfig:
 @dataclass
 class LoggingConfig:
     level: str = "INFO"
-    """Log level."""
+    """Log level (`moe-rl --log-level` overrides it for one invocation); DEBUG also shows the
+    libraries' messages on the terminal, as `verbose` does."""
+    verbose: bool = False
+    """Show the libraries' messages and Python warnings (Megatron, Ray, vLLM, ModelOpt, PyTorch) on
+    the terminal too. They always go to `<run dir>/logs/`: `train.log` for the driver and one file
+    per Ray actor (`trainer0.log`, `engine0.log`, `reward.log`); the terminal otherwise shows the
+    project's messages, one line per step and a summary at the end."""
     tensorboard: bool = True
     """Write TensorBoard events into the run directory."""
     wandb_project: str | None = None

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -27,6 +28,7 @@ import torch
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import process_device
+from moe_rl.log import LOG_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +39,11 @@ of engine replica R exit (as a crash would) inside its K-th ``generate`` call; t
 restarted after it runs normally."""
 
 
-def _setup_process(config: RecipeConfig, threads: int) -> None:
-    from moe_rl.log import setup_logging
+def _setup_process(config: RecipeConfig, threads: int, name: str) -> None:
+    """Logging into the run's `logs/<name>.log` (`moe_rl.log.setup_actor_logging`), CPU threads."""
+    from moe_rl.log import setup_actor_logging
 
-    setup_logging(config.logging.level)
+    setup_actor_logging(name, config.logging.level, config.logging.verbose)
     if process_device().type == "cpu":
         torch.set_num_threads(threads)
 
@@ -55,7 +58,7 @@ class TrainerRank:
     """One rank of the trainer group (see the module docstring)."""
 
     def __init__(self, config: RecipeConfig, rank: int, world_size: int, threads: int):
-        _setup_process(config, threads)
+        _setup_process(config, threads, f"trainer{rank}")
         self.config, self.rank, self.world_size = config, rank, world_size
         self.worker = None
         self._packer = None  # the bucket buffers (or shared slots), kept from sync to sync
@@ -170,7 +173,7 @@ class EngineActor:
     def __init__(
         self, config: RecipeConfig, model_path: str | None, replica: int, threads: int, restarts: int = 0
     ):
-        _setup_process(config, threads)
+        _setup_process(config, threads, f"engine{replica}")
         self.config, self.replica, self.restarts = config, replica, restarts
         self.engine = make_engine(config, model_path)
         self._reference = None
@@ -241,7 +244,7 @@ class RewardActor:
     """Scores and prepares rollout batches away from the driver (`moe_rl.orchestration.batches`)."""
 
     def __init__(self, config: RecipeConfig):
-        _setup_process(config, 1)
+        _setup_process(config, 1, "reward")
         from moe_rl.rewards.registry import build_scorer
 
         self.config = config
@@ -308,17 +311,21 @@ released as soon as every engine has loaded them, so the store holds about two, 
 model's worth (the sbatch script exports the same for the nodes of a Slurm job)."""
 
 
-def start_ray(config: RecipeConfig) -> bool:
+def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
     """Join the Ray cluster of a Slurm job (RAY_ADDRESS) or start a local one sized for the run's
-    processes; returns whether this call started Ray (then the caller shuts it down)."""
+    processes; returns whether this call started Ray (then the caller shuts it down). With
+    ``log_dir`` every actor logs into it (`moe_rl.log.setup_actor_logging`); Ray still forwards
+    what an actor prints to stderr (the project's warnings and errors, a crash) to this terminal."""
     if ray.is_initialized():
         return False
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    logs = {LOG_DIR_ENV: str(Path(log_dir).resolve())} if log_dir else {}
     address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
+    if address:  # the cluster's workers were started by others: the job's runtime env carries it
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": logs} if logs else None)
         return True
+    os.environ.update(logs)  # the local cluster's workers inherit the driver's environment
     processes = config.parallel.trainer_world_size + config.rollout.num_engines + 1
     ray.init(num_cpus=max(processes, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
     return True

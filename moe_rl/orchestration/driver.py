@@ -22,7 +22,8 @@ import ray
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.log import progress
 from moe_rl.orchestration.actors import start_ray
-from moe_rl.orchestration.metrics import MetricsSink
+from moe_rl.orchestration.metrics import MetricsSink, read_metrics, run_summary
+from moe_rl.orchestration.run_dir import sealed
 from moe_rl.orchestration.stages import Stages
 
 log = logging.getLogger("moe_rl.driver")
@@ -48,34 +49,48 @@ class StopRequest:
 
 
 def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
-    """Train `config` in `run_dir`; returns the exit code (0 done, 130 interrupted)."""
-    started = start_ray(config)
+    """Train `config` in `run_dir`; returns the exit code (0 done, 130 interrupted). A summary of
+    the run (rewards, mismatch, checkpoints, what to run next) ends it, stopped or not."""
+    t0 = time.monotonic()
+    started = start_ray(config, run_dir / "logs")
     stop = StopRequest()
     stop.install()
     stages = Stages(config, run_dir)
     sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)
     try:
-        start = stages.restore(sink) if resume else stages.start()
-        loop = offline_loop if config.run.mode == "offline" else online_loop
-        with progress(config.logging.progress) as bar:
-            task = bar.add_task("RL steps", total=config.run.steps, completed=start, info="")
-            for record in loop(config, stages, start):
-                record = sink.log(record.pop("step"), record)
-                stages.maybe_checkpoint(record["step"])
-                bar.update(task, advance=1, info=f"reward {record.get('reward/mean', 0):.3f}")
-                if stop.requested:
-                    stages.checkpoint()
-                    log.warning("stopped after step %d; continue with --resume %s", record["step"], run_dir)
-                    return 130
-        stages.checkpoint()
+        code = train_steps(config, stages, sink, stop, resume)
     except KeyboardInterrupt:
         log.warning("stopped at once: no checkpoint of this step; --resume starts from the last one")
-        return 130
+        code = 130
     finally:
         sink.close()
         stages.shutdown()
         if started:
             ray.shutdown()
+    records = read_metrics(run_dir) if sink.path.exists() else []
+    log.info("%s", run_summary(records, config.run.steps, time.monotonic() - t0, run_dir, sealed(run_dir)))
+    return code
+
+
+def train_steps(
+    config: RecipeConfig, stages: Stages, sink: MetricsSink, stop: StopRequest, resume: bool
+) -> int:
+    """The steps from the start (or the checkpoint resumed) to `run.steps` or a stop request."""
+    start = stages.restore(sink) if resume else stages.start()
+    loop = offline_loop if config.run.mode == "offline" else online_loop
+    with progress(config.logging.progress) as bar:
+        task = bar.add_task("RL steps", total=config.run.steps, completed=start, info="")
+        for record in loop(config, stages, start):
+            record = sink.log(record.pop("step"), record)
+            stages.maybe_checkpoint(record["step"])
+            bar.update(task, advance=1, info=f"reward {record.get('reward/mean', 0):.3f}")
+            if stop.requested:
+                stages.checkpoint()
+                log.warning(
+                    "stopped after step %d; continue with --resume %s", record["step"], stages.run_dir
+                )
+                return 130
+    stages.checkpoint()
     return 0
 
 

@@ -1,5 +1,5 @@
 """Per-step metrics of a run: `metrics.jsonl` (one JSON object per step), TensorBoard events,
-optional W&B, and a one-line step summary in the log."""
+optional W&B, a one-line step summary in the log, and a summary of the whole run at its end."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+import shlex
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,53 @@ def summary_line(record: Mapping[str, Any]) -> str:
         fmt.format(record[key]) for key, fmt in SUMMARY_KEYS if isinstance(record.get(key), (int, float))
     ]
     return " | ".join(parts)
+
+
+def run_summary(
+    records: Sequence[Mapping[str, Any]], steps: int, wall_s: float, run_dir: Path, checkpoints: Sequence[Path]
+) -> str:  # fmt: skip
+    """The end of a run in a few lines: steps done of ``steps`` and the wall time; the mean reward
+    of the first and of the last few steps (a fifth of them, 1 to 5) and the best step; the mean
+    engine–trainer mismatch `old/kl_k3`; the sealed checkpoints; the commands to run next."""
+    done = len(records)
+    lines = [f"{'done' if done >= steps else 'stopped'}: {done}/{steps} steps in {_duration(wall_s)}"]
+    rewards = _series(records, "reward/mean")
+    if rewards:
+        k = max(1, min(5, len(rewards) // 5))
+        best_step, best = max(rewards, key=lambda item: item[1])
+        lines.append(
+            f"  reward       {_mean(rewards[:k]):.3f} → {_mean(rewards[-k:]):.3f} (mean of the first / last "
+            f"{k} step{'s' * (k > 1)}), best {best:.3f} at step {best_step}"
+        )
+    kl = _series(records, "old/kl_k3")
+    if kl:
+        lines.append(f"  mismatch     old/kl_k3 {_mean(kl):.2e} (mean over the steps)")
+    latest = f", latest {checkpoints[-1]}" if checkpoints else ""
+    lines.append(f"  checkpoints  {len(checkpoints)}{latest}")
+    run = shlex.quote(str(run_dir))
+    resume = f"moe-rl train {shlex.quote(str(Path(run_dir) / 'config.yaml'))} --resume {run}"
+    lines += [
+        f"  next         moe-rl report {run}    (plots and a markdown summary)",
+        f"               moe-rl export {run} OUT    (a Hugging Face folder of the weights)",
+        f"               {resume} run.steps={2 * steps}    (more steps)"
+        if done >= steps
+        else f"               {resume}    (the remaining steps)",
+    ]
+    return "\n".join(lines)
+
+
+def _series(records: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+
+
+def _mean(series: Sequence[tuple[int, float]]) -> float:
+    return sum(value for _, value in series) / len(series)
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours} h {m:02d} min" if hours else f"{m} min {s:02d} s" if m else f"{s} s"
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -197,6 +197,14 @@ def newest_usable(run_dir: Path) -> Usable | None:
     return None
 
 
+def sealed(run_dir: Path) -> list[Path]:
+    """The checkpoints of ``run_dir`` that were sealed (their manifest written), oldest first; not
+    verified against it (`newest_usable` does that)."""
+    folder = Path(run_dir) / "checkpoints"
+    found = [(int(m.group(1)), folder / m.group(0)) for m in map(CHECKPOINT.fullmatch, _names(folder)) if m]
+    return [path for _, path in sorted(found) if (path / MANIFEST).is_file()]
+
+
 def _check_hint(folder: Path, chosen: str) -> None:
     latest = folder / "latest"
     hint = latest.read_text().strip() if latest.is_file() else None

@@ -77,8 +77,86 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# What library output looks like on a terminal; none of it may reach the terminal of a run at the
+# default log level (it goes to <run dir>/logs/). Each pattern is checked against real lines first.
+LIBRARY_LINES = {
+    "a library's logger": re.compile(r"\b\d\d:\d\d:\d\d [DIWEC] (?!moe_rl|launch)[\w.]+: "),
+    "Ray's log format": re.compile(r"\t(DEBUG|INFO|WARNING|ERROR) [\w.]+\.py:\d+ -- "),
+    "vLLM's log format": re.compile(r"(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d(\.\d+)? \["),
+    "a Python warning": re.compile(r"\w+Warning: |^\S*\s*_?warnings\.warn\(|site-packages/"),
+    "Megatron's bucket listing": re.compile(r"Params for bucket|^\S*\s*\t(decoder|embedding|output_layer)\."),
+    "an actor's output other than a project warning or error": re.compile(
+        r"\(\w+ pid=\d+\)(?! \d\d:\d\d:\d\d [WE] (moe_rl|launch)[\w.]*: )"
+    ),
+    "a ModelOpt, vLLM or Triton notice": re.compile(r"\b(modelopt|vllm|triton)\b", re.IGNORECASE),
+}
+PROJECT_LINE = re.compile(r"^\d\d:\d\d:\d\d [DIWEC] (moe_rl|launch)[\w.]*: ")
+SEEN_BEFORE = [  # as a tiny run printed them before they went to the log files
+    "2026-11-23 18:20:23,341\tWARNING authentication_token_setup.py:85 -- Token authentication is enabled "
+    "for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.",
+    "2026-11-23 18:20:32,309\tINFO worker.py:2038 -- Started a local Ray instance.",
+    "\x1b[36m(TrainerRank pid=14169)\x1b[0m 18:20:39 I megatron.core.distributed.fsdp.src.megatron_fsdp."
+    "mixed_precision: Using Megatron-FSDP without Transformer Engine.",
+    "\x1b[36m(TrainerRank pid=14169)\x1b[0m /venv/lib/python3.11/site-packages/megatron/core/optimizer/"
+    "__init__.py:24: UserWarning: Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+    "\x1b[36m(EngineActor pid=14358)\x1b[0m   warnings.warn(",
+    "\x1b[36m(TrainerRank pid=14169)\x1b[0m Params for bucket 1 (224640 elements, 224640 padded size):",
+    "\x1b[36m(TrainerRank pid=14169)\x1b[0m \tdecoder.layers.1.mlp.experts.local_experts.4.linear_fc2.weight",
+    "\x1b[36m(TrainerRank pid=14169)\x1b[0m 18:20:55 I moe_rl.trainer.worker: saved checkpoint of step 6",
+    "Triton is installed, but doesn't include CPU backend. Disabling Triton.",
+    "INFO 11-23 18:20:23 [importing.py:44] Triton not installed or not compatible",
+    "/venv/lib/python3.11/site-packages/modelopt/torch/__init__.py:55: UserWarning: transformers 5.19.0 is not "
+    "tested with current version of modelopt and may cause issues.",
+    "  _warnings.warn(",
+    "/venv/lib/python3.11/site-packages/torch/distributed/checkpoint/planner_helpers.py:489: FutureWarning: "
+    "Please use DTensor instead and we are deprecating ShardedTensor.",
+]
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _library_line(line: str) -> str | None:
+    """Which kind of library output ``line`` is (None: the project's, or none recognized)."""
+    line = ANSI.sub("", line)
+    if PROJECT_LINE.match(line):
+        return None
+    return next((kind for kind, pattern in LIBRARY_LINES.items() if pattern.search(line)), None)
+
+
+def _check_terminal(out: str, run_dir: Path, records: list[dict]) -> None:
+    """Quiet by default: no library output, one line per step, the summary; the libraries' output
+    went to the log files (the driver's and one per actor)."""
+    assert [line for line in SEEN_BEFORE if not _library_line(line)] == []
+    noise = [f"{kind}: {line}" for line in out.splitlines() if (kind := _library_line(line))]
+    assert not noise, "\n".join(noise[:20])
+    steps = [int(m.group(1)) for m in re.finditer(r" I moe_rl\.metrics: step (\d+) \| reward ", out)]
+    assert steps == list(range(30)), out[-4000:]
+    first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (records[:5], records[-5:]))
+    kl = sum(r["old/kl_k3"] for r in records) / len(records)
+    assert " I moe_rl.driver: done: 30/30 steps in " in out, out[-3000:]
+    summary = out[out.index(" I moe_rl.driver: done: 30/30 steps in ") :]
+    assert f" {first:.3f} → {last:.3f} (mean of the first / last 5 steps)" in summary, summary
+    assert (
+        f"old/kl_k3 {kl:.2e}" in summary
+        and f"checkpoints  1, latest {run_dir}/checkpoints/step_000029" in summary
+    )
+    for command in (
+        f"moe-rl report {run_dir}",
+        f"moe-rl export {run_dir} OUT",
+        f"--resume {run_dir} run.steps=60",
+    ):
+        assert command in summary, summary
+    logs = run_dir / "logs"
+    assert re.search(r" [IW] ray\.", (logs / "train.log").read_text())
+    for actor in ("trainer0", "engine0"):
+        text = (logs / f"{actor}.log").read_text()
+        assert (
+            " I megatron.core." in text
+            and "UserWarning: Transformer Engine and Apex are not installed" in text
+        )
+
+
 def test_tiny_run_learns_and_writes_every_metric(tmp_path):
-    _finish(_train([TINY, "run.name=learn"], tmp_path))
+    out = _finish(_train([TINY, "run.name=learn"], tmp_path))
     run_dir = tmp_path / "learn"
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == list(range(30))
@@ -91,6 +169,7 @@ def test_tiny_run_learns_and_writes_every_metric(tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000029"
     assert records[0]["quant/recipe"] == "fp8_block128" and records[0]["quant/rel_err"] > 0
+    _check_terminal(out, run_dir, records)
 
 
 def _comparable(record: dict) -> dict:
