@@ -41,7 +41,7 @@ def test_every_recipe_yaml_loads(path: Path, tmp_path: Path):
     if path.parent.name == "quant":  # nvfp4 needs CUDA: load it for a CUDA machine
         config = load_recipe(TINY, [f"rollout.quant={path.stem}", "run.device=cuda"])
         assert config.quant.name == path.stem
-    elif path.parent in (RECIPES, RECIPES / "twins", RECIPES / "examples"):
+    elif path.parent in (RECIPES, RECIPES / "twins", RECIPES / "examples", RECIPES / "bench"):
         config = load_recipe(path)  # a runnable recipe: every component accepts it
     else:  # a piece (model/, algo/, cluster/): keys and types only; alone it is no whole recipe
         config = load_recipe(path, validate=False)
