@@ -103,14 +103,6 @@ def read_run_config(run: Path) -> RecipeConfig:
     return load_recipe(path)
 
 
-def _checkpoints(run: Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every ``checkpoints/step_NNNNNN``, newest first."""
-    folder = run / "checkpoints"
-    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-    found = [(int(m.group(1)), folder / m.group(0)) for m in map(rd.CHECKPOINT.fullmatch, names) if m]
-    return sorted(found, reverse=True)
-
-
 def _problem(path: Path) -> str | None:
     """Why the checkpoint ``path`` cannot be exported (None: complete and intact)."""
     problem = rd.verify(path)
@@ -122,7 +114,7 @@ def _problem(path: Path) -> str | None:
 def pick_checkpoint(run: Path, step: int | None) -> rd.Usable:
     """The checkpoint of ``step``, which must be complete and intact, or (None) the newest one that
     is: newer ones that fail verification are skipped with a warning, as ``--resume`` does."""
-    found = _checkpoints(run)
+    found = rd.checkpoints(run)
     if not found:
         raise UserError(
             f"{run / 'checkpoints'}: no checkpoint to export (a run saves one at its end, on Ctrl-C and "

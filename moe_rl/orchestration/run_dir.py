@@ -169,17 +169,20 @@ class Usable:
     step: int
 
 
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``checkpoints/step_NNNNNN`` of ``run_dir``, newest first."""
+    folder = Path(run_dir) / "checkpoints"
+    found = ((int(m.group(1)), folder / m.group(0)) for m in map(CHECKPOINT.fullmatch, _names(folder)) if m)
+    return sorted(found, reverse=True)
+
+
 def newest_usable(run_dir: Path) -> Usable | None:
     """The newest complete, intact checkpoint under ``run_dir/checkpoints`` (None: there is none at
     all). Newer ones that fail verification are reported and skipped; if every one fails, that is
     an error (resuming from step 0 would overwrite them)."""
     folder = Path(run_dir) / "checkpoints"
-    found = sorted(
-        ((int(m.group(1)), folder / m.group(0)) for m in map(CHECKPOINT.fullmatch, _names(folder)) if m),
-        reverse=True,
-    )
     skipped = []
-    for step, path in found:
+    for step, path in checkpoints(run_dir):
         problem = verify(path)
         if problem is None:
             for name, why in skipped:
@@ -200,9 +203,7 @@ def newest_usable(run_dir: Path) -> Usable | None:
 def sealed(run_dir: Path) -> list[Path]:
     """The checkpoints of ``run_dir`` that were sealed (their manifest written), oldest first; not
     verified against it (`newest_usable` does that)."""
-    folder = Path(run_dir) / "checkpoints"
-    found = [(int(m.group(1)), folder / m.group(0)) for m in map(CHECKPOINT.fullmatch, _names(folder)) if m]
-    return [path for _, path in sorted(found) if (path / MANIFEST).is_file()]
+    return [path for _, path in reversed(checkpoints(run_dir)) if (path / MANIFEST).is_file()]
 
 
 def _check_hint(folder: Path, chosen: str) -> None:
