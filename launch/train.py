@@ -28,8 +28,8 @@ def check_machine(config: RecipeConfig, machine=None) -> None:
 
 def check_inputs(config: RecipeConfig) -> None:
     """What the run reads before it starts anything heavy: stored trajectories of an offline run,
-    the prompt dataset (every row) and the reward function (imported), so bad data or a missing
-    function is refused in seconds."""
+    the prompt dataset (every row) and the reward function or the environment (imported, and one
+    environment built), so bad data or a missing function is refused in seconds."""
     from moe_rl.rewards.registry import build_prompt_source, build_scorer
 
     if config.run.mode == "offline" and config.data.trajectories is not None:
@@ -37,7 +37,12 @@ def check_inputs(config: RecipeConfig) -> None:
 
         read_offline(config, Path(config.data.trajectories))  # read again by the run: a check, not a cache
     build_prompt_source(config)  # offline runs draw evaluation prompts from it
-    build_scorer(config)
+    if config.env.name:  # the environment gives the rewards: import it and build one
+        from moe_rl.envs.base import build_env_factory
+
+        build_env_factory(config.env.name, dict(config.env.kwargs))
+    else:
+        build_scorer(config)
 
 
 def train(

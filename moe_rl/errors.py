@@ -14,6 +14,11 @@ class RewardFunctionError(UserError):
     """A reward function raised, or returned something that is not a finite number."""
 
 
+class EnvError(UserError):
+    """A multi-turn environment (`env.name`) cannot be loaded or built, or answered a turn with
+    something that is not a valid `moe_rl.envs.StepResult`."""
+
+
 def user_error_of(exc: BaseException) -> UserError | None:
     """The `UserError` behind ``exc``: itself, or the cause Ray wrapped it in (a task's error
     reaches the driver as a ``RayTaskError`` whose ``cause`` is the worker's exception)."""

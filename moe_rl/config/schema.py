@@ -164,7 +164,7 @@ class RolloutConfig:
     group_size: int = 4
     """Responses sampled per prompt (the GRPO group)."""
     max_new_tokens: int = 16
-    """Longest response."""
+    """Longest response (with an environment, `env.name`: longest model turn)."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_k: int = -1
@@ -420,6 +420,38 @@ class DataConfig:
 
 
 @dataclass
+class EnvConfig:
+    name: str | None = None
+    """Multi-turn, tool-using rollouts: the environment that answers the model's turns, `calculator`
+    (built in; pair it with `data.task=synthetic:tool_multiply`) or `package.module:Class` for your own
+    (`moe_rl.envs.base.Environment`); the environment gives the rewards. null: one prompt, one
+    response, scored by `data.reward`."""
+    max_turns: int = 4
+    """Most model turns per trajectory (each ends at EOS, at one of the environment's stop tokens,
+    or after `rollout.max_new_tokens`)."""
+    max_tokens: int = 64
+    """Token budget of a trajectory's response: the model's turns and the environment's tokens
+    together (what the trainer packs after the prompt)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments of the environment, e.g. `{call_bonus: 0.1}` for `calculator`."""
+
+
+def max_response_tokens(config: RecipeConfig) -> int:
+    """Longest response a recipe can produce: `rollout.max_new_tokens`, or with an environment its
+    token budget `env.max_tokens` (the model's turns and the environment's tokens)."""
+    return config.env.max_tokens if config.env.name else config.rollout.max_new_tokens
+
+
+def max_sampled_tokens(config: RecipeConfig) -> int:
+    """Most tokens the model samples in one trajectory: `rollout.max_new_tokens`, or with an
+    environment at most `env.max_turns` turns of it within `env.max_tokens`."""
+    r, env = config.rollout, config.env
+    if not env.name:
+        return r.max_new_tokens
+    return min(env.max_tokens, env.max_turns * r.max_new_tokens)
+
+
+@dataclass
 class ClusterConfig:
     nodes: int = 1
     """Slurm nodes."""
@@ -491,6 +523,8 @@ class RecipeConfig:
     """Optimization."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts and rewards."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn environments (tool use)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Slurm and Ray placement."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

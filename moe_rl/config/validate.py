@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_rl.config.loader import ConfigError
-from moe_rl.config.schema import ModelConfig, RecipeConfig
+from moe_rl.config.schema import ModelConfig, RecipeConfig, max_response_tokens
 from moe_rl.device import RUN_DEVICES
+from moe_rl.errors import UserError
 
 # The recipe vocabulary. `moe_rl.algo.registry` maps the algorithm names to functions; a test
 # keeps the two in step (this module must not import torch).
@@ -112,6 +113,7 @@ RANGES: dict[str, Bound] = {
             "trainer.grad_clip"),
     **_each(UNIT_FROM_ZERO, "trainer.adam_beta1", "trainer.adam_beta2"),
     **_each(POSITIVE, "data.max_prompt_len", "data.offline_batches"),
+    **_each(POSITIVE, "env.max_turns", "env.max_tokens"),
     **_each(POSITIVE, "cluster.nodes", "cluster.trainer_nodes", "cluster.ray_join_timeout_s",
             "cluster.gpu_memory_gib"),
     **_each(NON_NEGATIVE, "cluster.gpus_per_node", "cluster.rollout_nodes", "cluster.signal_grace_s"),
@@ -296,10 +298,11 @@ def _check_batches(config: RecipeConfig) -> None:
         config.algo.advantage != "rloo" or r.group_size >= 2,
         f"algo.advantage=rloo needs rollout.group_size >= 2 (got {r.group_size})",
     )
-    longest = config.data.max_prompt_len + r.max_new_tokens
+    longest = config.data.max_prompt_len + max_response_tokens(config)
+    response = "env.max_tokens" if config.env.name else "rollout.max_new_tokens"
     _require(
         longest <= config.model.max_position_embeddings,
-        f"data.max_prompt_len + rollout.max_new_tokens = {longest} exceeds "
+        f"data.max_prompt_len + {response} = {longest} exceeds "
         f"model.max_position_embeddings={config.model.max_position_embeddings}",
     )
 
@@ -411,6 +414,34 @@ def _check_data(config: RecipeConfig) -> None:
         )
     if d.prompt_template is not None:
         prompt_template_fields(d.prompt_template)
+    kind, _, name = d.task.partition(":")
+    if kind == "synthetic":
+        from moe_rl.rewards.tasks import check_task_vocab  # (moe_rl.rewards imports this module)
+
+        try:
+            check_task_vocab(name, config.model.vocab_size)  # an unknown task is named there too
+        except UserError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def _check_env(config: RecipeConfig) -> None:
+    """An environment gives the rewards and generates online: `data.reward` is not used, and
+    `run.mode=offline` trains on stored trajectories without one. Whether `env.name` loads, and its
+    `env.kwargs`, is checked where it is built (`moe_rl.envs.base.build_env_factory`)."""
+    env, d = config.env, config.data
+    if not env.name:
+        _require(
+            not env.kwargs, f"env.kwargs={env.kwargs} without env.name: set env.name or remove env.kwargs"
+        )
+        return
+    check_text("env.name", env.name)
+    _require(
+        d.reward == "synthetic",
+        f"data.reward={d.reward} with env.name={env.name}: the environment gives the rewards "
+        "(leave data.reward unset)",
+    )
+    _require(config.run.mode != "offline", f"run.mode=offline trains on stored trajectories: env.name={env.name} "
+             "generates online (remove env.name)")  # fmt: skip
 
 
 def validate_recipe(config: RecipeConfig) -> None:
@@ -423,3 +454,4 @@ def validate_recipe(config: RecipeConfig) -> None:
     _check_algo(config)
     _check_quant(config)
     _check_data(config)
+    _check_env(config)

@@ -44,7 +44,7 @@ class MicroBatch:
     cu_seqlens: Tensor
     """int32 ``[n + 1]``: sample boundaries (flash-attention varlen / Megatron THD)."""
     loss_mask: Tensor
-    """bool ``[T]``: True where the token is a response token (counts in the loss)."""
+    """bool ``[T]``: True where the token is a (sampled) response token (counts in the loss)."""
     response_positions: Tensor
     """int64 ``[R]``: packed position of every response token."""
     response_offsets: Tensor
@@ -179,6 +179,10 @@ def pack_samples(
     input_ids = torch.empty(int(cu[-1]), dtype=torch.int64)
     input_ids[prompt_pos] = prompt_values.to(torch.int64)
     input_ids[resp_pos] = resp_values.to(torch.int64)
+    if batch.sampled is not None:  # environment tokens stay context: not response tokens here
+        keep = batch.sampled[resp_index]
+        resp_offsets = ragged.offsets_from_lengths(ragged.row_sums(keep.to(torch.int64), resp_offsets))
+        resp_pos, resp_index = resp_pos[keep], resp_index[keep]
     loss_mask = torch.zeros(int(cu[-1]), dtype=torch.bool)
     loss_mask[resp_pos] = True
     versions = batch.token_versions() if token_versions is None else token_versions

@@ -38,6 +38,13 @@ def row_ids(offsets: Tensor) -> Tensor:
     return repeat(torch.arange(num_rows, dtype=torch.int64), lengths(offsets))
 
 
+def row_sums(values: Tensor, offsets: Tensor) -> Tensor:
+    """Sum of each row of a 1-D ``values`` (``[num_rows]``, the dtype of ``values``; 0 for an empty row)."""
+    cumulative = torch.zeros(values.numel() + 1, dtype=values.dtype)
+    torch.cumsum(values, dim=0, out=cumulative[1:])
+    return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
+
+
 def locate(offsets: Tensor, flat_index: int) -> tuple[int, int]:
     """``(row, index within row)`` of the value at ``flat_index``."""
     row = int(torch.searchsorted(offsets, torch.tensor([flat_index]), right=True)[0]) - 1

@@ -15,7 +15,9 @@ Why Arrow IPC (the "Feather v2" file format) rather than Parquet or safetensors:
 Directory layout: ``shard-00000.arrow``, ``shard-00001.arrow``, ... and ``manifest.json`` (written
 last, atomically, so a reader never sees a half-written dataset). A shard holds samples that share
 batch-level metadata; a change of engine, quant recipe, policy version or routing shape starts a
-new shard. ``old_logp`` is written only when asked (it is recomputed by the trainer). A run's
+new shard. ``old_logp`` is written only when asked (it is recomputed by the trainer). Multi-turn
+batches add a ``sampled`` column (who wrote each response token); shards written without one,
+single-turn data, read with ``sampled`` None, as before it existed. A run's
 ``trajectories/`` holds one such directory per step (``step_000003/``); ``read_trajectories`` reads
 either layout.
 
@@ -226,7 +228,7 @@ def _same_shard_metadata(a: TrajectoryBatch, b: TrajectoryBatch) -> bool:
     same_meta = all(getattr(a, f) == getattr(b, f) for f in _META_FIELDS)
     same_fields = all(
         (getattr(a, f) is None) == (getattr(b, f) is None)
-        for f in ("sampling_mask_ids", "routed_experts", "old_logp")
+        for f in ("sampling_mask_ids", "routed_experts", "old_logp", "sampled")
     )
     return same_meta and same_fields
 
@@ -327,6 +329,8 @@ def to_record_batch(batch: TrajectoryBatch, *, include_old_logp: bool = False) -
         columns["routed_experts"] = _list(batch.routed_experts.reshape(-1), batch.routing_offsets * per_token)
     if include_old_logp and batch.old_logp is not None:
         columns["old_logp"] = _list(batch.old_logp, batch.response_offsets)
+    if batch.sampled is not None:
+        columns["sampled"] = _list(batch.sampled, batch.response_offsets)
     return pa.RecordBatch.from_pydict(columns)
 
 
@@ -345,6 +349,7 @@ _OPTIONAL_COLUMNS = {
     "sampling_mask": (pa.large_list(pa.large_list(pa.int32())),),
     "routed_experts": (pa.large_list(pa.uint8()), pa.large_list(pa.uint16())),
     "old_logp": (pa.large_list(pa.float32()),),
+    "sampled": (pa.large_list(pa.bool_()),),
 }
 
 
@@ -603,6 +608,10 @@ def from_record_batch(
         values, offsets = _ragged(col("old_logp"))
         _check_aligned("old_logp", offsets, "response_ids", response_offsets)
         batch.old_logp = _tensor(values)
+    if "sampled" in names:  # multi-turn shards; older (single-turn) shards have no such column
+        values, offsets = _ragged(col("sampled"))
+        _check_aligned("sampled", offsets, "response_ids", response_offsets)
+        batch.sampled = _tensor(values)
     return batch
 
 

@@ -8,6 +8,8 @@ any compressor look useless). Neither claims to reproduce a particular model's s
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -61,15 +63,20 @@ def random_batch(
     group_size: int = 2,
     engine: str = "vllm",
     quant_recipe: str = "bf16",
+    env_tokens: bool = False,
 ) -> TrajectoryBatch:
     """A valid random batch. ``routing`` is ``(num_moe_layers, topk, num_experts)`` or None.
 
     Routing traces randomly cover the last token or stop one short; responses may be empty;
-    each sample has 1..3 weight-version spans.
+    each sample has 1..3 weight-version spans. With ``env_tokens`` the batch is multi-turn: every
+    response has a token, and a response of three or more has a stretch strictly inside it written
+    by an environment (``sampled`` False, no log-prob, no kept set).
     """
     rng = np.random.default_rng(seed)
     samples = [
-        _random_sample(rng, i, max_prompt_len, max_response_len, vocab_size, routing, sampling_mask)
+        _random_sample(
+            rng, i, max_prompt_len, max_response_len, vocab_size, routing, sampling_mask, env_tokens
+        )
         for i in range(num_samples)
     ]
     for i, s in enumerate(samples):
@@ -97,9 +104,10 @@ def _random_sample(
     vocab_size: int,
     routing: tuple[int, int, int] | None,
     sampling_mask: bool,
+    env_tokens: bool = False,
 ) -> Sample:
     prompt_len = int(rng.integers(1, max_prompt_len + 1))
-    response_len = int(rng.integers(0, max_response_len + 1))
+    response_len = int(rng.integers(int(env_tokens), max_response_len + 1))
     response = rng.integers(0, vocab_size, size=response_len)
     sample = Sample(
         prompt_ids=torch.from_numpy(rng.integers(0, vocab_size, size=prompt_len).astype(np.int32)),
@@ -117,7 +125,27 @@ def _random_sample(
         length = prompt_len + response_len - int(rng.integers(0, 2))
         trace = skewed_routing(length, layers, topk, experts, seed=int(rng.integers(1 << 31)))
         sample.routed_experts = compact_routing(trace, experts)
+    if env_tokens:
+        _environment_stretch(rng, sample)
     return sample
+
+
+def _environment_stretch(rng: np.random.Generator, sample: Sample) -> None:
+    """Mark a stretch strictly inside the response (length >= 3) as environment tokens."""
+    length = sample.response_ids.numel()
+    sample.sampled = torch.ones(length, dtype=torch.bool)
+    if length < 3:
+        return
+    start = int(rng.integers(1, length - 1))
+    stop = int(rng.integers(start + 1, length))
+    sample.sampled[start:stop] = False
+    sample.rollout_logp[start:stop] = float("nan")
+    if sample.sampling_mask_ids is not None and sample.sampling_mask_offsets is not None:
+        offsets = sample.sampling_mask_offsets
+        rows = [sample.sampling_mask_ids[int(a) : int(b)] for a, b in itertools.pairwise(offsets)]
+        rows[start:stop] = [sample.sampling_mask_ids[:0]] * (stop - start)
+        sample.sampling_mask_ids = torch.cat(rows)
+        sample.sampling_mask_offsets[1:] = torch.cumsum(torch.tensor([r.numel() for r in rows]), 0)
 
 
 def _random_spans(rng: np.random.Generator, response_len: int) -> list[tuple[int, int]]:

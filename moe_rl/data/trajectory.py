@@ -26,6 +26,16 @@ Layout decisions
 * Batch metadata: ``engine``, ``quant_recipe`` (e.g. ``bf16``, ``fp8``) and ``policy_version``
   (the engine's weight version when the batch was finished; every span version is <= it).
 * ``old_logp`` (optional) is filled by the trainer's recompute pass; shards skip it by default.
+
+Multi-turn trajectories (``moe_rl.envs``)
+-----------------------------------------
+The response of a multi-turn trajectory is everything after the first prompt: the model's turns
+and what the environment wrote between them (tool output), in context order. ``sampled`` (optional,
+bool ``[num_response_tokens]``) says who wrote each response token: True where the model sampled
+it, False where the environment wrote it; absent, every response token was sampled. An
+environment token has no rollout log-prob (``rollout_logp`` is NaN there) and no kept set (its
+sampling-mask row is empty); its weight version is the one of the model turn before it. The routing
+trace covers environment tokens like any other: the engine prefilled them, so they were routed.
 """
 
 from __future__ import annotations
@@ -72,6 +82,9 @@ class Sample:
     """``[prompt_len + response_len (- 1), layers, k]`` expert ids (any integer dtype)."""
     old_logp: Tensor | None = None
     """float32 ``[response_len]``, trainer-side."""
+    sampled: Tensor | None = None
+    """bool ``[response_len]``: True where the model sampled the token, False where an environment
+    wrote it (multi-turn); None: every response token was sampled."""
 
 
 @dataclass(eq=False)
@@ -122,6 +135,9 @@ class TrajectoryBatch:
     topk: int | None = None
     old_logp: Tensor | None = field(default=None)
     """float32 ``[num_response_tokens]`` or None; not written to disk unless asked."""
+    sampled: Tensor | None = None
+    """bool ``[num_response_tokens]``: who wrote each response token (True: the model sampled it;
+    False: an environment wrote it); None: every response token was sampled."""
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -143,6 +159,19 @@ class TrajectoryBatch:
     @property
     def has_routing(self) -> bool:
         return self.routed_experts is not None
+
+    def sampled_mask(self) -> Tensor:
+        """bool ``[num_response_tokens]``: True where the model sampled the token (all True for
+        single-turn batches, which carry no ``sampled`` field)."""
+        if self.sampled is None:
+            return torch.ones(self.num_response_tokens, dtype=torch.bool)
+        return self.sampled
+
+    def sampled_lengths(self) -> Tensor:
+        """Sampled response tokens per sample, int64 ``[num_samples]``."""
+        if self.sampled is None:
+            return self.response_lengths()
+        return ragged.row_sums(self.sampled.to(torch.int64), self.response_offsets)
 
     def prompt_lengths(self) -> Tensor:
         """int64 ``[num_samples]``."""
@@ -230,6 +259,8 @@ class TrajectoryBatch:
             ]
         if self.old_logp is not None:
             out.old_logp = self.old_logp[r0:r1]
+        if self.sampled is not None:
+            out.sampled = self.sampled[r0:r1]
         return out
 
     def samples(self) -> Iterator[Sample]:
@@ -283,7 +314,7 @@ def _ragged_from_rows(rows: Sequence[object], dtype: torch.dtype) -> tuple[Tenso
 
 
 _SAMPLE_TENSORS = ("prompt_ids", "response_ids", "rollout_logp", "sampling_mask_ids", "sampling_mask_offsets",
-                   "routed_experts", "old_logp")  # fmt: skip
+                   "routed_experts", "old_logp", "sampled")  # fmt: skip
 
 
 def check_on_cpu(samples: Sequence[Sample]) -> None:
@@ -360,6 +391,8 @@ def _attach_optional(batch: TrajectoryBatch, samples: Sequence[Sample], num_expe
         batch.sampling_mask_ids, batch.sampling_mask_offsets = ragged.concat(parts)
     if _require_all_or_none(samples, "old_logp"):
         batch.old_logp = torch.cat([_to_tensor(s.old_logp, torch.float32) for s in samples])
+    if _require_all_or_none(samples, "sampled"):
+        batch.sampled = torch.cat([_to_tensor(s.sampled, torch.bool) for s in samples])
     if _require_all_or_none(samples, "routed_experts"):
         if num_experts is None:
             raise TrajectoryError(
@@ -396,6 +429,7 @@ def _select(batch: TrajectoryBatch, idx: Tensor) -> TrajectoryBatch:
         version_span_versions=batch.version_span_versions[span_pos],
         version_span_offsets=span_offsets,
         old_logp=None if batch.old_logp is None else batch.old_logp[resp_pos],
+        sampled=None if batch.sampled is None else batch.sampled[resp_pos],
     )
     if batch.sampling_mask_ids is not None and batch.sampling_mask_offsets is not None:
         out.sampling_mask_ids, out.sampling_mask_offsets, _ = ragged.gather(
@@ -438,6 +472,7 @@ def _slice(batch: TrajectoryBatch, start: int, stop: int) -> TrajectoryBatch:
         version_span_versions=batch.version_span_versions[v0:v1],
         version_span_offsets=span_offsets,
         old_logp=None if batch.old_logp is None else batch.old_logp[r0:r1],
+        sampled=None if batch.sampled is None else batch.sampled[r0:r1],
     )
     if batch.sampling_mask_ids is not None and batch.sampling_mask_offsets is not None:
         out.sampling_mask_ids, out.sampling_mask_offsets, _, _ = _slice_ragged(
@@ -463,7 +498,7 @@ def _check_compatible(batches: Sequence[TrajectoryBatch]) -> None:
                     value=getattr(b, name),
                     expected=repr(getattr(first, name)),
                 )
-        for name in ("sampling_mask_ids", "routed_experts", "old_logp"):
+        for name in ("sampling_mask_ids", "routed_experts", "old_logp", "sampled"):
             if (getattr(b, name) is None) != (getattr(first, name) is None):
                 raise TrajectoryError(
                     name,
@@ -494,6 +529,8 @@ def _concat(batches: Sequence[TrajectoryBatch]) -> TrajectoryBatch:
         setattr(out, name, cat(name))
     if first.old_logp is not None:
         out.old_logp = cat("old_logp")
+    if first.sampled is not None:
+        out.sampled = cat("sampled")
     if first.sampling_mask_ids is not None:
         out.sampling_mask_ids, out.sampling_mask_offsets = rag("sampling_mask_ids", "sampling_mask_offsets")
     if first.routed_experts is not None:

@@ -36,7 +36,9 @@ _FLAT_FIELDS = {
     "sampling_mask_offsets": torch.int64,
     "routing_offsets": torch.int64,
     "old_logp": torch.float32,
+    "sampled": torch.bool,
 }
+_OPTIONAL = ("sampling_mask_ids", "sampling_mask_offsets", "routing_offsets", "old_logp", "sampled")
 
 
 def validate(
@@ -58,9 +60,9 @@ def validate(
     _check_samples(batch)
     _check_token_ids("prompt_ids", batch.prompt_ids, batch.prompt_offsets, vocab_size)
     _check_token_ids("response_ids", batch.response_ids, batch.response_offsets, vocab_size)
-    _check_logp("rollout_logp", batch.rollout_logp, batch.response_offsets, logp_tolerance)
+    _check_logp("rollout_logp", batch, batch.rollout_logp, logp_tolerance)
     if batch.old_logp is not None:
-        _check_logp("old_logp", batch.old_logp, batch.response_offsets, logp_tolerance)
+        _check_logp("old_logp", batch, batch.old_logp, logp_tolerance)
     _check_version_spans(batch)
     _check_sampling_mask(batch, vocab_size)
     _check_routing_model(batch, num_experts, topk)
@@ -112,12 +114,7 @@ def _first(mask: Tensor) -> int | None:
 def _check_types(batch: TrajectoryBatch) -> None:
     for name, dtype in _FLAT_FIELDS.items():
         value = getattr(batch, name)
-        if value is None and name in (
-            "sampling_mask_ids",
-            "sampling_mask_offsets",
-            "routing_offsets",
-            "old_logp",
-        ):
+        if value is None and name in _OPTIONAL:
             continue
         if not isinstance(value, Tensor):
             raise TrajectoryError(name, "must be a torch.Tensor", value=type(value).__name__)
@@ -183,7 +180,11 @@ def _check_samples(batch: TrajectoryBatch) -> None:
         raise TrajectoryError(
             "prompt_ids", "empty prompt", sample=empty, value=0, expected=">= 1 prompt token"
         )
-    for name, value in (("rollout_logp", batch.rollout_logp), ("old_logp", batch.old_logp)):
+    for name, value in (
+        ("rollout_logp", batch.rollout_logp),
+        ("old_logp", batch.old_logp),
+        ("sampled", batch.sampled),
+    ):
         if value is not None and value.numel() != batch.response_ids.numel():
             raise TrajectoryError(
                 name,
@@ -199,6 +200,13 @@ def _check_samples(batch: TrajectoryBatch) -> None:
     bad = _first(~torch.isfinite(batch.rewards))
     if bad is not None:
         raise TrajectoryError("rewards", "reward must be finite", sample=bad, value=float(batch.rewards[bad]))
+    if batch.sampled is not None:
+        none = _first(batch.sampled_lengths() == 0)
+        if none is not None:
+            raise TrajectoryError(
+                "sampled", "sample has no sampled token (nothing to train on)", sample=none,
+                value=batch.sample(none).sampled.tolist()[:16], expected="at least one True per sample",
+            )  # fmt: skip
     for i, reason in enumerate(batch.finish_reasons):
         if reason not in FINISH_REASONS:
             raise TrajectoryError(
@@ -217,8 +225,14 @@ def _check_token_ids(name: str, ids: Tensor, offsets: Tensor, vocab_size: int | 
         _fail_at(name, offsets, bad, "token id out of range", int(ids[bad]), expected)
 
 
-def _check_logp(name: str, logp: Tensor, offsets: Tensor, tolerance: float) -> None:
-    bad = _first(~torch.isfinite(logp) | (logp > tolerance))
+def _check_logp(name: str, batch: TrajectoryBatch, logp: Tensor, tolerance: float) -> None:
+    """Sampled tokens: a finite log-prob <= 0; environment tokens (``sampled`` False): NaN (none)."""
+    offsets, sampled = batch.response_offsets, batch.sampled_mask()
+    bad = _first(sampled & torch.isnan(logp))
+    if bad is not None:
+        _fail_at(name, offsets, bad, "missing log-prob (NaN) on a sampled token", "nan",
+                 "a finite log-prob <= 0 for every token the model sampled")  # fmt: skip
+    bad = _first(sampled & (~torch.isfinite(logp) | (logp > tolerance)))
     if bad is not None:
         _fail_at(
             name,
@@ -228,6 +242,10 @@ def _check_logp(name: str, logp: Tensor, offsets: Tensor, tolerance: float) -> N
             float(logp[bad]),
             f"finite and <= {tolerance}",
         )
+    bad = _first(~sampled & ~torch.isnan(logp))
+    if bad is not None:
+        _fail_at(name, offsets, bad, "log-prob on an environment token (sampled=False)", float(logp[bad]),
+                 "NaN: the environment wrote this token, the model did not sample it")  # fmt: skip
 
 
 def _check_version_spans(batch: TrajectoryBatch) -> None:
@@ -314,10 +332,16 @@ def _check_sampling_mask(batch: TrajectoryBatch, vocab_size: int | None) -> None
         )
     num_tokens = batch.response_ids.numel()
     _check_offsets("sampling_mask_offsets", offsets, num_tokens, ids.numel(), "sampling_mask_ids")
-    resp = batch.response_offsets
-    empty = _first(ragged.lengths(offsets) == 0)
+    resp, sampled = batch.response_offsets, batch.sampled_mask()
+    row_len = ragged.lengths(offsets)
+    empty = _first(sampled & (row_len == 0))
     if empty is not None:
         _fail_at("sampling_mask_offsets", resp, empty, "empty kept set", [], "at least the sampled token")
+    kept = _first(~sampled & (row_len > 0))
+    if kept is not None:
+        row = ids[int(offsets[kept]) : int(offsets[kept + 1])].tolist()
+        _fail_at("sampling_mask_ids", resp, kept, "kept set on an environment token (sampled=False)", row,
+                 "an empty row: the model did not sample this token")  # fmt: skip
     bad = _first(ids < 0) if vocab_size is None else _first((ids < 0) | (ids >= vocab_size))
     if bad is not None:
         row, _ = ragged.locate(offsets, bad)
@@ -327,7 +351,7 @@ def _check_sampling_mask(batch: TrajectoryBatch, vocab_size: int | None) -> None
     if dup is not None:
         row = ids[int(offsets[dup]) : int(offsets[dup + 1])].tolist()
         _fail_at("sampling_mask_ids", resp, dup, "duplicate id in kept set", row, "distinct ids")
-    missing = _first(~csr_contains(ids, offsets, batch.response_ids))
+    missing = _first(sampled & ~csr_contains(ids, offsets, batch.response_ids))
     if missing is not None:
         _fail_at(
             "sampling_mask_ids",

@@ -176,6 +176,9 @@ class EngineActor:
         _setup_process(config, threads, f"engine{replica}")
         self.config, self.replica, self.restarts = config, replica, restarts
         self.engine = make_engine(config, model_path)
+        from moe_rl.envs.rollout import rollouts_for
+
+        self.rollouts = rollouts_for(config, self.engine)  # single- or multi-turn (`env.name`)
         self._reference = None
         self._generates = 0
 
@@ -183,13 +186,14 @@ class EngineActor:
         return os.getpid()
 
     @ray.method(num_returns=2)
-    def generate(self, prompts: Sequence[Sequence[int]], sampling, group_ids: Sequence[int]):
-        """``(batch, status)``: the driver waits on the small status, the batch goes on by reference."""
+    def generate(self, prompts: Sequence[Any], sampling, group_ids: Sequence[int]):
+        """``(batch, status)`` for `moe_rl.rewards.tasks.Prompt` s: the driver waits on the small status
+        (with the environment's counts of a multi-turn rollout), the batch goes on by reference."""
         self._generates += 1
         if self.restarts == 0:
             _maybe_fail(self.replica, self._generates)
-        batch = self.engine.generate(prompts, sampling, group_ids)
-        return batch, {"replica": self.replica, "samples": batch.num_samples}
+        batch, env = self.rollouts.generate(prompts, sampling, group_ids)
+        return batch, {"replica": self.replica, "samples": batch.num_samples, "env": env}
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -248,7 +252,7 @@ class RewardActor:
         from moe_rl.rewards.registry import build_scorer
 
         self.config = config
-        self.scorer = build_scorer(config)
+        self.scorer = None if config.env.name else build_scorer(config)  # environments score themselves
 
     @ray.method(num_returns=2)
     def prepare(self, batch_refs: Sequence[Any], plan, prompts, version: int, dp_size: int):
@@ -258,8 +262,11 @@ class RewardActor:
 
         parts = ray.get(list(batch_refs), timeout=RAY_TIMEOUT_S)
         batch = merge(parts, plan)
-        per_sample = [p for p in prompts for _ in range(plan.group_size)]
-        rewards = self.scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
+        if self.scorer is None:  # multi-turn: the environments' rewards, already in the batch
+            rewards = batch.rewards.tolist()
+        else:
+            per_sample = [p for p in prompts for _ in range(plan.group_size)]
+            rewards = self.scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
         return self._shard(batch, rewards, version, dp_size, engine_metrics(parts))
 
     @ray.method(num_returns=2)

@@ -98,13 +98,18 @@ class Prepared:
 def length_metrics(batch: TrajectoryBatch) -> dict[str, float]:
     lengths = batch.response_lengths().float()
     stops = sum(r == "stop" for r in batch.finish_reasons)
-    return {
+    out = {
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/stop_share": stops / batch.num_samples,
         "rollout/samples": batch.num_samples,
         "rollout/tokens": int(lengths.sum()),
     }
+    if batch.sampled is not None:  # multi-turn: who wrote the response tokens
+        sampled = int(batch.sampled.sum())
+        out["rollout/sampled_tokens"] = sampled
+        out["rollout/env_tokens"] = batch.num_response_tokens - sampled
+    return out
 
 
 def engine_metrics(batches: Sequence[TrajectoryBatch | None]) -> dict[str, float]:

@@ -24,11 +24,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.schema import RecipeConfig, max_response_tokens
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, EngineActor
 from moe_rl.orchestration.batches import Dispatch, dispatch
 from moe_rl.orchestration.placement import Placement
 from moe_rl.orchestration.trainer_group import PLACEMENT_TIMEOUT_S, TrainerGroup
+from moe_rl.rewards.tasks import Prompt
 from moe_rl.rollout.engine import SamplingSpec
 
 log = logging.getLogger("moe_rl.driver")
@@ -51,10 +52,12 @@ class Generation:
     """A generation in flight: per replica its prompts and ``(batch ref, status ref)``."""
 
     plan: Dispatch
-    prompts: list[list[int]]
+    prompts: list[Prompt]
     spec: SamplingSpec
     group_ids: list[int]
     refs: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Per replica, what its ``generate`` reported (samples, environment counts)."""
 
 
 class EnginePool:
@@ -168,9 +171,10 @@ class EnginePool:
         return metrics
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec, group_ids: list[int]) -> Generation:
+    def generate(self, prompts: list[Prompt], spec: SamplingSpec, group_ids: list[int]) -> Generation:
         """Dispatch ``prompts`` over the replicas and start generating (returns at once)."""
-        plan = dispatch([len(p) for p in prompts], spec.n, spec.max_new_tokens, len(self.replicas))
+        response = max_response_tokens(self.config)
+        plan = dispatch([len(p.ids) for p in prompts], spec.n, response, len(self.replicas))
         gen = Generation(plan, prompts, spec, group_ids)
         for replica in self.replicas:
             self._launch(gen, replica)
@@ -191,7 +195,7 @@ class EnginePool:
         for replica in self.replicas:
             while replica.index in gen.refs:
                 try:
-                    ray.get(gen.refs[replica.index][1], timeout=RAY_TIMEOUT_S)
+                    gen.statuses[replica.index] = ray.get(gen.refs[replica.index][1], timeout=RAY_TIMEOUT_S)
                     break
                 except ray.exceptions.RayActorError as exc:
                     self._restart(replica, exc, self.version)

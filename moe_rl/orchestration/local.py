@@ -27,6 +27,7 @@ class LocalRun:
     """Trainer, engine, scorer and prompt stream of one process (see the module docstring)."""
 
     def __init__(self, config: RecipeConfig):
+        from moe_rl.envs.rollout import rollouts_for
         from moe_rl.rewards.registry import build_prompt_source, build_scorer
         from moe_rl.rollout.megatron_engine import MegatronEngine
         from moe_rl.trainer.worker import TrainerWorker
@@ -41,7 +42,8 @@ class LocalRun:
         self.config = config
         self.trainer = TrainerWorker(config)
         self.engine = MegatronEngine(config)
-        self.scorer = build_scorer(config)
+        self.rollouts = rollouts_for(config, self.engine)
+        self.scorer = None if config.env.name else build_scorer(config)  # environments score themselves
         self.source = build_prompt_source(config)
         self.version = 0
         self.packer = BucketPacker(config.rollout.sync_bucket_mb << 20)
@@ -73,6 +75,7 @@ class LocalRun:
 
     def step(self, step: int) -> dict[str, float]:
         """generate → reward → advantages → old log-probs → train → sync."""
+        from moe_rl.envs.rollout import env_metrics
         from moe_rl.orchestration.batches import (
             length_metrics,
             prepare,
@@ -84,9 +87,12 @@ class LocalRun:
         cfg, t0 = self.config, time.perf_counter()
         prompts = self.source.next_batch(cfg.rollout.batch_size // cfg.rollout.group_size)
         group_ids = [step * len(prompts) + i for i in range(len(prompts))]
-        batch = self.engine.generate([list(p.ids) for p in prompts], step_spec(cfg, step), group_ids)
-        per_sample = [p for p in prompts for _ in range(cfg.rollout.group_size)]
-        rewards = self.scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
+        batch, env = self.rollouts.generate(prompts, step_spec(cfg, step), group_ids)
+        if self.scorer is None:
+            rewards = batch.rewards.tolist()
+        else:
+            per_sample = [p for p in prompts for _ in range(cfg.rollout.group_size)]
+            rewards = self.scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
         batch, summary = prepare(
             batch, rewards, self.version, cfg.run.max_staleness, vocab_size=cfg.model.vocab_size, dp_size=1,
             max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
@@ -94,6 +100,7 @@ class LocalRun:
         )  # fmt: skip
         advantages, metrics = step_advantages(cfg, summary.rewards, summary.group_ids)
         metrics.update(length_metrics(batch))
+        metrics.update(env_metrics([env]))
         metrics["reward/mean"] = float(summary.rewards.mean())
         signs = step_zero_variance(cfg, summary.rewards, summary.group_ids)
         metrics.update(self.trainer.old_logp_of(batch, advantages, summary.plan.rank(0), zvp_signs=signs))

@@ -26,6 +26,7 @@ from moe_rl.data.shards import read_trajectories
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
 from moe_rl.diagnostics.budget import staleness_metrics
+from moe_rl.envs.rollout import env_metrics
 from moe_rl.orchestration import run_dir
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
 from moe_rl.orchestration.batches import Prepared, step_advantages, step_spec, step_zero_variance
@@ -121,9 +122,7 @@ class Stages:
         state = self.source.state()
         prompts = self.source.next_batch(self.config.rollout.batch_size // self.config.rollout.group_size)
         group_ids = [step * len(prompts) + i for i in range(len(prompts))]
-        generation = self.engines.generate(
-            [list(p.ids) for p in prompts], step_spec(self.config, step), group_ids
-        )
+        generation = self.engines.generate(prompts, step_spec(self.config, step), group_ids)
         self._pending_state[step] = state
         return PendingRollout(step, generation, prompts, state)
 
@@ -157,6 +156,7 @@ class Stages:
             "rollout/engines": len(self.engines.replicas),
             "rollout/regenerated_prompts": self.engines.regenerated_prompts - regenerated,
             "trainer/world_size": self.trainer.world_size,
+            **env_metrics([status.get("env", {}) for status in pending.generation.statuses.values()]),
             **summary.metrics,
         }
         return rollout, metrics

@@ -3,6 +3,12 @@
 Token layout shared by every synthetic task: 0 = PAD, 1 = BOS, 2 = EOS, 3..12 = the digits 0..9,
 the rest of the vocabulary is filler the model must learn not to emit. Each task makes prompts
 with an answer, and scores a response in [0, 1].
+
+Tool-using tasks (`tool_multiply`, with the `calculator` environment of `moe_rl.envs.calculator`)
+extend the layout: 13..17 = the operators `+ - *` and the parentheses `( )`, 18 = CALL (opens a
+tool call), 19 = END_CALL (closes it and ends the model's turn), 20 / 21 = RESULT / END_RESULT
+around the tool's answer, 22 = ERROR (the call failed). A task's `min_vocab` is the smallest
+`model.vocab_size` it fits in (`check_task_vocab`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ PAD, BOS, EOS = 0, 1, 2
 DIGIT0 = 3
 NUM_DIGITS = 10
 MIN_VOCAB = DIGIT0 + NUM_DIGITS
+PLUS, MINUS, TIMES, LPAREN, RPAREN = 13, 14, 15, 16, 17
+CALL, END_CALL, RESULT, END_RESULT, ERROR = 18, 19, 20, 21, 22
+MIN_TOOL_VOCAB = ERROR + 1
 
 
 def digit_token(d: int) -> int:
@@ -27,6 +36,16 @@ def until_eos(response: Sequence[int]) -> list[int]:
     """The response up to (not including) its first EOS."""
     body = list(response)
     return body[: body.index(EOS)] if EOS in body else body
+
+
+def answer_score(answer: Sequence[int], response: Sequence[int], partial: float) -> float:
+    """1.0 when the response (up to its first EOS) is the answer; else ``partial`` times the share
+    of positions right, over the longer of the two (so extra tokens cost too)."""
+    body, answer = until_eos(response), list(answer)
+    if body == answer:
+        return 1.0
+    right = sum(r == a for r, a in zip(body, answer))
+    return partial * right / max(len(body), len(answer), 1)
 
 
 @dataclass(frozen=True)
@@ -42,6 +61,7 @@ class SyntheticTask:
     """Base class: `make(n, rng)` prompts and `score(prompt, response_ids)` in [0, 1]."""
 
     name = ""
+    min_vocab = MIN_VOCAB
 
     def make(self, n: int, rng: random.Random) -> list[Prompt]:
         return [self.make_one(rng) for _ in range(n)]
@@ -131,10 +151,48 @@ class CountUp(SyntheticTask):
         return right / len(body)
 
 
-TASKS: dict[str, type[SyntheticTask]] = {t.name: t for t in (RepeatDigit, CountUp, AddMod10, CopySequence)}
+class ToolMultiply(SyntheticTask):
+    """Prompt `BOS a1 a2 TIMES b1 b2 EOS` with a, b in 10..99: answer the digits of a * b.
+
+    Made for the `calculator` environment (`env.name=calculator`): the model may call the tool,
+    `CALL a1 a2 TIMES b1 b2 END_CALL`, read `RESULT digits END_RESULT` and copy them. Alone (one
+    turn, `data.reward=synthetic`) the model must multiply on its own; the score is the one the
+    environment gives a final answer with ``partial=0.5``: 1.0 for the exact digits (up to the first
+    EOS), else half the share of positions right.
+    """
+
+    name = "tool_multiply"
+    min_vocab = MIN_TOOL_VOCAB
+
+    def make_one(self, rng: random.Random) -> Prompt:
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        ids = (BOS, *_digit_tokens(a), TIMES, *_digit_tokens(b), EOS)
+        return Prompt(ids, tuple(_digit_tokens(a * b)), self.name)
+
+    def score(self, prompt: Prompt, response: Sequence[int]) -> float:
+        return answer_score(prompt.answer, response, partial=0.5)
+
+
+def _digit_tokens(n: int) -> list[int]:
+    return [digit_token(int(c)) for c in str(n)]
+
+
+TASKS: dict[str, type[SyntheticTask]] = {
+    t.name: t for t in (RepeatDigit, CountUp, AddMod10, CopySequence, ToolMultiply)
+}
 
 
 def get_task(name: str) -> SyntheticTask:
     if name not in TASKS:
         raise UserError(f"data.task=synthetic:{name} is unknown; synthetic tasks: {', '.join(sorted(TASKS))}")
     return TASKS[name]()
+
+
+def check_task_vocab(name: str, vocab_size: int) -> None:
+    """A clear error when `data.task=synthetic:<name>` needs more token ids than the model has."""
+    need = get_task(name).min_vocab
+    if vocab_size < need:
+        raise UserError(
+            f"model.vocab_size={vocab_size} is too small for data.task=synthetic:{name}: its token "
+            f"layout needs at least {need} ids"
+        )

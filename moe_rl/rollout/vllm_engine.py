@@ -86,6 +86,7 @@ class VLLMEngine:
         return_sampling_mask: bool = False,
         in_process: bool = False,
         initial_version: int = 0,
+        enable_prefix_caching: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.model_path = Path(model_path)
@@ -97,6 +98,7 @@ class VLLMEngine:
         self.return_sampling_mask = return_sampling_mask
         self.dtype = dtype or ("float32" if self.device == "cpu" else "bfloat16")
         self.max_model_len = max_model_len
+        self.prefix_caching = enable_prefix_caching
         self.in_process = in_process
         if self.in_process and torch.distributed.is_initialized():
             raise ValueError(
@@ -117,6 +119,10 @@ class VLLMEngine:
             "enforce_eager": enforce_eager,
             "tensor_parallel_size": tensor_parallel_size,
             "logprobs_mode": "processed_logprobs",
+            # Multi-turn rollouts send each turn's whole context again: cached prefix blocks save
+            # recomputing it. Off otherwise (explicitly: vLLM's own default is on for GPUs). The
+            # cache is emptied at every weight update (`_weights_changed`).
+            "enable_prefix_caching": enable_prefix_caching,
             "worker_extension_cls": WORKER_EXTENSION,
             "disable_log_stats": True,
             **self._cuda_kwargs(),
@@ -152,6 +158,7 @@ class VLLMEngine:
             tensor_parallel_size=r.tensor_parallel_size,
             return_routing=r.return_routing and caps.routing,
             return_sampling_mask=r.return_sampling_mask and caps.sampling_mask,
+            enable_prefix_caching=config.env.name is not None,
         )
 
     # ---- protocol ------------------------------------------------------------------------------
@@ -246,7 +253,13 @@ class VLLMEngine:
         if self.device != "cuda":
             self._llm.llm_engine.set_weight_version(str(int(version)))
         self._version, self._incoming = int(version), None
+        self._weights_changed()
         return dict(self._sync_stats)
+
+    def _weights_changed(self) -> None:
+        """Cached prefix blocks hold keys and values of the old weights: drop them."""
+        if self.prefix_caching and not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
@@ -262,6 +275,7 @@ class VLLMEngine:
             stats = self._sync_reload(llm, named_tensors)
             llm.llm_engine.set_weight_version(str(int(version)))
         self._version = int(version)
+        self._weights_changed()
         stats["seconds"] = time.perf_counter() - start
         logger.info(
             "weights v%d synced into vLLM: %d tensors, %.1f MB in %.3f s",

@@ -10,7 +10,7 @@ starts, and `moe_rl.validation` calls the same functions before anything loads, 
 
 from __future__ import annotations
 
-from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.schema import RecipeConfig, max_response_tokens
 from moe_rl.megatron.rules import (
     data_parallel_size,
     divisible,
@@ -23,7 +23,7 @@ from moe_rl.validation import Rule, first_broken
 
 def longest_sequence(config: RecipeConfig) -> int:
     """The longest sequence a rollout can produce (prompt + response)."""
-    return config.data.max_prompt_len + config.rollout.max_new_tokens
+    return config.data.max_prompt_len + max_response_tokens(config)
 
 
 def _batch_rules(config: RecipeConfig) -> list[Rule]:
@@ -34,7 +34,8 @@ def _batch_rules(config: RecipeConfig) -> list[Rule]:
                    f"trainer.num_mini_batches*DP (trainer.num_mini_batches={t.num_mini_batches}, data-parallel size {dp})"),
         Rule("micro-batch holds a sequence", t.max_tokens_per_microbatch >= longest_sequence(config),
              f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}, longest sequence "
-             f"{longest_sequence(config)} (data.max_prompt_len + rollout.max_new_tokens)"),
+             f"{longest_sequence(config)} (data.max_prompt_len + "
+             f"{'env.max_tokens' if config.env.name else 'rollout.max_new_tokens'})"),
     ]  # fmt: skip
     if cp > 1:
         chunks = 2 * cp * (p.tensor_model_parallel_size if p.sequence_parallel else 1)

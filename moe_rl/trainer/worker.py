@@ -53,7 +53,7 @@ from moe_rl.algo import registry
 from moe_rl.algo.advantages import zvp_shape
 from moe_rl.algo.aggregate import local_denominator
 from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
-from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.schema import RecipeConfig, max_sampled_tokens
 from moe_rl.data.packing import RankShare, plan_shards
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import check_process_device
@@ -96,7 +96,7 @@ def recipe_objective(config: RecipeConfig):
     objective = "reinforce" if config.algo.objective == "dgo" else config.algo.objective
     return registry.bind_objective(
         objective, _objective_params(config), aggregation=config.algo.aggregation,
-        norm_len=config.rollout.max_new_tokens,
+        norm_len=max_sampled_tokens(config),
     )  # fmt: skip
 
 
@@ -147,9 +147,7 @@ class TrainerWorker:
         self.objective = recipe_objective(config)
         self.corrections = registry.bind_corrections(_correction_params(config))
         self.kl_loss = (
-            registry.bind_kl_loss(
-                kl.estimator, kl.coef, config.algo.aggregation, config.rollout.max_new_tokens
-            )
+            registry.bind_kl_loss(kl.estimator, kl.coef, config.algo.aggregation, max_sampled_tokens(config))
             if kl.coef > 0
             else None
         )
