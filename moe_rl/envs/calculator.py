@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from moe_rl.envs.base import Environment, StepResult
 from moe_rl.errors import EnvError
 from moe_rl.rewards.tasks import (
+    BOS,
     CALL,
     DIGIT0,
     END_CALL,
+    EOS,
     END_RESULT,
     ERROR,
     LPAREN,
@@ -218,8 +220,11 @@ class CalculatorEnv(Environment):
 
     * answer score: the turn up to its first EOS against the prompt's answer, 1.0 when equal, else
       ``partial`` times the share of positions right over the longer of the two (`answer_score`);
-    * call bonus: ``call_bonus`` when some tool call of the episode evaluated to the answer's value
-      (given once, with the final answer; an episode cut off before answering gets no reward).
+    * call bonus: ``call_bonus`` times the best call score of the episode (given once, with the
+      final answer; an episode cut off before answering gets no reward). A call scores 1.0 when it
+      evaluated to the answer's value, else ``partial`` times the share of positions where it
+      matches the prompt's own expression (the tokens between BOS and EOS, when they are one), so
+      that a model learning to delegate is paid for each step towards the right call.
 
     With ``open_call`` the context starts with a tool call already opened (``reset`` appends CALL
     to the prompt), so the first turn is the body of a call: ending it with END_CALL calls the tool
@@ -245,7 +250,6 @@ class CalculatorEnv(Environment):
         self.in_call = False
         self.answer: tuple[int, ...] = ()
         self.target: int | None = None
-        self.called_target = False
 
     def reset(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt.answer, str):
@@ -258,7 +262,8 @@ class CalculatorEnv(Environment):
             self.target = evaluate(tokens_to_expr(self.answer))
         except CalculatorError:
             self.target = None  # an answer that is no number: no call can earn the bonus
-        self.called_target = False
+        self.call_score = 0.0
+        self.expression = _prompt_expression(prompt.ids)
         self.in_call = self.open_call
         return [*prompt.ids, CALL] if self.open_call else list(prompt.ids)
 
@@ -267,18 +272,29 @@ class CalculatorEnv(Environment):
         if turn and turn[-1] == END_CALL and (opened or CALL in turn):
             start = len(turn) - 1 - turn[::-1].index(CALL) if CALL in turn else -1
             return self._call(turn[start + 1 : -1])
-        reward = answer_score(self.answer, turn, self.partial)
-        if self.called_target:
-            reward += self.call_bonus
+        reward = answer_score(self.answer, turn, self.partial) + self.call_bonus * self.call_score
         return StepResult([], reward=reward, done=True)
 
     def _call(self, expression: list[int]) -> StepResult:
+        if self.expression is not None:
+            self.call_score = max(self.call_score, answer_score(self.expression, expression, self.partial))
         try:
             value = evaluate(tokens_to_expr(expression))
         except CalculatorError:
             return StepResult([RESULT, ERROR, END_RESULT], tool_calls=1, tool_errors=1)
-        self.called_target = self.called_target or value == self.target
+        if value == self.target:
+            self.call_score = 1.0
         return StepResult([RESULT, *int_to_tokens(value), END_RESULT], tool_calls=1)
+
+
+def _prompt_expression(ids: Sequence[int]) -> tuple[int, ...] | None:
+    """The expression a prompt asks about: its tokens between BOS and EOS, when they evaluate."""
+    body = [t for t in ids if t not in (BOS, EOS)]
+    try:
+        evaluate(tokens_to_expr(body))
+    except CalculatorError:
+        return None
+    return tuple(body)
 
 
 def _is_real(x: object) -> bool:

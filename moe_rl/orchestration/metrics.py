@@ -17,6 +17,8 @@ log = logging.getLogger("moe_rl.metrics")
 SUMMARY_KEYS = (
     ("reward/mean", "reward {:.3f}"),
     ("response/length_mean", "len {:.1f}"),
+    ("env/turns_per_trajectory", "turns {:.2f}"),  # multi-turn runs only
+    ("env/tool_calls_per_trajectory", "calls {:.2f}"),
     ("old/kl_k3", "kl {:.2e}"),
     ("train/icepop_masked_frac", "icepop {:.2%}"),
     ("old/routing_agreement", "route {:.3f}"),

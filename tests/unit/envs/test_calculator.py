@@ -182,14 +182,20 @@ def test_episode_call_then_right_answer():
     assert (final.observation, final.reward, final.done, final.tool_calls) == ([], 1.0, True, 0)
 
 
-def test_call_bonus_once_when_a_call_found_the_answer():
+def test_call_bonus_once_for_the_best_call_of_the_episode():
     env = CalculatorEnv(call_bonus=0.25)
     env.reset(multiply_prompt())
     env.step(call(*digits(34), TIMES, *digits(12)))  # any expression of the right value
     env.step(call(*digits(408)))
     assert env.step([*digits(408), EOS]).reward == 1.25
     env.reset(multiply_prompt())  # a new episode forgets the old calls
-    env.step(call(*digits(12), PLUS, *digits(34)))
+    env.step(call(*digits(12), PLUS, *digits(34)))  # 4 of the prompt's 5 expression tokens in place
+    assert env.step([*digits(408), EOS]).reward == pytest.approx(1.0 + 0.25 * 0.5 * 4 / 5)
+    env.reset(multiply_prompt())
+    env.step(call(*digits(99)))  # a valid call with nothing of the prompt's expression
+    assert env.step([*digits(408), EOS]).reward == 1.0
+    env.reset(multiply_prompt())
+    env.step(call(PLUS, PLUS))  # a tool error still earns what it matched: nothing here
     assert env.step([*digits(408), EOS]).reward == 1.0
     env.reset(multiply_prompt())
     env.step(call(*digits(408)))
