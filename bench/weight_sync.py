@@ -6,16 +6,30 @@ without; most of it is FP8 decoding, which on CPU runs at ~0.2 GB/s: torch conve
 one element at a time there).
 
 Two copies are the least a sync can do (the sender writes the bucket, each receiver reads it into its
-weights), so on a machine whose raw copy is bound by memory bandwidth, ~50 % of the raw copy is the
-ceiling of a one-receiver sync.
+weights). On a 2-core CPU machine a copy is bound by the core that runs it, not by memory bandwidth:
+torch's ``copy_`` of flat uint8 runs at ~10 GB/s on one thread and ~20 GB/s on two (the raw copy
+below), and two single-thread copies in two processes run side by side at nearly their speed alone.
+So a one-receiver sync, whose sender and receiver each copy every byte on one core at the same time,
+is bound by about one core's copy rate: ~50 % of the two-thread raw copy, somewhat more because its
+copies are cheaper per byte (the sender's ``memmove``, ~12 GB/s; the receiver's bf16 ``copy_``, ~12.8
+GB/s) and less by the pipeline's fill and drain (one bucket part each) and per-part calls. Measured
+with other load on the machine (load average 4-10), the one-receiver ``shm`` sync reached 38-45 % of
+the raw copy at 64 / 256 MB buckets (the paired ratios vary by several points from run to run). Two
+receivers add a third copy on the same two cores.
 
 * Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
   `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to
-  every receiver, then waits for the previous bucket's deliveries (at most two buckets in flight).
+  every receiver, then waits for the previous bucket's deliveries (at most two buckets in flight). It
+  copies tensors into a bucket on one thread (`weight_sync.wire.copy_into`), leaving the other core to
+  the receivers. Ray starts its workers at nice 15 and the driver runs at nice 0, so the bench starts
+  the receivers at nice 0 (``RAY_worker_niceness``; in the runtime sender and engines are all actors,
+  at one priority): otherwise any other load on the machine starves the receivers, not the baseline.
 * Transports (column ``via``): ``shm``, the sender's two shared-memory slots (what the runtime uses
-  when every engine is on the trainer rank's node: the bucket is written once into a slot, receivers
-  read it in place) and ``store``, Ray's object store (across nodes: the bucket is packed, then
-  ``ray.put`` copies it into the store).
+  when every engine is on the trainer rank's node: the bucket is written once into a slot, in parts
+  of up to 128 MB (`weight_sync.buckets.PART_BYTES`) that are handed to the receivers as each is
+  written, so they read a bucket's start while the sender writes the rest; receivers read it in place)
+  and ``store``, Ray's object store (across nodes: the bucket is packed, then ``ray.put`` copies it
+  into the store).
 * Receivers: 1 or 2 Ray actors (``--recv-threads`` torch threads each, default 1) that, like an engine,
   decode each bucket (`moe_rl.weight_sync.receiver.decoded`) and copy every tensor into a preallocated,
   pre-touched tensor of the state, so the bytes really land in receiver memory.
@@ -227,6 +241,9 @@ class Receiver:
         self.flat: torch.Tensor | None = None
         self.loaded: list[str] = []
         self.sampler: PeakSampler | None = None
+
+    def niceness(self) -> int:
+        return os.nice(0)
 
     def allocate(self, spec: list[tuple[str, tuple[int, ...], str]]) -> int:
         """Preallocate (and touch) the state: ``[(name, shape, dtype name)]``; returns its bytes."""
@@ -590,6 +607,10 @@ def main() -> None:
     from moe_rl.orchestration.actors import RAY_ENV
 
     os.environ.update(RAY_ENV)  # the runtime's Ray settings (released buckets freed every 50 ms)
+    # Ray starts its workers at nice 15. In the runtime sender and receivers are all Ray actors (one
+    # priority); here the sender and the raw copy run in the driver (nice 0): the receivers run at its
+    # priority too, or any other load on the node starves them and not the baseline.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     init: dict = {"num_cpus": 4, "include_dashboard": False}
     if args.free_objects_ms is not None:
         init["_system_config"] = {"free_objects_period_milliseconds": args.free_objects_ms}
@@ -610,8 +631,9 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     free = args.free_objects_ms if args.free_objects_ms is not None else "Ray's default (1000)"
     print(f"CPU: {os.cpu_count()} cores, load average {load}; sender = the Ray driver (torch threads "
-          f"{torch.get_num_threads()}); 2 receiver actors ({args.recv_threads} torch thread(s) each); "
-          f"free_objects_period_milliseconds {free}")  # fmt: skip
+          f"{torch.get_num_threads()}); 2 receiver actors ({args.recv_threads} torch thread(s) each, nice "
+          f"{ray.get(receivers[0].niceness.remote())}, driver {os.nice(0)}); free_objects_period_milliseconds "
+          f"{free}")  # fmt: skip
     print(f"timed: median of {repeat} passes after one untimed memory pass; each pass followed by the raw "
           f"copy and the raw Ray transfer of the same bytes (paired ratios)")  # fmt: skip
 
@@ -682,7 +704,8 @@ def report(rows: list[Row], sizes: dict) -> None:
     print("\nsync: GB/s = bytes moved / median seconds. Baselines on the same bytes, run right after each "
           "timed pass: copy = dst.copy_(src) of flat uint8 in the driver; ray = one ray.put + every receiver "
           "copies it into a preallocated flat tensor; %copy, %ray = median of the per-pass ratios. via: shm = "
-          "the sender's two shared-memory slots, store = Ray's object store")  # fmt: skip
+          "the sender's two shared-memory slots (buckets handed over in parts), store = Ray's object store; "
+          "bkts counts buckets, not parts")  # fmt: skip
     print(f"  {'state':9s} {'recipe':12s} {'mode':9s} {'via':5s} {'bucket':>6s} {'recv':>4s} {'bkts':>4s} "
           f"{'MB moved':>9s} {'s':>7s} {'GB/s':>6s} {'copy':>6s} {'ray':>6s} {'%copy':>6s} {'%ray':>6s} "
           f"{'sender+MB':>9s} {'slots MB':>8s} {'store MB':>8s} {'recv RSS':>8s} {'(shm)':>7s} {'recv+MB':>7s}")  # fmt: skip

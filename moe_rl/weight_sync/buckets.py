@@ -25,6 +25,11 @@ from torch import Tensor
 from moe_rl.weight_sync.shm import SharedSlots, SlotRef, read_slot
 from moe_rl.weight_sync.wire import LazyGroup, Piece
 
+PART_BYTES = 128 << 20
+"""Default size of the parts a bucket in a shared slot travels in (`BucketPacker`): small enough
+that receivers start early, large enough that a part's delivery (one call per receiver) costs little
+next to reading it."""
+
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -52,7 +57,9 @@ class Entry:
 
 @dataclass
 class Bucket:
-    """Tensors in one flat buffer, ready to publish; `tensors` gives them back as views."""
+    """Tensors in one flat buffer, ready to publish; `tensors` gives them back as views. A bucket in
+    a shared slot may travel in parts (consecutive groups of it, see `BucketPacker`): each part is a
+    `Bucket` of its own (its entries, the slot's byte range), with the bucket's ``index``."""
 
     entries: list[Entry]
     buffer: np.ndarray | None
@@ -63,6 +70,10 @@ class Bucket:
     """Trainer rank that sent it."""
     slot: SlotRef | None = None
     """The shared-memory slot holding the bytes; then only the entries and this travel."""
+    part: int = 0
+    """Position of this part in its bucket (0 for a bucket that travels whole)."""
+    last: bool = True
+    """Whether this is the bucket's last part (always, for a bucket that travels whole)."""
 
     @property
     def nbytes(self) -> int:
@@ -110,12 +121,23 @@ class BucketPacker:
       bucket is requested: publish it (``ray.put`` copies it) or `detach` it before asking for the next;
     * with ``slots`` (`shm.SharedSlots`): bucket ``i`` goes to slot ``i % num_slots``, valid until the
       packer comes back to that slot; the caller makes sure receivers are done with it by then.
+      Such a bucket is yielded in parts of about ``part_bytes`` (whole groups; the last part is
+      marked ``last``), each as soon as it is written, so receivers read the start of a bucket while
+      the sender still writes the rest of it (a pipeline of parts, not of whole buckets). A part
+      adds no memory: it is a byte range of the bucket's slot.
     """
 
-    def __init__(self, capacity: int, sender: int = 0, slots: SharedSlots | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        sender: int = 0,
+        slots: SharedSlots | None = None,
+        part_bytes: int | None = None,
+    ):
         if capacity <= 0:
             raise ValueError(f"bucket capacity={capacity} bytes must be > 0")
         self.capacity, self.sender, self.slots = capacity, sender, slots
+        self.part_bytes = None if slots is None else min(capacity, part_bytes or PART_BYTES)
         self.buffer = np.empty(0, dtype=np.uint8)
 
     def _target(self, index: int, size: int) -> tuple[np.ndarray, str | None]:
@@ -127,33 +149,50 @@ class BucketPacker:
         return self.buffer, None
 
     def pack(self, groups: Iterator[LazyGroup | Sequence[tuple[str, Tensor, dict]]]) -> Iterator[Bucket]:
-        """Buckets of ``groups``: lists of ``(name, tensor, meta)`` (copied in) or `wire.LazyGroup`
-        (written in place, e.g. quantized straight into the bucket)."""
+        """Buckets (or parts of buckets, see the class) of ``groups``: lists of ``(name, tensor,
+        meta)`` (copied in) or `wire.LazyGroup` (written in place, e.g. quantized straight into the
+        bucket). A part is yielded when the next group is known to go into the same bucket, so the
+        last part of a bucket is never empty."""
         entries: list[Entry] = []
-        used = count = 0
+        used = start = count = part = 0
         target, path = None, None
         for group in groups:
             lazy = group if isinstance(group, LazyGroup) else LazyGroup.of(group)
             size = lazy.nbytes
             if entries and used + size > self.capacity:
-                yield self._bucket(entries, target, path, used, count)
-                entries, used, count, target = [], 0, count + 1, None
+                yield self._bucket(entries, target, path, start, used, count, part, last=True)
+                entries, used, start, count, part, target = [], 0, 0, count + 1, 0, None
+            elif entries and self.part_bytes is not None and used - start >= self.part_bytes:
+                yield self._bucket(entries, target, path, start, used, count, part, last=False)
+                entries, start, part = [], used, part + 1
             if target is None or used + size > target.nbytes:  # a new bucket, or an oversized group
                 target, path = self._target(count, size)
             views = []
             for piece in lazy.pieces:
-                entries.append(_entry(piece, used))
-                views.append(_view(target, entries[-1], piece.dtype))
+                entry = _entry(piece, used)
+                entries.append(_entry(piece, used - start))
+                views.append(_view(target, entry, piece.dtype))
                 used += piece.nbytes
             lazy.fill(views)
         if entries:
-            yield self._bucket(entries, target, path, used, count)
+            yield self._bucket(entries, target, path, start, used, count, part, last=True)
 
     def _bucket(
-        self, entries: list[Entry], target: np.ndarray, path: str | None, used: int, index: int
+        self,
+        entries: list[Entry],
+        target: np.ndarray,
+        path: str | None,
+        start: int,
+        end: int,
+        index: int,
+        part: int,
+        last: bool,
     ) -> Bucket:
-        slot = SlotRef(path, used) if path is not None else None
-        return Bucket(entries, target[:used], index=index, sender=self.sender, slot=slot)
+        """Bytes ``start:end`` of ``target``, whose entries' offsets count from ``start``."""
+        slot = SlotRef(path, end - start, start) if path is not None else None
+        return Bucket(
+            entries, target[start:end], index=index, sender=self.sender, slot=slot, part=part, last=last
+        )
 
 
 def pack_buckets(
@@ -179,4 +218,6 @@ def _view(buffer: np.ndarray, entry: Entry, dtype: torch.dtype) -> Tensor:
 
 def detach(bucket: Bucket) -> Bucket:
     """``bucket`` with its own copy of the bytes (to keep it past the next one)."""
-    return Bucket(bucket.entries, bucket.data.copy(), bucket.index, bucket.sender)
+    return Bucket(
+        bucket.entries, bucket.data.copy(), bucket.index, bucket.sender, part=bucket.part, last=bucket.last
+    )

@@ -82,24 +82,35 @@ def publish(
     handed to all receivers, then the deliveries of bucket ``i - 1`` are awaited, so the packer's
     buffer (or shared slot) of bucket ``i - 1`` is free again when bucket ``i + 1`` is packed.
 
+    A bucket that travels in parts (`buckets.BucketPacker` with shared slots) is handed over part
+    by part as each is written; the deliveries of bucket ``i - 1`` are awaited after the last part
+    of bucket ``i``, so receivers work through their queue of parts while the sender writes ahead.
+
     ``receivers`` maps a receiver's index to a function that starts its delivery (a Ray call
     returning an object reference). A bucket in a shared slot travels as itself (entries and the
     slot's name); any other bucket is put in Ray's object store once, for all receivers.
     """
     import ray
 
-    out, alive, in_flight = Published(), dict(receivers), []
+    out, alive = Published(), dict(receivers)
+    in_flight: list[tuple[int, Any]] = []  # deliveries of the previous bucket
+    current: list[tuple[int, Any]] = []  # deliveries of this bucket's parts so far
+    size = 0
     for bucket in buckets:
         message = bucket if bucket.slot is not None else ray.put(bucket)
-        next_flight = [(i, deliver(message)) for i, deliver in alive.items()]
+        current += [(i, deliver(message)) for i, deliver in alive.items()]
+        out.bytes += bucket.nbytes
+        size += bucket.nbytes
+        if not bucket.last:
+            continue
         out.dead |= _settle(in_flight, timeout_s)
-        in_flight = next_flight
+        in_flight, current = current, []
         for i in out.dead:
             alive.pop(i, None)
-        out.bytes += bucket.nbytes
         out.buckets += 1
-        out.largest = max(out.largest, bucket.nbytes)
-    out.dead |= _settle(in_flight, timeout_s)
+        out.largest = max(out.largest, size)
+        size = 0
+    out.dead |= _settle(in_flight + current, timeout_s)
     return out
 
 

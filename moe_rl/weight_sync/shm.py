@@ -2,10 +2,11 @@
 
 When every receiver runs on the sender's node, the sender packs each bucket straight into one of
 two shared-memory slots (files in ``/dev/shm``, or the temporary folder when ``/dev/shm`` is too
-small) that it keeps from sync to sync, and sends the receivers only the slot's name and length;
-each receiver maps the slot once and reads the bucket in place. So a bucket's bytes are written once
-by the sender and read once by every receiver, into pages that stay mapped in both: no copy into an
-object store, no page faults on fresh allocations.
+small) that it keeps from sync to sync, and sends the receivers only the slot's name and the byte
+range written (a bucket goes out in parts, each as soon as it is written, see
+`moe_rl.weight_sync.buckets.BucketPacker`); each receiver maps the slot once and reads the bytes in
+place. So a bucket's bytes are written once by the sender and read once by every receiver, into
+pages that stay mapped in both: no copy into an object store, no page faults on fresh allocations.
 
 A slot is reused two buckets later, after every receiver has returned from that bucket (the sender
 waits for the deliveries of bucket ``i - 1`` before it packs bucket ``i + 1``), so a receiver must
@@ -38,10 +39,11 @@ of the same name (now removed) must not mistake it for the new one."""
 
 @dataclass(frozen=True)
 class SlotRef:
-    """Where a bucket's bytes are: the first ``nbytes`` of the slot file ``path``."""
+    """Where a bucket's (or a part's) bytes are: ``nbytes`` from ``offset`` in the slot file ``path``."""
 
     path: str
     nbytes: int
+    offset: int = 0
 
 
 def slot_dir(nbytes: int) -> Path:
@@ -155,9 +157,11 @@ def read_slot(ref: SlotRef) -> np.ndarray:
                 "receiver read the bucket"
             ) from exc
         _MAPPED[ref.path] = array
-    if ref.nbytes > array.nbytes:
-        raise RuntimeError(f"weight-sync slot {ref.path} holds {array.nbytes} bytes, the bucket {ref.nbytes}")
-    return array[: ref.nbytes]
+    if ref.offset + ref.nbytes > array.nbytes:
+        raise RuntimeError(
+            f"weight-sync slot {ref.path} holds {array.nbytes} bytes, the bucket ends at {ref.offset + ref.nbytes}"
+        )
+    return array[ref.offset : ref.offset + ref.nbytes]
 
 
 def _forget_replaced(path: str) -> None:

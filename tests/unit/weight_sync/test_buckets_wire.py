@@ -140,3 +140,18 @@ def test_torch_fp8_block_out_must_fit():
     weight = torch.randn(8, 8)
     with pytest.raises(ValueError, match="out= must be float8_e4m3fn"):
         torch_fp8_block(weight, 4, out=(torch.empty(8, 8, dtype=torch.float8_e4m3fn), torch.empty(3, 2)))
+
+
+def test_copy_into_copies_bytes_of_any_layout():
+    from moe_rl.weight_sync.wire import copy_into
+
+    src = torch.randn(6, 8).bfloat16()
+    out = torch.empty(6, 8, dtype=torch.bfloat16)
+    copy_into(out, src)  # contiguous, one dtype: a byte copy
+    assert torch.equal(out, src)
+    out = torch.empty(8, 6, dtype=torch.bfloat16)
+    copy_into(out, src.t())  # a transposed view: torch's copy
+    assert torch.equal(out, src.t())
+    out32 = torch.empty(6, 8)
+    copy_into(out32, src)  # another dtype: torch's cast
+    assert torch.equal(out32, src.float())

@@ -108,3 +108,51 @@ def test_a_new_sender_never_reuses_a_file_name_a_receiver_may_have_mapped(tmp_pa
     assert again.slot.path != bucket.slot.path
     assert torch.equal(_received(again)["w"], torch.full((4,), 7.0))
     second.close()
+
+
+def test_a_bucket_in_a_slot_travels_in_parts_of_whole_groups(slots):
+    packer = BucketPacker(64, slots=slots, part_bytes=24)
+    groups = _groups([4, 4, 4, 2, 12])  # 16 B, 16 B, 16 B, 8 B, 48 B: buckets of 56 B and 48 B
+    parts = list(packer.pack(iter(groups)))
+    assert [(p.index, p.part, p.last) for p in parts] == [(0, 0, False), (0, 1, True), (1, 0, True)]
+    assert [[e.name for e in p.entries] for p in parts] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert [(p.slot.offset, p.slot.nbytes) for p in parts] == [(0, 32), (32, 24), (0, 48)]
+    assert parts[0].slot.path == parts[1].slot.path != parts[2].slot.path
+    got = {}
+    for part in parts:
+        assert part.entries[0].offset == 0  # offsets count from the part's first byte
+        got |= _received(part)
+    for ((name, tensor, _),) in groups:
+        assert torch.equal(got[name], tensor)
+
+
+def test_a_bucket_without_slots_travels_whole():
+    packer = BucketPacker(64, part_bytes=8)
+    parts = [(b.index, b.part, b.last, b.nbytes) for b in packer.pack(iter(_groups([4, 4, 4, 4, 2])))]
+    assert parts == [(0, 0, True, 64), (1, 0, True, 8)]
+
+
+def test_publish_frees_a_slot_only_after_every_part_of_its_bucket_was_delivered(slots, monkeypatch):
+    from moe_rl.weight_sync import sender
+
+    events: list = []
+    monkeypatch.setattr(
+        sender,
+        "_settle",
+        lambda flight, timeout: events.append(("settle", [ref for _, ref in flight])) or set(),
+    )
+    packer = BucketPacker(32, slots=slots, part_bytes=16)
+
+    def deliver(bucket):
+        events.append(("deliver", (bucket.index, bucket.part)))
+        return (bucket.index, bucket.part)
+
+    out = sender.publish(packer.pack(iter(_groups([4, 4, 4, 4, 4, 4, 4]))), {0: deliver}, 1.0)
+    assert (out.buckets, out.bytes, out.largest) == (4, 112, 32)
+    assert events == [
+        ("deliver", (0, 0)), ("deliver", (0, 1)), ("settle", []),
+        ("deliver", (1, 0)), ("deliver", (1, 1)), ("settle", [(0, 0), (0, 1)]),  # before bucket 2 reuses slot 0
+        ("deliver", (2, 0)), ("deliver", (2, 1)), ("settle", [(1, 0), (1, 1)]),
+        ("deliver", (3, 0)), ("settle", [(2, 0), (2, 1)]),
+        ("settle", [(3, 0)]),
+    ]  # fmt: skip
