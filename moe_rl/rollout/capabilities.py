@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from moe_rl.config.schema import QuantConfig, RecipeConfig
+from moe_rl.config.schema import QuantConfig, RecipeConfig, max_response_tokens
 from moe_rl.device import Machine, resolve_device
 from moe_rl.rollout.engine import EngineCapabilities
 
@@ -135,6 +135,7 @@ def check_recipe(config: RecipeConfig, machine: Machine | None = None) -> Engine
             raise ValueError(
                 f"{where}: model.num_attention_heads={heads} is not divisible by rollout.tensor_parallel_size={tp}"
             )
+        _check_vllm_context(config, where)
     if engine == "vllm" and device == "cpu":
         _check_vllm_cpu_model(config)
     _warn_unused_requests(config, caps, where)
@@ -178,6 +179,18 @@ def _check_quant(quant: QuantConfig, caps: EngineCapabilities, where: str, machi
                 f"{machine.capability}: vLLM's NVFP4 kernels need {NVFP4_MIN_CAPABILITY} (Blackwell); "
                 "alternatives: rollout.engine=megatron (ModelOpt NVFP4 fake quantization), rollout.quant=fp8_block128"
             )
+
+
+def _check_vllm_context(config: RecipeConfig, where: str) -> None:
+    """vLLM refuses a request whose prompt plus new tokens exceed its ``max_model_len``: the longest
+    sequence the recipe can produce must fit, or the run would stop at its first long prompt."""
+    response = "env.max_tokens" if config.env.name else "rollout.max_new_tokens"
+    longest = config.data.max_prompt_len + max_response_tokens(config)
+    if longest > config.rollout.max_model_len:
+        raise ValueError(
+            f"{where}: data.max_prompt_len + {response} = {longest} exceeds rollout.max_model_len="
+            f"{config.rollout.max_model_len} (vLLM's context); raise rollout.max_model_len or shorten them"
+        )
 
 
 def _check_vllm_cpu_model(config: RecipeConfig) -> None:

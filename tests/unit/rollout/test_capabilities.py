@@ -127,6 +127,28 @@ def test_vllm_cpu_refuses_head_sizes_its_attention_backend_lacks():
         check_recipe(config, CPU)
 
 
+@pytest.mark.parametrize("machine", [CPU, H100])
+def test_vllm_context_must_hold_the_longest_sequence(machine: Machine):
+    config = recipe()
+    config.rollout.max_model_len = config.data.max_prompt_len + config.rollout.max_new_tokens
+    check_recipe(config, machine)
+    config.rollout.max_model_len -= 1
+    with pytest.raises(
+        ValueError,
+        match=r"data.max_prompt_len \+ rollout.max_new_tokens = 80 exceeds rollout.max_model_len=79",
+    ):
+        check_recipe(config, machine)
+    config.env.name, config.rollout.max_model_len = (
+        "calculator",
+        200,
+    )  # multi-turn: the response budget counts
+    config.env.max_tokens = 200 - config.data.max_prompt_len + 1
+    with pytest.raises(ValueError, match="data.max_prompt_len \\+ env.max_tokens = 201 exceeds"):
+        check_recipe(config, machine)
+    config.rollout.engine = "megatron"  # its context is the model's, checked with the recipe
+    check_recipe(config, machine)
+
+
 def test_return_requests_an_engine_cannot_serve_are_logged_not_fatal(caplog: pytest.LogCaptureFixture):
     config = recipe()
     config.rollout.return_routing = True
