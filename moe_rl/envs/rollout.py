@@ -46,10 +46,12 @@ TURN_SEED_STRIDE = 104_729
 
 @dataclass(frozen=True)
 class TurnLimits:
-    """How long a trajectory may run (`env.max_turns`, `env.max_tokens`)."""
+    """How long a trajectory may run (`env.max_turns`, `env.max_tokens`), and the longest first
+    context (`data.max_prompt_len`: the engines and the trainer are sized for it)."""
 
     max_turns: int
     max_tokens: int
+    max_prompt_len: int
 
 
 @dataclass
@@ -180,10 +182,14 @@ class MultiTurnRollout:
         episodes = []
         for i, (env, context) in enumerate(zip(envs, contexts, strict=True)):
             ids = [int(t) for t in context]
-            if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+            where = f"env {self.env_name}: reset returned a context of {len(ids)} tokens (trajectory {i})"
+            if not ids or len(ids) > self.limits.max_prompt_len:
                 raise EnvError(
-                    f"env {self.env_name}: reset returned a context of {len(ids)} tokens with ids outside "
-                    f"[0, {self.vocab_size}) (trajectory {i}): {ids[:16]}; expected a non-empty prompt"
+                    f"{where}; expected 1 to data.max_prompt_len={self.limits.max_prompt_len} tokens"
+                )
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise EnvError(
+                    f"{where} with ids outside [0, {self.vocab_size}) (model.vocab_size): {ids[:16]}"
                 )
             episodes.append(_Episode(env, int(groups[i // n]), ids, list(ids)))
         return episodes, time.perf_counter() - start
@@ -290,6 +296,6 @@ def rollouts_for(config: Any, engine: Any) -> SingleTurn | MultiTurnRollout:
     from moe_rl.envs.base import build_env_factory
 
     return MultiTurnRollout(
-        engine, build_env_factory(env.name, dict(env.kwargs)), TurnLimits(env.max_turns, env.max_tokens),
-        config.model.vocab_size, env.name,
+        engine, build_env_factory(env.name, dict(env.kwargs)),
+        TurnLimits(env.max_turns, env.max_tokens, config.data.max_prompt_len), config.model.vocab_size, env.name,
     )  # fmt: skip
