@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 import torch
 
+from moe_rl.data import ragged
 from moe_rl.data.routing import compact_routing
 from moe_rl.data.trajectory import FINISH_REASONS, Sample, TrajectoryBatch
 
@@ -145,7 +146,7 @@ def _environment_stretch(rng: np.random.Generator, sample: Sample) -> None:
         rows = [sample.sampling_mask_ids[int(a) : int(b)] for a, b in itertools.pairwise(offsets)]
         rows[start:stop] = [sample.sampling_mask_ids[:0]] * (stop - start)
         sample.sampling_mask_ids = torch.cat(rows)
-        sample.sampling_mask_offsets[1:] = torch.cumsum(torch.tensor([r.numel() for r in rows]), 0)
+        sample.sampling_mask_offsets = ragged.offsets_from_lengths(torch.tensor([r.numel() for r in rows]))
 
 
 def _random_spans(rng: np.random.Generator, response_len: int) -> list[tuple[int, int]]:

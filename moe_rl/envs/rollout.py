@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moe_rl.data import ragged
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.envs.base import Environment, StepResult, check_step_result
 from moe_rl.errors import EnvError
@@ -123,10 +124,8 @@ class _Episode:
             sampled=torch.cat(self.sampled),
         )
         if self.has_kept:
-            lengths = torch.cat(self.kept_lengths)
             out.sampling_mask_ids = torch.cat(self.kept_ids)
-            out.sampling_mask_offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-            torch.cumsum(lengths, 0, out=out.sampling_mask_offsets[1:])
+            out.sampling_mask_offsets = ragged.offsets_from_lengths(torch.cat(self.kept_lengths))
         return out
 
 

@@ -249,24 +249,20 @@ class RewardActor:
 
     def __init__(self, config: RecipeConfig):
         _setup_process(config, 1, "reward")
-        from moe_rl.rewards.registry import build_scorer
+        from moe_rl.orchestration.batches import step_scorer
 
         self.config = config
-        self.scorer = None if config.env.name else build_scorer(config)  # environments score themselves
+        self.scorer = step_scorer(config)
 
     @ray.method(num_returns=2)
     def prepare(self, batch_refs: Sequence[Any], plan, prompts, version: int, dp_size: int):
         """Merge the replicas' batches in prompt order, score, validate, check staleness and shard:
         ``(shard refs, summary)``; the summary is all the driver reads."""
-        from moe_rl.orchestration.batches import engine_metrics, merge
+        from moe_rl.orchestration.batches import engine_metrics, merge, step_rewards
 
         parts = ray.get(list(batch_refs), timeout=RAY_TIMEOUT_S)
         batch = merge(parts, plan)
-        if self.scorer is None:  # multi-turn: the environments' rewards, already in the batch
-            rewards = batch.rewards.tolist()
-        else:
-            per_sample = [p for p in prompts for _ in range(plan.group_size)]
-            rewards = self.scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
+        rewards = step_rewards(self.scorer, batch, prompts, plan.group_size)
         return self._shard(batch, rewards, version, dp_size, engine_metrics(parts))
 
     @ray.method(num_returns=2)

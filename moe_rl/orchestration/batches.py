@@ -150,6 +150,23 @@ def step_spec(config: RecipeConfig, step: int) -> SamplingSpec:
     )
 
 
+def step_scorer(config: RecipeConfig):
+    """What scores a step's responses: `data.reward`'s scorer, or None with an environment
+    (`env.name`), whose rewards the multi-turn rollout has put in the batch already."""
+    from moe_rl.rewards.registry import build_scorer
+
+    return None if config.env.name else build_scorer(config)
+
+
+def step_rewards(scorer, batch: TrajectoryBatch, prompts: Sequence, group_size: int) -> list[float]:
+    """The rewards of a rollout batch in prompt order (``group_size`` responses per prompt): the
+    scorer's, or the environments' already in the batch (`step_scorer` gave None)."""
+    if scorer is None:
+        return batch.rewards.tolist()
+    per_sample = [p for p in prompts for _ in range(group_size)]
+    return scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
+
+
 def step_advantages(
     config: RecipeConfig, rewards: Tensor, group_ids: Tensor
 ) -> tuple[Tensor, dict[str, float]]:

@@ -28,7 +28,8 @@ class LocalRun:
 
     def __init__(self, config: RecipeConfig):
         from moe_rl.envs.rollout import rollouts_for
-        from moe_rl.rewards.registry import build_prompt_source, build_scorer
+        from moe_rl.orchestration.batches import step_scorer
+        from moe_rl.rewards.registry import build_prompt_source
         from moe_rl.rollout.megatron_engine import MegatronEngine
         from moe_rl.trainer.worker import TrainerWorker
         from moe_rl.weight_sync.buckets import BucketPacker
@@ -43,7 +44,7 @@ class LocalRun:
         self.trainer = TrainerWorker(config)
         self.engine = MegatronEngine(config)
         self.rollouts = rollouts_for(config, self.engine)
-        self.scorer = None if config.env.name else build_scorer(config)  # environments score themselves
+        self.scorer = step_scorer(config)
         self.source = build_prompt_source(config)
         self.version = 0
         self.packer = BucketPacker(config.rollout.sync_bucket_mb << 20)
@@ -80,6 +81,7 @@ class LocalRun:
             length_metrics,
             prepare,
             step_advantages,
+            step_rewards,
             step_spec,
             step_zero_variance,
         )
@@ -88,11 +90,7 @@ class LocalRun:
         prompts = self.source.next_batch(cfg.rollout.batch_size // cfg.rollout.group_size)
         group_ids = [step * len(prompts) + i for i in range(len(prompts))]
         batch, env = self.rollouts.generate(prompts, step_spec(cfg, step), group_ids)
-        if self.scorer is None:
-            rewards = batch.rewards.tolist()
-        else:
-            per_sample = [p for p in prompts for _ in range(cfg.rollout.group_size)]
-            rewards = self.scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
+        rewards = step_rewards(self.scorer, batch, prompts, cfg.rollout.group_size)
         batch, summary = prepare(
             batch, rewards, self.version, cfg.run.max_staleness, vocab_size=cfg.model.vocab_size, dp_size=1,
             max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
