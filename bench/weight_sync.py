@@ -273,10 +273,12 @@ class Receiver:
 
     @torch.no_grad()
     def receive(self, bucket) -> int:
+        from moe_rl.device import copy_into
         from moe_rl.weight_sync.receiver import decoded
 
         for name, value in decoded(bucket):
-            self.state[name].copy_(value)
+            # as the Megatron engine loads (`hf_weights.load_hf_subset`): on this actor's threads
+            copy_into(self.state[name], value, threads=torch.get_num_threads())
             self.loaded.append(name)
         return bucket.nbytes
 
@@ -336,17 +338,18 @@ _PACKERS: dict[tuple[int, str], object] = {}
 TRANSPORTS = ("shm", "store")
 
 
-def packer_for(capacity: int, transport: str):
+def packer_for(capacity: int, transport: str, arena=None):
     """The sender's packer of this bucket size and transport, kept from sync to sync (as `TrainerRank`
-    keeps its): ``shm`` packs into two shared-memory slots, ``store`` into one buffer that is put in
-    Ray's object store."""
+    keeps its): ``shm`` packs into two shared-memory slots and reads the tensors that travel as they
+    are in the state's shared arena, ``store`` packs into one buffer that is put in Ray's object store."""
     from moe_rl.weight_sync.buckets import BucketPacker
     from moe_rl.weight_sync.shm import SharedSlots
 
     key = (capacity, transport)
     if key not in _PACKERS:
-        slots = SharedSlots(capacity) if transport == "shm" else None
-        _PACKERS[key] = BucketPacker(capacity, slots=slots)
+        shm = transport == "shm"
+        slots = SharedSlots(capacity) if shm else None
+        _PACKERS[key] = BucketPacker(capacity, slots=slots, arena=arena if shm else None)
     return _PACKERS[key]
 
 
@@ -377,6 +380,9 @@ class State:
     """recipe -> the state encoded once (transport mode)."""
     held: list[Group] = field(default_factory=list)
     """The synthetic state's tensors (what a trainer holds)."""
+    arena: object = None
+    """The shared arena holding the state, as a CPU trainer rank holds its parameters
+    (`weight_sync.sender.share_parameters`): the ``shm`` transport reads what travels as it is there."""
 
     @property
     def nbytes(self) -> int:
@@ -392,6 +398,7 @@ def tiny_state() -> State:
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
     from moe_rl.megatron.model import build_gpt_model
     from moe_rl.megatron.parallel import init_parallel
+    from moe_rl.weight_sync.sender import share_parameters
 
     config = load_recipe(ROOT / "recipes" / "tiny_moe.yaml")
     init_parallel(config.parallel)
@@ -402,12 +409,17 @@ def tiny_state() -> State:
 
     mb = config.rollout.sync_bucket_mb
     modes = {"inline": [(mb, n, t) for t in TRANSPORTS for n in (1, 2)]}
-    return State("tiny", groups, spec_of(groups()), config.model.num_layers, [mb], modes)
+    arena = share_parameters(model)  # as `TrainerRank` does before its first sync through shared slots
+    return State("tiny", groups, spec_of(groups()), config.model.num_layers, [mb], modes, arena=arena)
 
 
 def synthetic_state(quick: bool) -> State:
+    from moe_rl.weight_sync.shm import SharedArena, aligned
+
     layers, experts = (1, 2) if quick else (2, 6)
     held = synthetic_groups(layers, experts, vocab_rows=4096 if not quick else 1024)
+    arena = SharedArena(sum(aligned(nbytes_of(t)) for g in held for _, t in g))
+    held = [[(name, arena.place(t)) for name, t in g] for g in held]  # where a CPU trainer holds them
 
     def groups() -> Iterator[Group]:  # the sender packs views of the parameters (no copy of its own)
         return iter(held)
@@ -418,7 +430,9 @@ def synthetic_state(quick: bool) -> State:
         "transport": [(s, r, t) for t in TRANSPORTS for s in sizes for r in (1, 2)],
         "inline": [(mid, 1, t) for t in TRANSPORTS],
     }
-    return State("synthetic", groups, spec_of(iter(held)), SYNTH_NUM_LAYERS, sizes, modes, held=held)
+    return State(
+        "synthetic", groups, spec_of(iter(held)), SYNTH_NUM_LAYERS, sizes, modes, held=held, arena=arena
+    )
 
 
 @functools.cache
@@ -451,6 +465,7 @@ def run_sync(
     transport: str,
     receivers: list,
     store: StoreUsage | None,
+    arena=None,
 ) -> Run:
     """One sync: `TrainerRank.stream_weights`'s packer and `publish` loop (at most two buckets in
     flight). With ``store`` (the memory pass) the sender and the receivers sample their memory and the
@@ -460,7 +475,7 @@ def run_sync(
     memory = store is not None
     ray.get([r.begin.remote(memory) for r in receivers])
     sampler = PeakSampler(store=store) if memory else contextlib.nullcontext()
-    packer = packer_for(capacity, transport)
+    packer = packer_for(capacity, transport, arena)
     with sampler:
         start = time.perf_counter()
         out = publish(packer.pack(make_groups()), {i: r.receive.remote for i, r in enumerate(receivers)}, 600)
@@ -684,11 +699,15 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
                             return (encoder.lazy_group(g) for g in state.groups())
 
                     store.drain()
-                    memory = run_sync(make_groups, bucket_mb * MB, transport, receivers[:n], store)
+                    memory = run_sync(
+                        make_groups, bucket_mb * MB, transport, receivers[:n], store, state.arena
+                    )
                     row = Row(state.name, recipe, mode, bucket_mb, n, transport, memory)
                     check(memory, expected[recipe], row.label)
                     for _ in range(repeat):
-                        sync = run_sync(make_groups, bucket_mb * MB, transport, receivers[:n], None).seconds
+                        sync = run_sync(
+                            make_groups, bucket_mb * MB, transport, receivers[:n], None, state.arena
+                        ).seconds
                         row.passes.append((sync, baselines.copy_seconds(), baselines.ray_seconds(n)))
                     rows.append(row)
                     print(f"  done {row.label}: {row.seconds:.2f} s", flush=True)

@@ -90,3 +90,60 @@ def check_process_device(run_device: str) -> torch.device:
             "and a CUDA run needs a visible GPU"
         )
     return device
+
+
+PARALLEL_COPY_BYTES = 8 << 20
+"""Tensors from this size on are copied by several threads when `copy_into` is given them."""
+_COPY_POOL = None
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor, threads: int = 1) -> None:
+    """``target.copy_(source)``; between contiguous CPU tensors of one dtype and shape, a plain byte
+    copy (NumPy's ``memmove``, which runs about 1.5x faster than torch's ``copy_`` on one thread), on
+    the calling thread, or split over ``threads`` threads for a large tensor. Weight-sync senders and
+    the engines loading what they send share a node's cores: each side copies with the threads it
+    is given (a sender: one, the engines its receivers need the others)."""
+    source = source.detach()
+    if (
+        source.device.type == "cpu"
+        and target.device.type == "cpu"
+        and source.dtype == target.dtype
+        and source.shape == target.shape
+        and source.is_contiguous()
+        and target.is_contiguous()
+        and source.numel() > 0
+    ):
+        import numpy as np
+
+        dst, src = _bytes(target), _bytes(source)
+        if threads > 1 and dst.nbytes >= PARALLEL_COPY_BYTES:
+            _parallel_copy(dst, src, threads)
+        else:
+            np.copyto(dst, src)
+    else:
+        target.copy_(source)
+
+
+def _parallel_copy(dst, src, threads: int) -> None:
+    """``dst[:] = src`` in ``threads`` chunks at once (NumPy releases the GIL while it copies)."""
+    import concurrent.futures
+    import itertools
+
+    import numpy as np
+
+    global _COPY_POOL
+    if _COPY_POOL is None or _COPY_POOL._max_workers < threads - 1:
+        _COPY_POOL = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="copy")
+    bounds = [dst.nbytes * i // threads for i in range(threads + 1)]
+    chunks = [slice(a, b) for a, b in itertools.pairwise(bounds)]
+    futures = [_COPY_POOL.submit(np.copyto, dst[c], src[c]) for c in chunks[1:]]
+    np.copyto(dst[chunks[0]], src[chunks[0]])
+    for future in futures:
+        future.result()
+
+
+def _bytes(tensor: torch.Tensor):
+    """The bytes of a contiguous CPU tensor as a flat NumPy ``uint8`` array (no copy)."""
+    import torch
+
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moe_rl.device import copy_into
+
 log = logging.getLogger(__name__)
 
 
@@ -368,7 +370,8 @@ def _copy_into(gpt, name: str, target: Tensor, rule: Rule, pieces: list[Tensor])
             f"HF tensor(s) {list(rule.hf)} give shape {tuple(value.shape)} for Megatron tensor "
             f"{name!r}, which has shape {tuple(target.shape)}"
         )
-    target.copy_(value.to(dtype=target.dtype, device=target.device))
+    # a byte copy on this process's threads where it can be, the cast where the dtypes differ
+    copy_into(target, value.to(device=target.device), threads=torch.get_num_threads())
 
 
 def _holds_whole_model(gpt) -> bool:

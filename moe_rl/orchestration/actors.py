@@ -62,6 +62,7 @@ class TrainerRank:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.worker = None
         self._packer = None  # the bucket buffers (or shared slots), kept from sync to sync
+        self._arena = None  # this rank's CPU parameters in shared memory, once a sync uses the slots
         self._engine_nodes: dict[str, str | None] = {}
 
     def pid(self) -> int:
@@ -117,26 +118,34 @@ class TrainerRank:
         }
         buckets = stream_buckets(self.worker.model, encoder, packer.capacity, self.rank, packer)
         out = publish(buckets, receivers, RAY_TIMEOUT_S)
-        return {"bytes": out.bytes, "buckets": out.buckets, "report": encoder.report if encoder.active else None,
+        return {"bytes": out.bytes, "in_place": out.in_place, "buckets": out.buckets, "report": encoder.report if encoder.active else None,
                 "dead": sorted(dead | out.dead), "shared_memory": int(shared)}  # fmt: skip
 
     def release(self) -> None:
-        """Remove this rank's shared weight-sync slots (before the actor is killed)."""
+        """Remove this rank's shared weight-sync slots and arena file (before the actor is killed)."""
         if self._packer is not None and self._packer.slots is not None:
             self._packer.slots.close()
-        self._packer = None
+        if self._arena is not None:
+            self._arena.close()
+        self._packer = self._arena = None
 
     def _packer_for(self, capacity: int, shared: bool):
-        """The rank's packer, kept from sync to sync (its buffers or shared slots are reused)."""
+        """The rank's packer, kept from sync to sync (its buffers or shared slots are reused). With
+        shared slots on CPU the rank's parameters move into a shared arena once (`weight_sync.sender.
+        share_parameters`), so the engines read the tensors that travel as they are in place."""
         from moe_rl.weight_sync.buckets import BucketPacker
+        from moe_rl.weight_sync.sender import share_parameters
         from moe_rl.weight_sync.shm import SharedSlots
 
+        if shared and self._arena is None and self.worker.device.type == "cpu":
+            self._arena = share_parameters(self.worker.model, tag=str(self.rank))
         packer = self._packer
         if packer is None or packer.capacity != capacity or (packer.slots is not None) != shared:
             if packer is not None and packer.slots is not None:
                 packer.slots.close()
             slots = SharedSlots(capacity, tag=str(self.rank)) if shared else None
-            self._packer = packer = BucketPacker(capacity, sender=self.rank, slots=slots)
+            arena = self._arena if shared else None
+            self._packer = packer = BucketPacker(capacity, sender=self.rank, slots=slots, arena=arena)
         return packer
 
     def _nodes_of(self, engines: Sequence[Any]) -> dict[int, str | None]:

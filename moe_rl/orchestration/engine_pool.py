@@ -163,6 +163,7 @@ class EnginePool:
         metrics.update(
             {
                 "sync/bytes": streamed["bytes"],
+                "sync/in_place_bytes": streamed["in_place"],
                 "sync/buckets": streamed["buckets"],
                 "sync/senders": streamed["senders"],
                 "sync/shared_memory": streamed["shared_memory"],

@@ -93,6 +93,7 @@ class TrainerGroup:
                 report.merge(part)
         return {
             "bytes": sum(r["bytes"] for r in results),
+            "in_place": sum(r["in_place"] for r in results),
             "buckets": sum(r["buckets"] for r in results),
             "senders": sum(1 for r in results if r["buckets"]),
             "shared_memory": int(all(r["shared_memory"] for r in results if r["buckets"])),

@@ -10,19 +10,22 @@ bucket of its own. Its bytes live in one of two places:
 * a NumPy ``uint8`` buffer that the packer reuses for every bucket it fills, published through Ray's
   object store (one copy into the store, read without copying by every receiver on a node).
 
-Either way a sender holds at most two buckets' worth of buffers, not one per bucket.
+Either way a sender holds at most two buckets' worth of buffers, not one per bucket. A packer given
+the sender's `shm.SharedArena` (a CPU trainer's parameters in shared memory) writes nothing for a
+tensor that travels as it is and lies in the arena: its entry says where it lies, and receivers read
+it there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from moe_rl.weight_sync.shm import SharedSlots, SlotRef, read_slot
+from moe_rl.weight_sync.shm import SharedArena, SharedSlots, SlotRef, read_slot
 from moe_rl.weight_sync.wire import LazyGroup, Piece
 
 PART_BYTES = 128 << 20
@@ -53,6 +56,9 @@ class Entry:
     nbytes: int
     meta: dict = field(default_factory=dict)
     """What the wire format needs to decode it (e.g. the FP8 block shape)."""
+    source: SlotRef | None = None
+    """Where the tensor lies in its sender's shared arena, when it was not copied into the buffer
+    (then ``offset`` is unused)."""
 
 
 @dataclass
@@ -77,7 +83,8 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.slot.nbytes if self.slot is not None else int(self.buffer.nbytes)
+        """Bytes of the tensors it carries (those read in the sender's arena included)."""
+        return sum(entry.nbytes for entry in self.entries)
 
     @property
     def data(self) -> np.ndarray:
@@ -94,12 +101,19 @@ class Bucket:
 
     def tensors(self) -> Iterator[tuple[Entry, Tensor]]:
         """``(entry, tensor)`` views into the buffer (read-only when the buffer is). Views of a
-        shared slot are valid while the receiver handles the bucket: copy what is kept longer."""
-        data = self.data
-        flat = torch.from_numpy(data) if data.flags.writeable else _readonly(data)
+        shared slot or arena are valid while the receiver handles the bucket: copy what is kept longer."""
+        flat = None
         for entry in self.entries:
-            raw = flat[entry.offset : entry.offset + entry.nbytes]
+            if entry.source is not None:
+                raw = _tensor(read_slot(entry.source))
+            else:
+                flat = _tensor(self.data) if flat is None else flat
+                raw = flat[entry.offset : entry.offset + entry.nbytes]
             yield entry, raw.view(_DTYPES[entry.dtype]).reshape(entry.shape)
+
+
+def _tensor(buffer: np.ndarray) -> Tensor:
+    return torch.from_numpy(buffer) if buffer.flags.writeable else _readonly(buffer)
 
 
 def _readonly(buffer: np.ndarray) -> Tensor:
@@ -125,6 +139,10 @@ class BucketPacker:
       marked ``last``), each as soon as it is written, so receivers read the start of a bucket while
       the sender still writes the rest of it (a pipeline of parts, not of whole buckets). A part
       adds no memory: it is a byte range of the bucket's slot.
+
+    With ``arena`` (`shm.SharedArena`, only together with ``slots``) a piece that travels as it is
+    (`wire.Piece.source`) and lies in the arena is not written: its entry points there. It counts
+    towards the bucket's and the part's size (what receivers read) but takes no room in the slot.
     """
 
     def __init__(
@@ -133,10 +151,13 @@ class BucketPacker:
         sender: int = 0,
         slots: SharedSlots | None = None,
         part_bytes: int | None = None,
+        arena: SharedArena | None = None,
     ):
         if capacity <= 0:
             raise ValueError(f"bucket capacity={capacity} bytes must be > 0")
-        self.capacity, self.sender, self.slots = capacity, sender, slots
+        if arena is not None and slots is None:
+            raise ValueError("a packer reads tensors in a shared arena only with shared slots")
+        self.capacity, self.sender, self.slots, self.arena = capacity, sender, slots, arena
         self.part_bytes = None if slots is None else min(capacity, part_bytes or PART_BYTES)
         self.buffer = np.empty(0, dtype=np.uint8)
 
@@ -154,28 +175,42 @@ class BucketPacker:
         bucket). A part is yielded when the next group is known to go into the same bucket, so the
         last part of a bucket is never empty."""
         entries: list[Entry] = []
-        used = start = count = part = 0
+        used = start = count = part = 0  # bytes written into this bucket's buffer; where this part's begin
+        size = part_size = 0  # bytes of this bucket and of this part, those read in the arena included
         target, path = None, None
         for group in groups:
             lazy = group if isinstance(group, LazyGroup) else LazyGroup.of(group)
-            size = lazy.nbytes
-            if entries and used + size > self.capacity:
+            if entries and size + lazy.nbytes > self.capacity:
                 yield self._bucket(entries, target, path, start, used, count, part, last=True)
-                entries, used, start, count, part, target = [], 0, 0, count + 1, 0, None
-            elif entries and self.part_bytes is not None and used - start >= self.part_bytes:
+                entries, used, start, size, part_size, count, part = [], 0, 0, 0, 0, count + 1, 0
+                target = None
+            elif entries and self.part_bytes is not None and part_size >= self.part_bytes:
                 yield self._bucket(entries, target, path, start, used, count, part, last=False)
-                entries, start, part = [], used, part + 1
-            if target is None or used + size > target.nbytes:  # a new bucket, or an oversized group
-                target, path = self._target(count, size)
-            views = []
-            for piece in lazy.pieces:
-                entry = _entry(piece, used)
+                entries, start, part_size, part = [], used, 0, part + 1
+            sources = [self._in_arena(piece) for piece in lazy.pieces]
+            written = sum(piece.nbytes for piece, at in zip(lazy.pieces, sources, strict=True) if at is None)
+            if target is None or used + written > target.nbytes:  # a new bucket, or an oversized group
+                target, path = self._target(count, written)
+            views: list[Tensor | None] = []
+            for piece, at in zip(lazy.pieces, sources, strict=True):
+                if at is not None:
+                    entries.append(_entry(piece, 0, at))
+                    views.append(None)
+                    continue
                 entries.append(_entry(piece, used - start))
-                views.append(_view(target, entry, piece.dtype))
+                views.append(_view(target, _entry(piece, used), piece.dtype))
                 used += piece.nbytes
+            size += lazy.nbytes
+            part_size += lazy.nbytes
             lazy.fill(views)
         if entries:
             yield self._bucket(entries, target, path, start, used, count, part, last=True)
+
+    def _in_arena(self, piece: Piece) -> SlotRef | None:
+        """Where ``piece`` lies in the arena, when it travels as it is and lies there."""
+        if self.arena is None or piece.source is None or piece.source.dtype != piece.dtype:
+            return None
+        return self.arena.locate(piece.source)
 
     def _bucket(
         self,
@@ -202,11 +237,11 @@ def pack_buckets(
     return BucketPacker(capacity, sender).pack(groups)
 
 
-def _entry(piece: Piece, offset: int) -> Entry:
+def _entry(piece: Piece, offset: int, source: SlotRef | None = None) -> Entry:
     dtype = str(piece.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise ValueError(f"weight {piece.name!r} has dtype {piece.dtype}, which no bucket carries")
-    return Entry(piece.name, dtype, piece.shape, offset, piece.nbytes, dict(piece.meta))
+    return Entry(piece.name, dtype, piece.shape, offset, piece.nbytes, dict(piece.meta), source)
 
 
 def _view(buffer: np.ndarray, entry: Entry, dtype: torch.dtype) -> Tensor:
@@ -217,7 +252,17 @@ def _view(buffer: np.ndarray, entry: Entry, dtype: torch.dtype) -> Tensor:
 
 
 def detach(bucket: Bucket) -> Bucket:
-    """``bucket`` with its own copy of the bytes (to keep it past the next one)."""
-    return Bucket(
-        bucket.entries, bucket.data.copy(), bucket.index, bucket.sender, part=bucket.part, last=bucket.last
-    )
+    """``bucket`` with its own copy of the bytes, those read in an arena included (to keep it past
+    the next one)."""
+    buffer = np.empty(bucket.nbytes, dtype=np.uint8)
+    entries, at = [], 0
+    for entry in bucket.entries:
+        raw = (
+            read_slot(entry.source)
+            if entry.source is not None
+            else bucket.data[entry.offset :][: entry.nbytes]
+        )
+        buffer[at : at + entry.nbytes] = raw
+        entries.append(replace(entry, offset=at, source=None))
+        at += entry.nbytes
+    return Bucket(entries, buffer, bucket.index, bucket.sender, part=bucket.part, last=bucket.last)

@@ -10,6 +10,10 @@ all-gathered, a collective), and one rank per distinct tensor sends it:
 
 So each pipeline stage and each expert-parallel rank sends what it owns, nobody sends a tensor
 twice, and no rank gathers more than one tensor at a time.
+
+A CPU rank whose engines share its node keeps its parameters in shared memory (`share_parameters`):
+a tensor that travels as it is (an expert's weight, a norm; not a quantized or gathered one) is then
+read by the engines where the trainer holds it, and only the rest is written into the shared slots.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
+from moe_rl.weight_sync.shm import SharedArena, aligned
 from moe_rl.weight_sync.wire import LazyGroup, WireEncoder
 
 EXPERT_MARK = ".mlp.experts."
@@ -38,6 +43,34 @@ def sends(megatron_name: str) -> bool:
         ps.get_data_parallel_rank(with_context_parallel=True) == 0
         and ps.get_tensor_model_parallel_rank() == 0
     )
+
+
+def share_parameters(model: torch.nn.Module, tag: str = "0") -> SharedArena | None:
+    """Move ``model``'s CPU parameters into one `shm.SharedArena`, in place: each ``param.data`` is
+    replaced by a copy in the arena; the ``Parameter`` objects, which the optimizer, its state and the
+    gradient hooks hold, stay the same. Only a parameter that is the one user of its whole storage
+    moves (not a view into a flat buffer, e.g. Megatron's distributed-optimizer parameter buffer, or
+    storage two parameters share): those keep their memory and travel through the slots as before.
+    Returns the arena (None when nothing moved); the caller keeps it and closes it when done."""
+    users: dict[int, list[torch.nn.Parameter]] = {}
+    for param in dict.fromkeys(model.parameters()):  # a tied weight once
+        data = param.data
+        if data.device.type == "cpu" and data.numel() > 0:
+            users.setdefault(data.untyped_storage().data_ptr(), []).append(param)
+    movable = [
+        group[0]
+        for group in users.values()
+        if len(group) == 1
+        and group[0].data.is_contiguous()
+        and group[0].data.storage_offset() == 0
+        and group[0].data.untyped_storage().nbytes() == group[0].numel() * group[0].element_size()
+    ]
+    if not movable:
+        return None
+    arena = SharedArena(sum(aligned(p.numel() * p.element_size()) for p in movable), tag)
+    for param in movable:
+        param.data = arena.place(param.data)
+    return arena
 
 
 def weight_groups(model: torch.nn.Module, encoder: WireEncoder) -> Iterator[LazyGroup]:
@@ -68,6 +101,8 @@ class Published:
     """What one sender's stream delivered."""
 
     bytes: int = 0
+    in_place: int = 0
+    """Of ``bytes``, those the receivers read where the sender holds them (its shared arena)."""
     buckets: int = 0
     largest: int = 0
     """Bytes of the largest bucket."""
@@ -100,6 +135,7 @@ def publish(
         message = bucket if bucket.slot is not None else ray.put(bucket)
         current += [(i, deliver(message)) for i, deliver in alive.items()]
         out.bytes += bucket.nbytes
+        out.in_place += sum(entry.nbytes for entry in bucket.entries if entry.source is not None)
         size += bucket.nbytes
         if not bucket.last:
             continue

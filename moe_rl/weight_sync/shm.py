@@ -14,6 +14,14 @@ not keep views of a bucket past its ``receive_bucket`` call: what it keeps longe
 that must hold a group larger than itself is replaced by a larger file under a new name (receivers
 map the new one on sight); the sender removes its files when it closes, and files left by a sender
 that died are removed by the next sender started on the node.
+
+A CPU trainer's parameters can live in shared memory too (`SharedArena`): the sender then hands the
+receivers where a tensor that travels as it is already lies (the CPU counterpart of sending CUDA IPC
+handles of the trainer's own tensors), and only what the sender computes (quantized bytes, gathered
+or non-contiguous tensors) is written into a slot. Such a tensor's bytes are copied once, by each
+receiver, instead of twice. The arena is written only by its owner, between syncs (the optimizer
+steps in place); the receivers read it only during a sync, which its sender does not leave before
+every receiver has returned.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from moe_rl.device import copy_into
 
 PREFIX = "moe_rl-sync-"
 SHM_DIR = Path("/dev/shm")
@@ -136,6 +147,69 @@ def _close_all(slots: list[_Slot | None]) -> None:
         if slot is not None:
             slot.close()
             slots[i] = None
+
+
+ARENA_ALIGN = 64
+"""Byte alignment of each tensor in a `SharedArena`."""
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to `ARENA_ALIGN`."""
+    return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class SharedArena:
+    """Tensors in one shared file of their owner (a CPU trainer rank's parameters, see
+    `moe_rl.weight_sync.sender.share_parameters`), which receivers on the node map by name: `locate`
+    says where a tensor lies, so that its bytes need not be copied into a slot to travel."""
+
+    def __init__(self, nbytes: int, tag: str = "0"):
+        if nbytes <= 0:
+            raise ValueError(f"a shared arena needs nbytes > 0, got {nbytes}")
+        folder = slot_dir(nbytes)
+        _remove_stale(folder)
+        self._slot = _Slot(folder / f"{PREFIX}{os.getpid()}-{tag}-arena-{next(_GENERATIONS)}", nbytes)
+        self.path, self.nbytes, self.used = str(self._slot.path), nbytes, 0
+        self._base = self._slot.array.ctypes.data
+        self._finalizer = weakref.finalize(self, _unlink, self._slot.path)
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor in the arena with ``tensor``'s dtype, shape and values."""
+        offset, nbytes = aligned(self.used), _nbytes(tensor)
+        if offset + nbytes > self.nbytes:
+            raise ValueError(
+                f"shared arena {self.path} holds {self.nbytes} bytes; a {tuple(tensor.shape)} "
+                f"{tensor.dtype} tensor at offset {offset} would end at {offset + nbytes}"
+            )
+        raw = torch.from_numpy(self._slot.array[offset : offset + nbytes])
+        placed = raw.view(tensor.dtype).reshape(tensor.shape)
+        copy_into(placed, tensor)
+        self.used = offset + nbytes
+        return placed
+
+    def locate(self, tensor: torch.Tensor) -> SlotRef | None:
+        """Where ``tensor``'s bytes lie in the arena; None unless it is a contiguous CPU tensor wholly
+        inside it."""
+        if self._slot.array is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        offset, nbytes = tensor.data_ptr() - self._base, _nbytes(tensor)
+        if nbytes == 0 or offset < 0 or offset + nbytes > self.nbytes:
+            return None
+        return SlotRef(self.path, nbytes, offset)
+
+    def close(self) -> None:
+        """Remove the file (tensors placed here stay valid: their mapping lives as long as they do)."""
+        self._slot.close()
+        self._finalizer()
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 _MAPPED: dict[str, np.ndarray] = {}

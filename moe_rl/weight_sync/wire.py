@@ -26,11 +26,11 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from moe_rl.config.schema import QuantConfig
+from moe_rl.device import copy_into
 from moe_rl.rollout.quant import QuantReport, should_quantize
 
 FP8_MAX = 448.0
@@ -101,7 +101,7 @@ def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
     return out.mul_(_expand(scale.float(), block, out.shape))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Piece:
     """One tensor that travels, before its bytes exist: name, dtype, shape and wire meta."""
 
@@ -109,6 +109,9 @@ class Piece:
     dtype: torch.dtype
     shape: tuple[int, ...]
     meta: dict
+    source: Tensor | None = None
+    """The tensor itself, when it travels as it is (a packer may then send where it lies instead of
+    copying it, see `moe_rl.weight_sync.shm.SharedArena`)."""
 
     @property
     def nbytes(self) -> int:
@@ -118,8 +121,9 @@ class Piece:
 @dataclass
 class LazyGroup:
     """A group's pieces and how to write them: ``fill(views)`` writes each piece into its view (a
-    tensor of the piece's dtype and shape in the bucket), so what travels is computed straight into
-    the bucket, with no encoded copy of the group besides it."""
+    tensor of the piece's dtype and shape in the bucket; None for a piece with a ``source`` that the
+    packer sends where it lies), so what travels is computed straight into the bucket, with no
+    encoded copy of the group besides it."""
 
     pieces: list[Piece]
     fill: Callable[[Sequence[Tensor]], None]
@@ -131,37 +135,18 @@ class LazyGroup:
     @staticmethod
     def of(items: Sequence[tuple[str, Tensor, dict]]) -> LazyGroup:
         """Tensors that already exist, copied into the bucket as they are."""
-        pieces = [Piece(name, t.dtype, tuple(t.shape), meta) for name, t, meta in items]
+        pieces = [Piece(name, t.dtype, tuple(t.shape), meta, t) for name, t, meta in items]
         return LazyGroup(pieces, lambda views: _copy_all([t for _, t, _ in items], views))
 
 
-def _copy_all(tensors: Sequence[Tensor], views: Sequence[Tensor]) -> None:
+def _copy_all(tensors: Sequence[Tensor], views: Sequence[Tensor | None]) -> None:
     for tensor, view in zip(tensors, views, strict=True):
+        _copy_unless_sent_in_place(view, tensor)
+
+
+def _copy_unless_sent_in_place(view: Tensor | None, tensor: Tensor) -> None:
+    if view is not None:
         copy_into(view, tensor)
-
-
-def copy_into(view: Tensor, tensor: Tensor) -> None:
-    """``view.copy_(tensor)``; between contiguous CPU tensors of one dtype, a plain byte copy on the
-    calling thread (NumPy's ``memmove``), not torch's copy on every core: a sender on a node shares
-    its cores with the receivers reading the previous bucket part, which are what the sync waits for."""
-    tensor = tensor.detach()
-    if (
-        tensor.device.type == "cpu"
-        and view.device.type == "cpu"
-        and tensor.dtype == view.dtype
-        and tensor.shape == view.shape
-        and tensor.is_contiguous()
-        and view.is_contiguous()
-        and tensor.numel() > 0
-    ):
-        np.copyto(_bytes(view), _bytes(tensor))
-    else:
-        view.copy_(tensor)
-
-
-def _bytes(tensor: Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor as a flat NumPy ``uint8`` array (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 class WireEncoder:
@@ -197,8 +182,8 @@ class WireEncoder:
             if not self.active or not should_quantize(name, tensor, self.cfg, self.num_layers):
                 if self.active:
                     self.report.add(name, tensor, None, 16)
-                pieces.append(Piece(name, tensor.dtype, tuple(tensor.shape), {}))
-                writers.append((1, lambda view, t=tensor: copy_into(view, t)))
+                pieces.append(Piece(name, tensor.dtype, tuple(tensor.shape), {}, tensor))
+                writers.append((1, lambda view, t=tensor: _copy_unless_sent_in_place(view, t)))
                 continue
             block = _block(self.cfg, tensor.shape)
             scales = (math.ceil(tensor.shape[0] / block[0]), math.ceil(tensor.shape[1] / block[1]))

@@ -102,6 +102,8 @@ def test_dp2_with_two_engines_learns_through_a_replica_crash(tmp_path):
     for r in records:
         assert (r["trainer/world_size"], r["rollout/engines"]) == (2, 2)
         assert r["sync/bytes"] > 0 and r["sync/buckets"] >= 1 and r["time/sync_s"] > 0
+        # fp8: the quantized weights are written into the slots, the rest read where the trainer holds it
+        assert r["sync/shared_memory"] == 1 and 0 < r["sync/in_place_bytes"] < r["sync/bytes"]
         assert r["rollout/tokens_engine0"] > 0 and r["rollout/tokens_engine1"] > 0
         assert r["quant/recipe"] == "fp8_block128" and r["quant/rel_err"] > 0
 

@@ -143,7 +143,7 @@ def test_torch_fp8_block_out_must_fit():
 
 
 def test_copy_into_copies_bytes_of_any_layout():
-    from moe_rl.weight_sync.wire import copy_into
+    from moe_rl.device import copy_into
 
     src = torch.randn(6, 8).bfloat16()
     out = torch.empty(6, 8, dtype=torch.bfloat16)
