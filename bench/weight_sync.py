@@ -5,23 +5,23 @@ Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 2 min with `
 without; most of it is FP8 decoding, which on CPU runs at ~0.2 GB/s: torch converts e4m3 to float
 one element at a time there).
 
-Two copies are the least a sync can do (the sender writes the bucket, each receiver reads it into its
-weights). On a 2-core CPU machine a copy is bound by the core that runs it, not by memory bandwidth:
-torch's ``copy_`` of flat uint8 runs at ~10 GB/s on one thread and ~20 GB/s on two (the raw copy
-below), and two single-thread copies in two processes run side by side at nearly their speed alone.
-So a one-receiver sync, whose sender and receiver each copy every byte on one core at the same time,
-is bound by about one core's copy rate: ~50 % of the two-thread raw copy, somewhat more because its
-copies are cheaper per byte (the sender's ``memmove``, ~12 GB/s; the receiver's bf16 ``copy_``, ~12.8
-GB/s) and less by the pipeline's fill and drain (one bucket part each) and per-part calls. Measured
-with other load on the machine (load average 4-10), the one-receiver ``shm`` sync reached 38-45 % of
-the raw copy at 64 / 256 MB buckets (the paired ratios vary by several points from run to run). Two
-receivers add a third copy on the same two cores.
+How many times each byte is copied sets the bound. A tensor the sender must compute (quantized
+bytes, a gathered or non-contiguous one) or that it does not hold in shared memory is copied twice:
+the sender writes it into a slot, each receiver reads it into its weights. A tensor that travels as it
+is and lies in the sender's shared arena (a CPU trainer rank's parameters, `weight_sync.sender.
+share_parameters`; here the synthetic state and the tiny model are placed there the same way) is
+copied once, by each receiver, from where the trainer holds it. On a 2-core CPU machine a copy is
+bound by the cores that run it: NumPy's ``memmove`` copies ~11-12 GB/s on one thread, torch's
+``copy_`` ~7-8 GB/s on one thread and ~15 GB/s on two (the raw copy below). So a one-receiver bf16
+sync through the arena, whose receiver copies on both cores while the sender only hands out entries,
+can approach a two-thread copy; a sync that copies twice is bound near one core's copy rate; two
+receivers copy every byte twice between them.
 
 * Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
   `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to
   every receiver, then waits for the previous bucket's deliveries (at most two buckets in flight). It
-  copies tensors into a bucket on one thread (`weight_sync.wire.copy_into`), leaving the other core to
-  the receivers. Ray starts its workers at nice 15 and the driver runs at nice 0, so the bench starts
+  copies tensors into a bucket on one thread (`moe_rl.device.copy_into`), leaving the other core to
+  the receivers, and writes nothing for a tensor of its arena that travels as it is. Ray starts its workers at nice 15 and the driver runs at nice 0, so the bench starts
   the receivers at nice 0 (``RAY_worker_niceness``; in the runtime sender and engines are all actors,
   at one priority): otherwise any other load on the machine starves the receivers, not the baseline.
 * Transports (column ``via``): ``shm``, the sender's two shared-memory slots (what the runtime uses
@@ -30,9 +30,11 @@ receivers add a third copy on the same two cores.
   written, so they read a bucket's start while the sender writes the rest; receivers read it in place)
   and ``store``, Ray's object store (across nodes: the bucket is packed, then ``ray.put`` copies it
   into the store).
-* Receivers: 1 or 2 Ray actors (``--recv-threads`` torch threads each, default 1) that, like an engine,
-  decode each bucket (`moe_rl.weight_sync.receiver.decoded`) and copy every tensor into a preallocated,
-  pre-touched tensor of the state, so the bytes really land in receiver memory.
+* Receivers: 1 or 2 Ray actors (``--recv-threads`` threads each; default: the machine's cores shared
+  among the receivers, as engines on a node share it) that, like an engine, decode each bucket
+  (`moe_rl.weight_sync.receiver.decoded`) and copy every tensor into a preallocated, pre-touched tensor
+  of the state (`moe_rl.device.copy_into` on their threads, as the Megatron engine loads), so the bytes
+  really land in receiver memory.
 * States:
   - ``tiny``: the model of ``recipes/tiny_moe.yaml`` (Megatron ``GPTModel``, fp32, ~0.9 MB) at the
     recipe's bucket size, iterated with `iter_hf_weight_groups` (views, as the sender does) and encoded
@@ -59,6 +61,8 @@ Throughput is bytes moved (sum of the bucket sizes: what is published once, what
 receivers) over seconds. Baselines on the same number of bytes, run right after each timed pass (paired,
 so that both see the same machine load; ``%copy`` / ``%ray`` are medians of the per-pass ratios):
 (i) raw copy: ``dst.copy_(src)`` of flat uint8 tensors in this process (default torch threads, best of 3);
+(i') raw memmove: the same bytes copied by NumPy's ``memmove`` split over all cores (`moe_rl.device.
+copy_into` with one thread per core, best of 3; ``mm`` / ``%mm``): the fastest raw copy measured here;
 (ii) raw Ray transfer: one ``ray.put`` of one flat buffer, and every receiver copying it into a
 preallocated flat tensor (so the bytes land as in the sync). The object store's pages are touched once
 up front (a store warm-up), because a run's later syncs reuse them; a first sync pays the page faults.
@@ -259,9 +263,10 @@ class Receiver:
         if nbytes:
             self.flat = torch.empty(nbytes, dtype=torch.uint8).zero_()
 
-    def begin(self, sample: bool) -> None:
-        """Start a sync; ``sample`` (the memory pass): zero the state first (so the checksums see only
-        what arrives), then sample memory until `end`."""
+    def begin(self, sample: bool, threads: int) -> None:
+        """Start a sync on ``threads`` threads; ``sample`` (the memory pass): zero the state first (so the
+        checksums see only what arrives), then sample memory until `end`."""
+        torch.set_num_threads(threads)
         if sample:
             for t in self.state.values():
                 t.zero_()
@@ -334,6 +339,8 @@ def synthetic_groups(layers: int, experts: int, vocab_rows: int, seed: int = 0) 
     return groups
 
 
+RECV_THREADS: int | None = None
+"""Threads per receiver (``--recv-threads``); None: the machine's cores shared among the receivers."""
 _PACKERS: dict[tuple[int, str], object] = {}
 TRANSPORTS = ("shm", "store")
 
@@ -473,7 +480,8 @@ def run_sync(
     from moe_rl.weight_sync.sender import publish
 
     memory = store is not None
-    ray.get([r.begin.remote(memory) for r in receivers])
+    threads = RECV_THREADS or max(1, (os.cpu_count() or 1) // len(receivers))  # the node's cores, shared
+    ray.get([r.begin.remote(memory, threads) for r in receivers])
     sampler = PeakSampler(store=store) if memory else contextlib.nullcontext()
     packer = packer_for(capacity, transport, arena)
     with sampler:
@@ -523,13 +531,22 @@ class Baselines:
         self.src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
         self.dst = torch.empty_like(self.src).zero_()
         ray.get([r.allocate_flat.remote(nbytes) for r in receivers])
-        self.copy_seconds(), self.ray_seconds(len(receivers))  # warm-up
+        self.copy_seconds(), self.memmove_seconds(), self.ray_seconds(len(receivers))  # warm-up
 
     def copy_seconds(self) -> float:
+        return self._best(lambda: self.dst.copy_(self.src))
+
+    def memmove_seconds(self) -> float:
+        from moe_rl.device import copy_into
+
+        return self._best(lambda: copy_into(self.dst, self.src, threads=os.cpu_count() or 1))
+
+    @staticmethod
+    def _best(copy: Callable[[], object]) -> float:
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            self.dst.copy_(self.src)
+            copy()
             times.append(time.perf_counter() - start)
         return min(times)
 
@@ -561,8 +578,8 @@ class Row:
     recv: int
     transport: str
     memory: Run
-    passes: list[tuple[float, float, float]] = field(default_factory=list)
-    """(sync, raw copy, raw Ray) seconds of each timed pass."""
+    passes: list[tuple[float, float, float, float]] = field(default_factory=list)
+    """(sync, raw copy, raw Ray, raw memmove) seconds of each timed pass."""
 
     @property
     def label(self) -> str:
@@ -573,7 +590,8 @@ class Row:
         return statistics.median(s for s, _, _ in self.passes)
 
     def gbs(self, which: int) -> float:
-        """GB/s of the sync (0), the raw copy (1), the raw Ray transfer (2): median over passes."""
+        """GB/s of the sync (0), the raw copy (1), the raw Ray transfer (2), the raw memmove (3): median
+        over passes."""
         return statistics.median(self.memory.nbytes / p[which] for p in self.passes) / 1e9
 
     def of(self, which: int) -> float:
@@ -608,7 +626,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~0.3 GB synthetic state, 16/64 MB buckets")
     parser.add_argument("--repeat", type=int, default=None, help="timed passes per config (default 2)")
-    parser.add_argument("--recv-threads", type=int, default=1, help="torch threads per receiver actor")
+    parser.add_argument(
+        "--recv-threads", type=int, default=None,
+        help="threads per receiver actor (default: the cores shared among the receivers)",
+    )  # fmt: skip
     parser.add_argument(
         "--free-objects-ms", type=int, default=None,
         help="Ray's free_objects_period_milliseconds (default: Ray's own, 1000 ms)",
@@ -641,12 +662,14 @@ def main() -> None:
 def run_all(args: argparse.Namespace, repeat: int) -> None:
     store = StoreUsage()
     actor = ray.remote(num_cpus=1)(Receiver)
-    receivers = [actor.remote(args.recv_threads) for _ in range(2)]
+    global RECV_THREADS
+    RECV_THREADS = args.recv_threads
+    receivers = [actor.remote(1) for _ in range(2)]
     states = [tiny_state(), synthetic_state(args.quick)]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     free = args.free_objects_ms if args.free_objects_ms is not None else "Ray's default (1000)"
     print(f"CPU: {os.cpu_count()} cores, load average {load}; sender = the Ray driver (torch threads "
-          f"{torch.get_num_threads()}); 2 receiver actors ({args.recv_threads} torch thread(s) each, nice "
+          f"{torch.get_num_threads()}); 2 receiver actors ({args.recv_threads or 'cores / receivers'} thread(s) each, nice "
           f"{ray.get(receivers[0].niceness.remote())}, driver {os.nice(0)}); free_objects_period_milliseconds "
           f"{free}")  # fmt: skip
     print(f"timed: median of {repeat} passes after one untimed memory pass; each pass followed by the raw "
@@ -708,7 +731,14 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
                         sync = run_sync(
                             make_groups, bucket_mb * MB, transport, receivers[:n], None, state.arena
                         ).seconds
-                        row.passes.append((sync, baselines.copy_seconds(), baselines.ray_seconds(n)))
+                        row.passes.append(
+                            (
+                                sync,
+                                baselines.copy_seconds(),
+                                baselines.ray_seconds(n),
+                                baselines.memmove_seconds(),
+                            )
+                        )
                     rows.append(row)
                     print(f"  done {row.label}: {row.seconds:.2f} s", flush=True)
             baselines.close()
@@ -722,11 +752,12 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
 def report(rows: list[Row], sizes: dict) -> None:
     print("\nsync: GB/s = bytes moved / median seconds. Baselines on the same bytes, run right after each "
           "timed pass: copy = dst.copy_(src) of flat uint8 in the driver; ray = one ray.put + every receiver "
-          "copies it into a preallocated flat tensor; %copy, %ray = median of the per-pass ratios. via: shm = "
+          "copies it into a preallocated flat tensor; mm = memmove on all cores; %copy, %ray, %mm = median of the "
+          "per-pass ratios. via: shm = "
           "the sender's two shared-memory slots (buckets handed over in parts), store = Ray's object store; "
           "bkts counts buckets, not parts")  # fmt: skip
     print(f"  {'state':9s} {'recipe':12s} {'mode':9s} {'via':5s} {'bucket':>6s} {'recv':>4s} {'bkts':>4s} "
-          f"{'MB moved':>9s} {'s':>7s} {'GB/s':>6s} {'copy':>6s} {'ray':>6s} {'%copy':>6s} {'%ray':>6s} "
+          f"{'MB moved':>9s} {'s':>7s} {'GB/s':>6s} {'copy':>6s} {'ray':>6s} {'mm':>6s} {'%copy':>6s} {'%ray':>6s} {'%mm':>6s} "
           f"{'sender+MB':>9s} {'slots MB':>8s} {'store MB':>8s} {'recv RSS':>8s} {'(shm)':>7s} {'recv+MB':>7s}")  # fmt: skip
     for row in rows:
         m = row.memory
@@ -734,7 +765,7 @@ def report(rows: list[Row], sizes: dict) -> None:
         rss = max(m.receivers, key=lambda e: e["hwm"])
         print(f"  {row.state:9s} {row.recipe:12s} {row.mode:9s} {row.transport:5s} {row.bucket_mb:6d} {row.recv:4d} "
               f"{m.buckets:4d} {m.nbytes / MB:9.1f} {row.seconds:7.3f} {row.gbs(0):6.2f} {row.gbs(1):6.2f} "
-              f"{row.gbs(2):6.2f} {row.of(1):6.1%} {row.of(2):6.1%} {m.sender['anon'] / MB:9.1f} "
+              f"{row.gbs(2):6.2f} {row.gbs(3):6.2f} {row.of(1):6.1%} {row.of(2):6.1%} {row.of(3):6.1%} {m.sender['anon'] / MB:9.1f} "
               f"{m.sender['slots'] / MB:8.0f} {store:>8s} {rss['hwm'] / MB:8.0f} {rss['shm'] / MB:7.0f} "
               f"{max(e['anon'] for e in m.receivers) / MB:7.1f}")  # fmt: skip
 
@@ -743,7 +774,8 @@ def report(rows: list[Row], sizes: dict) -> None:
         publish = "pack into a slot" if row.transport == "shm" else "pack+put"
         what = ("encode+" if row.mode == "inline" else "") + publish + "+deliver+decode+copy"
         print(f"sync throughput {row.label} ({what}): {row.gbs(0):.2f} GB/s = {row.of(1):.1%} of raw copy "
-              f"(target >= {THROUGHPUT_TARGET:.0%}); = {row.of(2):.1%} of raw Ray transfer")  # fmt: skip
+              f"(target >= {THROUGHPUT_TARGET:.0%}); = {row.of(2):.1%} of raw Ray transfer; = {row.of(3):.1%} of raw "
+              f"memmove on all cores")  # fmt: skip
     for row in rows:
         m = row.memory
         unit = row.bucket_mb * MB
