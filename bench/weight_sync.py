@@ -587,7 +587,7 @@ class Row:
 
     @property
     def seconds(self) -> float:
-        return statistics.median(s for s, _, _ in self.passes)
+        return statistics.median(p[0] for p in self.passes)
 
     def gbs(self, which: int) -> float:
         """GB/s of the sync (0), the raw copy (1), the raw Ray transfer (2), the raw memmove (3): median

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.weight_sync import shm
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
 from moe_rl.weight_sync.shm import SharedArena, aligned
 from moe_rl.weight_sync.wire import LazyGroup, WireEncoder
@@ -51,7 +52,8 @@ def share_parameters(model: torch.nn.Module, tag: str = "0") -> SharedArena | No
     gradient hooks hold, stay the same. Only a parameter that is the one user of its whole storage
     moves (not a view into a flat buffer, e.g. Megatron's distributed-optimizer parameter buffer, or
     storage two parameters share): those keep their memory and travel through the slots as before.
-    Returns the arena (None when nothing moved); the caller keeps it and closes it when done."""
+    Returns the arena (None when nothing moved, or when ``/dev/shm`` has no room for it: then every
+    tensor travels through the slots); the caller keeps it and closes it when done."""
     users: dict[int, list[torch.nn.Parameter]] = {}
     for param in dict.fromkeys(model.parameters()):  # a tied weight once
         data = param.data
@@ -65,9 +67,11 @@ def share_parameters(model: torch.nn.Module, tag: str = "0") -> SharedArena | No
         and group[0].data.storage_offset() == 0
         and group[0].data.untyped_storage().nbytes() == group[0].numel() * group[0].element_size()
     ]
-    if not movable:
+    total = sum(aligned(p.numel() * p.element_size()) for p in movable)
+    if not movable or shm.slot_dir(total) != shm.SHM_DIR:
+        # without room in shared memory the arena would be a file on disk, written back every step
         return None
-    arena = SharedArena(sum(aligned(p.numel() * p.element_size()) for p in movable), tag)
+    arena = SharedArena(total, tag)
     for param in movable:
         param.data = arena.place(param.data)
     return arena

@@ -150,6 +150,15 @@ def test_share_parameters_moves_a_model_in_place_and_training_goes_on(shm_dir):
     assert share_parameters(torch.nn.Linear(2, 2, device="meta")) is None
 
 
+def test_no_arena_without_room_in_shared_memory(shm_dir, monkeypatch, tmp_path_factory):
+    disk = tmp_path_factory.mktemp("disk")
+    monkeypatch.setattr(shm, "slot_dir", lambda nbytes: disk)  # /dev/shm too small: a file on disk
+    model = torch.nn.Linear(4, 4)
+    before = model.weight.data_ptr()
+    assert share_parameters(model) is None
+    assert model.weight.data_ptr() == before and list(disk.iterdir()) == []
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_copy_into_copies_large_tensors_on_several_threads(threads):
     n = PARALLEL_COPY_BYTES // 2 + 7  # bf16: just over the threshold, not a multiple of the threads
