@@ -15,15 +15,20 @@ bound by the cores that run it: NumPy's ``memmove`` copies ~11-12 GB/s on one th
 ``copy_`` ~7-8 GB/s on one thread and ~15 GB/s on two (the raw copy below). So a one-receiver bf16
 sync through the arena, whose receiver copies on both cores while the sender only hands out entries,
 can approach a two-thread copy; a sync that copies twice is bound near one core's copy rate; two
-receivers copy every byte twice between them.
+receivers copy every byte twice between them (each engine loads its own copy), which bounds them near
+half of the raw copy; the ``store`` transport copies three times (pack, ``ray.put``, load). FP8 rows
+are bound by the receiver's decoding (above), not by the transport. Measured on 2 cores, quiet
+machine (bf16, synthetic state, ``%copy``): ``shm`` one receiver 74-83 %, two receivers 40-47 %,
+``store`` 18-28 %, FP8 1-2 %.
 
 * Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
   `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to
   every receiver, then waits for the previous bucket's deliveries (at most two buckets in flight). It
   copies tensors into a bucket on one thread (`moe_rl.device.copy_into`), leaving the other core to
-  the receivers, and writes nothing for a tensor of its arena that travels as it is. Ray starts its workers at nice 15 and the driver runs at nice 0, so the bench starts
-  the receivers at nice 0 (``RAY_worker_niceness``; in the runtime sender and engines are all actors,
-  at one priority): otherwise any other load on the machine starves the receivers, not the baseline.
+  the receivers, and writes nothing for a tensor of its arena that travels as it is. Ray starts its
+  workers at nice 15 and the driver runs at nice 0, so the bench starts the receivers at nice 0
+  (``RAY_worker_niceness``; in the runtime sender and engines are all actors, at one priority):
+  otherwise any other load on the machine starves the receivers, not the baseline.
 * Transports (column ``via``): ``shm``, the sender's two shared-memory slots (what the runtime uses
   when every engine is on the trainer rank's node: the bucket is written once into a slot, in parts
   of up to 128 MB (`weight_sync.buckets.PART_BYTES`) that are handed to the receivers as each is
