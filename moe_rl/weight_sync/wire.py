@@ -22,10 +22,12 @@ what the engine will hold, bytes sent).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -90,10 +92,24 @@ def quantize_int8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tup
     return q.to(torch.int8), scale, block
 
 
+@functools.cache
+def _e4m3_values() -> np.ndarray:
+    """The float32 value of each of the 256 e4m3 bytes."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+def _as_float32(data: Tensor) -> Tensor:
+    """``data.float()``; for e4m3 on CPU by looking each byte up in a 256-entry table, about twice as
+    fast as torch's conversion there (element by element), with the same values."""
+    if data.dtype == torch.float8_e4m3fn and data.device.type == "cpu" and data.is_contiguous():
+        return torch.from_numpy(_e4m3_values()[data.view(torch.uint8).numpy()])
+    return data.float()
+
+
 def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
     """The values a quantized engine holds: ``data · scale`` blockwise, float32 (one float32 tensor
     of the weight's size; the scales are broadcast over their blocks, not expanded)."""
-    out = data.float()
+    out = _as_float32(data)
     (rows, cols), (bo, bi) = out.shape, block
     if rows % bo == 0 and cols % bi == 0:
         out.view(rows // bo, bo, cols // bi, bi).mul_(scale.float()[:, None, :, None])
