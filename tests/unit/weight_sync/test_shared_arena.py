@@ -5,8 +5,6 @@ slots, and the trainer's optimizer keeps working on the moved parameters."""
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from moe_rl.weight_sync import shm
 from moe_rl.weight_sync.buckets import BucketPacker, detach
 from moe_rl.weight_sync.sender import share_parameters
 from moe_rl.weight_sync.wire import LazyGroup, Piece
+from tests.unit.weight_sync.sync_testing import in_another_process
 
 
 @pytest.fixture
@@ -135,17 +134,10 @@ def test_share_parameters_moves_a_model_in_place_and_training_goes_on(shm_dir):
     moved = model[0].weight
     assert not torch.equal(moved, before["0.weight"])
     ref = arena.locate(moved)
-    code = (
-        "import pickle, sys, torch\nfrom moe_rl.weight_sync.shm import read_slot\n"
-        "ref = pickle.loads(sys.stdin.buffer.read())\n"
-        "print(float(torch.from_numpy(read_slot(ref).copy()).view(torch.float32).sum()))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], input=pickle.dumps(ref), capture_output=True, check=True
-    )
-    assert float(out.stdout) == pytest.approx(
-        float(moved.detach().sum()), rel=1e-6
-    )  # another process sees the step
+    code = "from moe_rl.weight_sync.shm import read_slot\n"
+    code += "print(float(torch.from_numpy(read_slot(sent).copy()).view(torch.float32).sum()))"
+    total = in_another_process(code, ref)
+    assert total == pytest.approx(float(moved.detach().sum()), rel=1e-6)  # another process sees the step
     arena.close()
     assert share_parameters(torch.nn.Linear(2, 2, device="meta")) is None
 

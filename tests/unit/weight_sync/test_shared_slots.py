@@ -14,6 +14,7 @@ import torch
 
 from moe_rl.weight_sync import shm
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
+from tests.unit.weight_sync.sync_testing import in_another_process
 
 
 @pytest.fixture
@@ -84,15 +85,8 @@ def test_close_removes_the_files_and_stale_ones_of_dead_senders_go(tmp_path, mon
 
 def test_another_process_reads_the_bucket_in_place(slots):
     bucket = next(BucketPacker(64, slots=slots).pack(iter(_groups([12]))))
-    code = (
-        "import pickle, sys, torch\n"
-        "bucket = pickle.loads(sys.stdin.buffer.read())\n"
-        "print(sum(float(t.sum()) for _, t in bucket.tensors()))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], input=pickle.dumps(bucket), capture_output=True, check=True
-    )
-    assert float(out.stdout) == float(torch.arange(12, dtype=torch.float32).sum())
+    total = in_another_process("print(sum(float(t.sum()) for _, t in sent.tensors()))", bucket)
+    assert total == float(torch.arange(12, dtype=torch.float32).sum())
 
 
 def test_a_new_sender_never_reuses_a_file_name_a_receiver_may_have_mapped(tmp_path, monkeypatch):
