@@ -115,7 +115,7 @@ def copy_into(target: torch.Tensor, source: torch.Tensor, threads: int = 1) -> N
     ):
         import numpy as np
 
-        dst, src = _bytes(target), _bytes(source)
+        dst, src = tensor_bytes(target), tensor_bytes(source)
         if threads > 1 and dst.nbytes >= PARALLEL_COPY_BYTES:
             _parallel_copy(dst, src, threads)
         else:
@@ -142,7 +142,7 @@ def _parallel_copy(dst, src, threads: int) -> None:
         future.result()
 
 
-def _bytes(tensor: torch.Tensor):
+def tensor_bytes(tensor: torch.Tensor):
     """The bytes of a contiguous CPU tensor as a flat NumPy ``uint8`` array (no copy)."""
     import torch
 

@@ -8,7 +8,9 @@ bucket of its own. Its bytes live in one of two places:
   sender's node: the bucket that travels is its entries and the slot's name, and receivers read the
   bytes in place;
 * a NumPy ``uint8`` buffer that the packer reuses for every bucket it fills, published through Ray's
-  object store (one copy into the store, read without copying by every receiver on a node).
+  object store (one copy into the store, read without copying by every receiver on a node). A
+  contiguous CPU tensor that travels as it is is not packed: the bucket carries it as it lies
+  (`Bucket.arrays`) and ``ray.put`` copies it straight into the store.
 
 Either way a sender holds at most two buckets' worth of buffers, not one per bucket. A packer given
 the sender's `shm.SharedArena` (a CPU trainer's parameters in shared memory) writes nothing for a
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from moe_rl.device import tensor_bytes
 from moe_rl.weight_sync.shm import SharedArena, SharedSlots, SlotRef, read_slot
 from moe_rl.weight_sync.wire import LazyGroup, Piece
 
@@ -59,6 +62,9 @@ class Entry:
     source: SlotRef | None = None
     """Where the tensor lies in its sender's shared arena, when it was not copied into the buffer
     (then ``offset`` is unused)."""
+    array: int | None = None
+    """Index of the bucket's `Bucket.arrays` entry that holds the tensor, when it was not copied into
+    the buffer (then ``offset`` is unused)."""
 
 
 @dataclass
@@ -80,6 +86,10 @@ class Bucket:
     """Position of this part in its bucket (0 for a bucket that travels whole)."""
     last: bool = True
     """Whether this is the bucket's last part (always, for a bucket that travels whole)."""
+    arrays: list[np.ndarray] = field(default_factory=list)
+    """Tensors that travel as the sender holds them (flat ``uint8`` views, no copy): ``ray.put``
+    copies each straight into the object store (NumPy arrays travel out of band), so they are copied
+    once on the sender, not packed into the buffer first."""
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +116,8 @@ class Bucket:
         for entry in self.entries:
             if entry.source is not None:
                 raw = _tensor(read_slot(entry.source))
+            elif entry.array is not None:
+                raw = _tensor(self.arrays[entry.array])
             else:
                 flat = _tensor(self.data) if flat is None else flat
                 raw = flat[entry.offset : entry.offset + entry.nbytes]
@@ -143,6 +155,8 @@ class BucketPacker:
     With ``arena`` (`shm.SharedArena`, only together with ``slots``) a piece that travels as it is
     (`wire.Piece.source`) and lies in the arena is not written: its entry points there. It counts
     towards the bucket's and the part's size (what receivers read) but takes no room in the slot.
+    Without ``slots`` such a piece, when it is a contiguous CPU tensor, is not written either: the
+    bucket carries it as it lies (`Bucket.arrays`), valid as long as the tensor is unchanged.
     """
 
     def __init__(
@@ -176,25 +190,30 @@ class BucketPacker:
         last part of a bucket is never empty."""
         entries: list[Entry] = []
         used = start = count = part = 0  # bytes written into this bucket's buffer; where this part's begin
-        size = part_size = 0  # bytes of this bucket and of this part, those read in the arena included
+        size = part_size = 0  # bytes of this bucket and of this part, those not written included
+        arrays: list[np.ndarray] = []  # this bucket's tensors carried as they lie (no slots)
         target, path = None, None
         for group in groups:
             lazy = group if isinstance(group, LazyGroup) else LazyGroup.of(group)
             if entries and size + lazy.nbytes > self.capacity:
-                yield self._bucket(entries, target, path, start, used, count, part, last=True)
+                yield self._bucket(entries, target, path, start, used, count, part, True, arrays)
                 entries, used, start, size, part_size, count, part = [], 0, 0, 0, 0, count + 1, 0
-                target = None
+                target, arrays = None, []
             elif entries and self.part_bytes is not None and part_size >= self.part_bytes:
-                yield self._bucket(entries, target, path, start, used, count, part, last=False)
+                yield self._bucket(entries, target, path, start, used, count, part, False, arrays)
                 entries, start, part_size, part = [], used, 0, part + 1
-            sources = [self._in_arena(piece) for piece in lazy.pieces]
+            sources = [self._unwritten(piece) for piece in lazy.pieces]
             written = sum(piece.nbytes for piece, at in zip(lazy.pieces, sources, strict=True) if at is None)
             if target is None or used + written > target.nbytes:  # a new bucket, or an oversized group
                 target, path = self._target(count, written)
             views: list[Tensor | None] = []
             for piece, at in zip(lazy.pieces, sources, strict=True):
+                if isinstance(at, SlotRef):
+                    entries.append(_entry(piece, 0, source=at))
+                elif at is not None:
+                    entries.append(_entry(piece, 0, array=len(arrays)))
+                    arrays.append(tensor_bytes(at))
                 if at is not None:
-                    entries.append(_entry(piece, 0, at))
                     views.append(None)
                     continue
                 entries.append(_entry(piece, used - start))
@@ -204,13 +223,19 @@ class BucketPacker:
             part_size += lazy.nbytes
             lazy.fill(views)
         if entries:
-            yield self._bucket(entries, target, path, start, used, count, part, last=True)
+            yield self._bucket(entries, target, path, start, used, count, part, True, arrays)
 
-    def _in_arena(self, piece: Piece) -> SlotRef | None:
-        """Where ``piece`` lies in the arena, when it travels as it is and lies there."""
-        if self.arena is None or piece.source is None or piece.source.dtype != piece.dtype:
+    def _unwritten(self, piece: Piece) -> SlotRef | Tensor | None:
+        """How ``piece`` travels without being written: where it lies in the arena (with slots), or
+        the tensor itself (without slots: a contiguous CPU tensor); None: it is written."""
+        source = piece.source
+        if source is None or source.dtype != piece.dtype or source.numel() == 0:
             return None
-        return self.arena.locate(piece.source)
+        if self.slots is not None:
+            return self.arena.locate(source) if self.arena is not None else None
+        if source.device.type == "cpu" and source.is_contiguous():
+            return source
+        return None
 
     def _bucket(
         self,
@@ -222,12 +247,11 @@ class BucketPacker:
         index: int,
         part: int,
         last: bool,
+        arrays: list[np.ndarray],
     ) -> Bucket:
         """Bytes ``start:end`` of ``target``, whose entries' offsets count from ``start``."""
         slot = SlotRef(path, end - start, start) if path is not None else None
-        return Bucket(
-            entries, target[start:end], index=index, sender=self.sender, slot=slot, part=part, last=last
-        )
+        return Bucket(entries, target[start:end], index, self.sender, slot, part, last, arrays)
 
 
 def pack_buckets(
@@ -237,11 +261,11 @@ def pack_buckets(
     return BucketPacker(capacity, sender).pack(groups)
 
 
-def _entry(piece: Piece, offset: int, source: SlotRef | None = None) -> Entry:
+def _entry(piece: Piece, offset: int, source: SlotRef | None = None, array: int | None = None) -> Entry:
     dtype = str(piece.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise ValueError(f"weight {piece.name!r} has dtype {piece.dtype}, which no bucket carries")
-    return Entry(piece.name, dtype, piece.shape, offset, piece.nbytes, dict(piece.meta), source)
+    return Entry(piece.name, dtype, piece.shape, offset, piece.nbytes, dict(piece.meta), source, array)
 
 
 def _view(buffer: np.ndarray, entry: Entry, dtype: torch.dtype) -> Tensor:
@@ -257,12 +281,13 @@ def detach(bucket: Bucket) -> Bucket:
     buffer = np.empty(bucket.nbytes, dtype=np.uint8)
     entries, at = [], 0
     for entry in bucket.entries:
-        raw = (
-            read_slot(entry.source)
-            if entry.source is not None
-            else bucket.data[entry.offset :][: entry.nbytes]
-        )
+        if entry.source is not None:
+            raw = read_slot(entry.source)
+        elif entry.array is not None:
+            raw = bucket.arrays[entry.array]
+        else:
+            raw = bucket.data[entry.offset :][: entry.nbytes]
         buffer[at : at + entry.nbytes] = raw
-        entries.append(replace(entry, offset=at, source=None))
+        entries.append(replace(entry, offset=at, source=None, array=None))
         at += entry.nbytes
     return Bucket(entries, buffer, bucket.index, bucket.sender, part=bucket.part, last=bucket.last)

@@ -168,3 +168,41 @@ def test_e4m3_decodes_to_torchs_values_for_every_byte():
     assert torch.equal(got.signbit(), want.signbit())  # -0 stays -0
     transposed = _as_float32(codes.t())  # not contiguous: torch's conversion
     assert torch.equal(torch.nan_to_num(transposed), torch.nan_to_num(want.t()))
+
+
+def test_without_slots_contiguous_cpu_tensors_travel_as_they_lie_out_of_band():
+    import pickle
+
+    from moe_rl.weight_sync.buckets import BucketPacker
+    from moe_rl.weight_sync.wire import LazyGroup, Piece
+
+    held = torch.arange(64, dtype=torch.bfloat16)  # contiguous: carried as it lies
+    square = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    computed = torch.full((4,), 3.0)
+
+    def fill(views):
+        assert views[0] is None
+        views[1].copy_(square.t())
+        views[2].copy_(computed)
+
+    group = LazyGroup(
+        [
+            Piece("held", held.dtype, (64,), {}, held),
+            Piece("transposed", torch.float32, (4, 4), {}, square.t()),  # not contiguous: written
+            Piece("computed", torch.float32, (4,), {}),
+        ],
+        fill,
+    )
+    (bucket,) = BucketPacker(1024).pack(iter([group]))
+    assert [e.array for e in bucket.entries] == [0, None, None]
+    assert bucket.buffer.nbytes == 80 and bucket.nbytes == 208  # only the written bytes were packed
+    assert bucket.arrays[0].ctypes.data == held.data_ptr()  # no copy on the sender before publishing
+    out_of_band: list = []
+    wire = pickle.dumps(bucket, protocol=5, buffer_callback=out_of_band.append)  # as Ray serializes
+    assert len(out_of_band) == 2 and len(wire) < 1024  # the buffer and the held tensor, not in the pickle
+    got = {e.name: t.clone() for e, t in pickle.loads(wire, buffers=out_of_band).tensors()}
+    assert torch.equal(got["held"], held) and torch.equal(got["transposed"], square.t())
+    assert torch.equal(got["computed"], computed)
+    kept = detach(bucket)
+    held.add_(1)
+    assert torch.equal(dict((e.name, t) for e, t in kept.tensors())["held"], held - 1)
