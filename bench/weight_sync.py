@@ -16,8 +16,10 @@ bound by the cores that run it: NumPy's ``memmove`` copies ~11-12 GB/s on one th
 sync through the arena, whose receiver copies on both cores while the sender only hands out entries,
 can approach a two-thread copy; a sync that copies twice is bound near one core's copy rate; two
 receivers copy every byte twice between them (each engine loads its own copy), which bounds them near
-half of the raw copy; the ``store`` transport copies three times (pack, ``ray.put``, load). FP8 rows
-are bound by the receiver's decoding (above), not by the transport. Measured on 2 cores, quiet
+half of the raw copy; the ``store`` transport copies twice (``ray.put`` straight from where the sender
+holds a tensor, `weight_sync.buckets.Bucket.arrays`, then the load; a computed tensor a third time,
+into the pack buffer first). FP8 rows are bound by the receiver's decoding (above), not by the
+transport. Measured on 2 cores, quiet
 machine (bf16, synthetic state, ``%copy``): ``shm`` one receiver 74-83 %, two receivers 40-47 %,
 ``store`` 18-28 %, FP8 1-2 %.
 
@@ -33,8 +35,8 @@ machine (bf16, synthetic state, ``%copy``): ``shm`` one receiver 74-83 %, two re
   when every engine is on the trainer rank's node: the bucket is written once into a slot, in parts
   of up to 128 MB (`weight_sync.buckets.PART_BYTES`) that are handed to the receivers as each is
   written, so they read a bucket's start while the sender writes the rest; receivers read it in place)
-  and ``store``, Ray's object store (across nodes: the bucket is packed, then ``ray.put`` copies it
-  into the store).
+  and ``store``, Ray's object store (across nodes: what the sender computes is packed into a buffer,
+  then ``ray.put`` copies that buffer and the tensors that travel as they are into the store).
 * Receivers: 1 or 2 Ray actors (``--recv-threads`` threads each; default: the machine's cores shared
   among the receivers, as engines on a node share it) that, like an engine, decode each bucket
   (`moe_rl.weight_sync.receiver.decoded`) and copy every tensor into a preallocated, pre-touched tensor
