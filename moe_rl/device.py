@@ -95,6 +95,7 @@ def check_process_device(run_device: str) -> torch.device:
 PARALLEL_COPY_BYTES = 8 << 20
 """Tensors from this size on are copied by several threads when `copy_into` is given them."""
 _COPY_POOL = None
+"""``(workers, executor)`` of the threads `copy_into` copies on besides the caller's."""
 
 
 def copy_into(target: torch.Tensor, source: torch.Tensor, threads: int = 1) -> None:
@@ -132,11 +133,15 @@ def _parallel_copy(dst, src, threads: int) -> None:
     import numpy as np
 
     global _COPY_POOL
-    if _COPY_POOL is None or _COPY_POOL._max_workers < threads - 1:
-        _COPY_POOL = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="copy")
+    if _COPY_POOL is None or _COPY_POOL[0] < threads - 1:
+        _COPY_POOL = (
+            threads - 1,
+            concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="copy"),
+        )
+    pool = _COPY_POOL[1]
     bounds = [dst.nbytes * i // threads for i in range(threads + 1)]
     chunks = [slice(a, b) for a, b in itertools.pairwise(bounds)]
-    futures = [_COPY_POOL.submit(np.copyto, dst[c], src[c]) for c in chunks[1:]]
+    futures = [pool.submit(np.copyto, dst[c], src[c]) for c in chunks[1:]]
     np.copyto(dst[chunks[0]], src[chunks[0]])
     for future in futures:
         future.result()

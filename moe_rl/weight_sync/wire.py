@@ -98,12 +98,22 @@ def _e4m3_values() -> np.ndarray:
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
+DECODE_CHUNK = 1 << 20
+"""Bytes of e4m3 looked up at a time (`_as_float32`: NumPy widens each chunk's indices to int64)."""
+
+
 def _as_float32(data: Tensor) -> Tensor:
-    """``data.float()``; for e4m3 on CPU by looking each byte up in a 256-entry table, about twice as
-    fast as torch's conversion there (element by element), with the same values."""
-    if data.dtype == torch.float8_e4m3fn and data.device.type == "cpu" and data.is_contiguous():
-        return torch.from_numpy(_e4m3_values()[data.view(torch.uint8).numpy()])
-    return data.float()
+    """``data.float()``; for e4m3 on CPU by looking each byte up in a 256-entry table, chunk by chunk
+    into the result, about twice as fast as torch's conversion there (element by element), with the
+    same values."""
+    if data.dtype != torch.float8_e4m3fn or data.device.type != "cpu" or not data.is_contiguous():
+        return data.float()
+    codes = data.view(torch.uint8).reshape(-1).numpy()
+    out = np.empty(codes.shape, dtype=np.float32)
+    for start in range(0, codes.size, DECODE_CHUNK):
+        chunk = slice(start, start + DECODE_CHUNK)
+        np.take(_e4m3_values(), codes[chunk], out=out[chunk])
+    return torch.from_numpy(out).view(data.shape)
 
 
 def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
