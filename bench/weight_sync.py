@@ -20,8 +20,8 @@ half of the raw copy; the ``store`` transport copies twice (``ray.put`` straight
 holds a tensor, `weight_sync.buckets.Bucket.arrays`, then the load; a computed tensor a third time,
 into the pack buffer first). FP8 rows are bound by the receiver's decoding (above), not by the
 transport. Measured on 2 cores, quiet
-machine (bf16, synthetic state, ``%copy``): ``shm`` one receiver 74-83 %, two receivers 40-47 %,
-``store`` 18-28 %, FP8 1-2 %.
+machine (bf16, synthetic state, ``%copy``, two runs): ``shm`` one receiver 68-82 %, two receivers
+37-47 %; ``store`` one receiver 32-42 %, two 20-29 %; FP8 1-2 %.
 
 * Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
   `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to

@@ -22,12 +22,10 @@ what the engine will hold, bytes sent).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -92,34 +90,10 @@ def quantize_int8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tup
     return q.to(torch.int8), scale, block
 
 
-@functools.cache
-def _e4m3_values() -> np.ndarray:
-    """The float32 value of each of the 256 e4m3 bytes."""
-    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-
-
-DECODE_CHUNK = 1 << 20
-"""Bytes of e4m3 looked up at a time (`_as_float32`: NumPy widens each chunk's indices to int64)."""
-
-
-def _as_float32(data: Tensor) -> Tensor:
-    """``data.float()``; for e4m3 on CPU by looking each byte up in a 256-entry table, chunk by chunk
-    into the result, about twice as fast as torch's conversion there (element by element), with the
-    same values."""
-    if data.dtype != torch.float8_e4m3fn or data.device.type != "cpu" or not data.is_contiguous():
-        return data.float()
-    codes = data.view(torch.uint8).reshape(-1).numpy()
-    out = np.empty(codes.shape, dtype=np.float32)
-    for start in range(0, codes.size, DECODE_CHUNK):
-        chunk = slice(start, start + DECODE_CHUNK)
-        np.take(_e4m3_values(), codes[chunk], out=out[chunk])
-    return torch.from_numpy(out).view(data.shape)
-
-
 def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
     """The values a quantized engine holds: ``data · scale`` blockwise, float32 (one float32 tensor
     of the weight's size; the scales are broadcast over their blocks, not expanded)."""
-    out = _as_float32(data)
+    out = data.float()
     (rows, cols), (bo, bi) = out.shape, block
     if rows % bo == 0 and cols % bi == 0:
         out.view(rows // bo, bo, cols // bi, bi).mul_(scale.float()[:, None, :, None])
@@ -136,8 +110,8 @@ class Piece:
     shape: tuple[int, ...]
     meta: dict
     source: Tensor | None = None
-    """The tensor itself, when it travels as it is (a packer may then send where it lies instead of
-    copying it, see `moe_rl.weight_sync.shm.SharedArena`)."""
+    """The tensor itself, when it travels as it is (a packer may then carry it as it lies instead of
+    copying it: see `moe_rl.weight_sync.buckets.BucketPacker`)."""
 
     @property
     def nbytes(self) -> int:
