@@ -246,8 +246,7 @@ class Receiver:
     """A rollout engine's side of the sync (a Ray actor): decodes each bucket and copies every tensor
     into its preallocated state; also the receiving side of the raw Ray transfer."""
 
-    def __init__(self, threads: int):
-        torch.set_num_threads(threads)
+    def __init__(self):
         self.state: dict[str, torch.Tensor] = {}
         self.flat: torch.Tensor | None = None
         self.loaded: list[str] = []
@@ -428,11 +427,11 @@ def tiny_state() -> State:
 
 
 def synthetic_state(quick: bool) -> State:
-    from moe_rl.weight_sync.shm import SharedArena, aligned
+    from moe_rl.weight_sync.shm import SharedArena
 
     layers, experts = (1, 2) if quick else (2, 6)
     held = synthetic_groups(layers, experts, vocab_rows=4096 if not quick else 1024)
-    arena = SharedArena(sum(aligned(nbytes_of(t)) for g in held for _, t in g))
+    arena = SharedArena(SharedArena.size_for(t for g in held for _, t in g))
     held = [[(name, arena.place(t)) for name, t in g] for g in held]  # where a CPU trainer holds them
 
     def groups() -> Iterator[Group]:  # the sender packs views of the parameters (no copy of its own)
@@ -671,7 +670,7 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
     actor = ray.remote(num_cpus=1)(Receiver)
     global RECV_THREADS
     RECV_THREADS = args.recv_threads
-    receivers = [actor.remote(1) for _ in range(2)]
+    receivers = [actor.remote() for _ in range(2)]  # threads are set per sync (`begin`)
     states = [tiny_state(), synthetic_state(args.quick)]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     free = args.free_objects_ms if args.free_objects_ms is not None else "Ray's default (1000)"

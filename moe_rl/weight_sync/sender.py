@@ -26,7 +26,7 @@ import torch
 
 from moe_rl.weight_sync import shm
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
-from moe_rl.weight_sync.shm import SharedArena, aligned
+from moe_rl.weight_sync.shm import SharedArena, tensor_nbytes
 from moe_rl.weight_sync.wire import LazyGroup, WireEncoder
 
 EXPERT_MARK = ".mlp.experts."
@@ -65,9 +65,9 @@ def share_parameters(model: torch.nn.Module, tag: str = "0") -> SharedArena | No
         if len(group) == 1
         and group[0].data.is_contiguous()
         and group[0].data.storage_offset() == 0
-        and group[0].data.untyped_storage().nbytes() == group[0].numel() * group[0].element_size()
+        and group[0].data.untyped_storage().nbytes() == tensor_nbytes(group[0])
     ]
-    total = sum(aligned(p.numel() * p.element_size()) for p in movable)
+    total = SharedArena.size_for(movable)
     if not movable or shm.slot_dir(total) != shm.SHM_DIR:
         # without room in shared memory the arena would be a file on disk, written back every step
         return None

@@ -33,6 +33,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,7 +159,7 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
@@ -175,11 +176,16 @@ class SharedArena:
         self._slot = _Slot(folder / f"{PREFIX}{os.getpid()}-{tag}-arena-{next(_GENERATIONS)}", nbytes)
         self.path, self.nbytes, self.used = str(self._slot.path), nbytes, 0
         self._base = self._slot.array.ctypes.data
-        self._finalizer = weakref.finalize(self, _unlink, self._slot.path)
+        self._finalizer = weakref.finalize(self, self._slot.close)
+
+    @staticmethod
+    def size_for(tensors: Iterable[torch.Tensor]) -> int:
+        """Bytes an arena needs to hold ``tensors`` (each aligned)."""
+        return sum(aligned(tensor_nbytes(tensor)) for tensor in tensors)
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous tensor in the arena with ``tensor``'s dtype, shape and values."""
-        offset, nbytes = aligned(self.used), _nbytes(tensor)
+        offset, nbytes = aligned(self.used), tensor_nbytes(tensor)
         if offset + nbytes > self.nbytes:
             raise ValueError(
                 f"shared arena {self.path} holds {self.nbytes} bytes; a {tuple(tensor.shape)} "
@@ -196,20 +202,14 @@ class SharedArena:
         inside it."""
         if self._slot.array is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
             return None
-        offset, nbytes = tensor.data_ptr() - self._base, _nbytes(tensor)
+        offset, nbytes = tensor.data_ptr() - self._base, tensor_nbytes(tensor)
         if nbytes == 0 or offset < 0 or offset + nbytes > self.nbytes:
             return None
         return SlotRef(self.path, nbytes, offset)
 
     def close(self) -> None:
         """Remove the file (tensors placed here stay valid: their mapping lives as long as they do)."""
-        self._slot.close()
         self._finalizer()
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()
 
 
 _MAPPED: dict[str, np.ndarray] = {}
