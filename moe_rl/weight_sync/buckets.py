@@ -36,6 +36,21 @@ PART_BYTES = 128 << 20
 that receivers start early, large enough that a part's delivery (one call per receiver) costs little
 next to reading it."""
 
+ALIGN = 64
+"""Every tensor written into a bucket's buffer starts at a multiple of this many bytes, so a view
+of any dtype lines up (a float32 scale after an odd-sized e4m3 weight) and copies start on a cache
+line."""
+
+
+SLACK = 64 * ALIGN
+"""Room a bucket's buffer has beyond its capacity for the padding of the tensors written in it."""
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to `ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -75,7 +90,8 @@ class Bucket:
 
     entries: list[Entry]
     buffer: np.ndarray | None
-    """uint8, exactly ``nbytes`` long (on a receiver of a shared slot: mapped on first use)."""
+    """uint8: the written entries, each at an `ALIGN`-ed offset (on a receiver of a shared slot:
+    mapped on first use)."""
     index: int = 0
     """Position in its sender's stream."""
     sender: int = 0
@@ -141,7 +157,8 @@ class BucketPacker:
     """Packs groups of ``(name, tensor, meta)`` into buckets of at most ``capacity`` bytes (a group
     larger than that: a bucket of its own), in order, into buffers it keeps from sync to sync (grown
     to the largest group when one is larger than ``capacity``, never shrunk), whose pages are touched
-    once:
+    once. A buffer has `SLACK` bytes beyond ``capacity`` for the padding of the tensors written in it
+    (`ALIGN`); a bucket whose padding would overflow them (many tiny tensors) ends early.
 
     * without ``slots``: one working buffer. A yielded bucket's buffer is valid until the next
       bucket is requested: publish it (``ray.put`` copies it) or `detach` it before asking for the next;
@@ -177,10 +194,11 @@ class BucketPacker:
 
     def _target(self, index: int, size: int) -> tuple[np.ndarray, str | None]:
         """Where bucket ``index`` is written, for a bucket of at least ``size`` bytes."""
+        size = max(size, self.capacity + SLACK)
         if self.slots is not None:
-            return self.slots.buffer(index, max(size, self.capacity))
+            return self.slots.buffer(index, size)
         if size > self.buffer.nbytes:
-            self.buffer = np.empty(max(self.capacity, size), dtype=np.uint8)
+            self.buffer = np.empty(size, dtype=np.uint8)
         return self.buffer, None
 
     def pack(self, groups: Iterator[LazyGroup | Sequence[tuple[str, Tensor, dict]]]) -> Iterator[Bucket]:
@@ -195,15 +213,15 @@ class BucketPacker:
         target, path = None, None
         for group in groups:
             lazy = group if isinstance(group, LazyGroup) else LazyGroup.of(group)
-            if entries and size + lazy.nbytes > self.capacity:
+            sources = [self._unwritten(piece) for piece in lazy.pieces]
+            written = sum(aligned(p.nbytes) for p, at in zip(lazy.pieces, sources, strict=True) if at is None)
+            if entries and (size + lazy.nbytes > self.capacity or used + written > target.nbytes):
                 yield self._bucket(entries, target, path, start, used, count, part, True, arrays)
                 entries, used, start, size, part_size, count, part = [], 0, 0, 0, 0, count + 1, 0
                 target, arrays = None, []
             elif entries and self.part_bytes is not None and part_size >= self.part_bytes:
                 yield self._bucket(entries, target, path, start, used, count, part, False, arrays)
                 entries, start, part_size, part = [], used, 0, part + 1
-            sources = [self._unwritten(piece) for piece in lazy.pieces]
-            written = sum(piece.nbytes for piece, at in zip(lazy.pieces, sources, strict=True) if at is None)
             if target is None or used + written > target.nbytes:  # a new bucket, or an oversized group
                 target, path = self._target(count, written)
             views: list[Tensor | None] = []
@@ -218,7 +236,8 @@ class BucketPacker:
                     continue
                 entries.append(_entry(piece, used - start))
                 views.append(_view(target, _entry(piece, used), piece.dtype))
-                used += piece.nbytes
+                target[used + piece.nbytes : used + aligned(piece.nbytes)] = 0  # no stray bytes travel
+                used += aligned(piece.nbytes)
             size += lazy.nbytes
             part_size += lazy.nbytes
             lazy.fill(views)
@@ -278,7 +297,7 @@ def _view(buffer: np.ndarray, entry: Entry, dtype: torch.dtype) -> Tensor:
 def detach(bucket: Bucket) -> Bucket:
     """``bucket`` with its own copy of the bytes, those read in an arena included (to keep it past
     the next one)."""
-    buffer = np.empty(bucket.nbytes, dtype=np.uint8)
+    buffer = np.zeros(sum(aligned(entry.nbytes) for entry in bucket.entries), dtype=np.uint8)
     entries, at = [], 0
     for entry in bucket.entries:
         if entry.source is not None:
@@ -289,5 +308,5 @@ def detach(bucket: Bucket) -> Bucket:
             raw = bucket.data[entry.offset :][: entry.nbytes]
         buffer[at : at + entry.nbytes] = raw
         entries.append(replace(entry, offset=at, source=None, array=None))
-        at += entry.nbytes
+        at += aligned(entry.nbytes)
     return Bucket(entries, buffer, bucket.index, bucket.sender, part=bucket.part, last=bucket.last)

@@ -9,6 +9,7 @@ import torch
 from moe_rl.config.schema import QuantConfig
 from moe_rl.rollout.fp8_block import quantize_fp8_block
 from moe_rl.weight_sync.buckets import detach, pack_buckets
+from moe_rl.weight_sync.receiver import bucket_items
 from moe_rl.weight_sync.wire import WireEncoder, decode, dequantize, quantize_int8, scale_name
 
 FP8_BLOCK = QuantConfig(name="fp8_block128", method="fp8", granularity="block", block_size=4)
@@ -39,6 +40,33 @@ def test_buckets_keep_groups_whole_and_bytes_exact():
     got = {e.name: t for b in buckets for e, t in b.tensors()}
     for name, tensor, _ in (item for g in groups for item in g):
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+
+
+@pytest.mark.parametrize("slotted", [False, True], ids=["buffer", "slot"])
+def test_tensors_of_any_dtype_line_up_after_odd_sized_ones(slotted, tmp_path, monkeypatch):
+    """An e4m3 weight of an odd number of bytes is followed by its float32 scales: every written
+    tensor starts at an aligned offset, so each is viewed back in its dtype (and the padding is 0)."""
+    from moe_rl.weight_sync import shm
+    from moe_rl.weight_sync.buckets import ALIGN, BucketPacker
+
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    weights = [
+        (f"model.layers.0.mlp.experts.{i}.down_proj.weight", torch.randn(5, 3).bfloat16()) for i in range(3)
+    ]
+    encoder = WireEncoder(FP8_BLOCK, num_layers=1)
+    slots = shm.SharedSlots(4096, tag="align") if slotted else None
+    buckets = list(BucketPacker(4096, slots=slots).pack(encoder.lazy_group([w]) for w in weights))
+    entries = [e for b in buckets for e in b.entries]
+    assert [e.nbytes for e in entries] == [15, 8] * 3  # 5x3 e4m3, then 2x1 float32 scales
+    assert all(e.offset % ALIGN == 0 for e in entries)
+    got = dict(decode(item for b in buckets for item in bucket_items(b)))
+    for name, weight in weights:
+        data, scale = quantize_fp8_block(weight, 4)
+        assert torch.equal(got[name], dequantize(data, scale, (4, 4)))
+    raw = buckets[0].data
+    assert not raw[15:ALIGN].any() and not detach(buckets[0]).data[15:ALIGN].any()
+    if slots is not None:
+        slots.close()
 
 
 def test_a_bucket_is_valid_until_the_next_is_requested():
@@ -182,7 +210,7 @@ def test_without_slots_contiguous_cpu_tensors_travel_as_they_lie_out_of_band():
     )
     (bucket,) = BucketPacker(1024).pack(iter([group]))
     assert [e.array for e in bucket.entries] == [0, None, None]
-    assert bucket.buffer.nbytes == 80 and bucket.nbytes == 208  # only the written bytes were packed
+    assert bucket.buffer.nbytes == 128 and bucket.nbytes == 208  # only the written bytes (64 + 16, aligned)
     assert bucket.arrays[0].ctypes.data == held.data_ptr()  # no copy on the sender before publishing
     out_of_band: list = []
     wire = pickle.dumps(bucket, protocol=5, buffer_callback=out_of_band.append)  # as Ray serializes

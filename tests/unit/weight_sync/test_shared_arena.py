@@ -78,7 +78,7 @@ def test_a_packer_sends_arena_tensors_where_they_lie_and_writes_the_rest(shm_dir
     assert written == ["other", "computed"]
     by_name = {e.name: e for e in bucket.entries}
     assert by_name["held"].source.path == arena.path and by_name["other"].source is None
-    assert bucket.slot.nbytes == 48 and bucket.nbytes == 112  # only other + computed took slot room
+    assert bucket.slot.nbytes == 128 and bucket.nbytes == 112  # only other, computed (aligned) in the slot
     got = _received(bucket)
     assert torch.equal(got["held"], held) and torch.equal(got["other"], other)
     assert torch.equal(got["computed"], computed)

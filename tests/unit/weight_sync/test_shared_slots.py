@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_rl.weight_sync import shm
-from moe_rl.weight_sync.buckets import Bucket, BucketPacker
+from moe_rl.weight_sync.buckets import SLACK, Bucket, BucketPacker, aligned
 from tests.unit.weight_sync.sync_testing import in_another_process
 
 
@@ -43,13 +43,13 @@ def test_buckets_alternate_between_two_slots_and_arrive_intact(slots, tmp_path):
     groups = _groups([16, 16, 16, 8])  # 64 B, 64 B, 64 B, 32 B: a bucket each
     paths = []
     for bucket, group in zip(packer.pack(iter(groups)), groups, strict=True):
-        assert bucket.slot is not None and bucket.slot.nbytes == bucket.nbytes
+        assert bucket.slot is not None and bucket.slot.nbytes == aligned(bucket.nbytes)
         paths.append(bucket.slot.path)
         got = _received(bucket)
         assert torch.equal(got[group[0][0]], group[0][1])
     assert paths[0] == paths[2] and paths[1] == paths[3] and paths[0] != paths[1]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted({Path(p).name for p in paths})
-    assert slots.nbytes() == 128
+    assert slots.nbytes() == 2 * (64 + SLACK)  # room for the padding of tensors written in a bucket
 
 
 def test_an_oversized_group_gets_a_larger_slot_under_a_new_name(slots, tmp_path):
@@ -57,9 +57,9 @@ def test_an_oversized_group_gets_a_larger_slot_under_a_new_name(slots, tmp_path)
     first = next(packer.pack(iter(_groups([8]))))
     old = first.slot.path
     _received(first)
-    big = next(packer.pack(iter(_groups([40]))))  # 160 B > 64 B: slot 0 replaced
-    assert big.slot.path != old and not Path(old).exists() and big.nbytes == 160
-    assert torch.equal(_received(big)["w0"], torch.arange(40, dtype=torch.float32))
+    big = next(packer.pack(iter(_groups([1100]))))  # 4400 B > 64 B + SLACK: slot 0 replaced
+    assert big.slot.path != old and not Path(old).exists() and big.nbytes == 4400
+    assert torch.equal(_received(big)["w0"], torch.arange(1100, dtype=torch.float32))
     with pytest.raises(RuntimeError, match="is gone"):
         shm.read_slot(shm.SlotRef(old, 32))
 
@@ -110,7 +110,7 @@ def test_a_bucket_in_a_slot_travels_in_parts_of_whole_groups(slots):
     parts = list(packer.pack(iter(groups)))
     assert [(p.index, p.part, p.last) for p in parts] == [(0, 0, False), (0, 1, True), (1, 0, True)]
     assert [[e.name for e in p.entries] for p in parts] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
-    assert [(p.slot.offset, p.slot.nbytes) for p in parts] == [(0, 32), (32, 24), (0, 48)]
+    assert [(p.slot.offset, p.slot.nbytes) for p in parts] == [(0, 128), (128, 128), (0, 64)]  # aligned
     assert parts[0].slot.path == parts[1].slot.path != parts[2].slot.path
     got = {}
     for part in parts:
