@@ -109,6 +109,23 @@ def test_excluded_and_non_wire_recipes_travel_as_they_are():
     assert off.encode("model.layers.0.mlp.down_proj.weight", weight)[0][1] is weight
 
 
+@pytest.mark.parametrize("scale", [1.0, 3.7e-3, 1e-30, 255.0, 256.0, float("nan")])
+@pytest.mark.parametrize("with_nan_bytes", [False, True])
+def test_e4m3_decodes_bit_for_bit_as_torch_converts(scale, with_nan_bytes):
+    """Every e4m3 byte (subnormals, zeros, both signs; NaN codes when present) times a scale, from
+    tiny (subnormal products) to one whose power-of-two offset would overflow, equals torch's
+    conversion times that scale, and blocks keep their own scales."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    if not with_nan_bytes:
+        codes = codes[(codes & 0x7F) != 0x7F]
+    data = codes.repeat(2)[:504].reshape(12, 42).view(torch.float8_e4m3fn)
+    scales = torch.full((4, 14), scale)
+    scales[0, 0] = 0.5  # blocks of 3x3 with their own scales
+    want = data.float() * scales.repeat_interleave(3, 0).repeat_interleave(3, 1)
+    got = dequantize(data, scales, (3, 3))
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
 def test_fp8_tensor_and_channel_and_int8(granularity):
     weight = torch.randn(6, 10, generator=torch.Generator().manual_seed(2))
