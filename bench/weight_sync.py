@@ -85,8 +85,8 @@ that reused heap memory counts; ``VmHWM`` reset through ``/proc/self/clear_refs`
     NOT counted in it (a store is there for Ray anyway); it is reported apart:
   - ``store MB``: peak bytes in use in Ray's object store during the sync (raylet's store stats, polled),
     i.e. published buckets, including released ones Ray has not freed yet: Ray frees in batches every
-    ``free_objects_period_milliseconds`` (1000 ms by default; ``--free-objects-ms`` sets it), so the
-    store holds about a second's worth of buckets, not just the two in flight;
+    ``free_objects_period_milliseconds`` (the run's 50 ms, `orchestration.placement.PROCESS_ENV`;
+    ``--free-objects-ms`` sets it), so the store may hold a few more buckets than the two in flight;
   - ``recv RSS``: largest receiver peak RSS in MB (``VmHWM``: its preallocated state, its private
     memory, and the object store pages or slots it has mapped, ``(shm)``, which are shared, not its own);
   - ``recv+MB``: largest receiver peak private memory above its state (decode temporaries).
@@ -278,6 +278,7 @@ class Receiver:
                 t.zero_()
         gc.collect()
         self.loaded = []
+        self.busy = self.copying = 0.0
         self.sampler = PeakSampler() if sample else None
         if self.sampler:
             self.sampler.__enter__()
@@ -287,10 +288,14 @@ class Receiver:
         from moe_rl.device import copy_into
         from moe_rl.weight_sync.receiver import decoded
 
-        for name, value in decoded(bucket):
+        start = time.perf_counter()
+        for name, value in decoded(bucket):  # (decoding happens as the iteration asks for a value)
             # as the Megatron engine loads (`hf_weights.load_hf_subset`): on this actor's threads
+            copying = time.perf_counter()
             copy_into(self.state[name], value, threads=torch.get_num_threads())
+            self.copying += time.perf_counter() - copying
             self.loaded.append(name)
+        self.busy += time.perf_counter() - start
         return bucket.nbytes
 
     def receive_raw(self, buffer: np.ndarray) -> int:
@@ -300,7 +305,8 @@ class Receiver:
         return buffer.nbytes
 
     def end(self, checksums: bool) -> dict:
-        out: dict = {"loaded": len(self.loaded), "unique": len(set(self.loaded))}
+        out: dict = {"loaded": len(self.loaded), "unique": len(set(self.loaded)), "busy": self.busy,
+                     "copying": self.copying}  # fmt: skip
         if self.sampler:
             self.sampler.__exit__()
             out.update(self.sampler.result)
@@ -586,6 +592,9 @@ class Row:
     memory: Run
     passes: list[tuple[float, float, float, float]] = field(default_factory=list)
     """(sync, raw copy, raw Ray, raw memmove) seconds of each timed pass."""
+    decoding: list[float] = field(default_factory=list)
+    """Per timed pass: the largest share of the sync a receiver spent decoding (in `decoded`, not
+    copying into its state)."""
 
     @property
     def label(self) -> str:
@@ -638,17 +647,19 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--free-objects-ms", type=int, default=None,
-        help="Ray's free_objects_period_milliseconds (default: Ray's own, 1000 ms)",
+        help="Ray's free_objects_period_milliseconds (default: the run's, 50 ms)",
     )  # fmt: skip
     args = parser.parse_args()
+    from moe_rl.orchestration.placement import PROCESS_ENV
+
+    missing = {key: value for key, value in PROCESS_ENV.items() if key not in os.environ}
+    if missing:  # start again as a run's processes start: glibc reads its copy setting at start-up
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
     repeat = args.repeat or 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|modelopt)")
     wall = time.perf_counter()
 
-    from moe_rl.orchestration.actors import RAY_ENV
-
-    os.environ.update(RAY_ENV)  # the runtime's Ray settings (released buckets freed every 50 ms)
     # Ray starts its workers at nice 15. In the runtime sender and receivers are all Ray actors (one
     # priority); here the sender and the raw copy run in the driver (nice 0): the receivers run at its
     # priority too, or any other load on the node starves them and not the baseline.
@@ -673,11 +684,11 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
     receivers = [actor.remote() for _ in range(2)]  # threads are set per sync (`begin`)
     states = [tiny_state(), synthetic_state(args.quick)]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    free = args.free_objects_ms if args.free_objects_ms is not None else "Ray's default (1000)"
+    free = args.free_objects_ms or os.environ.get("RAY_free_objects_period_milliseconds")  # noqa: SIM112
     print(f"CPU: {os.cpu_count()} cores, load average {load}; sender = the Ray driver (torch threads "
           f"{torch.get_num_threads()}); 2 receiver actors ({args.recv_threads or 'cores / receivers'} thread(s) each, nice "
           f"{ray.get(receivers[0].niceness.remote())}, driver {os.nice(0)}); free_objects_period_milliseconds "
-          f"{free}")  # fmt: skip
+          f"{free}; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')} (driver and receivers)")  # fmt: skip
     print(f"timed: median of {repeat} passes after one untimed memory pass; each pass followed by the raw "
           f"copy and the raw Ray transfer of the same bytes (paired ratios)")  # fmt: skip
 
@@ -734,9 +745,11 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
                     row = Row(state.name, recipe, mode, bucket_mb, n, transport, memory)
                     check(memory, expected[recipe], row.label)
                     for _ in range(repeat):
-                        sync = run_sync(
+                        timed = run_sync(
                             make_groups, bucket_mb * MB, transport, receivers[:n], None, state.arena
-                        ).seconds
+                        )
+                        sync = timed.seconds
+                        row.decoding.append(max((e["busy"] - e["copying"]) / sync for e in timed.receivers))
                         row.passes.append(
                             (
                                 sync,
@@ -779,9 +792,14 @@ def report(rows: list[Row], sizes: dict) -> None:
     for row in rows:
         publish = "pack into a slot" if row.transport == "shm" else "pack+put"
         what = ("encode+" if row.mode == "inline" else "") + publish + "+deliver+decode+copy"
+        delivered = (
+            f"; {row.recv} engines load {row.recv}x the bytes: {row.recv * row.of(1):.1%} of raw copy per byte landed"
+            if row.recv > 1
+            else ""
+        )
         print(f"sync throughput {row.label} ({what}): {row.gbs(0):.2f} GB/s = {row.of(1):.1%} of raw copy "
               f"(target >= {THROUGHPUT_TARGET:.0%}); = {row.of(2):.1%} of raw Ray transfer; = {row.of(3):.1%} of raw "
-              f"memmove on all cores")  # fmt: skip
+              f"memmove on all cores{delivered}; receivers decoding {statistics.median(row.decoding):.0%} of the time")  # fmt: skip
     for row in rows:
         m = row.memory
         unit = row.bucket_mb * MB

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from moe_rl.config.validate import check_text
-from moe_rl.orchestration.placement import placement_lines
+from moe_rl.orchestration.placement import PROCESS_ENV, placement_lines
 from moe_rl.orchestration.run_dir import holds_a_run
 
 log = logging.getLogger("moe_rl.submit")
@@ -178,6 +178,7 @@ def render_script(
         "requeue": "1" if config.cluster.requeue else "0",
         "train_command": " ".join(q(w) for w in train_command(run_dir / CONFIG_NAME, command)),
         "bin_dir": q(str(bin_dir or Path(sys.executable).parent)),
+        "process_env": "\n".join(f"export {key}={q(value)}" for key, value in PROCESS_ENV.items()),
     }
     return _SbatchTemplate(TEMPLATE.read_text()).substitute(values)
 

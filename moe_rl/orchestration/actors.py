@@ -29,6 +29,7 @@ import torch
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import process_device
 from moe_rl.log import LOG_DIR_ENV
+from moe_rl.orchestration.placement import PROCESS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -317,12 +318,6 @@ def make_engine(config: RecipeConfig, model_path: str | None = None):
     return VLLMEngine.from_recipe(config, model_path)
 
 
-RAY_ENV = {"RAY_free_objects_period_milliseconds": "50"}
-"""Ray frees released objects in batches (every second by default); weight-sync buckets are
-released as soon as every engine has loaded them, so the store holds about two, not a whole
-model's worth (the sbatch script exports the same for the nodes of a Slurm job)."""
-
-
 def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
     """Join the Ray cluster of a Slurm job (RAY_ADDRESS) or start a local one sized for the run's
     processes; returns whether this call started Ray (then the caller shuts it down). With
@@ -330,7 +325,7 @@ def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
     what an actor prints to stderr (the project's warnings and errors, a crash) to this terminal."""
     if ray.is_initialized():
         return False
-    for key, value in RAY_ENV.items():
+    for key, value in PROCESS_ENV.items():  # inherited by the local cluster's processes
         os.environ.setdefault(key, value)
     logs = {LOG_DIR_ENV: str(Path(log_dir).resolve())} if log_dir else {}
     address = os.environ.get("RAY_ADDRESS")

@@ -14,6 +14,7 @@ import pytest
 
 from launch.submit import SlurmArgs, parse_job_id, render_script, resolve, sbatch_options, submit
 from moe_rl.config import ConfigError
+from moe_rl.orchestration.placement import PROCESS_ENV
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = str(REPO / "recipes" / "tiny_moe.yaml")
@@ -28,6 +29,7 @@ record=$(mktemp)
 { printf '%s\\0' "$(basename "$0")" "$@"; printf '\\n'; } > "$record"
 cat "$record" >> "$STUB_LOG"
 rm -f "$record"
+env > "$STUB_LOG.$(basename "$0").env"  # the environment it was started with (the last call's)
 if [[ "$1" == ray-wait ]]; then  # like the real one, return once the head (srun) has started
   for _ in $(seq 100); do grep -qa srun "$STUB_LOG" && exit 0; sleep 0.1; done
   exit 1
@@ -83,6 +85,9 @@ def test_hostile_values_stay_inert_in_bash(tmp_path, restarts):
     srun = next(c for c in _calls(log) if c[0] == "srun")
     assert f"--output={run_dir}/logs/%x-%j-node%n.log" in srun
     assert "--head" in srun and "--block" in srun
+    for name in ("srun", "moe-rl"):  # Ray's processes on every node, and the driver, start with it
+        started_with = (tmp_path / f"stub.log.{name}.env").read_text().splitlines()
+        assert {f"{key}={value}" for key, value in PROCESS_ENV.items()} <= set(started_with)
 
 
 def test_sbatch_lines_are_quoted_like_a_shell_reads_them(tmp_path):
