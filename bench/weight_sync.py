@@ -1,9 +1,10 @@
 """Weight sync throughput and memory: the bucketed sync as the runtime does it, against a raw copy and a
 raw Ray transfer of the same bytes, measured in one process.
 
-Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 2 min with ``--quick``, about 7 min
-without; most of it is FP8 decoding, which on CPU runs at ~0.2 GB/s: torch converts e4m3 to float
-one element at a time there).
+Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 1.5 min with ``--quick``, about 5
+min without; most of it is FP8 decoding, which on CPU runs at ~0.3-0.5 GB/s of e4m3, `weight_sync.
+wire.dequantize`). The bench starts itself again under the run's process environment
+(`orchestration.placement.PROCESS_ENV`) when it was not started with it, as a run's processes are.
 
 How many times each byte is copied sets the bound. A tensor the sender must compute (quantized
 bytes, a gathered or non-contiguous one) or that it does not hold in shared memory is copied twice:
@@ -11,17 +12,20 @@ the sender writes it into a slot, each receiver reads it into its weights. A ten
 is and lies in the sender's shared arena (a CPU trainer rank's parameters, `weight_sync.sender.
 share_parameters`; here the synthetic state and the tiny model are placed there the same way) is
 copied once, by each receiver, from where the trainer holds it. On a 2-core CPU machine a copy is
-bound by the cores that run it: NumPy's ``memmove`` copies ~11-12 GB/s on one thread, torch's
-``copy_`` ~7-8 GB/s on one thread and ~15 GB/s on two (the raw copy below). So a one-receiver bf16
-sync through the arena, whose receiver copies on both cores while the sender only hands out entries,
-can approach a two-thread copy; a sync that copies twice is bound near one core's copy rate; two
-receivers copy every byte twice between them (each engine loads its own copy), which bounds them near
-half of the raw copy; the ``store`` transport copies twice (``ray.put`` straight from where the sender
-holds a tensor, `weight_sync.buckets.Bucket.arrays`, then the load; a computed tensor a third time,
-into the pack buffer first). FP8 rows are bound by the receiver's decoding (above), not by the
-transport. Measured on 2 cores, quiet
-machine (bf16, synthetic state, ``%copy``, two runs): ``shm`` one receiver 68-82 %, two receivers
-37-47 %; ``store`` one receiver 32-42 %, two 20-29 %; FP8 1-2 %.
+bound by the cores that run it and by memory bandwidth: with the run's non-temporal copy setting
+(`moe_rl.device.NON_TEMPORAL_COPY_BYTES`) NumPy's ``memmove`` copies ~11 GB/s on one thread and
+~20-25 GB/s on two (``mm`` below), torch's ``copy_`` ~11-16 GB/s on two (the raw copy below, which
+that setting does not change). So a one-receiver bf16 sync through the arena, whose receiver copies
+on both cores while the sender only hands out entries, can pass a two-thread ``copy_``; two
+receivers copy every byte twice between them (each engine loads its own copy), so per sync they get
+about half of what one gets (per byte landed in an engine, as much); the ``store`` transport copies
+twice (``ray.put`` straight from where the sender holds a tensor, `weight_sync.buckets.Bucket.
+arrays`, then the load; a computed tensor a third time, into the pack buffer first) and runs at
+about the speed of a raw Ray transfer of the same bytes. FP8 rows are bound by the receiver's
+decoding into the float values a fake-quantizing engine holds (receivers decode 80-90 % of the
+time), not by the transport. Measured on 2 cores, quiet machine (bf16, synthetic state, ``%copy``,
+two runs): ``shm`` one receiver 84-117 %, two receivers 47-73 % (95-145 % per byte landed);
+``store`` one receiver 36-61 % (62-114 % of the raw Ray transfer), two 29-46 %; FP8 2-4 %.
 
 * Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
   `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to
@@ -41,7 +45,8 @@ machine (bf16, synthetic state, ``%copy``, two runs): ``shm`` one receiver 68-82
   among the receivers, as engines on a node share it) that, like an engine, decode each bucket
   (`moe_rl.weight_sync.receiver.decoded`) and copy every tensor into a preallocated, pre-touched tensor
   of the state (`moe_rl.device.copy_into` on their threads, as the Megatron engine loads), so the bytes
-  really land in receiver memory.
+  really land in receiver memory. Each times its decoding apart from its copying: the report gives
+  the largest share of a sync a receiver spent decoding.
 * States:
   - ``tiny``: the model of ``recipes/tiny_moe.yaml`` (Megatron ``GPTModel``, fp32, ~0.9 MB) at the
     recipe's bucket size, iterated with `iter_hf_weight_groups` (views, as the sender does) and encoded
