@@ -135,11 +135,11 @@ class TrainerRank:
         shared slots on CPU the rank's parameters move into a shared arena once (`weight_sync.sender.
         share_parameters`), so the engines read the tensors that travel as they are in place."""
         from moe_rl.weight_sync.buckets import BucketPacker
-        from moe_rl.weight_sync.sender import share_parameters
+        from moe_rl.weight_sync.sender import sends, share_parameters
         from moe_rl.weight_sync.shm import SharedSlots
 
         if shared and self._arena is None and self.worker.device.type == "cpu":
-            self._arena = share_parameters(self.worker.model, tag=str(self.rank))
+            self._arena = share_parameters(self.worker.model, tag=str(self.rank), select=sends)
         packer = self._packer
         if packer is None or packer.capacity != capacity or (packer.slots is not None) != shared:
             if packer is not None and packer.slots is not None:

@@ -46,23 +46,30 @@ def sends(megatron_name: str) -> bool:
     )
 
 
-def share_parameters(model: torch.nn.Module, tag: str = "0") -> SharedArena | None:
-    """Move ``model``'s CPU parameters into one `shm.SharedArena`, in place: each ``param.data`` is
-    replaced by a copy in the arena; the ``Parameter`` objects, which the optimizer, its state and the
-    gradient hooks hold, stay the same. Only a parameter that is the one user of its whole storage
+def share_parameters(
+    model: torch.nn.Module, tag: str = "0", select: Callable[[str], bool] | None = None
+) -> SharedArena | None:
+    """Move ``model``'s CPU parameters (those whose name ``select`` accepts: a rank passes `sends`, so
+    a rank that sends nothing keeps its memory) into one `shm.SharedArena`, in place: each
+    ``param.data`` is replaced by a copy in the arena; the ``Parameter`` objects, which the optimizer,
+    its state and the gradient hooks hold, stay the same. Only a parameter that is the one user of its whole storage
     moves (not a view into a flat buffer, e.g. Megatron's distributed-optimizer parameter buffer, or
     storage two parameters share): those keep their memory and travel through the slots as before.
     Returns the arena (None when nothing moved, or when ``/dev/shm`` has no room for it: then every
     tensor travels through the slots); the caller keeps it and closes it when done."""
     users: dict[int, list[torch.nn.Parameter]] = {}
-    for param in dict.fromkeys(model.parameters()):  # a tied weight once
+    chosen: set[int] = set()
+    for name, param in model.named_parameters():  # a tied weight once
         data = param.data
         if data.device.type == "cpu" and data.numel() > 0:
             users.setdefault(data.untyped_storage().data_ptr(), []).append(param)
+            if select is None or select(name):
+                chosen.add(id(param))
     movable = [
         group[0]
         for group in users.values()
         if len(group) == 1
+        and id(group[0]) in chosen
         and group[0].data.is_contiguous()
         and group[0].data.storage_offset() == 0
         and group[0].data.untyped_storage().nbytes() == tensor_nbytes(group[0])

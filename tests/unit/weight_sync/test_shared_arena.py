@@ -142,6 +142,16 @@ def test_share_parameters_moves_a_model_in_place_and_training_goes_on(shm_dir):
     assert share_parameters(torch.nn.Linear(2, 2, device="meta")) is None
 
 
+def test_share_parameters_moves_only_what_the_rank_sends(shm_dir):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    arena = share_parameters(model, tag="t", select=lambda name: name.startswith("1."))
+    assert {n for n, p in model.named_parameters() if arena.locate(p) is not None} == {"1.weight", "1.bias"}
+    arena.close()
+    before = [p.data_ptr() for p in model[0].parameters()]
+    assert share_parameters(model[0], tag="u", select=lambda name: False) is None  # sends nothing
+    assert [p.data_ptr() for p in model[0].parameters()] == before
+
+
 def test_no_arena_without_room_in_shared_memory(shm_dir, monkeypatch, tmp_path_factory):
     disk = tmp_path_factory.mktemp("disk")
     monkeypatch.setattr(shm, "slot_dir", lambda nbytes: disk)  # /dev/shm too small: a file on disk
