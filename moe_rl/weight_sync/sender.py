@@ -52,9 +52,10 @@ def share_parameters(
     """Move ``model``'s CPU parameters (those whose name ``select`` accepts: a rank passes `sends`, so
     a rank that sends nothing keeps its memory) into one `shm.SharedArena`, in place: each
     ``param.data`` is replaced by a copy in the arena; the ``Parameter`` objects, which the optimizer,
-    its state and the gradient hooks hold, stay the same. Only a parameter that is the one user of its whole storage
-    moves (not a view into a flat buffer, e.g. Megatron's distributed-optimizer parameter buffer, or
-    storage two parameters share): those keep their memory and travel through the slots as before.
+    its state and the gradient hooks hold, stay the same. Only a parameter that is the one user of
+    its whole storage moves (not a view into a flat buffer, e.g. Megatron's distributed-optimizer
+    parameter buffer, or storage two parameters share): those keep their memory and travel through
+    the slots as before.
     Returns the arena (None when nothing moved, or when ``/dev/shm`` has no room for it: then every
     tensor travels through the slots); the caller keeps it and closes it when done."""
     users: dict[int, list[torch.nn.Parameter]] = {}

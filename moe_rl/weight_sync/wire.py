@@ -113,7 +113,7 @@ def _scaled_float(data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     into float32 bits instead (vectorized integer passes, ~2x faster), and the power of two they
     are off by moves into the scale (exact: only the exponent changes), unless that overflows or a
     byte is e4m3's NaN (which the bits would read as 480)."""
-    if data.dtype != torch.float8_e4m3fn or data.device.type != "cpu":
+    if data.dtype != torch.float8_e4m3fn or data.device.type != "cpu" or data.numel() == 0:
         return data.float(), scale
     offset = scale * E4M3_OFFSET
     signed = data.view(torch.int8)

@@ -124,6 +124,8 @@ def test_e4m3_decodes_bit_for_bit_as_torch_converts(scale, with_nan_bytes):
     want = data.float() * scales.repeat_interleave(3, 0).repeat_interleave(3, 1)
     got = dequantize(data, scales, (3, 3))
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    empty = torch.empty(0, 4, dtype=torch.float8_e4m3fn)
+    assert dequantize(empty, torch.empty(0, 1), (3, 4)).shape == (0, 4)
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
