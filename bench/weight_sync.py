@@ -125,6 +125,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root, for moe_rl
 
+from moe_rl.weight_sync.shm import tensor_nbytes  # noqa: E402
+
 log = logging.getLogger("bench.weight_sync")
 
 MB = 1 << 20
@@ -384,10 +386,6 @@ def close_packers() -> None:
     _PACKERS.clear()
 
 
-def nbytes_of(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 @dataclass
 class State:
     """A state to sync: how to iterate its groups as the runtime does, and what a receiver holds."""
@@ -636,9 +634,9 @@ def fp8_encode_cost(state: State) -> str:
         encode_s = time.perf_counter() - start
     extra = sampler.result["anon"]
     return (
-        f"fp8 encode of one {tuple(weight.shape)} bf16 weight ({nbytes_of(weight) / MB:.0f} MB): quantize_fp8 "
+        f"fp8 encode of one {tuple(weight.shape)} bf16 weight ({tensor_nbytes(weight) / MB:.0f} MB): quantize_fp8 "
         f"{quantize_s:.2f} s, WireEncoder.encode {encode_s:.2f} s (quantize + the QuantReport's dequantize "
-        f"and error); encode peak extra memory {extra / MB:.0f} MB = {extra / nbytes_of(weight):.1f}x the weight"
+        f"and error); encode peak extra memory {extra / MB:.0f} MB = {extra / tensor_nbytes(weight):.1f}x the weight"
     )
 
 
@@ -708,11 +706,11 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
             start = time.perf_counter()
             encoded = [encoder.encode_group(g) for g in state.groups()]  # the first fp8 one imports ModelOpt
             seconds = time.perf_counter() - start
-            sizes[state.name, recipe] = sent = sum(nbytes_of(t) for g in encoded for _, t, _ in g)
+            sizes[state.name, recipe] = sent = sum(tensor_nbytes(t) for g in encoded for _, t, _ in g)
             what = f"{recipe}: {sent / MB:,.1f} MB travel"
             if encoder.active:
                 r = encoder.report
-                e4m3 = sum(nbytes_of(t) for g in encoded for n, t, _ in g if n in r.per_tensor)
+                e4m3 = sum(tensor_nbytes(t) for g in encoded for n, t, _ in g if n in r.per_tensor)
                 what += (f" ({r.num_quantized} tensors quantized: {e4m3 / MB:,.1f} MB e4m3 + scales; {r.num_kept} "
                          f"as they are; rel. error {r.rel_err:.4f})")  # fmt: skip
             first = " (includes importing ModelOpt)" if encoder.active and state.name == "tiny" else ""

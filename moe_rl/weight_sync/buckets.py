@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from moe_rl.device import tensor_bytes
-from moe_rl.weight_sync.shm import SharedArena, SharedSlots, SlotRef, read_slot
+from moe_rl.weight_sync.shm import ALIGN, SharedArena, SharedSlots, SlotRef, aligned, read_slot
 from moe_rl.weight_sync.wire import LazyGroup, Piece
 
 PART_BYTES = 128 << 20
@@ -36,19 +36,9 @@ PART_BYTES = 128 << 20
 that receivers start early, large enough that a part's delivery (one call per receiver) costs little
 next to reading it."""
 
-ALIGN = 64
-"""Every tensor written into a bucket's buffer starts at a multiple of this many bytes, so a view
-of any dtype lines up (a float32 scale after an odd-sized e4m3 weight) and copies start on a cache
-line."""
-
-
 SLACK = 64 * ALIGN
-"""Room a bucket's buffer has beyond its capacity for the padding of the tensors written in it."""
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to `ALIGN`."""
-    return -(-nbytes // ALIGN) * ALIGN
+"""Room a bucket's buffer has beyond its capacity for the padding of the tensors written in it
+(each starts at a multiple of `shm.ALIGN`)."""
 
 
 _DTYPES = {

@@ -150,13 +150,15 @@ def _close_all(slots: list[_Slot | None]) -> None:
             slots[i] = None
 
 
-ARENA_ALIGN = 64
-"""Byte alignment of each tensor in a `SharedArena`."""
+ALIGN = 64
+"""Byte alignment of each tensor in a `SharedArena` and of each tensor written into a bucket
+(`moe_rl.weight_sync.buckets`): a view of any dtype lines up (a float32 scale after an odd-sized
+e4m3 weight) and copies start on a cache line."""
 
 
 def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to `ARENA_ALIGN`."""
-    return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+    """``nbytes`` rounded up to `ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:

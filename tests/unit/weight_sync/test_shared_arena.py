@@ -39,7 +39,7 @@ def test_the_arena_places_tensors_and_locates_only_what_lies_wholly_in_it(shm_di
     assert torch.equal(a, torch.arange(10, dtype=torch.float32)) and b.dtype == torch.bfloat16
     ref_a, ref_b = arena.locate(a), arena.locate(b)
     assert (ref_a.offset, ref_a.nbytes) == (0, 40)
-    assert ref_b.offset == shm.ARENA_ALIGN and ref_b.nbytes == 24  # aligned
+    assert ref_b.offset == shm.ALIGN and ref_b.nbytes == 24  # aligned
     assert arena.locate(a[2:5]).offset == 8  # a contiguous part of a placed tensor
     assert arena.locate(b.t()) is None  # not contiguous
     assert arena.locate(torch.arange(10, dtype=torch.float32)) is None  # elsewhere
