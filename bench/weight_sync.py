@@ -296,11 +296,14 @@ class Receiver:
         from moe_rl.weight_sync.receiver import decoded
 
         start = time.perf_counter()
-        for name, value in decoded(bucket):  # (decoding happens as the iteration asks for a value)
-            # as the Megatron engine loads (`hf_weights.load_hf_subset`): on this actor's threads
-            copying = time.perf_counter()
-            copy_into(self.state[name], value, threads=torch.get_num_threads())
-            self.copying += time.perf_counter() - copying
+        # (decoding happens as the iteration asks for a value) as the Megatron engine receives: a
+        # quantized weight is decoded straight into the state (`ModelReceiver.place`), any other is
+        # copied in as `hf_weights.load_hf_subset` copies, on this actor's threads
+        for name, value in decoded(bucket, into=self.state.get):
+            if value is not self.state[name]:
+                copying = time.perf_counter()
+                copy_into(self.state[name], value, threads=torch.get_num_threads())
+                self.copying += time.perf_counter() - copying
             self.loaded.append(name)
         self.busy += time.perf_counter() - start
         return bucket.nbytes

@@ -332,6 +332,22 @@ def hf_index(model: torch.nn.Module) -> dict[str, str]:
     return {hf: name for name, _ in _local_tensors(gpt) for hf in hf_names_for(gpt, name).hf}
 
 
+def piece_views(model: torch.nn.Module) -> dict[str, Tensor]:
+    """HF name -> the part of this rank's Megatron tensor that HF tensor fills, as a view, for the
+    pieces that are one: a tensor this rank holds whole that is one HF tensor (``copy``) or gate and
+    up stacked (``glu``). Interleaved (``qkv``) and tensor-parallel pieces have none. Writing a
+    piece's values into its view loads it (a receiver may decode straight into it)."""
+    gpt = _unwrap(model)
+    views: dict[str, Tensor] = {}
+    for name, target in _local_tensors(gpt):
+        rule = hf_names_for(gpt, name)
+        if rule.kind == "qkv" or _split_of(name, target) is not None:
+            continue
+        parts = [target] if rule.kind == "copy" else list(torch.chunk(target, len(rule.hf), dim=0))
+        views.update(zip(rule.hf, parts, strict=True))
+    return views
+
+
 @torch.no_grad()
 def load_hf_subset(
     model: torch.nn.Module, hf_tensors: Mapping[str, Tensor], index: Mapping[str, str]

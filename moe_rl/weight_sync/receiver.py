@@ -5,7 +5,7 @@ only when every tensor of the model has arrived exactly once."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -19,14 +19,19 @@ def bucket_items(bucket: Bucket) -> list[tuple[str, Tensor, dict]]:
     return [(entry.name, tensor, entry.meta) for entry, tensor in bucket.tensors()]
 
 
-def decoded(bucket: Bucket, device: torch.device | str | None = None) -> Iterable[tuple[str, Tensor]]:
+def decoded(
+    bucket: Bucket,
+    device: torch.device | str | None = None,
+    into: Callable[[str], Tensor | None] | None = None,
+) -> Iterable[tuple[str, Tensor]]:
     """A bucket's weights as the values the engine computes with (`wire.decode`), one at a time.
     With ``device`` what travelled is moved there first (FP8 bytes, not their float32 values) and
-    decoded there."""
+    decoded there; ``into`` gives where a quantized weight's values may be decoded straight into
+    (`ModelReceiver.place`)."""
     items = bucket_items(bucket)
     if device is not None:
         items = [(name, tensor.to(device), meta) for name, tensor, meta in items]
-    return decode(items)
+    return decode(items, into)
 
 
 class ModelReceiver:
@@ -42,9 +47,23 @@ class ModelReceiver:
         self.expected = set(self.index.values())
         self.loaded: set[str] = set()
         self.bytes = 0
+        self._views: dict[str, Tensor] = {}
+        self.in_place: dict[str, Tensor] = {}
+        """HF name -> the view of the model it was decoded into, this sync (`place`)."""
 
     def begin(self) -> None:
+        from moe_rl.megatron.hf_weights import piece_views
+
         self.loaded, self.bytes = set(), 0
+        self._views, self.in_place = piece_views(self.model), {}
+
+    def place(self, name: str) -> Tensor | None:
+        """Where the values of HF tensor ``name`` may be decoded straight into: the view of the
+        model's tensor it fills (`hf_weights.piece_views`), or None (it is then loaded by copy)."""
+        view = self._views.get(name)
+        if view is not None:
+            self.in_place[name] = view
+        return view
 
     def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
         """Load each Megatron tensor as soon as all its HF pieces have come by in ``named`` (they
@@ -62,7 +81,11 @@ class ModelReceiver:
             group = pending.setdefault(owner, {})
             group[name] = tensor
             if len(group) == self.pieces[owner]:
-                self.loaded |= load_hf_subset(self.model, pending.pop(owner), self.index)
+                if all(self.in_place.get(n) is t for n, t in group.items()):  # decoded in place
+                    self.loaded.add(owner)
+                else:
+                    self.loaded |= load_hf_subset(self.model, group, self.index)
+                del pending[owner]
                 self.bytes += sum(t.numel() * t.element_size() for t in group.values())
         if pending:
             owner, group = next(iter(pending.items()))

@@ -23,6 +23,7 @@ what the engine will hold, bytes sent).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -90,15 +91,74 @@ def quantize_int8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tup
     return q.to(torch.int8), scale, block
 
 
-def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
-    """The values a quantized engine holds: ``data · scale`` blockwise, float32 (one float32 tensor
-    of the weight's size; the scales are broadcast over their blocks, not expanded)."""
-    out, scale = _scaled_float(data, scale.float())
-    (rows, cols), (bo, bi) = out.shape, block
-    if rows % bo == 0 and cols % bi == 0:
-        out.view(rows // bo, bo, cols // bi, bi).mul_(scale[:, None, :, None])
+def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int], out: Tensor | None = None) -> Tensor:
+    """The values a quantized engine holds: ``data · scale`` blockwise, computed in float32 (the
+    scales broadcast over their blocks, not expanded) and written into ``out`` (a floating tensor of
+    ``data``'s shape and device, e.g. the engine's weight: the float32 values cast to its dtype) or
+    into a new float32 tensor.
+
+    On CPU this runs over `DECODE_CHUNK_ELEMENTS` at a time through a small scratch that stays in
+    the caches, so the float32 values of a whole weight never exist and ``out`` is written once."""
+    if out is None:
+        out = torch.empty(data.shape, dtype=torch.float32, device=data.device)
+    elif tuple(out.shape) != tuple(data.shape) or not out.is_floating_point() or out.device != data.device:
+        raise ValueError(
+            f"cannot decode a {tuple(data.shape)} weight on {data.device} into a {out.dtype} "
+            f"{tuple(out.shape)} tensor on {out.device}"
+        )
+    scale = scale.float()
+    if data.numel() == 0:
         return out
-    return out.mul_(_expand(scale, block, out.shape))
+    rows, cols = data.shape
+    bo, bi = block
+    row_block = torch.arange(rows, device=data.device) // bo
+    if data.device.type != "cpu":  # one pass of whole-tensor ops on an accelerator
+        out.copy_(_scaled_rows(data.float(), scale.index_select(0, row_block), bi))
+        return out
+    bits = _e4m3_bits_decodable(data, scale)
+    factor = scale * E4M3_OFFSET if bits else scale
+    step = max(1, DECODE_CHUNK_ELEMENTS // cols)
+    in_place = out.dtype == torch.float32 and out.is_contiguous()
+    scratch = None if in_place else _scratch(min(rows, step) * cols)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        values = out[start:stop] if in_place else scratch[: (stop - start) * cols].view(stop - start, cols)
+        if bits:
+            as_int = values.view(torch.int32)
+            as_int.copy_(data[start:stop].view(torch.int8))  # sign-extended: the sign lands in bits 8..31
+            as_int.bitwise_left_shift_(20).bitwise_and_(_F32_SIGN_AND_E4M3_BITS)
+        else:
+            values.copy_(data[start:stop])  # torch's conversion
+        _scaled_rows(values, factor.index_select(0, row_block[start:stop]), bi)
+        if not in_place:
+            out[start:stop].copy_(values)
+    return out
+
+
+DECODE_CHUNK_ELEMENTS = 1 << 20
+"""Elements a CPU decode works on at a time (4 MB of float32 scratch: cache-resident, so its
+integer and scaling passes run at cache speed and only the result goes to memory)."""
+_SCRATCH = threading.local()
+
+
+def _scratch(elements: int) -> Tensor:
+    """This thread's float32 decode scratch, at least ``elements`` long (kept from call to call)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < elements:
+        buf = _SCRATCH.buf = torch.empty(elements, dtype=torch.float32)
+    return buf
+
+
+def _scaled_rows(values: Tensor, scales: Tensor, bi: int) -> Tensor:
+    """``values`` (rows, cols) times ``scales`` (rows, column blocks), each over its ``bi`` columns
+    (the last block may be partial), in place."""
+    rows, cols = values.shape
+    full = cols // bi
+    if full:
+        values[:, : full * bi].view(rows, full, bi).mul_(scales[:, :full, None])
+    if full * bi < cols:
+        values[:, full * bi :].mul_(scales[:, full:])
+    return values
 
 
 E4M3_OFFSET = 2.0**120
@@ -107,21 +167,17 @@ times ``2**-120`` (the exponent biases differ by 127 - 7), subnormals and zero i
 _F32_SIGN_AND_E4M3_BITS = -(1 << 31) | 0x07F0_0000  # (int32) sign bit, then 4 + 3 bits from bit 20
 
 
-def _scaled_float(data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """``(values, scale)`` whose product is ``data.float() · scale``, bit for bit. torch converts
-    e4m3 to float one element at a time on CPU (~0.15 G elements/s here); on CPU the bytes are placed
-    into float32 bits instead (vectorized integer passes, ~2x faster), and the power of two they
-    are off by moves into the scale (exact: only the exponent changes), unless that overflows or a
-    byte is e4m3's NaN (which the bits would read as 480)."""
-    if data.dtype != torch.float8_e4m3fn or data.device.type != "cpu" or data.numel() == 0:
-        return data.float(), scale
-    offset = scale * E4M3_OFFSET
-    signed = data.view(torch.int8)
-    if not bool(torch.isfinite(offset).all()) or int((signed & 0x7F).max()) == 0x7F:
-        return data.float(), scale  # a scale >= 2**8 or NaN, or a NaN byte: torch's conversion
-    bits = signed.to(torch.int32)  # sign-extended: the sign lands in bits 8..31
-    bits.bitwise_left_shift_(20).bitwise_and_(_F32_SIGN_AND_E4M3_BITS)
-    return bits.view(torch.float32), offset
+def _e4m3_bits_decodable(data: Tensor, scale: Tensor) -> bool:
+    """Whether ``data · scale`` may be computed from e4m3 bits placed into float32 bits (the power of
+    two they are off by, `E4M3_OFFSET`, moved into the scale: exact, only the exponent changes).
+    torch converts e4m3 to float one element at a time on CPU (~0.15 G elements/s here); the bits
+    take vectorized integer passes. Not when the moved offset overflows (a scale >= 2**8, or NaN)
+    or a byte is e4m3's NaN (0x7F, 0xFF), which the bits would read as 480."""
+    if data.dtype != torch.float8_e4m3fn:
+        return False
+    if not bool(torch.isfinite(scale * E4M3_OFFSET).all()):
+        return False
+    return int(data.view(torch.int8).max()) != 0x7F and int(data.view(torch.uint8).max()) != 0xFF
 
 
 @dataclass(frozen=True, eq=False)
@@ -259,9 +315,13 @@ def _errors(original: Tensor, data: Tensor, scale: Tensor, block: tuple[int, int
     return err, ref
 
 
-def decode(items: Iterable[tuple[str, Tensor, dict]]) -> Iterator[tuple[str, Tensor]]:
+def decode(
+    items: Iterable[tuple[str, Tensor, dict]], into: Callable[[str], Tensor | None] | None = None
+) -> Iterator[tuple[str, Tensor]]:
     """What arrived -> ``(HF name, values)``: quantized weights dequantized with their scales
-    (which must travel in the same bucket, as the encoder sends them)."""
+    (which must travel in the same bucket, as the encoder sends them). ``into(name)`` may give the
+    tensor a quantized weight's values are to end up in (the engine's weight, or a view of it): they
+    are decoded straight into it and it is what is yielded."""
     items = list(items)
     scales = {meta["scale_of"]: tensor for _, tensor, meta in items if "scale_of" in meta}
     for name, tensor, meta in items:
@@ -272,4 +332,10 @@ def decode(items: Iterable[tuple[str, Tensor, dict]]) -> Iterator[tuple[str, Ten
             continue
         if name not in scales:
             raise ValueError(f"weight {name!r} arrived quantized without its scales {meta['scale']!r}")
-        yield name, dequantize(tensor, scales[name], tuple(meta["block"]))
+        target = into(name) if into is not None else None
+        if target is not None and tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"weight {name!r} arrived with shape {tuple(tensor.shape)}, but the tensor it loads into "
+                f"has shape {tuple(target.shape)}"
+            )
+        yield name, dequantize(tensor, scales[name], tuple(meta["block"]), out=target)

@@ -48,6 +48,12 @@ def test_buckets_of_any_size_load_what_one_whole_sync_loads(trainer_model):
     assert streamed.policy_version == 1
     for (name, a), b in zip(_state(whole).items(), _state(streamed).values()):
         assert torch.equal(a, b), name
+    # the quantized expert and dense MLP weights were decoded straight into the model (gate and up
+    # each into its half of the fused tensor); q, k and v, interleaved in Megatron's tensor, were not
+    in_place = streamed._receiver.in_place
+    assert any(n.endswith("mlp.experts.0.gate_proj.weight") for n in in_place)
+    assert any(n.endswith("mlp.experts.0.down_proj.weight") for n in in_place)
+    assert not any("q_proj" in n or "k_proj" in n for n in in_place)
     assert encoder.report.rel_err == pytest.approx(whole.last_quant_report.rel_err, rel=1e-6)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from moe_rl.config.schema import QuantConfig
 from moe_rl.rollout.fp8_block import quantize_fp8_block
+from moe_rl.weight_sync import wire
 from moe_rl.weight_sync.buckets import detach, pack_buckets
 from moe_rl.weight_sync.receiver import bucket_items
 from moe_rl.weight_sync.wire import WireEncoder, decode, dequantize, quantize_int8, scale_name
@@ -126,6 +127,38 @@ def test_e4m3_decodes_bit_for_bit_as_torch_converts(scale, with_nan_bytes):
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     empty = torch.empty(0, 4, dtype=torch.float8_e4m3fn)
     assert dequantize(empty, torch.empty(0, 1), (3, 4)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_chunk_by_chunk_into_a_weight_equals_decoding_it_whole(monkeypatch, dtype):
+    """A CPU decode runs a few rows at a time through a scratch: rows of one block split over
+    chunks, chunks spanning blocks, a partial last block either way and a NaN byte in a later chunk
+    give what the whole-tensor computation gives, cast to the weight's dtype, written into it (or
+    into a strided view of it); a weight of another shape is refused by name."""
+    monkeypatch.setattr(wire, "DECODE_CHUNK_ELEMENTS", 3 * 42)  # 3 rows of 42 per chunk
+    codes = torch.arange(256, dtype=torch.uint8)
+    data = codes[(codes & 0x7F) != 0x7F].repeat(3)[: 11 * 42].reshape(11, 42)
+    scales = torch.rand(3, 5, generator=torch.Generator().manual_seed(0)) + 0.1  # 4x9 blocks
+    for nan in (False, True):
+        if nan:
+            data[7, 40] = 0xFF
+        e4m3 = data.view(torch.float8_e4m3fn)
+        want = (e4m3.float() * scales.repeat_interleave(4, 0).repeat_interleave(9, 1)[:11, :42]).to(dtype)
+        weight = torch.zeros(11, 50, dtype=dtype)
+        got = dequantize(e4m3, scales, (4, 9), out=weight[:, 3:45])
+        assert got.data_ptr() == weight[:, 3:45].data_ptr()
+        assert torch.equal(weight[:, 3:45].nan_to_num(), want.nan_to_num())
+        assert int(weight[:, 3:45].isnan().sum()) == int(nan) and not weight[:, :3].any()
+        assert torch.equal(dequantize(e4m3, scales, (4, 9)).to(dtype).nan_to_num(), want.nan_to_num())
+    items = WireEncoder(FP8_BLOCK, num_layers=2).encode(
+        "model.layers.0.mlp.down_proj.weight", torch.randn(8, 8)
+    )
+    target = torch.empty(8, 8, dtype=torch.bfloat16)
+    assert dict(decode(items, into={items[0][0]: target}.get))[items[0][0]] is target
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.mlp.down_proj.weight' arrived with shape \(8, 8\)"
+    ):
+        list(decode(items, into=lambda name: torch.empty(8, 4)))
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
