@@ -1,9 +1,9 @@
 """Weight sync throughput and memory: the bucketed sync as the runtime does it, against a raw copy and a
 raw Ray transfer of the same bytes, measured in one process.
 
-Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 1.5 min with ``--quick``, about 5
-min without; most of it is FP8 decoding, which on CPU runs at ~0.3-0.5 GB/s of e4m3, `weight_sync.
-wire.dequantize`). The bench starts itself again under the run's process environment
+Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 1.5 min with ``--quick``, about 4-5
+min without; most of it is FP8 encoding and decoding, which on CPU run at ~0.6 and ~1-1.5 G elements/s,
+`weight_sync.wire`). The bench starts itself again under the run's process environment
 (`orchestration.placement.PROCESS_ENV`) when it was not started with it, as a run's processes are.
 
 How many times each byte is copied sets the bound. A tensor the sender must compute (quantized
@@ -22,10 +22,14 @@ about half of what one gets (per byte landed in an engine, as much); the ``store
 twice (``ray.put`` straight from where the sender holds a tensor, `weight_sync.buckets.Bucket.
 arrays`, then the load; a computed tensor a third time, into the pack buffer first) and runs at
 about the speed of a raw Ray transfer of the same bytes. FP8 rows are bound by the receiver's
-decoding into the float values a fake-quantizing engine holds (receivers decode 80-90 % of the
-time), not by the transport. Measured on 2 cores, quiet machine (bf16, synthetic state, ``%copy``,
-two runs): ``shm`` one receiver 84-117 %, two receivers 47-73 % (95-145 % per byte landed);
-``store`` one receiver 36-61 % (62-114 % of the raw Ray transfer), two 29-46 %; FP8 2-4 %.
+decoding into the float values a fake-quantizing engine holds (receivers decode 85-97 % of the
+time), not by the transport: a decode reads each e4m3 byte and writes a 2-byte weight, with four
+integer and float passes in between (through a cache-resident scratch, `wire.dequantize`), so even
+at memory speed it would move three times the bytes a copy of the e4m3 bytes moves. Measured on 2
+cores, quiet machine (synthetic state, ``%copy``, two runs): bf16 ``shm`` one receiver 84-117 %,
+two receivers 47-73 % (95-145 % per byte landed); bf16 ``store`` one receiver 36-66 % (62-114 % of
+the raw Ray transfer), two 26-46 %; FP8 transport 4-9 %; FP8 inline ~1 % (the sender's quantization
+shares the 2 cores with the receivers).
 
 * Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
   `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to
@@ -43,9 +47,10 @@ two runs): ``shm`` one receiver 84-117 %, two receivers 47-73 % (95-145 % per by
   then ``ray.put`` copies that buffer and the tensors that travel as they are into the store).
 * Receivers: 1 or 2 Ray actors (``--recv-threads`` threads each; default: the machine's cores shared
   among the receivers, as engines on a node share it) that, like an engine, decode each bucket
-  (`moe_rl.weight_sync.receiver.decoded`) and copy every tensor into a preallocated, pre-touched tensor
-  of the state (`moe_rl.device.copy_into` on their threads, as the Megatron engine loads), so the bytes
-  really land in receiver memory. Each times its decoding apart from its copying: the report gives
+  (`moe_rl.weight_sync.receiver.decoded`) into a preallocated, pre-touched tensor of the state: a
+  quantized weight straight into it, as the Megatron engine decodes into its weights, any other copied
+  in (`moe_rl.device.copy_into` on their threads, as the Megatron engine loads), so the bytes really
+  land in receiver memory. Each times its decoding apart from its copying: the report gives
   the largest share of a sync a receiver spent decoding.
 * States:
   - ``tiny``: the model of ``recipes/tiny_moe.yaml`` (Megatron ``GPTModel``, fp32, ~0.9 MB) at the
