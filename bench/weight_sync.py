@@ -699,7 +699,7 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
     print(f"CPU: {os.cpu_count()} cores, load average {load}; sender = the Ray driver (torch threads "
           f"{torch.get_num_threads()}); 2 receiver actors ({args.recv_threads or 'cores / receivers'} thread(s) each, nice "
           f"{ray.get(receivers[0].niceness.remote())}, driver {os.nice(0)}); free_objects_period_milliseconds "
-          f"{free}; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')}, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')} (driver and receivers)")  # fmt: skip
+          f"{free}; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')} (driver and receivers)")  # fmt: skip
     print(f"timed: median of {repeat} passes after one untimed memory pass; each pass followed by the raw "
           f"copy and the raw Ray transfer of the same bytes (paired ratios)")  # fmt: skip
 

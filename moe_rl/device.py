@@ -104,15 +104,6 @@ COPY_TUNABLES = f"glibc.cpu.x86_non_temporal_threshold={NON_TEMPORAL_COPY_BYTES:
 """``GLIBC_TUNABLES`` of a process that copies weights: read once, when the process starts (glibc
 ignores it on machines where the setting does not exist)."""
 
-OPENMP_SPIN_COUNT = 1000
-"""``GOMP_SPINCOUNT`` of a run's processes: how long an idle OpenMP thread of torch's CPU pool spins
-before it sleeps (GNU OpenMP's default is 300,000 spins). On CPU a trainer rank and an engine each
-run the machine's cores' worth of threads, so while one quantizes a weight sync's buckets and the
-other decodes them, threads that spin between operations take the cores from each other: measured
-on 2 cores, two such processes ran at 0.07 and 0.29 G elements/s with the default and 0.16 and 0.56
-with 1,000 spins, while one alone ran as fast as before and RL steps of the tiny recipe took no
-longer."""
-
 PARALLEL_COPY_BYTES = 8 << 20
 """Tensors from this size on are copied by several threads when `copy_into` is given them."""
 _COPY_POOL = None

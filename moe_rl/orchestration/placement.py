@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.device import COPY_TUNABLES, OPENMP_SPIN_COUNT, DeviceKind, Machine, resolve_device
+from moe_rl.device import COPY_TUNABLES, DeviceKind, Machine, resolve_device
 from moe_rl.validation import Rule, first_broken
 
 TRAINER_NODE = "moe_rl_trainer_node"
@@ -31,19 +31,13 @@ NODE_SHARE = 0.001
 SHARED_GPU = 0.5
 """GPU share of the trainer and of the engine when both run on one machine's GPU."""
 
-PROCESS_ENV = {
-    "RAY_free_objects_period_milliseconds": "50",
-    "GLIBC_TUNABLES": COPY_TUNABLES,
-    "GOMP_SPINCOUNT": str(OPENMP_SPIN_COUNT),
-}
+PROCESS_ENV = {"RAY_free_objects_period_milliseconds": "50", "GLIBC_TUNABLES": COPY_TUNABLES}
 """The environment every process of a run starts with (a local run sets what the user has not set
 before it starts Ray; the sbatch script exports it on every node):
 
 * Ray frees released objects in batches (every second by default); weight-sync buckets are released
   as soon as every engine has loaded them, so the store holds about two, not a whole model's worth;
-* large weight copies write around the caches (`moe_rl.device.NON_TEMPORAL_COPY_BYTES`);
-* idle CPU threads sleep soon, so processes that share cores do not spin each other out
-  (`moe_rl.device.OPENMP_SPIN_COUNT`)."""
+* large weight copies write around the caches (`moe_rl.device.NON_TEMPORAL_COPY_BYTES`)."""
 
 
 @dataclass(frozen=True)
