@@ -33,6 +33,7 @@ from torch import Tensor
 from moe_rl.config.schema import QuantConfig
 from moe_rl.device import copy_into
 from moe_rl.rollout.quant import QuantReport, should_quantize
+from moe_rl.weight_sync import fused
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
@@ -60,6 +61,10 @@ def _block_amax(x: Tensor, block: tuple[int, int]) -> Tensor:
     pr, pc = -rows % bo, -cols % bi
     padded = torch.nn.functional.pad(x.abs(), (0, pc, 0, pr))
     return padded.view((rows + pr) // bo, bo, (cols + pc) // bi, bi).amax(dim=(1, 3))
+
+
+def _scale_shape(shape: torch.Size, block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
 
 
 def _expand(scale: Tensor, block: tuple[int, int], shape: torch.Size) -> Tensor:
@@ -97,7 +102,8 @@ def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int], out: Tensor 
     ``data``'s shape and device, e.g. the engine's weight: the float32 values cast to its dtype) or
     into a new float32 tensor.
 
-    On CPU this runs over `DECODE_CHUNK_ELEMENTS` at a time through a small scratch that stays in
+    On CPU a large e4m3 weight of whole blocks is decoded by one fused kernel (`fused.decode`);
+    otherwise this runs over `DECODE_CHUNK_ELEMENTS` at a time through a small scratch that stays in
     the caches, so the float32 values of a whole weight never exist and ``out`` is written once."""
     if out is None:
         out = torch.empty(data.shape, dtype=torch.float32, device=data.device)
@@ -114,6 +120,12 @@ def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int], out: Tensor 
     row_block = torch.arange(rows, device=data.device) // bo
     if data.device.type != "cpu":  # one pass of whole-tensor ops on an accelerator
         out.copy_(_scaled_rows(data.float(), scale.index_select(0, row_block), bi))
+        return out
+    if (
+        data.dtype == torch.float8_e4m3fn
+        and fused.usable(data.shape, block, data.device)
+        and fused.decode(data, scale, block, out)
+    ):
         return out
     bits = _e4m3_bits_decodable(data, scale)
     factor = scale * E4M3_OFFSET if bits else scale
@@ -242,9 +254,15 @@ class WireEncoder:
             if self.active:
                 self.report.add(name, tensor, None, 16)
             return [(name, tensor, {})]
-        quantize = quantize_fp8 if self.cfg.method == "fp8" else quantize_int8
-        data, scale, block = quantize(tensor, self.cfg)
-        self.report.add_quantized(name, tensor, *_errors(tensor, data, scale, block), bits=8)
+        block = _block(self.cfg, tensor.shape)
+        if self._fused(tensor, block):  # quantized and measured in one fused pass
+            data = torch.empty(tensor.shape, dtype=torch.float8_e4m3fn)
+            scale = torch.empty(_scale_shape(tensor.shape, block), dtype=torch.float32)
+            self._quantize_into(name, tensor, data, scale)
+        else:
+            quantize = quantize_fp8 if self.cfg.method == "fp8" else quantize_int8
+            data, scale, block = quantize(tensor, self.cfg)
+            self.report.add_quantized(name, tensor, *_errors(tensor, data, scale, block), bits=8)
         meta = {"block": list(block), "scale": scale_name(name)}
         return [(name, data, meta), (scale_name(name), scale, {"scale_of": name})]
 
@@ -265,7 +283,7 @@ class WireEncoder:
                 writers.append((1, lambda view, t=tensor: _copy_unless_sent_in_place(view, t)))
                 continue
             block = _block(self.cfg, tensor.shape)
-            scales = (math.ceil(tensor.shape[0] / block[0]), math.ceil(tensor.shape[1] / block[1]))
+            scales = _scale_shape(tensor.shape, block)
             dtype = torch.float8_e4m3fn if self.cfg.method == "fp8" else torch.int8
             pieces += [
                 Piece(name, dtype, tuple(tensor.shape), {"block": list(block), "scale": scale_name(name)}),
@@ -281,8 +299,21 @@ class WireEncoder:
 
         return LazyGroup(pieces, fill)
 
+    def _fused(self, tensor: Tensor, block: tuple[int, int]) -> bool:
+        """Whether ``tensor`` is block-FP8 encoded by the fused CPU kernel (`fused.encode_fp8_block`)."""
+        return (
+            self.cfg.method == "fp8"
+            and self.cfg.granularity == "block"
+            and fused.usable(tensor.shape, block, tensor.device)
+        )
+
     def _quantize_into(self, name: str, tensor: Tensor, data: Tensor, scale: Tensor) -> None:
         block = _block(self.cfg, tensor.shape)
+        if self._fused(tensor, block) and tensor.device == data.device:
+            sums = fused.encode_fp8_block(tensor, self.cfg.block_size, data, scale)
+            if sums is not None:
+                self.report.add_quantized(name, tensor, *sums, bits=8)
+                return
         if self.cfg.method == "fp8" and self.cfg.granularity == "block" and tensor.device == data.device:
             from moe_rl.rollout.fp8_block import torch_fp8_block
 
