@@ -1,9 +1,9 @@
 """Weight sync throughput and memory: the bucketed sync as the runtime does it, against a raw copy and a
 raw Ray transfer of the same bytes, measured in one process.
 
-Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 1.5 min with ``--quick``, about 4-5
-min without; most of it is FP8 encoding and decoding, which on CPU run at ~0.6 and ~1-1.5 G elements/s,
-`weight_sync.wire`). The bench starts itself again under the run's process environment
+Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 2 min with ``--quick``, about 4-5
+min without; most of it is FP8 encoding and decoding, which on CPU run at ~0.9 and ~4 G elements/s,
+`weight_sync.fused`). The bench starts itself again under the run's process environment
 (`orchestration.placement.PROCESS_ENV`) when it was not started with it, as a run's processes are.
 
 How many times each byte is copied sets the bound. A tensor the sender must compute (quantized
@@ -22,14 +22,17 @@ about half of what one gets (per byte landed in an engine, as much); the ``store
 twice (``ray.put`` straight from where the sender holds a tensor, `weight_sync.buckets.Bucket.
 arrays`, then the load; a computed tensor a third time, into the pack buffer first) and runs at
 about the speed of a raw Ray transfer of the same bytes. FP8 rows are bound by the receiver's
-decoding into the float values a fake-quantizing engine holds (receivers decode 85-97 % of the
-time), not by the transport: a decode reads each e4m3 byte and writes a 2-byte weight, with four
-integer and float passes in between (through a cache-resident scratch, `wire.dequantize`), so even
-at memory speed it would move three times the bytes a copy of the e4m3 bytes moves. Measured on 2
-cores, quiet machine (synthetic state, ``%copy``, two runs): bf16 ``shm`` one receiver 84-117 %,
-two receivers 47-73 % (95-145 % per byte landed); bf16 ``store`` one receiver 36-66 % (62-114 % of
-the raw Ray transfer), two 26-46 %; FP8 transport 4-9 %; FP8 inline ~1 % (the sender's quantization
-shares the 2 cores with the receivers).
+decoding into the float values a fake-quantizing engine holds (receivers decode 67-93 % of the
+time), not by the transport: a decode reads each e4m3 byte and writes a 2-byte weight. It runs as
+one fused compiled kernel per weight (`weight_sync.fused`, ~4 G elements/s on 2 threads alone, near
+what memory allows for 1 byte read and 2 written with ordinary stores), so per byte moved it costs
+about three times a copy of the e4m3 bytes. FP8 inline adds the sender's quantization (one fused
+kernel too, with the error measure: ~0.9 G elements/s on 2 threads), which shares the 2 cores with
+the receivers. Measured on 2 cores, quiet machine (synthetic state, ``%copy``): bf16 ``shm`` one
+receiver 84-118 %, two receivers 47-73 % (95-145 % per byte landed); bf16 ``store`` one receiver
+31-66 % (62-114 % of the raw Ray transfer), two 26-46 %; FP8 transport 12-24 % (4-9 % with the
+torch-operation decode); FP8 inline ~5 % (~1 % with torch operations). The first FP8 sync of each
+process compiles the kernels (10-20 s; not timed: the memory pass runs first).
 
 * Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
   `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to
@@ -626,13 +629,15 @@ class Row:
 
 
 def fp8_encode_cost(state: State) -> str:
-    """Encode of one o_proj-shaped weight: quantize alone vs `WireEncoder.encode` (+ its QuantReport)."""
+    """Encode of one o_proj-shaped weight: `WireEncoder.encode` (quantization + its QuantReport's
+    error measure) through the fused kernel and through torch operations, and quantizing alone."""
+    from moe_rl.weight_sync import fused
     from moe_rl.weight_sync.wire import quantize_fp8
 
     cfg = quant_config("fp8_block128")
     name, weight = next((n, t) for g in state.held for n, t in g if n.endswith("o_proj.weight"))
     encoder = encoder_for(state, "fp8_block128")
-    encoder.encode(name, weight)  # warm-up
+    encoder.encode(name, weight)  # warm-up (compiles the fused kernel if this process has not yet)
     start = time.perf_counter()
     quantize_fp8(weight, cfg)
     quantize_s = time.perf_counter() - start
@@ -641,10 +646,18 @@ def fp8_encode_cost(state: State) -> str:
         encoder.encode(name, weight)
         encode_s = time.perf_counter() - start
     extra = sampler.result["anon"]
+    fused_on = fused.usable(weight.shape, (cfg.block_size, cfg.block_size), weight.device)
+    with fused.turned_off():
+        start = time.perf_counter()
+        encoder.encode(name, weight)
+        torch_ops_s = time.perf_counter() - start
+    elements = weight.numel() / 1e9
     return (
-        f"fp8 encode of one {tuple(weight.shape)} bf16 weight ({tensor_nbytes(weight) / MB:.0f} MB): quantize_fp8 "
-        f"{quantize_s:.2f} s, WireEncoder.encode {encode_s:.2f} s (quantize + the QuantReport's dequantize "
-        f"and error); encode peak extra memory {extra / MB:.0f} MB = {extra / tensor_nbytes(weight):.1f}x the weight"
+        f"fp8 encode of one {tuple(weight.shape)} bf16 weight ({tensor_nbytes(weight) / MB:.0f} MB): "
+        f"WireEncoder.encode (quantize + error measure) {encode_s:.2f} s = {elements / encode_s:.2f} G elements/s "
+        f"{'fused' if fused_on else '(fused kernel off)'}, {torch_ops_s:.2f} s = {elements / torch_ops_s:.2f} "
+        f"G elements/s in torch operations; quantize_fp8 alone (torch operations) {quantize_s:.2f} s; "
+        f"encode peak extra memory {extra / MB:.0f} MB = {extra / tensor_nbytes(weight):.1f}x the weight"
     )
 
 

@@ -21,8 +21,10 @@ torch-operation paths.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -36,6 +38,17 @@ FP8_MAX = 448.0
 _enabled = True
 _FAILED = object()
 """What `_run` gives when the kernel could not be compiled."""
+
+
+@contextlib.contextmanager
+def turned_off() -> Iterator[None]:
+    """Within the block, the torch-operation paths only (to compare against them)."""
+    global _enabled
+    was, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = was
 
 
 def usable(shape: tuple[int, ...] | torch.Size, block: tuple[int, int], device: torch.device) -> bool:

@@ -17,7 +17,8 @@ they are. `decode` turns what arrived into the values a quantized engine holds (
 blockwise, in float32), which is what an engine that fake-quantizes (the Megatron engine) computes
 with. Engines that quantize themselves (vLLM's online quantization) are sent the tensors as they
 are (``quantized_wire=False``). The sender also fills the sync's `QuantReport` (relative error of
-what the engine will hold, bytes sent).
+what the engine will hold, bytes sent). On CPU, block FP8 of a large weight of whole blocks is
+encoded and decoded by the fused kernels of `moe_rl.weight_sync.fused`.
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int], out: Tensor 
         and fused.decode(data, scale, block, out)
     ):
         return out
-    bits = _e4m3_bits_decodable(data, scale)
-    factor = scale * E4M3_OFFSET if bits else scale
+    shifted = scale * E4M3_OFFSET
+    bits = _e4m3_bits_decodable(data, shifted)
+    factor = shifted if bits else scale
     step = max(1, DECODE_CHUNK_ELEMENTS // cols)
     in_place = out.dtype == torch.float32 and out.is_contiguous()
     scratch = None if in_place else _scratch(min(rows, step) * cols)
@@ -179,15 +181,16 @@ times ``2**-120`` (the exponent biases differ by 127 - 7), subnormals and zero i
 _F32_SIGN_AND_E4M3_BITS = -(1 << 31) | 0x07F0_0000  # (int32) sign bit, then 4 + 3 bits from bit 20
 
 
-def _e4m3_bits_decodable(data: Tensor, scale: Tensor) -> bool:
+def _e4m3_bits_decodable(data: Tensor, shifted_scale: Tensor) -> bool:
     """Whether ``data · scale`` may be computed from e4m3 bits placed into float32 bits (the power of
-    two they are off by, `E4M3_OFFSET`, moved into the scale: exact, only the exponent changes).
+    two they are off by, `E4M3_OFFSET`, moved into the scale: ``shifted_scale`` = ``scale ·
+    E4M3_OFFSET``, exact, only the exponent changes).
     torch converts e4m3 to float one element at a time on CPU (~0.15 G elements/s here); the bits
     take vectorized integer passes. Not when the moved offset overflows (a scale >= 2**8, or NaN)
     or a byte is e4m3's NaN (0x7F, 0xFF), which the bits would read as 480."""
     if data.dtype != torch.float8_e4m3fn:
         return False
-    if not bool(torch.isfinite(scale * E4M3_OFFSET).all()):
+    if not bool(torch.isfinite(shifted_scale).all()):
         return False
     return int(data.view(torch.int8).max()) != 0x7F and int(data.view(torch.uint8).max()) != 0xFF
 

@@ -70,9 +70,8 @@ def test_fused_encode_and_decode_equal_the_torch_operations(monkeypatch, dtype):
         assert _same_bits(wider[:, 3:515], want.to(out_dtype))
         assert int(wider.isnan().sum()) == 1 and not wider[:, :3].any() and not wider[:, 515:].any()
         out = dequantize(data, scale, tuple(meta["block"]), out=torch.empty(384, 512, dtype=out_dtype))
-        monkeypatch.setattr(fused, "_enabled", False)
-        torch_path = dequantize(data, scale, (128, 128), out=torch.empty(384, 512, dtype=out_dtype))
-        monkeypatch.setattr(fused, "_enabled", True)
+        with fused.turned_off():
+            torch_path = dequantize(data, scale, (128, 128), out=torch.empty(384, 512, dtype=out_dtype))
         assert _same_bits(out, torch_path)
     assert not fused.decode(data, scale[:, :3], (128, 128), out)  # scales that do not tile the weight
 
@@ -102,7 +101,7 @@ weight = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
 data, scale = torch_fp8_block(weight, 64)
 got = wire.dequantize(data, scale, (64, 64), out=torch.empty(256, 256))
 want = data.float() * scale.repeat_interleave(64, 0).repeat_interleave(64, 1)
-print("enabled", fused._enabled, "equal", torch.equal(got, want))
+print("enabled", fused.usable((256, 256), (64, 64), torch.device("cpu")), "equal", torch.equal(got, want))
 """
 
 
