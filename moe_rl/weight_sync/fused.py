@@ -18,9 +18,8 @@ model never compiles anything. Each kernel sees the weight as (row blocks, block
 blocks, block columns) and is compiled with dynamic sizes, so shapes do not each get their own
 kernel (a few variants at most: output dtypes, views). The first call in a process compiles it:
 ~10-20 s and ~150 MB of compiler state the process keeps (Inductor keeps the kernels on disk, so
-later processes compile faster). Where compiling
-fails (e.g. no C++ compiler on the machine), a warning says so once and the process keeps the
-torch-operation paths.
+later processes compile faster). Where compiling fails (e.g. no C++ compiler on the machine), a
+warning says so once and the process keeps the torch-operation paths.
 """
 
 from __future__ import annotations
@@ -107,9 +106,8 @@ def _encoder():
     def encode_blocks(weight: Tensor, data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
         x = weight.float()
         block_scale = x.abs().amax(dim=(1, 3), keepdim=True) / FP8_E4M3_MAX
-        q = torch.where(block_scale == 0, 0.0, x / block_scale).to(
-            torch.float8_e4m3fn
-        )  # a zero block sends zeros
+        # a block whose scale is 0 sends zeros (the zero-block rule of `moe_rl.rollout.fp8_block`)
+        q = torch.where(block_scale == 0, 0.0, x / block_scale).to(torch.float8_e4m3fn)
         data.copy_(q)
         scale.copy_(block_scale)
         diff = q.float() * block_scale - x

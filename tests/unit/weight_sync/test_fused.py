@@ -29,10 +29,6 @@ def _weight(dtype: torch.dtype) -> torch.Tensor:
     return weight.to(dtype)
 
 
-def _expanded(scale: torch.Tensor) -> torch.Tensor:
-    return scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
-
-
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit, NaNs aside (a NaN's sign and payload carry nothing)."""
     nan = a.isnan()
@@ -63,7 +59,7 @@ def test_fused_encode_and_decode_equal_the_torch_operations(monkeypatch, dtype):
     data.view(torch.uint8)[300, 500] = 0xFF
     scale = scale.clone()
     scale[0, 0] = 1000.0
-    want = data.float() * _expanded(scale)
+    want = data.float() * wire._expand(scale, (128, 128), data.shape)
     for out_dtype in (torch.bfloat16, torch.float32):
         wider = torch.zeros(384, 520, dtype=out_dtype)
         assert fused.decode(data, scale, (128, 128), wider[:, 3:515])
