@@ -79,7 +79,14 @@ class ReferenceModel:
     def receive_bucket(self, bucket) -> dict[str, float]:
         from moe_rl.weight_sync.receiver import decoded
 
-        self.receiver.load(decoded(bucket, next(self.model.parameters()).device, into=self.receiver.place))
+        self.receiver.load(
+            decoded(
+                bucket,
+                next(self.model.parameters()).device,
+                into=self.receiver.place,
+                dtypes=self.receiver.dtypes,
+            )
+        )
         return {"bytes": float(bucket.nbytes)}
 
     def finish_weight_update(self, version: int) -> dict[str, float]:

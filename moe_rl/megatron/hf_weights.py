@@ -332,6 +332,12 @@ def hf_index(model: torch.nn.Module) -> dict[str, str]:
     return {hf: name for name, _ in _local_tensors(gpt) for hf in hf_names_for(gpt, name).hf}
 
 
+def hf_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """HF name -> the dtype of the Megatron tensor (of this rank) it is a piece of."""
+    gpt = _unwrap(model)
+    return {hf: t.dtype for name, t in _local_tensors(gpt) for hf in hf_names_for(gpt, name).hf}
+
+
 def piece_views(model: torch.nn.Module) -> dict[str, Tensor]:
     """HF name -> the part of this rank's Megatron tensor that HF tensor fills, as a view, for the
     pieces that are one: a tensor this rank holds whole that is one HF tensor (``copy``) or gate and

@@ -5,7 +5,7 @@ only when every tensor of the model has arrived exactly once."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -23,25 +23,29 @@ def decoded(
     bucket: Bucket,
     device: torch.device | str | None = None,
     into: Callable[[str], Tensor | None] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Iterable[tuple[str, Tensor]]:
     """A bucket's weights as the values the engine computes with (`wire.decode`), one at a time.
     With ``device`` what travelled is moved there first (FP8 bytes, not their float32 values) and
     decoded there; ``into`` gives where a quantized weight's values may be decoded straight into
-    (`ModelReceiver.place`)."""
+    (`ModelReceiver.place`), ``dtypes`` the dtype to decode the others to (`ModelReceiver.dtypes`)."""
     items = bucket_items(bucket)
     if device is not None:
         items = [(name, tensor.to(device), meta) for name, tensor, meta in items]
-    return decode(items, into)
+    return decode(items, into, dtypes)
 
 
 class ModelReceiver:
     """Loads HF-named weights into a Megatron model part by part; `finish` checks completeness."""
 
     def __init__(self, model: torch.nn.Module):
-        from moe_rl.megatron.hf_weights import hf_index
+        from moe_rl.megatron.hf_weights import hf_dtypes, hf_index
 
         self.model = model
         self.index = hf_index(model)
+        self.dtypes = hf_dtypes(model)
+        """HF name -> the dtype of the Megatron tensor it loads into (what a piece that cannot be
+        decoded in place is decoded to: the values it will hold, in half the bytes of float32 for bf16)."""
         self.pieces = Counter(self.index.values())
         """Megatron tensor -> how many HF tensors it is made of (fused QKV, gate/up: several)."""
         self.expected = set(self.index.values())

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +33,9 @@ from torch import Tensor
 
 from moe_rl.config.schema import QuantConfig
 from moe_rl.device import copy_into
-from moe_rl.rollout.quant import QuantReport, should_quantize
+from moe_rl.rollout.quant import FP8_E4M3_MAX, QuantReport, should_quantize
 from moe_rl.weight_sync import fused
 
-FP8_MAX = 448.0
 INT8_MAX = 127.0
 WIRE_METHODS = ("fp8", "int8")
 """Recipes whose quantized bytes travel; the others send the tensor itself."""
@@ -81,7 +80,7 @@ def quantize_fp8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tupl
         data, scale = quantize_fp8_block(weight, cfg.block_size)
         return data, scale, block
     x = weight.float()
-    scale = _block_amax(x, block) / FP8_MAX
+    scale = _block_amax(x, block) / FP8_E4M3_MAX
     full = _expand(scale, block, x.shape)
     data = torch.where(full > 0, x / full, torch.zeros_like(x)).to(torch.float8_e4m3fn)
     return data, scale, block
@@ -97,17 +96,23 @@ def quantize_int8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tup
     return q.to(torch.int8), scale, block
 
 
-def dequantize(data: Tensor, scale: Tensor, block: tuple[int, int], out: Tensor | None = None) -> Tensor:
+def dequantize(
+    data: Tensor,
+    scale: Tensor,
+    block: tuple[int, int],
+    out: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """The values a quantized engine holds: ``data · scale`` blockwise, computed in float32 (the
     scales broadcast over their blocks, not expanded) and written into ``out`` (a floating tensor of
     ``data``'s shape and device, e.g. the engine's weight: the float32 values cast to its dtype) or
-    into a new float32 tensor.
+    into a new tensor of ``dtype`` (the same values as a float32 result cast to it).
 
     On CPU a large e4m3 weight of whole blocks is decoded by one fused kernel (`fused.decode`);
     otherwise this runs over `DECODE_CHUNK_ELEMENTS` at a time through a small scratch that stays in
     the caches, so the float32 values of a whole weight never exist and ``out`` is written once."""
     if out is None:
-        out = torch.empty(data.shape, dtype=torch.float32, device=data.device)
+        out = torch.empty(data.shape, dtype=dtype, device=data.device)
     elif tuple(out.shape) != tuple(data.shape) or not out.is_floating_point() or out.device != data.device:
         raise ValueError(
             f"cannot decode a {tuple(data.shape)} weight on {data.device} into a {out.dtype} "
@@ -350,12 +355,16 @@ def _errors(original: Tensor, data: Tensor, scale: Tensor, block: tuple[int, int
 
 
 def decode(
-    items: Iterable[tuple[str, Tensor, dict]], into: Callable[[str], Tensor | None] | None = None
+    items: Iterable[tuple[str, Tensor, dict]],
+    into: Callable[[str], Tensor | None] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """What arrived -> ``(HF name, values)``: quantized weights dequantized with their scales
     (which must travel in the same bucket, as the encoder sends them). ``into(name)`` may give the
     tensor a quantized weight's values are to end up in (the engine's weight, or a view of it): they
-    are decoded straight into it and it is what is yielded."""
+    are decoded straight into it and it is what is yielded. Otherwise they are decoded into a new
+    tensor of ``dtypes[name]`` (the dtype of the weight they will be loaded into), float32 where
+    ``dtypes`` has no entry."""
     items = list(items)
     scales = {meta["scale_of"]: tensor for _, tensor, meta in items if "scale_of" in meta}
     for name, tensor, meta in items:
@@ -372,4 +381,5 @@ def decode(
                 f"weight {name!r} arrived with shape {tuple(tensor.shape)}, but the tensor it loads into "
                 f"has shape {tuple(target.shape)}"
             )
-        yield name, dequantize(tensor, scales[name], tuple(meta["block"]), out=target)
+        dtype = dtypes.get(name, torch.float32) if dtypes is not None else torch.float32
+        yield name, dequantize(tensor, scales[name], tuple(meta["block"]), out=target, dtype=dtype)

@@ -3,6 +3,8 @@ bytes are what travels, and a sync is complete only when every tensor arrived on
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from trainer_testing import tiny_recipe
@@ -32,10 +34,15 @@ def _state(engine: MegatronEngine) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
 
 
-def test_buckets_of_any_size_load_what_one_whole_sync_loads(trainer_model):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_buckets_of_any_size_load_what_one_whole_sync_loads(trainer_model, precision):
+    """Streamed buckets decode straight into the engine's weights, or (q, k, v) into tensors of the
+    engine's dtype, and load what a whole sync that decodes to float32 loads."""
     config, model = trainer_model
     assert config.quant.name == "fp8_block128"
+    config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, precision=precision))
     whole = MegatronEngine(config)
+    assert next(whole.model.parameters()).dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     whole.update_weights(iter_hf_weights(model), version=1)
     buckets, encoder = _buckets(config, model, capacity=2 << 10)
     assert len(buckets) > 5 and all(sends(n) for n, _ in model.named_parameters())
@@ -54,6 +61,8 @@ def test_buckets_of_any_size_load_what_one_whole_sync_loads(trainer_model):
     assert any(n.endswith("mlp.experts.0.gate_proj.weight") for n in in_place)
     assert any(n.endswith("mlp.experts.0.down_proj.weight") for n in in_place)
     assert not any("q_proj" in n or "k_proj" in n for n in in_place)
+    q_proj = next(n for n in streamed._receiver.dtypes if n.endswith("q_proj.weight"))
+    assert streamed._receiver.dtypes[q_proj] == next(whole.model.parameters()).dtype
     assert encoder.report.rel_err == pytest.approx(whole.last_quant_report.rel_err, rel=1e-6)
 
 

@@ -155,6 +155,11 @@ def test_decoding_chunk_by_chunk_into_a_weight_equals_decoding_it_whole(monkeypa
     )
     target = torch.empty(8, 8, dtype=torch.bfloat16)
     assert dict(decode(items, into={items[0][0]: target}.get))[items[0][0]] is target
+    # a weight with nowhere to decode into is decoded to the dtype of the weight it loads into
+    as_bf16 = dict(decode(items, into=lambda name: None, dtypes={items[0][0]: torch.bfloat16}))[items[0][0]]
+    assert as_bf16.dtype == torch.bfloat16 and torch.equal(
+        as_bf16, dict(decode(items))[items[0][0]].bfloat16()
+    )
     with pytest.raises(
         ValueError, match=r"'model.layers.0.mlp.down_proj.weight' arrived with shape \(8, 8\)"
     ):
