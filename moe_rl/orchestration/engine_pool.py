@@ -76,9 +76,21 @@ class EnginePool:
         return sum(r.restarts for r in self.replicas)
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, version: int) -> dict[str, float]:
+    def spawn(self) -> None:
+        """Start every replica not started yet, without waiting for it. A replica that starts from
+        the trainer's Hugging Face export (vLLM) is not started here: the trainer group must have
+        formed first (`start` starts it)."""
+        if self.config.rollout.engine == "vllm":
+            return
         for replica in self.replicas:
-            self._spawn(replica)
+            if replica.actor is None:
+                self._spawn(replica)
+
+    def start(self, version: int) -> dict[str, float]:
+        """Start the replicas not started yet (`spawn`) and sync them to ``version``."""
+        for replica in self.replicas:
+            if replica.actor is None:
+                self._spawn(replica)
         caps = ray.get(self.replicas[0].actor.capabilities.remote(), timeout=RAY_TIMEOUT_S)
         self.quantized_wire = caps.quantized_wire
         return self.sync(version)

@@ -83,6 +83,8 @@ class Stages:
         self.trainer = TrainerGroup(config, self.placement)
         self.rewarder = ray.remote(RewardActor).options(num_cpus=0).remote(config)
         self.engines = EnginePool(config, self.trainer, self.run_dir, self.placement)
+        self.engines.spawn()  # engines build their models while the trainer ranks build theirs
+        self.trainer.form()
         self.source = build_prompt_source(config)
         self.version = 0
         self.step_done = -1

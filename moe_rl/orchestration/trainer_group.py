@@ -35,6 +35,8 @@ class TrainerGroup:
     """Rank actors of one Megatron world (see the module docstring)."""
 
     def __init__(self, config: RecipeConfig, placement: Placement):
+        """Place and start the rank actors; `form` waits for them to form the world (meanwhile
+        the caller may start other actors: engines build their models while ranks build theirs)."""
         self.config = config
         world = placement.trainer_ranks
         self.pg = placement_group([placement.trainer_bundle()] * world, strategy="PACK")
@@ -49,12 +51,17 @@ class TrainerGroup:
             ).remote(config, i, world, threads)
             for i in range(world)
         ]  # fmt: skip
+        self.layout: list[dict[str, int]] = []
+        self.dp_size = 0
+
+    def form(self) -> None:
+        """Wait until every rank has joined the world and built its model part."""
         address, port = ray.get(self.ranks[0].address.remote(), timeout=RAY_TIMEOUT_S)
         self.layout = self._all("init", address, port)
         self.dp_size = self.layout[0]["dp_size"]
         log.info(
             "trainer group: %d rank(s), data-parallel size %d, store %s:%d",
-            world,
+            len(self.ranks),
             self.dp_size,
             address,
             port,
