@@ -49,7 +49,6 @@ TOKENIZER_FILES = (
 GENERATION_CONFIG = "generation_config.json"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def export_command(
@@ -179,7 +178,7 @@ def _write_weights(config: RecipeConfig, trainer_dir: Path, folder: Path, max_sh
     hide_cuda_if_cpu("cpu")
     from moe_rl.config.schema import ParallelConfig
     from moe_rl.megatron.hf_weights import save_hf_checkpoint
-    from moe_rl.megatron.model import build_gpt_model, model_config_to_hf_config
+    from moe_rl.megatron.model import PRECISIONS, build_gpt_model, model_config_to_hf_config
     from moe_rl.megatron.parallel import init_parallel, teardown_parallel
 
     one_rank = ParallelConfig()  # dist_checkpointing reshards what any trainer layout wrote
@@ -189,7 +188,8 @@ def _write_weights(config: RecipeConfig, trainer_dir: Path, folder: Path, max_sh
         model = build_gpt_model(config.model, one_rank, config.trainer, seed=config.run.seed)
         log.info("loading the model weights of %s (not the optimizer state)", trainer_dir)
         _load_model_weights(model, trainer_dir)
-        hf_config = model_config_to_hf_config(config.model, _PRECISION_DTYPE[config.trainer.precision])
+        dtype = str(PRECISIONS[config.trainer.precision]).removeprefix("torch.")
+        hf_config = model_config_to_hf_config(config.model, dtype)
         if config.model.eos_token_id is not None:
             hf_config["eos_token_id"] = config.model.eos_token_id
         log.info("writing safetensors shards of at most %d bytes to %s", max_shard_bytes, folder)

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from moe_rl.config.schema import TrainerConfig
 from moe_rl.megatron.compat import cuda_available
+from moe_rl.megatron.model import PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +186,8 @@ def build_optimizer(
         adam_beta2=trainer.adam_beta2,
         adam_eps=trainer.adam_eps,
         clip_grad=trainer.grad_clip,
-        bf16=trainer.precision == "bf16",
-        params_dtype=torch.bfloat16 if trainer.precision == "bf16" else torch.float32,
+        bf16=PRECISIONS[trainer.precision] == torch.bfloat16,
+        params_dtype=PRECISIONS[trainer.precision],
         use_distributed_optimizer=use_distributed,
     )
     return get_megatron_optimizer(config, model_chunks)
