@@ -80,20 +80,20 @@ class EnginePool:
         """Start every replica not started yet, without waiting for it. A replica that starts from
         the trainer's Hugging Face export (vLLM) is not started here: the trainer group must have
         formed first (`start` starts it)."""
-        if self.config.rollout.engine == "vllm":
-            return
-        for replica in self.replicas:
-            if replica.actor is None:
-                self._spawn(replica)
+        if self.config.rollout.engine != "vllm":
+            self._spawn_missing()
 
     def start(self, version: int) -> dict[str, float]:
         """Start the replicas not started yet (`spawn`) and sync them to ``version``."""
-        for replica in self.replicas:
-            if replica.actor is None:
-                self._spawn(replica)
+        self._spawn_missing()
         caps = ray.get(self.replicas[0].actor.capabilities.remote(), timeout=RAY_TIMEOUT_S)
         self.quantized_wire = caps.quantized_wire
         return self.sync(version)
+
+    def _spawn_missing(self) -> None:
+        for replica in self.replicas:
+            if replica.actor is None:
+                self._spawn(replica)
 
     def _spawn(self, replica: Replica) -> None:
         model_path = None

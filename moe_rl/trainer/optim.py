@@ -177,6 +177,7 @@ def build_optimizer(
         return TorchAdamW(model_chunks, trainer)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    dtype = PRECISIONS[trainer.precision]
     config = OptimizerConfig(
         optimizer="adam",
         lr=trainer.lr,
@@ -186,8 +187,8 @@ def build_optimizer(
         adam_beta2=trainer.adam_beta2,
         adam_eps=trainer.adam_eps,
         clip_grad=trainer.grad_clip,
-        bf16=PRECISIONS[trainer.precision] == torch.bfloat16,
-        params_dtype=PRECISIONS[trainer.precision],
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
         use_distributed_optimizer=use_distributed,
     )
     return get_megatron_optimizer(config, model_chunks)

@@ -381,5 +381,5 @@ def decode(
                 f"weight {name!r} arrived with shape {tuple(tensor.shape)}, but the tensor it loads into "
                 f"has shape {tuple(target.shape)}"
             )
-        dtype = dtypes.get(name, torch.float32) if dtypes is not None else torch.float32
+        dtype = (dtypes or {}).get(name, torch.float32)
         yield name, dequantize(tensor, scales[name], tuple(meta["block"]), out=target, dtype=dtype)

@@ -10,7 +10,7 @@ import torch
 from trainer_testing import tiny_recipe
 
 from moe_rl.megatron.hf_weights import iter_hf_weights
-from moe_rl.megatron.model import build_gpt_model
+from moe_rl.megatron.model import PRECISIONS, build_gpt_model
 from moe_rl.rollout.megatron_engine import MegatronEngine
 from moe_rl.weight_sync.buckets import detach
 from moe_rl.weight_sync.sender import sends, stream_buckets
@@ -42,7 +42,7 @@ def test_buckets_of_any_size_load_what_one_whole_sync_loads(trainer_model, preci
     assert config.quant.name == "fp8_block128"
     config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, precision=precision))
     whole = MegatronEngine(config)
-    assert next(whole.model.parameters()).dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    assert next(whole.model.parameters()).dtype == PRECISIONS[precision]
     whole.update_weights(iter_hf_weights(model), version=1)
     buckets, encoder = _buckets(config, model, capacity=2 << 10)
     assert len(buckets) > 5 and all(sends(n) for n, _ in model.named_parameters())
