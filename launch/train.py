@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
-from moe_rl.device import hide_cuda_if_cpu
+from moe_rl.device import machine_here
 from moe_rl.errors import UserError, user_error_of
 from moe_rl.orchestration.run_dir import RunLock, claim
 
@@ -18,12 +18,12 @@ LOG_FILE = "logs/train.log"
 
 
 def check_machine(config: RecipeConfig, machine=None) -> None:
-    """Every component's checks again, against this machine (`load_recipe` checked them against
-    the machine the recipe describes): a refusal is a `ConfigError` like any other bad recipe."""
-    from moe_rl.device import Machine
+    """Every component's checks, against the machine the run runs on (default: this one, seen as
+    `machine_here` sees it, which hides the GPUs from a run.device=cpu run before torch looks for
+    CUDA): a refusal is a `ConfigError` like any other bad recipe."""
     from moe_rl.validation import validate
 
-    validate(config, machine or Machine.detect())
+    validate(config, machine or (lambda: machine_here(config.run.device)))
 
 
 def check_inputs(config: RecipeConfig) -> None:
@@ -59,10 +59,11 @@ def train(
         run_dir = Path(resume)
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"--resume {run_dir}: not a run directory (no config.yaml)")
-        config = load_recipe(run_dir / "config.yaml", overrides)
+        config = load_recipe(run_dir / "config.yaml", overrides, validate=False)
     else:
-        config = load_recipe(recipe, overrides)
+        config = load_recipe(recipe, overrides, validate=False)
         run_dir = Path(config.run.output_dir) / config.run.name
+    check_machine(config)  # before the run directory is touched
     with RunLock(run_dir):
         if not resume:
             claim(run_dir, force_new)
@@ -70,8 +71,6 @@ def train(
         if log_level:
             config = replace(config, logging=replace(config.logging, level=log_level.upper()))
         log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
-        hide_cuda_if_cpu(config.run.device)  # before torch looks for CUDA
-        check_machine(config)
         check_inputs(config)
         return _run(config, run_dir, resume is not None)
 

@@ -68,6 +68,17 @@ def hide_cuda_if_cpu(run_device: str) -> bool:
     return True
 
 
+def machine_here(run_device: str) -> Machine:
+    """This machine, as a command that runs a recipe here (``train``, ``diagnose``) sees it. With
+    ``run.device=cpu`` the command hides the GPUs first (`hide_cuda_if_cpu`, before torch looks
+    for CUDA) and sees none; otherwise it sees what torch finds. A recipe is checked against this
+    machine, not the one its ``cluster`` section describes: ``auto`` on a CPU cluster recipe still
+    runs on the GPU of the machine it is started on."""
+    if hide_cuda_if_cpu(run_device):
+        return Machine(cuda=False)
+    return Machine.detect()
+
+
 def process_device() -> torch.device:
     """The device of this process: its current CUDA device where it sees CUDA, else the CPU."""
     import torch

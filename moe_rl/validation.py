@@ -15,6 +15,7 @@ Imports no torch (`moe_rl.device.Machine` is built from the recipe, not detected
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -46,38 +47,56 @@ def target_machine(config: RecipeConfig) -> Machine:
     return Machine(cuda=device == "cuda" or (device == "auto" and config.cluster.gpus_per_node > 0))
 
 
-def _checks(machine: Machine) -> dict[str, Callable[[RecipeConfig], None]]:
+MachineSpec = Machine | Callable[[], Machine] | None
+"""The machine a recipe is checked against: a `Machine`; a function that gives it, called only
+when a check needs it (detecting CUDA imports torch, which a recipe refused for its own
+inconsistency should not wait for); or None for `target_machine`."""
+
+
+def _checks(config: RecipeConfig, machine: MachineSpec) -> dict[str, Callable[[RecipeConfig], None]]:
     from moe_rl.config.validate import validate_recipe
     from moe_rl.orchestration.placement import check_placement
     from moe_rl.rollout.capabilities import check_recipe
     from moe_rl.trainer.rules import check_trainer
 
+    @functools.cache
+    def the_machine() -> Machine:
+        if machine is None:
+            return target_machine(config)
+        return machine if isinstance(machine, Machine) else machine()
+
     return {
         "recipe": validate_recipe,
         "trainer": check_trainer,
-        "engine": lambda config: check_recipe(config, machine),
-        "placement": lambda config: check_placement(config, machine),
+        "engine": lambda config: check_recipe(config, the_machine()),
+        "placement": lambda config: check_placement(config, the_machine()),
     }
 
 
-def findings(config: RecipeConfig, machine: Machine | None = None) -> dict[str, str | None]:
+def _error(check: Callable[[RecipeConfig], None], config: RecipeConfig) -> str | None:
+    try:
+        check(config)
+    except (ValueError, ConfigError) as exc:
+        return str(exc)
+    return None
+
+
+def findings(config: RecipeConfig, machine: MachineSpec = None) -> dict[str, str | None]:
     """Per component, its first error on ``config`` (None: accepted), against ``machine``
     (default: `target_machine`)."""
     out: dict[str, str | None] = {}
-    for component, check in _checks(machine or target_machine(config)).items():
+    for component, check in _checks(config, machine).items():
         if out.get("recipe"):  # the others assume a consistent recipe
             out[component] = "not checked: the recipe itself is invalid"
             continue
-        try:
-            check(config)
-            out[component] = None
-        except (ValueError, ConfigError) as exc:
-            out[component] = str(exc)
+        out[component] = _error(check, config)
     return out
 
 
-def validate(config: RecipeConfig, machine: Machine | None = None) -> None:
-    """Raise `ConfigError` with the first component's error (see `findings`)."""
-    for component, error in findings(config, machine).items():
+def validate(config: RecipeConfig, machine: MachineSpec = None) -> None:
+    """Raise `ConfigError` with the first component's error (the components after it are not
+    checked, so a machine given as a function is not detected for a recipe refused before)."""
+    for component, check in _checks(config, machine).items():
+        error = _error(check, config)
         if error is not None:
             raise ConfigError(f"{error}" if component == "recipe" else f"{component}: {error}")

@@ -41,7 +41,21 @@ def device(request: pytest.FixtureRequest):
     """The device the test's models and tensors live on: ``cpu`` or ``cuda`` (see above)."""
     import torch
 
+    if request.param == "cuda":  # the process's own GPU, with its index, as tensors report it
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _gpus_visible_again():
+    """A command run in this process (``main([...])``) may hide the GPUs for its own run
+    (`moe_rl.device.hide_cuda_if_cpu`); the next test, and the processes it starts, see them again."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    yield
+    if before is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _in_ci() -> bool:

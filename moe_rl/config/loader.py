@@ -34,6 +34,9 @@ from omegaconf.errors import OmegaConfBaseException
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.errors import UserError
 
+if typing.TYPE_CHECKING:
+    from moe_rl.validation import MachineSpec
+
 
 class ConfigError(UserError):
     """A recipe or override that cannot be used, with the offending key and what would be valid."""
@@ -222,13 +225,20 @@ def _quant_layer(root: Path, name: str) -> tuple[str, dict[str, Any]]:
     return str(path), data
 
 
-def load_recipe(recipe: str | Path, overrides: Sequence[str] = (), validate: bool = True) -> RecipeConfig:
+def load_recipe(
+    recipe: str | Path,
+    overrides: Sequence[str] = (),
+    validate: bool = True,
+    machine: MachineSpec = None,
+) -> RecipeConfig:
     """Load `recipe` with `overrides` into a typed `RecipeConfig`.
 
     Every field's own value is always checked (`check_values`: ranges, finite numbers, choices, the
     run name), so nothing downstream divides by a zero size. `validate=False` skips the rest: the
     cross-field checks and the components' rules (a recipe piece alone, or `moe-rl plan`, which
-    reports those rules itself).
+    reports those rules itself). ``machine``: the machine the components' rules are checked
+    against, or a function giving it when a rule first needs it (default: the one the recipe
+    describes, `moe_rl.validation.target_machine`).
     """
     path = Path(recipe)
     root = recipes_root(path)
@@ -248,7 +258,7 @@ def load_recipe(recipe: str | Path, overrides: Sequence[str] = (), validate: boo
     if validate:
         from moe_rl.validation import validate as validate_all
 
-        validate_all(config)
+        validate_all(config, machine)
     else:
         from moe_rl.config.validate import check_values
 

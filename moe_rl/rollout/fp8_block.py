@@ -8,7 +8,8 @@ DeepSeek-V3 / Kimi-K2 checkpoints), every ``b×b`` block ``B`` of ``W`` gets::
     x     = W.float()                 (bf16 / fp16 → fp32 is exact)
     amax  = max |x| over B            (a partial last block counts only its real elements:
                                        ModelOpt pads with zeros, which change no amax)
-    scale = amax / 448                (fp32, IEEE round-to-nearest division; 448 = e4m3 max)
+    scale = amax / 448                (fp32; 448 = e4m3 max; how it rounds depends on the
+                                       device, as ModelOpt's does: see below)
     data  = e4m3(x / scale)           (fp32 IEEE division, then round-to-nearest-even cast)
 
 returned as ``(data, scale)``: ``data`` float8_e4m3fn with W's shape, ``scale`` float32 of shape
@@ -41,12 +42,18 @@ raw bytes, on every block whose elements are all finite, subnormal ones included
 scale is 0 follow the zero-block rule below. What that rests on (read from the PTX that Triton 3.6,
 torch 2.11's, and 3.9 emit for sm_90):
 
-* Divisions are IEEE round-to-nearest (``tl.math.div_rn`` → ``div.rn.f32``), as torch's ``/`` is
-  on CPU and GPU. Triton's plain ``/`` on fp32 lowers to ``div.full.f32`` on NVIDIA, an
-  approximate division (≤ 2 ulp) that moves ``scale`` by an ulp and flips ``x / scale`` across
-  e4m3 rounding boundaries; multiplying by a reciprocal is not correctly rounded either.
-* No flush-to-zero: ``div.rn.f32`` carries no ``.ftz`` and the amax is an integer reduction, so
-  blocks of tiny (fp32-subnormal) values round as on the CPU.
+* ``scale``: ModelOpt computes ``amax / 448.0``, a tensor divided by a Python number. On the CPU
+  torch divides (IEEE round-to-nearest). On CUDA torch multiplies by the divisor's fp32 reciprocal
+  instead (``amax * fl(1/448)``, ``div_true_kernel_cuda``), which differs from the division by an
+  ulp in about half the blocks. The kernel runs on CUDA, so it multiplies by the same fp32
+  reciprocal (``RECIPROCAL``); under the interpreter, on CPU tensors, it divides like the CPU.
+  The torch path needs nothing: its ``/ 448.0`` is the same torch operation on the same device.
+* ``x / scale`` is a division of two tensors, IEEE round-to-nearest on either device; the kernel
+  uses ``tl.math.div_rn`` (``div.rn.f32``). Triton's plain ``/`` on fp32 lowers to
+  ``div.full.f32`` on NVIDIA, an approximate division (≤ 2 ulp) that flips ``x / scale`` across
+  e4m3 rounding boundaries.
+* No flush-to-zero: ``div.rn.f32`` and the fp32 multiply carry no ``.ftz`` and the amax is an
+  integer reduction, so blocks of tiny (fp32-subnormal) values round as torch rounds them.
 * The cast is Triton's native fp32 → e4m3 conversion (``cvt.rn.satfinite.e4m3x2.f32``),
   round-to-nearest-even like torch's. Out-of-range handling never matters:
   ``|x / scale| ≤ 448·(1 + 2⁻²³)``, which rounds to 448 in both.
@@ -80,6 +87,8 @@ log = logging.getLogger("moe_rl.rollout.fp8_block")
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_CAPABILITY = (9, 0)  # native RNE fp32 → e4m3 conversion in Triton (see module docstring)
+INV_FP8_MAX = (torch.tensor(1.0) / 448.0).item()
+"""fl(1/448) in fp32 (exact as a Python float): torch's CUDA ``amax / 448.0`` is ``amax * INV_FP8_MAX``."""
 _MAX_TILE = 128  # a program holds at most a 128×128 tile in registers; larger blocks take two passes
 
 
@@ -277,6 +286,7 @@ def _triton_quantize(
     *,
     cast_in_kernel: bool | None = None,
     config: tuple[int, int] | None = None,
+    reciprocal: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Triton kernel on `weight`'s device, whatever it is (CPU tensors need TRITON_INTERPRET=1).
 
@@ -287,6 +297,8 @@ def _triton_quantize(
     needs False: its software fp32 → fp8 conversion (``_convert_float`` in
     ``triton/runtime/interpreter.py``, Triton 3.6–3.9) is not round-to-nearest-even (ties round
     up, and a rounding carry out of the mantissa is lost, e.g. 31.6 → 16 instead of 32).
+    ``reciprocal`` (default: whether `weight` is on CUDA) computes ``scale`` as ModelOpt's result
+    has it on that device: ``amax * fl(1/448)`` on CUDA, ``amax / 448`` on the CPU (module docstring).
     """
     _check(weight, block_size)
     tile_rows, num_warps = config if config is not None else kernel_configs(block_size)[0]
@@ -294,6 +306,8 @@ def _triton_quantize(
         raise ValueError(f"config must be one of {kernel_configs(block_size)}, got {config!r}")
     if cast_in_kernel is None:
         cast_in_kernel = not _interpreting()
+    if reciprocal is None:
+        reciprocal = weight.is_cuda
     kernel = _kernel()
     stack = weight if weight.dim() == 3 else weight.unsqueeze(0)
     if stack.stride(2) * block_size >= 2**31:  # in-block column offsets are 32-bit in the kernel
@@ -318,10 +332,12 @@ def _triton_quantize(
                 stack.stride(2),
                 row_blocks,
                 col_blocks,
+                INV_FP8_MAX,
                 BLOCK=block_size,
                 TILE_R=tile_rows,
                 TILE_C=min(1 << (block_size - 1).bit_length(), _MAX_TILE),
                 CAST=cast_in_kernel,
+                RECIPROCAL=reciprocal,
                 num_warps=num_warps,
             )
     if not cast_in_kernel:
@@ -356,10 +372,12 @@ def _kernel() -> Callable:
         stride_c,
         row_blocks,
         col_blocks,
+        inv_fp8_max,
         BLOCK: tl.constexpr,
         TILE_R: tl.constexpr,
         TILE_C: tl.constexpr,
         CAST: tl.constexpr,
+        RECIPROCAL: tl.constexpr,
     ):
         # One program per (expert, row block, column block); column blocks vary fastest.
         pid = tl.program_id(0)
@@ -394,7 +412,10 @@ def _kernel() -> Callable:
             src = x_blk + offs_r.to(tl.int64)[:, None] * stride_r + (offs_c * stride_c)[None, :]
             x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
             amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-            scale = tl.math.div_rn(amax, 448.0)
+            if RECIPROCAL:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
+                scale = amax * inv_fp8_max
+            else:
+                scale = tl.math.div_rn(amax, 448.0)
             zero = scale == 0.0
             q = tl.where(zero, 0.0, tl.math.div_rn(x, tl.where(zero, 1.0, scale)))
             dst = q_blk + offs_r.to(tl.int64)[:, None] * cols + offs_c[None, :]
@@ -425,7 +446,10 @@ def _kernel() -> Callable:
                     x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
                     acc = tl.maximum(acc, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
             amax = tl.max(acc).to(tl.float32, bitcast=True)
-            scale = tl.math.div_rn(amax, 448.0)
+            if RECIPROCAL:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
+                scale = amax * inv_fp8_max
+            else:
+                scale = tl.math.div_rn(amax, 448.0)
             zero = scale == 0.0
             divisor = tl.where(zero, 1.0, scale)
             for i in range(0, BLOCK, TILE_R):

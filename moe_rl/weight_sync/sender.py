@@ -137,14 +137,12 @@ def publish(
     returning an object reference). A bucket in a shared slot travels as itself (entries and the
     slot's name); any other bucket is put in Ray's object store once, for all receivers.
     """
-    import ray
-
     out, alive = Published(), dict(receivers)
     in_flight: list[tuple[int, Any]] = []  # deliveries of the previous bucket
     current: list[tuple[int, Any]] = []  # deliveries of this bucket's parts so far
     size = 0
     for bucket in buckets:
-        message = bucket if bucket.slot is not None else ray.put(bucket)
+        message = bucket if bucket.slot is not None else _in_object_store(bucket)
         current += [(i, deliver(message)) for i, deliver in alive.items()]
         out.bytes += bucket.nbytes
         out.in_place += sum(entry.nbytes for entry in bucket.entries if entry.source is not None)
@@ -160,6 +158,14 @@ def publish(
         size = 0
     out.dead |= _settle(in_flight + current, timeout_s)
     return out
+
+
+def _in_object_store(bucket: Bucket) -> Any:
+    """One copy of `bucket` in Ray's object store, for every receiver. (Buckets in shared slots
+    never go there, so `publish` of those runs without Ray.)"""
+    import ray
+
+    return ray.put(bucket)
 
 
 def _settle(flight: list[tuple[int, Any]], timeout_s: float) -> set[int]:

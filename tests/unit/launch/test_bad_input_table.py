@@ -13,6 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+pytest.importorskip("ray", reason="`moe-rl train` runs on Ray")  # e.g. a GPU check machine without Ray
+
 from launch.cli import main
 from moe_rl.config import load_recipe
 from moe_rl.data.shards import write_shards

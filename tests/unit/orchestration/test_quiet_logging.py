@@ -13,6 +13,8 @@ import pytest
 
 from moe_rl.log import LOG_DIR_ENV
 
+pytest.importorskip("ray", reason="the child processes configure Ray's loggers")
+
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = """
 import json, logging, logging.config, os, sys, warnings

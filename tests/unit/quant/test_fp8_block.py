@@ -25,6 +25,7 @@ import torch
 
 from moe_rl.rollout import fp8_block
 from moe_rl.rollout.fp8_block import (
+    INV_FP8_MAX,
     kernel_configs,
     quantize_fp8_block,
     reference_fp8_block,
@@ -40,15 +41,26 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def modelopt(weight: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ModelOpt's result, called as the old `real_quantize_fp8_block` did (3-D: per expert)."""
+def modelopt(weight: torch.Tensor, b: int, cuda_rule: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """ModelOpt's result, called as the old `real_quantize_fp8_block` did (3-D: per expert).
+
+    ``cuda_rule``: the scales as ModelOpt's ``amax / 448.0`` comes out on CUDA, where torch
+    multiplies by the fp32 reciprocal, ``amax * fl(1/448)``, computed on `weight`'s device and
+    handed to ModelOpt, which quantizes with them (``x / scale`` divides on either device).
+    """
     from modelopt.torch.quantization.qtensor import FP8QTensor
 
     if weight.dim() == 3:
-        parts = [modelopt(expert, b) for expert in weight.unbind(0)]
+        parts = [modelopt(expert, b, cuda_rule) for expert in weight.unbind(0)]
         return torch.stack([d for d, _ in parts]), torch.stack([s for _, s in parts])
-    qtensor, scale = FP8QTensor.quantize(weight.float(), block_sizes={-1: b, -2: b})
     rows, cols = cdiv(weight.shape[0], b), cdiv(weight.shape[1], b)
+    scales = None
+    if cuda_rule:
+        x = torch.zeros(rows * b, cols * b, dtype=torch.float32, device=weight.device)
+        x[: weight.shape[0], : weight.shape[1]] = weight.abs()
+        amax = x.view(rows, b, cols, b).amax(dim=(1, 3))
+        scales = amax * torch.tensor(INV_FP8_MAX, device=weight.device)  # two tensors: an IEEE product
+    qtensor, scale = FP8QTensor.quantize(weight.float(), scales=scales, block_sizes={-1: b, -2: b})
     return qtensor._quantized_data.view(FP8), scale.reshape(rows, cols).float()
 
 
@@ -65,9 +77,11 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     )
 
 
-def assert_matches_modelopt(data: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, b: int) -> None:
+def assert_matches_modelopt(
+    data: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, b: int, cuda_rule: bool = False
+) -> None:
     """The contract of `fp8_block`: ModelOpt's bits, but +0 data in scale-0 blocks; NaN where ModelOpt's."""
-    ref_data, ref_scale = modelopt(weight, b)
+    ref_data, ref_scale = modelopt(weight, b, cuda_rule)
     assert data.dtype == FP8 and scale.dtype == torch.float32
     assert data.shape == weight.shape and scale.shape == ref_scale.shape
     assert data.device == weight.device and scale.device == weight.device
@@ -160,7 +174,10 @@ def test_zero_blocks_give_scale_0_and_data_0_where_modelopt_gives_nan():
     for r, c in zero_blocks[:2]:  # ModelOpt: 0 / 0 = NaN
         assert bool(ref_data[r * 128 : (r + 1) * 128, c * 128 : (c + 1) * 128].float().isnan().all())
     tiny, tiny_in = ref_data[128:256, 256:384].float(), w[128:256, 256:384]
-    assert bool((tiny[tiny_in != 0].abs() == 448).all())  # ModelOpt: ±x / 0 = ±Inf, cast to ±448
+    # ModelOpt: ±x / 0 = ±Inf, cast by torch: to ±448 (torch 2.13 on the CPU) or NaN (torch 2.11)
+    inf_cast = torch.tensor([float("inf")]).to(FP8).float().abs()
+    got = tiny[tiny_in != 0].abs()
+    assert bool(got.isnan().all()) if inf_cast.isnan() else bool((got == inf_cast).all())
     assert bool(tiny[tiny_in == 0].isnan().all()) and bool((tiny_in == 0).any())
     assert int((ref_scale == 0).sum()) == len(zero_blocks)
 
@@ -251,7 +268,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 from moe_rl.rollout.fp8_block import _triton_quantize
 import triton
 cases = torch.load(sys.argv[1])
-out = [_triton_quantize(c["weight"], c["block"], config=c["config"]) for c in cases]
+out = [_triton_quantize(c["weight"], c["block"], config=c["config"], reciprocal=c["cuda_rule"]) for c in cases]
 torch.save({"triton": triton.__version__, "out": out}, sys.argv[2])
 """
 
@@ -274,7 +291,10 @@ def interpreter_cases() -> list[dict]:
         {"weight": random_weight((384, 256), torch.bfloat16).t(), "block": 128, "config": None},
     ]
     cases[2]["weight"][128:, 256:] = 0  # a partial zero block in bf16
-    return cases
+    for case in cases:
+        case["cuda_rule"] = False
+    # the scale rule the kernel follows on CUDA (amax * fl(1/448)), on the edge cases and a stack
+    return cases + [{**cases[i], "cuda_rule": True} for i in (0, 1, 3)]
 
 
 def test_triton_kernel_in_interpreter_matches_modelopt(tmp_path):
@@ -295,7 +315,7 @@ def test_triton_kernel_in_interpreter_matches_modelopt(tmp_path):
     result = torch.load(tmp_path / "out.pt")
     assert result["triton"] == triton.__version__ and len(result["out"]) == len(cases)
     for case, (data, scale) in zip(cases, result["out"]):
-        assert_matches_modelopt(data, scale, case["weight"], case["block"])
+        assert_matches_modelopt(data, scale, case["weight"], case["block"], case["cuda_rule"])
 
 
 # --- GPU: the Triton path on CUDA ------------------------------------------------------------------
@@ -323,12 +343,17 @@ def test_gpu_triton_path_is_modelopt_bit_for_bit(shape, monkeypatch):
     data, scale = quantize_fp8_block(w, 128)
     assert data.is_cuda and scale.is_cuda
     assert_matches_modelopt(data, scale, w, 128)  # ModelOpt on the GPU
-    assert_matches_modelopt(data.cpu(), scale.cpu(), w.cpu(), 128)  # and on the CPU
+    assert_matches_modelopt(data.cpu(), scale.cpu(), w.cpu(), 128, cuda_rule=True)  # its rule, on the CPU
+    # the CPU's rule (division) in the kernel, on the GPU: ModelOpt's result on the CPU
+    data, scale = fp8_block._triton_quantize(w, 128, reciprocal=False)
+    assert_matches_modelopt(data.cpu(), scale.cpu(), w.cpu(), 128)
 
 
 @pytest.mark.gpu
 def test_gpu_every_config_and_edge_case():
     for case in interpreter_cases():
+        if case["cuda_rule"]:
+            continue  # every case runs with the CUDA rule here
         w = _cuda_weight(case["weight"])
         configs = kernel_configs(case["block"]) if case["config"] is None else [case["config"]]
         for config in configs:

@@ -215,7 +215,10 @@ def test_kl_coefficient_is_checked():
     assert findings(tiny_recipe("algo.kl.coef=0.1", "algo.kl.estimator=k3_is"))["trainer"] is None
 
 
-def _distance_from_start(coef: float) -> tuple[float, list[dict]]:
+def _drift_from_start(coef: float) -> tuple[float, list[dict]]:
+    """Three RL steps of the in-process loop with KL coefficient `coef`; returns how far the policy
+    drifted in what it computes, the mean k3 KL(π_start ‖ π_end) on fixed held-out micro-batches,
+    and the step records."""
     from moe_rl.orchestration.local import LocalRun
 
     config = load_recipe(TINY_RECIPE, [
@@ -223,19 +226,25 @@ def _distance_from_start(coef: float) -> tuple[float, list[dict]]:
         f"algo.kl.coef={coef}", "algo.kl.estimator=k3",
     ])  # fmt: skip
     run = LocalRun(config)
-    start = {name: p.detach().clone() for name, p in run.trainer.model.named_parameters()}
+    worker = run.trainer
+    start = _tensors(worker.model)
     records = list(run.run(3))
-    squares = sum(
-        float((p.detach() - start[n]).double().square().sum())
-        for n, p in run.trainer.model.named_parameters()
-    )
-    return squares**0.5, records
+    held_out = _batches(config, seed=11)
+    worker.compute_old_logp(held_out)
+    end = [mb.old_logp.clone() for mb in held_out]
+    worker.model.load_state_dict(start)
+    worker.compute_old_logp(held_out)
+    log_ratio = torch.cat([mb.old_logp - logp for mb, logp in zip(held_out, end)])  # log π_start / π_end
+    return float((log_ratio.exp() - log_ratio - 1).mean()), records
 
 
 def test_the_penalty_keeps_the_policy_near_its_start():
     """Three RL steps of the in-process loop from the same seed: with a large coefficient the
-    weights end measurably closer to the starting (reference) weights than without a penalty."""
-    free, _ = _distance_from_start(0.0)
-    held, records = _distance_from_start(100.0)
+    policy ends measurably closer to the starting (reference) policy, in KL on held-out
+    sequences, than without a penalty. (Distance in weight space is no measure: Adam moves every
+    parameter with a non-zero gradient by about the learning rate, so the penalty's gradient can
+    move weights that no other term would have moved.)"""
+    free, _ = _drift_from_start(0.0)
+    held, records = _drift_from_start(100.0)
     assert all("train/kl/ref_k3" in r for r in records) and records[-1]["train/kl/ref_k3"] > 0
-    assert held < 0.95 * free, (held, free)
+    assert free > 0 and held < 0.75 * free, (held, free)  # CPU: 0.0023 against 0.0045
