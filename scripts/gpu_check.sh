@@ -24,6 +24,7 @@
 #   GPU_CHECK_PYTEST_ARGS    test selection replacing the default paths of both pytest tiers
 #                            (e.g. "tests/unit/algo -k ksm"); the -m marker filter is kept
 #   GPU_CHECK_WORKERS        pytest-xdist workers of the unit tier (default 8; 0: no xdist)
+#   GPU_CHECK_GPU_WORKERS    pytest-xdist workers of the gpu tier, sharing the GPU (default 4; 0: none)
 #   GPU_CHECK_QUANT          diagnose's --quant list (default bf16,fp8_block128,nvfp4)
 #   GPU_CHECK_DIAGNOSE_ARGS  extra diagnose arguments (e.g. "--prompts 8")
 #   GPU_CHECK_BENCH_ARGS     extra arguments appended to every bench command (all four must accept them)
@@ -42,6 +43,7 @@ out="${GPU_CHECK_OUT:-gpu_check_logs}"
 tiers="${GPU_CHECK_TIERS:-gpu unit diagnose rl bench}"
 step_timeout="${GPU_CHECK_TIMEOUT:-0}"
 workers="${GPU_CHECK_WORKERS:-8}"
+gpu_workers="${GPU_CHECK_GPU_WORKERS:-4}"
 quant="${GPU_CHECK_QUANT:-bf16,fp8_block128,nvfp4}"
 python="${PYTHON:-python3}"
 command -v "$python" >/dev/null || python=python
@@ -172,13 +174,12 @@ else
   gpu_tests=(tests/unit tests/e2e)
   unit_tests=(tests/unit)
 fi
-xdist=()
-if [ "$workers" != 0 ]; then
-  if "$python" -c "import xdist" 2>/dev/null; then
-    xdist=(-n "$workers")
-  else
-    echo "gpu_check: pytest-xdist is not installed: the unit tier runs in one process"
-  fi
+xdist=() gpu_xdist=()
+if "$python" -c "import xdist" 2>/dev/null; then
+  [ "$workers" != 0 ] && xdist=(-n "$workers")
+  [ "$gpu_workers" != 0 ] && gpu_xdist=(-n "$gpu_workers")
+else
+  echo "gpu_check: pytest-xdist is not installed: the pytest tiers run in one process each"
 fi
 # shellcheck disable=SC2206
 diagnose_extra=(${GPU_CHECK_DIAGNOSE_ARGS:-})
@@ -192,7 +193,7 @@ for tier in $tiers; do
   case "$tier" in
     gpu)
       # without CI: with CI=true the conftest fails skipped e2e tests (Ray / vLLM must skip here)
-      run_step gpu env -u CI "$python" -m pytest -m gpu "${gpu_tests[@]}" -q -p no:cacheprovider
+      run_step gpu env -u CI "$python" -m pytest -m gpu "${gpu_tests[@]}" -q -p no:cacheprovider "${gpu_xdist[@]}"
       ran+=(gpu)
       ;;
     unit)

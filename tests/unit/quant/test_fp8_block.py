@@ -253,7 +253,8 @@ def test_cpu_tensors_never_reach_the_kernel(monkeypatch):
 
 
 def test_kernel_configs_and_config_check():
-    assert kernel_configs(128)[0] == (128, 16)
+    assert kernel_configs(128)[0] == (32, 8) and (128, 16) in kernel_configs(128)
+    assert kernel_configs(32)[0] == (32, 1)
     assert all(tile & (tile - 1) == 0 for tile, _ in kernel_configs(24))  # powers of two
     with pytest.raises(ValueError, match=r"got \(64, 3\)"):
         fp8_block._triton_quantize(torch.zeros(4, 4), 128, config=(64, 3))
