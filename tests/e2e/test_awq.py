@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -90,23 +91,35 @@ def test_effective_weights_reproduce_the_modelopt_quantized_model(reference):
     assert any("linear_qkv" in n for n in effective) and any("local_experts" in n for n in effective)
 
 
-def test_awq_lowers_the_output_error_of_plain_int4_blocks(reference):
+def with_outlier_channels(weights, factor: float = 30.0):
+    """The weights with a few salient input channels, as trained LLMs have them: the first 4
+    channels of every RMSNorm before a linear layer scaled by ``factor``, so the activations the
+    linears see there are ``factor`` times larger. That is what AWQ is for; on the tiny random model
+    as built it has nothing to find, and whether AWQ-lite or plain INT4 blocks come out closer
+    depends on the sampling seed (CPU, seeds 0-5: ratios 0.81 to 1.11)."""
+    out = []
+    for name, weight in weights:
+        if name.endswith("layernorm.weight"):
+            weight = weight.clone()
+            weight[:4] *= factor
+        out.append((name, weight))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_awq_lowers_the_output_error_of_plain_int4_blocks(reference, seed):
     config = recipe()
-    engine, weights = reference
+    weights = with_outlier_channels(reference[1])
     awq = MegatronEngine(config)
     awq.update_weights(iter(weights), 1)
-    batch = awq.generate(PROMPTS, SPEC)  # the first sync calibrates here, on the prompts
+    awq.generate(PROMPTS, replace(SPEC, seed=seed))  # the first sync calibrates here, on the prompts
     awq.update_weights(iter(weights), 2)  # calibrates on the rollout just generated
     plain = scratch_model(
         config, WeightQuantizer(config.quant, config.model.num_layers).fake_quantize(weights)
     )
-    # measured on the sequences version 2 calibrated on: what AWQ's search lowers. (On other
-    # sequences it usually helps too, but need not on a tiny random model: on CUDA, the CALIB set
-    # gave AWQ 1.17e-4 against plain 0.99e-4.)
-    rollout = [s.prompt_ids.tolist() + s.response_ids.tolist() for s in batch.samples()]
-    full = log_probs(engine.model, rollout)
-    kl_awq, kl_plain = kl(full, log_probs(awq.model, rollout)), kl(full, log_probs(plain, rollout))
-    assert 0 < kl_awq < kl_plain, (kl_awq, kl_plain)  # CPU: 9.4e-05 against 1.16e-04
+    full = log_probs(scratch_model(recipe("rollout.quant=bf16"), weights), CALIB)
+    kl_awq, kl_plain = kl(full, log_probs(awq.model, CALIB)), kl(full, log_probs(plain, CALIB))
+    assert 0 < kl_awq < 0.75 * kl_plain, (kl_awq, kl_plain)  # CPU, seeds 0-3: 0.37 to 0.56 of plain's
 
 
 def test_first_sync_calibrates_at_generate_then_on_the_last_rollout(reference):
