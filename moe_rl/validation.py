@@ -7,10 +7,12 @@ Each rule lives with the component that enforces it at run time:
 * ``engine``: what the rollout engine can return and run on the device — `moe_rl.rollout.capabilities`;
 * ``placement``: trainer ranks and engines against GPUs and nodes — `moe_rl.orchestration.placement`.
 
-`load_recipe` runs them all against the machine the recipe describes (`target_machine`), so
-`config check`, `plan`, `submit`, `diagnose` and `train` refuse the same recipes before anything
-heavy loads; `train` checks the engine and placement again against the machine it runs on.
-Imports no torch (`moe_rl.device.Machine` is built from the recipe, not detected).
+`load_recipe` runs them all, so `config check`, `plan`, `submit`, `diagnose` and `train` refuse
+the same recipes before anything heavy loads. `config check`, `plan` and `submit` check against
+the machine the recipe describes (`target_machine`); `train` and `diagnose`, which run the recipe
+here, against this machine (`moe_rl.device.machine_here`), detected only once a rule needs it: a
+recipe with ``run.device=auto`` and no GPUs in its ``cluster`` section runs on the GPU of the
+machine it is started on, and may use what that GPU can (nvfp4, say). Imports no torch itself.
 """
 
 from __future__ import annotations
