@@ -1,5 +1,6 @@
 """`moe-rl diagnose` / `report` argument handling: a bad name or value fails in about a second,
-before torch or Megatron load; a recipe the engine refuses becomes "not available"."""
+before torch or Megatron load; a recipe the engine refuses becomes "not available"; recipes are
+checked against the machine diagnose runs on, detected only when a rule needs it."""
 
 from __future__ import annotations
 
@@ -49,3 +50,34 @@ def test_bad_arguments_fail_fast_with_the_value(args, message):
     assert out.returncode == 2 and message in out.stderr
     assert "megatron" not in out.stderr.lower()
     assert time.perf_counter() - start < 20  # no torch / Megatron import (2 shared cores: generous)
+
+
+def test_recipes_are_checked_against_the_machine_given():
+    """`diagnose` checks the recipes against the machine it runs on: the tiny recipe
+    (run.device=auto, no GPUs in its cluster section) may use nvfp4 on a GPU machine."""
+    from moe_rl.device import Machine
+
+    on_cpu = resolve(TINY, [], "bf16,nvfp4")  # the machine the recipe describes: no GPU
+    assert isinstance(on_cpu["nvfp4"], NotAvailable) and "CUDA" in on_cpu["nvfp4"].reason
+    asked = []
+
+    def gpu_machine() -> Machine:
+        asked.append(1)
+        return Machine(cuda=True, capability=(9, 0))
+
+    on_gpu = resolve(TINY, [], "bf16,nvfp4", gpu_machine)
+    assert not isinstance(on_gpu["nvfp4"], NotAvailable) and on_gpu["nvfp4"].quant.name == "nvfp4"
+    assert asked  # detected when a rule needed it
+
+
+def test_a_recipe_refused_for_itself_never_detects_the_machine():
+    from moe_rl.config import load_recipe
+    from moe_rl.validation import validate
+
+    config = load_recipe(TINY, ["rollout.group_size=7"], validate=False)
+
+    def no_detection():
+        raise AssertionError("the machine was detected for a recipe refused for its own values")
+
+    with pytest.raises(ConfigError, match="group_size"):
+        validate(config, no_detection)

@@ -4,6 +4,8 @@ give back CPU results. Meaningful on a CPU-only machine too (see `device_audit`)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from device_audit import FactoryAudit, ModelInputAudit, tensors_of
@@ -103,3 +105,20 @@ def test_run_device_must_match_what_the_process_sees():
         check_process_device(other)
     with pytest.raises(ValueError, match="run.device='gpu'; expected one of auto, cpu, cuda"):
         resolve_device("gpu", Machine(cuda=False))
+
+
+def test_a_cpu_command_hides_the_gpus_and_sees_none(monkeypatch):
+    """`machine_here`: run.device=cpu hides the GPUs (for torch and the processes started after)
+    and reports no CUDA, without asking torch; otherwise it is what torch detects."""
+    from moe_rl import device as device_module
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(device_module.Machine, "detect", classmethod(lambda cls: pytest.fail("detected")))
+    assert device_module.machine_here("cpu") == Machine(cuda=False)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    detected = Machine(cuda=True, capability=(9, 0))
+    monkeypatch.setattr(device_module.Machine, "detect", classmethod(lambda cls: detected))
+    for run_device in ("auto", "cuda"):
+        assert device_module.machine_here(run_device) is detected
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
