@@ -25,6 +25,10 @@
 #                            (e.g. "tests/unit/algo -k ksm"); the -m marker filter is kept
 #   GPU_CHECK_WORKERS        pytest-xdist workers of the unit tier (default 8; 0: no xdist)
 #   GPU_CHECK_GPU_WORKERS    pytest-xdist workers of the gpu tier, sharing the GPU (default 4; 0: none)
+#   GPU_CHECK_PARALLEL       1 (default): the unit tier runs beside the gpu tier (the CPU suite barely
+#                            touches the GPU); the steps after them start once both are done. 0: one
+#                            after the other
+#   GPU_CHECK_TRAINER_REPS   timed steps per worker of bench/trainer_step.py on CUDA (default 20)
 #   GPU_CHECK_QUANT          diagnose's --quant list (default bf16,fp8_block128,nvfp4)
 #   GPU_CHECK_DIAGNOSE_ARGS  extra diagnose arguments (e.g. "--prompts 8")
 #   GPU_CHECK_BENCH_ARGS     extra arguments appended to every bench command (all four must accept them)
@@ -188,16 +192,28 @@ trainer_size=mid
 # shellcheck disable=SC2206
 bench_extra=(${GPU_CHECK_BENCH_ARGS:-})
 
+# without CI: with CI=true the conftest fails skipped e2e tests (Ray / vLLM must skip here)
+unit_tier() {
+  run_step unit env -u CI "$python" -m pytest "${unit_tests[@]}" -m "not gpu" -q -p no:cacheprovider "${xdist[@]}"
+}
+unit_pid=""
+if [ "${GPU_CHECK_PARALLEL:-1}" = 1 ] && [[ " $tiers " == *" gpu "* ]] && [[ " $tiers " == *" unit "* ]]; then
+  unit_tier &
+  unit_pid=$!
+fi
 ran=()
 for tier in $tiers; do
   case "$tier" in
     gpu)
-      # without CI: with CI=true the conftest fails skipped e2e tests (Ray / vLLM must skip here)
       run_step gpu env -u CI "$python" -m pytest -m gpu "${gpu_tests[@]}" -q -p no:cacheprovider "${gpu_xdist[@]}"
       ran+=(gpu)
+      if [ -n "$unit_pid" ]; then
+        wait "$unit_pid" || true # the steps after these two run on a quiet machine
+        unit_pid=""
+      fi
       ;;
     unit)
-      run_step unit env -u CI "$python" -m pytest "${unit_tests[@]}" -m "not gpu" -q -p no:cacheprovider "${xdist[@]}"
+      [ "${GPU_CHECK_PARALLEL:-1}" = 1 ] && [[ " $tiers " == *" gpu "* ]] || unit_tier
       ran+=(unit)
       ;;
     diagnose)
@@ -215,6 +231,7 @@ for tier in $tiers; do
       for b in fp8_quant trainer_step algo_stack engine_length; do
         args=(--device "$dev")
         [ "$b" = trainer_step ] && args+=(--size "$trainer_size")
+        [ "$b" = trainer_step ] && [ "$dev" = cuda ] && args+=(--reps "${GPU_CHECK_TRAINER_REPS:-20}")
         if [ -n "${GPU_CHECK_BENCH_ARGS+set}" ]; then
           args+=("${bench_extra[@]}")
         elif [ "$dev" = cpu ] && [ "$b" != fp8_quant ]; then
