@@ -52,8 +52,9 @@ torch 2.11's, and 3.9 emit for sm_90):
   uses ``tl.math.div_rn`` (``div.rn.f32``). Triton's plain ``/`` on fp32 lowers to
   ``div.full.f32`` on NVIDIA, an approximate division (≤ 2 ulp) that flips ``x / scale`` across
   e4m3 rounding boundaries.
-* No flush-to-zero: ``div.rn.f32`` and the fp32 multiply carry no ``.ftz`` and the amax is an
-  integer reduction, so blocks of tiny (fp32-subnormal) values round as torch rounds them.
+* No flush-to-zero: ``div.rn.f32`` carries no ``.ftz``, the fp32 multiply keeps subnormals too
+  (blocks whose scale is fp32-subnormal match ModelOpt on an H200) and the amax is an integer
+  reduction, so blocks of tiny values round as torch rounds them.
 * The cast is Triton's native fp32 → e4m3 conversion (``cvt.rn.satfinite.e4m3x2.f32``),
   round-to-nearest-even like torch's. Out-of-range handling never matters:
   ``|x / scale| ≤ 448·(1 + 2⁻²³)``, which rounds to 448 in both.
