@@ -196,8 +196,10 @@ bench_extra=(${GPU_CHECK_BENCH_ARGS:-})
 unit_tier() {
   run_step unit env -u CI "$python" -m pytest "${unit_tests[@]}" -m "not gpu" -q -p no:cacheprovider "${xdist[@]}"
 }
+unit_beside_gpu=0
+if [ "${GPU_CHECK_PARALLEL:-1}" = 1 ] && [[ " $tiers " == *" gpu "* ]]; then unit_beside_gpu=1; fi
 unit_pid=""
-if [ "${GPU_CHECK_PARALLEL:-1}" = 1 ] && [[ " $tiers " == *" gpu "* ]] && [[ " $tiers " == *" unit "* ]]; then
+if [ "$unit_beside_gpu" = 1 ] && [[ " $tiers " == *" unit "* ]]; then
   unit_tier &
   unit_pid=$!
 fi
@@ -213,7 +215,7 @@ for tier in $tiers; do
       fi
       ;;
     unit)
-      [ "${GPU_CHECK_PARALLEL:-1}" = 1 ] && [[ " $tiers " == *" gpu "* ]] || unit_tier
+      [ "$unit_beside_gpu" = 1 ] || unit_tier # else it runs beside the gpu tier (started above)
       ran+=(unit)
       ;;
     diagnose)
