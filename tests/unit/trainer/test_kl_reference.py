@@ -250,9 +250,11 @@ def test_the_penalty_pulls_a_displaced_policy_back_to_the_reference(device):
 def test_the_in_process_loop_trains_with_the_penalty():
     from moe_rl.orchestration.local import LocalRun
 
+    # one mini-batch per step: step 0's KL is measured before any update (with two, the second is
+    # measured after the first's update, which moves the policy whenever that mini-batch drew a reward)
     config = load_recipe(TINY_RECIPE, [
         *TINY_MODEL_OVERRIDES, "rollout.batch_size=16", "rollout.quant=bf16", "algo.kl.coef=1.0",
-        "algo.kl.estimator=k3",
+        "algo.kl.estimator=k3", "trainer.num_mini_batches=1",
     ])  # fmt: skip
     records = list(LocalRun(config).run(2))
     assert all("train/kl/ref_k3" in r for r in records)
