@@ -250,8 +250,9 @@ def test_the_penalty_pulls_a_displaced_policy_back_to_the_reference(device):
 def test_the_in_process_loop_trains_with_the_penalty():
     from moe_rl.orchestration.local import LocalRun
 
-    # one mini-batch per step: step 0's KL is measured before any update (with two, the second is
-    # measured after the first's update, which moves the policy whenever that mini-batch drew a reward)
+    # one mini-batch per step: step 0's KL is measured before any update. With two, the second is
+    # measured after the first's optimizer step, and Adam turns even a round-off gradient (CUDA's
+    # training and no-grad passes differ in the last bits) into a step of about the learning rate.
     config = load_recipe(TINY_RECIPE, [
         *TINY_MODEL_OVERRIDES, "rollout.batch_size=16", "rollout.quant=bf16", "algo.kl.coef=1.0",
         "algo.kl.estimator=k3", "trainer.num_mini_batches=1",
