@@ -58,7 +58,8 @@ process compiles the kernels (10-20 s; not timed: the memory pass runs first).
 * States:
   - ``tiny``: the model of ``recipes/tiny_moe.yaml`` (Megatron ``GPTModel``, fp32, ~0.9 MB) at the
     recipe's bucket size, iterated with `iter_hf_weight_groups` (views, as the sender does) and encoded
-    with ``encoder.lazy_group`` inside the loop (straight into the bucket), exactly as the runtime does;
+    with ``encoder.lazy_groups`` inside the loop (straight into the bucket; a weight larger than a bucket
+    in row chunks), exactly as the runtime does;
   - ``synthetic``: bf16 tensors named and shaped like DeepSeek-V3 / Kimi-K2 MoE layers (experts'
     ``gate_proj`` / ``up_proj`` 2048×7168 travelling together, ``down_proj`` 7168×2048, attention
     ``o_proj`` 7168×7168, router 256×7168, its fp32 expert bias, norms, and a slice of ``embed_tokens``):
@@ -74,6 +75,10 @@ process compiles the kernels (10-20 s; not timed: the memory pass runs first).
     receiver's state;
   - ``transport``: the synthetic state encoded once up front (timed and printed separately), then
     timed: pack (a copy into the bucket), publish, deliver, decode, copy into the receiver's state.
+    The groups encoded up front travel whole: a weight larger than the bucket makes a bucket (and,
+    through shared slots, sender memory) of its own size, which the report shows as "largest
+    bucket". In ``inline`` mode, as in the runtime, such a weight travels in row chunks
+    (`WireEncoder.lazy_groups`) and no bucket exceeds its capacity.
 
 Per configuration: one untimed pass first (the memory pass, also the warm-up; it also checks that every
 tensor arrived once with the decoded values), then ``--repeat`` timed passes; ``s`` is their median.
@@ -291,8 +296,11 @@ class Receiver:
         if sample:
             for t in self.state.values():
                 t.zero_()
+        from moe_rl.weight_sync.wire import Rejoin
+
         gc.collect()
         self.loaded = []
+        self.rejoin = Rejoin()  # a weight larger than a bucket travels in row chunks
         self.busy = self.copying = 0.0
         self.sampler = PeakSampler() if sample else None
         if self.sampler:
@@ -307,7 +315,7 @@ class Receiver:
         # (decoding happens as the iteration asks for a value) as the Megatron engine receives: a
         # quantized weight is decoded straight into the state (`ModelReceiver.place`), any other is
         # copied in as `hf_weights.load_hf_subset` copies, on this actor's threads
-        for name, value in decoded(bucket, into=self.state.get):
+        for name, value in decoded(bucket, into=self.state.get, rejoin=self.rejoin):
             if value is not self.state[name]:
                 copying = time.perf_counter()
                 copy_into(self.state[name], value, threads=torch.get_num_threads())
@@ -323,6 +331,7 @@ class Receiver:
         return buffer.nbytes
 
     def end(self, checksums: bool) -> dict:
+        self.rejoin.finish()
         out: dict = {"loaded": len(self.loaded), "unique": len(set(self.loaded)), "busy": self.busy,
                      "copying": self.copying}  # fmt: skip
         if self.sampler:
@@ -758,9 +767,11 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
                             return iter(encoded)
                     else:
 
-                        def make_groups(recipe=recipe, state=state) -> Iterator[Encoded]:
+                        def make_groups(
+                            recipe=recipe, state=state, capacity=bucket_mb * MB
+                        ) -> Iterator[Encoded]:
                             encoder = encoder_for(state, recipe)  # one per sync, as stream_weights
-                            return (encoder.lazy_group(g) for g in state.groups())
+                            return (lazy for g in state.groups() for lazy in encoder.lazy_groups(g, capacity))
 
                     store.drain()
                     memory = run_sync(

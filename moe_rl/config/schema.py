@@ -185,7 +185,8 @@ class RolloutConfig:
     """vLLM tensor parallel size per engine."""
     sync_bucket_mb: int = 256
     """Weight sync: the trainer sends its weights in buckets of about this many MiB (whole
-    tensors; a larger tensor travels alone), each published once for every engine replica."""
+    tensors; a larger tensor travels in row chunks of at most this size), each published once for
+    every engine replica."""
     gpu_memory_utilization: float = 0.2
     """vLLM memory share (on CPU: share of one NUMA node's RAM)."""
     max_model_len: int = 512

@@ -85,6 +85,7 @@ class ReferenceModel:
                 next(self.model.parameters()).device,
                 into=self.receiver.place,
                 dtypes=self.receiver.dtypes,
+                rejoin=self.receiver.rejoin,
             )
         )
         return {"bytes": float(bucket.nbytes)}

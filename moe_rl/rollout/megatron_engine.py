@@ -194,7 +194,10 @@ class MegatronEngine:
     @torch.no_grad()
     def receive_bucket(self, bucket: Bucket) -> dict[str, float]:
         """Decode one bucket (`moe_rl.weight_sync.wire`) and load it; returns its byte count."""
-        self._receive(decoded(bucket, self.device, into=self._receiver.place, dtypes=self._receiver.dtypes))
+        receiver = self._receiver
+        self._receive(
+            decoded(bucket, self.device, into=receiver.place, dtypes=receiver.dtypes, rejoin=receiver.rejoin)
+        )
         return {"bytes": float(bucket.nbytes)}
 
     def _receive(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -57,6 +57,7 @@ from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.vllm_convert import from_vllm_outputs
 from moe_rl.rollout.capabilities import Machine, check_recipe, engine_capabilities, vllm_quantization
 from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
+from moe_rl.weight_sync.wire import Rejoin
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +213,7 @@ class VLLMEngine:
         if self._layers is None:
             self._layers = _layer_groups(_checkpoint_names(self.model_path))
         self._incoming, self._pending, self._reloaded = int(version), {}, set()
+        self._rejoin = Rejoin()  # tensors larger than a bucket travel in row chunks
         self._sync_stats = {"num_tensors": 0.0, "bytes": 0.0, "load_s": 0.0}
 
     def receive_bucket(self, bucket: Any) -> dict[str, float]:
@@ -220,7 +222,7 @@ class VLLMEngine:
         if self._incoming is None:
             raise RuntimeError("receive_bucket before begin_weight_update")
         arrived: set[str] = set()
-        for name, tensor in decoded(bucket):
+        for name, tensor in decoded(bucket, rejoin=self._rejoin):
             layer = _layer_of(name)
             if layer not in self._layers or name not in self._layers[layer]:
                 raise ValueError(f"weight {name!r} is not in the engine's checkpoint {self.model_path}")
@@ -231,7 +233,8 @@ class VLLMEngine:
                 self._reloaded.add(layer)
         for tensors in self._pending.values():  # a layer still incomplete: its views of this bucket's
             for name in arrived & tensors.keys():  # buffer are copied (the sender reuses the buffer)
-                tensors[name] = tensors[name].clone()
+                if not self._rejoin.owns(name, tensors[name]):  # (a rejoined tensor is its own)
+                    tensors[name] = tensors[name].clone()
         return {"bytes": float(bucket.nbytes)}
 
     def _reload(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -247,6 +250,7 @@ class VLLMEngine:
         """Every layer has arrived: take ``version`` (later tokens carry it)."""
         if self._incoming != int(version):
             raise ValueError(f"finish_weight_update({version}) but the sync in progress is {self._incoming}")
+        self._rejoin.finish()
         missing = sorted(set(self._layers) - self._reloaded)
         if missing:
             raise ValueError(f"weight sync incomplete: layers {missing[:3]} did not arrive whole")

@@ -2,7 +2,9 @@
 
 A bucket holds whole groups (all the HF pieces of one Megatron tensor travel together, so a
 receiver can fuse them on arrival) up to about ``capacity`` bytes; a group larger than that gets a
-bucket of its own. Its bytes live in one of two places:
+bucket of its own. The runtime's sender never makes one: it sends a weight larger than a bucket in
+row chunks, each a group of its own (`wire.WireEncoder.lazy_groups`). Its bytes live in one of two
+places:
 
 * a shared-memory slot of the sender (`moe_rl.weight_sync.shm`), when every receiver is on the
   sender's node: the bucket that travels is its entries and the slot's name, and receivers read the

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from moe_rl.weight_sync.buckets import Bucket
-from moe_rl.weight_sync.wire import decode
+from moe_rl.weight_sync.wire import Rejoin, decode
 
 
 def bucket_items(bucket: Bucket) -> list[tuple[str, Tensor, dict]]:
@@ -24,15 +24,18 @@ def decoded(
     device: torch.device | str | None = None,
     into: Callable[[str], Tensor | None] | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
+    rejoin: Rejoin | None = None,
 ) -> Iterable[tuple[str, Tensor]]:
     """A bucket's weights as the values the engine computes with (`wire.decode`), one at a time.
     With ``device`` what travelled is moved there first (FP8 bytes, not their float32 values) and
     decoded there; ``into`` gives where a quantized weight's values may be decoded straight into
-    (`ModelReceiver.place`), ``dtypes`` the dtype to decode the others to (`ModelReceiver.dtypes`)."""
+    (`ModelReceiver.place`), ``dtypes`` the dtype to decode the others to (`ModelReceiver.dtypes`).
+    ``rejoin``: the receiver's `wire.Rejoin` for this sync, which puts tensors that travel in row
+    chunks back together (a chunked tensor is yielded with its last chunk)."""
     items = bucket_items(bucket)
     if device is not None:
         items = [(name, tensor.to(device), meta) for name, tensor, meta in items]
-    return decode(items, into, dtypes)
+    return decode(items, into, dtypes, rejoin)
 
 
 class ModelReceiver:
@@ -54,12 +57,18 @@ class ModelReceiver:
         self._views: dict[str, Tensor] = {}
         self.in_place: dict[str, Tensor] = {}
         """HF name -> the view of the model it was decoded into, this sync (`place`)."""
+        self.rejoin = Rejoin()
+        """Tensors that travel in row chunks, put back together over the buckets of a sync."""
+        self._pending: dict[str, dict[str, Tensor]] = {}
+        """Megatron tensor -> the HF pieces of it that arrived so far (a piece that travelled in
+        chunks may complete in a later bucket than its siblings)."""
 
     def begin(self) -> None:
         from moe_rl.megatron.hf_weights import piece_views
 
         self.loaded, self.bytes = set(), 0
         self._views, self.in_place = piece_views(self.model), {}
+        self.rejoin, self._pending = Rejoin(), {}
 
     def place(self, name: str) -> Tensor | None:
         """Where the values of HF tensor ``name`` may be decoded straight into: the view of the
@@ -70,11 +79,13 @@ class ModelReceiver:
         return view
 
     def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
-        """Load each Megatron tensor as soon as all its HF pieces have come by in ``named`` (they
-        travel together), so only one tensor's decoded values are held at a time."""
+        """Load each Megatron tensor as soon as all its HF pieces have come by (they travel
+        together, in one bucket, unless they are large enough to travel in row chunks), so only one
+        tensor's decoded values are held at a time. A tensor still missing pieces at the end of
+        the sync is an error of `finish`."""
         from moe_rl.megatron.hf_weights import load_hf_subset
 
-        pending: dict[str, dict[str, Tensor]] = {}
+        pending, arrived = self._pending, []
         for name, tensor in named:
             owner = self.index.get(name)
             if owner is None:  # not a tensor of this model: load_hf_subset names it (or ignores it)
@@ -84,6 +95,7 @@ class ModelReceiver:
                 raise ValueError(f"weight {owner!r} arrived twice in one sync")
             group = pending.setdefault(owner, {})
             group[name] = tensor
+            arrived.append((owner, name))
             if len(group) == self.pieces[owner]:
                 if all(self.in_place.get(n) is t for n, t in group.items()):  # decoded in place
                     self.loaded.add(owner)
@@ -91,14 +103,23 @@ class ModelReceiver:
                     self.loaded |= load_hf_subset(self.model, group, self.index)
                 del pending[owner]
                 self.bytes += sum(t.numel() * t.element_size() for t in group.values())
-        if pending:
-            owner, group = next(iter(pending.items()))
-            raise ValueError(
-                f"Megatron tensor {owner!r} arrived without all its pieces (got {sorted(group)})"
-            )
+        for owner, name in arrived:  # a piece waiting for a later bucket: its own copy, not a view of
+            group = pending.get(owner)  # this bucket (the sender reuses the buffer)
+            if group is not None and name in group and self._viewed(name, group[name]):
+                group[name] = group[name].clone()
+
+    def _viewed(self, name: str, tensor: Tensor) -> bool:
+        """Whether ``tensor`` may be a view of a bucket: not the model's own view, not rejoined."""
+        return self.in_place.get(name) is not tensor and not self.rejoin.owns(name, tensor)
 
     def finish(self) -> None:
         """Raise unless every tensor of the model arrived in this sync."""
+        self.rejoin.finish()
+        if self._pending:
+            owner, group = next(iter(self._pending.items()))
+            raise ValueError(
+                f"Megatron tensor {owner!r} arrived without all its pieces (got {sorted(group)})"
+            )
         missing = self.expected - self.loaded
         if missing:
             raise ValueError(

@@ -85,13 +85,16 @@ def share_parameters(
     return arena
 
 
-def weight_groups(model: torch.nn.Module, encoder: WireEncoder) -> Iterator[LazyGroup]:
+def weight_groups(
+    model: torch.nn.Module, encoder: WireEncoder, max_bytes: int | None = None
+) -> Iterator[LazyGroup]:
     """What this rank sends, one Megatron tensor (all its HF pieces) at a time, encoded by the
-    packer straight into the bucket."""
+    packer straight into the bucket; a tensor whose wire bytes exceed ``max_bytes`` (the bucket
+    capacity) in row chunks (`WireEncoder.lazy_groups`)."""
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
 
     for _, group in iter_hf_weight_groups(model, select=sends, copy=False):  # views; the packer writes
-        yield encoder.lazy_group(group)
+        yield from encoder.lazy_groups(group, max_bytes)
 
 
 def stream_buckets(
@@ -105,7 +108,7 @@ def stream_buckets(
     bucket is valid until the next is requested (`buckets.BucketPacker`); pass the rank's own
     ``packer`` to reuse its buffer from sync to sync."""
     packer = packer or BucketPacker(capacity, sender=rank)
-    return packer.pack(weight_groups(model, encoder))
+    return packer.pack(weight_groups(model, encoder, packer.capacity))
 
 
 @dataclass

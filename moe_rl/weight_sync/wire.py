@@ -19,12 +19,18 @@ with. Engines that quantize themselves (vLLM's online quantization) are sent the
 are (``quantized_wire=False``). The sender also fills the sync's `QuantReport` (relative error of
 what the engine will hold, bytes sent). On CPU, block FP8 of a large weight of whole blocks is
 encoded and decoded by the fused kernels of `moe_rl.weight_sync.fused`.
+
+A weight larger than a bucket travels in row chunks (`WireEncoder.lazy_groups`: whole blocks of
+rows when quantized, so each chunk carries exactly the bytes of those rows of the whole weight);
+the receiver's `Rejoin` writes each chunk into the weight (or a tensor of its own) and hands the
+weight on with its last chunk.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -284,11 +290,9 @@ class WireEncoder:
         pieces: list[Piece] = []
         writers: list[tuple[int, Callable[..., None]]] = []
         for name, tensor in group:
-            if not self.active or not should_quantize(name, tensor, self.cfg, self.num_layers):
-                if self.active:
-                    self.report.add(name, tensor, None, 16)
+            if not self._quantized(name, tensor):
                 pieces.append(Piece(name, tensor.dtype, tuple(tensor.shape), {}, tensor))
-                writers.append((1, lambda view, t=tensor: _copy_unless_sent_in_place(view, t)))
+                writers.append((1, lambda view, n=name, t=tensor: self._send_as_is(n, t, view)))
                 continue
             block = _block(self.cfg, tensor.shape)
             scales = _scale_shape(tensor.shape, block)
@@ -307,6 +311,95 @@ class WireEncoder:
 
         return LazyGroup(pieces, fill)
 
+    def lazy_groups(
+        self, group: Sequence[tuple[str, Tensor]], max_bytes: int | None = None
+    ) -> Iterator[LazyGroup]:
+        """`lazy_group` of ``group``, or, when what travels for it is larger than ``max_bytes`` (a
+        bucket's capacity), each of its tensors in row chunks of at most ``max_bytes`` (whole
+        blocks of rows for a quantized one: each chunk's bytes are those of the whole tensor's
+        rows), so no bucket, and no sender buffer, grows past ``max_bytes`` for a large weight. A
+        chunk travels under its tensor's name with ``meta["rows"] = [start, stop]`` and
+        ``meta["shape"]`` (the whole tensor's); the receiver puts the chunks back together
+        (`Rejoin`). The `QuantReport` gets each tensor once, when its last chunk is written."""
+        group = list(group)
+        if max_bytes is None or sum(self._wire_nbytes(name, tensor) for name, tensor in group) <= max_bytes:
+            yield self.lazy_group(group)
+            return
+        for name, tensor in group:
+            yield from self._row_chunks(name, tensor, max_bytes)
+
+    def _quantized(self, name: str, tensor: Tensor) -> bool:
+        return self.active and should_quantize(name, tensor, self.cfg, self.num_layers)
+
+    def _wire_nbytes(self, name: str, tensor: Tensor) -> int:
+        """Bytes that travel for ``tensor``: itself, or its 8-bit data and fp32 scales."""
+        if not self._quantized(name, tensor):
+            return tensor.numel() * tensor.element_size()
+        return tensor.numel() + 4 * math.prod(_scale_shape(tensor.shape, _block(self.cfg, tensor.shape)))
+
+    def _send_as_is(self, name: str, tensor: Tensor, view: Tensor | None) -> None:
+        _copy_unless_sent_in_place(view, tensor)
+        if self.active:
+            self.report.add(name, tensor, None, 16)
+
+    def _row_chunks(self, name: str, tensor: Tensor, max_bytes: int) -> Iterator[LazyGroup]:
+        """``tensor`` in chunks of whole rows (whole blocks of rows when quantized) of at most
+        ``max_bytes`` each (at least one row or block of rows); one group when it fits."""
+        rows = tensor.shape[0] if tensor.dim() else 1
+        quantized = self._quantized(name, tensor)
+        if quantized:  # 2-D: a block of rows carries its 8-bit data and a row of fp32 scales
+            block = _block(self.cfg, tensor.shape)
+            per_step = block[0] * tensor.shape[1] + 4 * _scale_shape(tensor.shape, block)[1]
+        else:
+            block = (1, 1)
+            per_step = tensor[:1].numel() * tensor.element_size() if tensor.dim() else tensor.nbytes
+        step = max(1, max_bytes // max(per_step, 1)) * block[0]
+        if step >= rows:
+            yield self.lazy_group([(name, tensor)])
+            return
+        starts = range(0, rows, step)
+        sums = [0.0, 0.0]  # Σ error², Σ original² of the chunks written so far (quantized)
+        for chunk, start in enumerate(starts):
+            stop, last = min(rows, start + step), start + step >= rows
+            part = tensor[start:stop]
+            where = {"rows": [start, stop], "shape": list(tensor.shape), "chunk": chunk}
+            if not quantized:
+                piece = Piece(name, tensor.dtype, tuple(part.shape), where, part)
+                yield LazyGroup([piece], self._chunk_writer_as_is(name, tensor, part, last))
+                continue
+            first, end = start // block[0], -(-stop // block[0])
+            scales = _scale_shape(tensor.shape, block)
+            dtype = torch.float8_e4m3fn if self.cfg.method == "fp8" else torch.int8
+            data_meta = {"block": list(block), "scale": scale_name(name), **where}
+            scale_meta = {"scale_of": name, "rows": [first, end], "shape": list(scales), "chunk": chunk}
+            pieces = [
+                Piece(name, dtype, tuple(part.shape), data_meta),
+                Piece(scale_name(name), torch.float32, (end - first, scales[1]), scale_meta),
+            ]
+            yield LazyGroup(pieces, self._chunk_writer_quantized(name, tensor, part, last, sums))
+
+    def _chunk_writer_as_is(
+        self, name: str, tensor: Tensor, part: Tensor, last: bool
+    ) -> Callable[[Sequence[Tensor]], None]:
+        def fill(views: Sequence[Tensor | None]) -> None:
+            _copy_unless_sent_in_place(views[0], part)
+            if last and self.active:
+                self.report.add(name, tensor, None, 16)
+
+        return fill
+
+    def _chunk_writer_quantized(
+        self, name: str, tensor: Tensor, part: Tensor, last: bool, sums: list[float]
+    ) -> Callable[[Sequence[Tensor]], None]:
+        def fill(views: Sequence[Tensor]) -> None:
+            err, ref = self._quantize_sums(part, *views)
+            sums[0] += err
+            sums[1] += ref
+            if last:
+                self.report.add_quantized(name, tensor, sums[0], sums[1], bits=8)
+
+        return fill
+
     def _fused(self, tensor: Tensor, block: tuple[int, int]) -> bool:
         """Whether ``tensor`` is block-FP8 encoded by the fused CPU kernel (`fused.encode_fp8_block`)."""
         return (
@@ -316,12 +409,15 @@ class WireEncoder:
         )
 
     def _quantize_into(self, name: str, tensor: Tensor, data: Tensor, scale: Tensor) -> None:
+        self.report.add_quantized(name, tensor, *self._quantize_sums(tensor, data, scale), bits=8)
+
+    def _quantize_sums(self, tensor: Tensor, data: Tensor, scale: Tensor) -> tuple[float, float]:
+        """Quantize ``tensor`` into ``data`` and ``scale``; ``(Σ error², Σ original²)``."""
         block = _block(self.cfg, tensor.shape)
         if self._fused(tensor, block) and tensor.device == data.device:
             sums = fused.encode_fp8_block(tensor, self.cfg.block_size, data, scale)
             if sums is not None:
-                self.report.add_quantized(name, tensor, *sums, bits=8)
-                return
+                return sums
         if self.cfg.method == "fp8" and self.cfg.granularity == "block" and tensor.device == data.device:
             from moe_rl.rollout.fp8_block import torch_fp8_block
 
@@ -332,7 +428,7 @@ class WireEncoder:
             sent_data, sent_scale, block = quantize(tensor, self.cfg)
             data.copy_(sent_data)
             scale.copy_(sent_scale)
-        self.report.add_quantized(name, tensor, *_errors(tensor, sent_data, sent_scale, block), bits=8)
+        return _errors(tensor, sent_data, sent_scale, block)
 
 
 ERROR_ROWS = 128
@@ -354,26 +450,98 @@ def _errors(original: Tensor, data: Tensor, scale: Tensor, block: tuple[int, int
     return err, ref
 
 
+class Rejoin:
+    """The receiver's side of row chunks (`WireEncoder.lazy_groups`): each chunked tensor is put
+    back together over the buckets of one sync, in the tensor the receiver gives for it (its
+    weight, `decode`'s ``into``) or in a new one, and handed on once its last row has landed. One
+    per receiver, kept from `begin` to `finish` of a sync."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[Tensor, list[tuple[int, int]]]] = {}
+        """name -> (the whole tensor being filled, the row ranges landed so far)."""
+        self._whole: weakref.WeakValueDictionary[str, Tensor] = weakref.WeakValueDictionary()
+        """name -> the whole tensor handed on (memory of the receiver, not of a bucket; not kept
+        alive here)."""
+
+    def target(self, name: str, chunk: Tensor, meta: dict, into: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """Where chunk ``meta["rows"]`` of ``name`` is written: the rows of its whole tensor
+        (``into``, or one made here of ``dtype`` on ``chunk``'s device at the first chunk)."""
+        shape, (start, stop) = tuple(meta["shape"]), meta["rows"]
+        if not 0 <= start < stop <= shape[0] or tuple(chunk.shape) != (stop - start, *shape[1:]):
+            raise ValueError(
+                f"weight {name!r} arrived as rows {start}:{stop} of shape {tuple(chunk.shape)}, which are "
+                f"not rows of its whole shape {shape}"
+            )
+        if name not in self._open:
+            if into is not None and tuple(into.shape) != shape:
+                raise ValueError(
+                    f"weight {name!r} arrives in chunks of a {shape} tensor, but the tensor it loads into "
+                    f"has shape {tuple(into.shape)}"
+                )
+            whole = into if into is not None else torch.empty(shape, dtype=dtype, device=chunk.device)
+            self._open[name] = (whole, [])
+        whole, landed = self._open[name]
+        if any(start < b and a < stop for a, b in landed):
+            raise ValueError(
+                f"weight {name!r}: rows {start}:{stop} arrived twice in one sync (landed: {landed})"
+            )
+        landed.append((start, stop))
+        return whole[start:stop]
+
+    def complete(self, name: str) -> Tensor | None:
+        """The whole tensor once every row of ``name`` has landed (then forgotten here), else None."""
+        whole, landed = self._open[name]
+        if sum(b - a for a, b in landed) < whole.shape[0]:
+            return None
+        del self._open[name]
+        self._whole[name] = whole
+        return whole
+
+    def owns(self, name: str, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is the whole tensor this put together for ``name`` this sync."""
+        return self._whole.get(name) is tensor
+
+    def finish(self) -> None:
+        """Raise if a chunked tensor is still missing rows at the end of a sync (and forget it)."""
+        if self._open:
+            name, (whole, landed) = next(iter(self._open.items()))
+            count = len(self._open)
+            self._open.clear()
+            raise ValueError(
+                f"weight sync incomplete: {count} tensor(s) arrived in part, e.g. {name!r}: rows "
+                f"{sorted(landed)} of {whole.shape[0]}"
+            )
+
+
 def decode(
     items: Iterable[tuple[str, Tensor, dict]],
     into: Callable[[str], Tensor | None] | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
+    rejoin: Rejoin | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """What arrived -> ``(HF name, values)``: quantized weights dequantized with their scales
     (which must travel in the same bucket, as the encoder sends them). ``into(name)`` may give the
     tensor a quantized weight's values are to end up in (the engine's weight, or a view of it): they
     are decoded straight into it and it is what is yielded. Otherwise they are decoded into a new
     tensor of ``dtypes[name]`` (the dtype of the weight they will be loaded into), float32 where
-    ``dtypes`` has no entry."""
+    ``dtypes`` has no entry. A tensor that travels in row chunks is written chunk by chunk into
+    ``into(name)`` (or a new tensor) through ``rejoin`` and yielded with its last chunk."""
     items = list(items)
-    scales = {meta["scale_of"]: tensor for _, tensor, meta in items if "scale_of" in meta}
+    scales = {
+        (meta["scale_of"], meta.get("chunk")): tensor for _, tensor, meta in items if "scale_of" in meta
+    }
     for name, tensor, meta in items:
         if "scale_of" in meta:
+            continue
+        if "rows" in meta:
+            whole = _rejoined(name, tensor, meta, scales, into, dtypes, rejoin)
+            if whole is not None:
+                yield name, whole
             continue
         if "block" not in meta:
             yield name, tensor
             continue
-        if name not in scales:
+        if (name, None) not in scales:
             raise ValueError(f"weight {name!r} arrived quantized without its scales {meta['scale']!r}")
         target = into(name) if into is not None else None
         if target is not None and tuple(target.shape) != tuple(tensor.shape):
@@ -382,4 +550,31 @@ def decode(
                 f"has shape {tuple(target.shape)}"
             )
         dtype = (dtypes or {}).get(name, torch.float32)
-        yield name, dequantize(tensor, scales[name], tuple(meta["block"]), out=target, dtype=dtype)
+        yield name, dequantize(tensor, scales[name, None], tuple(meta["block"]), out=target, dtype=dtype)
+
+
+def _rejoined(
+    name: str,
+    chunk: Tensor,
+    meta: dict,
+    scales: Mapping[tuple[str, int | None], Tensor],
+    into: Callable[[str], Tensor | None] | None,
+    dtypes: Mapping[str, torch.dtype] | None,
+    rejoin: Rejoin | None,
+) -> Tensor | None:
+    """Write a row chunk into its whole tensor (decoded when quantized); the whole tensor once
+    complete."""
+    if rejoin is None:
+        raise ValueError(f"weight {name!r} arrived in row chunks, but this receiver keeps no Rejoin state")
+    quantized = "block" in meta
+    if quantized and (name, meta.get("chunk")) not in scales:
+        raise ValueError(
+            f"weight {name!r} (rows {meta['rows']}) arrived quantized without its scales {meta['scale']!r}"
+        )
+    dtype = (dtypes or {}).get(name, torch.float32 if quantized else chunk.dtype)
+    rows = rejoin.target(name, chunk, meta, into(name) if into is not None else None, dtype)
+    if quantized:
+        dequantize(chunk, scales[name, meta.get("chunk")], tuple(meta["block"]), out=rows)
+    else:  # on the receiver's threads, as an engine copies a weight in (`hf_weights.load_hf_subset`)
+        copy_into(rows, chunk, threads=torch.get_num_threads())
+    return rejoin.complete(name)

@@ -127,9 +127,12 @@ def test_bad_requests_name_the_problem(engine, checkpoint):
 
 
 def test_bucketed_sync_reloads_whole_layers_and_sets_the_version_at_the_end(engine, checkpoint):
-    """Buckets small enough to split layers: each layer is reloaded once all of it arrived; the
-    version moves at the end; a sync that misses a layer is refused."""
-    from moe_rl.weight_sync.buckets import detach, pack_buckets
+    """Buckets small enough to split layers (and weights, which travel in row chunks): each layer is
+    reloaded once all of it arrived; the version moves at the end; a sync that misses a layer is
+    refused."""
+    from moe_rl.config.schema import QuantConfig
+    from moe_rl.weight_sync.buckets import BucketPacker, detach
+    from moe_rl.weight_sync.wire import WireEncoder
 
     state = load_state_dict(checkpoint)
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
@@ -137,9 +140,11 @@ def test_bucketed_sync_reloads_whole_layers_and_sets_the_version_at_the_end(engi
     zeroed = dict(state, **{"lm_head.weight": torch.zeros_like(state["lm_head.weight"])})
     engine.update_weights(zeroed.items(), version=engine.policy_version + 1)
     version = engine.policy_version + 1
-    groups = [[(name, tensor, {})] for name, tensor in state.items()]
-    buckets = [detach(b) for b in pack_buckets(iter(groups), capacity=4 << 10)]
+    encoder = WireEncoder(QuantConfig(name="bf16", method="none"), num_layers=2)
+    groups = (lazy for item in state.items() for lazy in encoder.lazy_groups([item], 4 << 10))
+    buckets = [detach(b) for b in BucketPacker(4 << 10).pack(groups)]
     assert len(buckets) > len({n.split(".mlp")[0] for n in state})  # layers span several buckets
+    assert any("rows" in e.meta for b in buckets for e in b.entries)  # and large weights travel in chunks
     engine.begin_weight_update(version)
     for bucket in buckets:
         engine.receive_bucket(bucket)
@@ -148,8 +153,15 @@ def test_bucketed_sync_reloads_whole_layers_and_sets_the_version_at_the_end(engi
     assert engine.policy_version == version and stats["num_tensors"] == len(state)
     after = engine.generate(PROMPTS, greedy)
     assert torch.equal(after.response_ids, before.response_ids) and after.token_versions().eq(version).all()
+    whole = next(i for i, b in enumerate(buckets) if not any("rows" in e.meta for e in b.entries))
     engine.begin_weight_update(version + 1)
-    for bucket in buckets[1:]:
+    for bucket in buckets[:whole] + buckets[whole + 1 :]:
         engine.receive_bucket(bucket)
     with pytest.raises(ValueError, match="weight sync incomplete: layers"):
+        engine.finish_weight_update(version + 1)
+    chunked = next(i for i, b in enumerate(buckets) if any("rows" in e.meta for e in b.entries))
+    engine.begin_weight_update(version + 1)
+    for bucket in buckets[:chunked] + buckets[chunked + 1 :]:
+        engine.receive_bucket(bucket)
+    with pytest.raises(ValueError, match=r"weight sync incomplete: 1 tensor\(s\) arrived in part"):
         engine.finish_weight_update(version + 1)
