@@ -292,11 +292,11 @@ class Receiver:
         """Start a sync on ``threads`` threads; ``sample`` (the memory pass): zero the state first (so the
         checksums see only what arrives), then sample memory until `end`."""
         torch.set_num_threads(threads)
+        from moe_rl.weight_sync.wire import Rejoin
+
         if sample:
             for t in self.state.values():
                 t.zero_()
-        from moe_rl.weight_sync.wire import Rejoin
-
         gc.collect()
         self.loaded = []
         self.rejoin = Rejoin()  # a weight larger than a bucket travels in row chunks
