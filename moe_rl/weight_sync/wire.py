@@ -223,6 +223,10 @@ class Piece:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+Writer = Callable[[Sequence[Tensor | None]], None]
+"""Writes what travels for a tensor (or rows of it) into its pieces' views in a bucket."""
+
+
 @dataclass
 class LazyGroup:
     """A group's pieces and how to write them: ``fill(views)`` writes each piece into its view (a
@@ -231,7 +235,7 @@ class LazyGroup:
     encoded copy of the group besides it."""
 
     pieces: list[Piece]
-    fill: Callable[[Sequence[Tensor]], None]
+    fill: Writer
 
     @property
     def nbytes(self) -> int:
@@ -288,11 +292,11 @@ class WireEncoder:
         straight into their place (block FP8 on CPU without any full-size temporary), other tensors
         are copied there; the `QuantReport` is filled as each piece is written."""
         pieces: list[Piece] = []
-        writers: list[tuple[int, Callable[..., None]]] = []
+        writers: list[tuple[int, Writer]] = []
         for name, tensor in group:
             if not self._quantized(name, tensor):
                 pieces.append(Piece(name, tensor.dtype, tuple(tensor.shape), {}, tensor))
-                writers.append((1, lambda view, n=name, t=tensor: self._send_as_is(n, t, view)))
+                writers.append((1, self._as_is_writer(name, tensor, tensor, last=True)))
                 continue
             block = _block(self.cfg, tensor.shape)
             scales = _scale_shape(tensor.shape, block)
@@ -301,12 +305,12 @@ class WireEncoder:
                 Piece(name, dtype, tuple(tensor.shape), {"block": list(block), "scale": scale_name(name)}),
                 Piece(scale_name(name), torch.float32, scales, {"scale_of": name}),
             ]
-            writers.append((2, lambda data, scale, n=name, t=tensor: self._quantize_into(n, t, data, scale)))
+            writers.append((2, self._quantized_writer(name, tensor, tensor, last=True, sums=[0.0, 0.0])))
 
-        def fill(views: Sequence[Tensor]) -> None:
+        def fill(views: Sequence[Tensor | None]) -> None:
             at = 0
             for count, write in writers:
-                write(*views[at : at + count])
+                write(views[at : at + count])
                 at += count
 
         return LazyGroup(pieces, fill)
@@ -337,11 +341,6 @@ class WireEncoder:
             return tensor.numel() * tensor.element_size()
         return tensor.numel() + 4 * math.prod(_scale_shape(tensor.shape, _block(self.cfg, tensor.shape)))
 
-    def _send_as_is(self, name: str, tensor: Tensor, view: Tensor | None) -> None:
-        _copy_unless_sent_in_place(view, tensor)
-        if self.active:
-            self.report.add(name, tensor, None, 16)
-
     def _row_chunks(self, name: str, tensor: Tensor, max_bytes: int) -> Iterator[LazyGroup]:
         """``tensor`` in chunks of whole rows (whole blocks of rows when quantized) of at most
         ``max_bytes`` each (at least one row or block of rows); one group when it fits."""
@@ -365,7 +364,7 @@ class WireEncoder:
             where = {"rows": [start, stop], "shape": list(tensor.shape), "chunk": chunk}
             if not quantized:
                 piece = Piece(name, tensor.dtype, tuple(part.shape), where, part)
-                yield LazyGroup([piece], self._chunk_writer_as_is(name, tensor, part, last))
+                yield LazyGroup([piece], self._as_is_writer(name, tensor, part, last))
                 continue
             first, end = start // block[0], -(-stop // block[0])
             scales = _scale_shape(tensor.shape, block)
@@ -376,11 +375,12 @@ class WireEncoder:
                 Piece(name, dtype, tuple(part.shape), data_meta),
                 Piece(scale_name(name), torch.float32, (end - first, scales[1]), scale_meta),
             ]
-            yield LazyGroup(pieces, self._chunk_writer_quantized(name, tensor, part, last, sums))
+            yield LazyGroup(pieces, self._quantized_writer(name, tensor, part, last, sums))
 
-    def _chunk_writer_as_is(
-        self, name: str, tensor: Tensor, part: Tensor, last: bool
-    ) -> Callable[[Sequence[Tensor]], None]:
+    def _as_is_writer(self, name: str, tensor: Tensor, part: Tensor, last: bool) -> Writer:
+        """Writes ``part`` (rows of ``tensor``, or all of it) into its view, unless it travels where
+        it lies (no view); ``tensor`` counts as sent as it is once ``last`` is written."""
+
         def fill(views: Sequence[Tensor | None]) -> None:
             _copy_unless_sent_in_place(views[0], part)
             if last and self.active:
@@ -388,10 +388,14 @@ class WireEncoder:
 
         return fill
 
-    def _chunk_writer_quantized(
+    def _quantized_writer(
         self, name: str, tensor: Tensor, part: Tensor, last: bool, sums: list[float]
-    ) -> Callable[[Sequence[Tensor]], None]:
-        def fill(views: Sequence[Tensor]) -> None:
+    ) -> Writer:
+        """Quantizes ``part`` (rows of ``tensor``, or all of it) into its data and scale views,
+        adding its error to ``sums`` (shared by the chunks of ``tensor``); ``tensor`` goes into the
+        `QuantReport` with the whole error once ``last`` is written."""
+
+        def fill(views: Sequence[Tensor | None]) -> None:
             err, ref = self._quantize_sums(part, *views)
             sums[0] += err
             sums[1] += ref
