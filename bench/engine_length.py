@@ -206,11 +206,11 @@ def main() -> None:
     if not cuda:
         torch.set_num_threads(args.threads)
 
-    from moe_rl.config import load_recipe
+    from moe_rl.orchestration.preflight import load_checked
     from moe_rl.rollout.megatron_engine import Decoding, MegatronEngine
 
     lengths = sorted(args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS))
-    config = load_recipe(
+    config = load_checked(
         RECIPE,
         ["rollout.engine=megatron", "rollout.quant=bf16", "algo.routing_replay=off", f"run.device={device}",
          f"model.max_position_embeddings={PROMPT_LEN + max(lengths)}"],

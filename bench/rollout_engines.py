@@ -20,9 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_rl.config import load_recipe
+
 from moe_rl.megatron.hf_weights import iter_hf_weights, save_hf_checkpoint
 from moe_rl.megatron.model import model_config_to_hf_config
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
 from moe_rl.rollout.vllm_engine import VLLMEngine
@@ -55,7 +56,7 @@ def main() -> None:
     ]
     spec = SamplingSpec(temperature=1.0, max_new_tokens=16 if not args.quick else 8, n=4, seed=0)
     reps = 3 if not args.quick else 1
-    config = load_recipe(RECIPE, ["rollout.engine=megatron", "algo.routing_replay=off"])
+    config = load_checked(RECIPE, ["rollout.engine=megatron", "algo.routing_replay=off"])
     megatron = MegatronEngine(config)
     weights = [(n, t.clone()) for n, t in iter_hf_weights(megatron.model)]
     folder = save_hf_checkpoint(

@@ -49,7 +49,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/stack_effect.py` from anywhere
 
-from moe_rl.config import ConfigError, RecipeConfig, load_recipe  # noqa: E402 (light: no torch, no Ray)
+from moe_rl.config import ConfigError, RecipeConfig  # noqa: E402 (light: no torch, no Ray)
+from moe_rl.orchestration.preflight import load_checked  # noqa: E402
 
 log = logging.getLogger("stack_effect")
 
@@ -144,7 +145,7 @@ class Run:
         """The run's resolved, validated recipe; one that does not validate stops the experiment
         before any run starts, with the field and value."""
         try:
-            return load_recipe(REPO / self.recipe, self.overrides)
+            return load_checked(REPO / self.recipe, self.overrides)
         except ConfigError as exc:
             raise SystemExit(f"{self.condition.name} / stack {self.arm}: {exc}") from None
 

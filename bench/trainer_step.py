@@ -171,13 +171,13 @@ def main() -> None:
     if not cuda:
         torch.set_num_threads(args.threads)
 
-    from moe_rl.config import load_recipe
+    from moe_rl.orchestration.preflight import load_checked
     from moe_rl.trainer.worker import TrainerWorker
 
     recipe = ROOT / "recipes" / "tiny_moe.yaml"
     common = [*SIZES[size], f"run.device={device}"]
     variants = (("base", BASE), ("r3", R3), ("stack", STACK), ("stack+", STACK))
-    configs = {name: load_recipe(recipe, [*common, *overrides]) for name, overrides in variants}
+    configs = {name: load_checked(recipe, [*common, *overrides]) for name, overrides in variants}
     samples = args.samples or (16 if args.quick else configs["stack"].rollout.batch_size)
     reps = args.reps or (5 if args.quick else 40)
     workers = {

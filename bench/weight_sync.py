@@ -435,13 +435,13 @@ def spec_of(groups: Iterator[Group]) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def tiny_state() -> State:
-    from moe_rl.config import load_recipe
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
     from moe_rl.megatron.model import build_gpt_model
     from moe_rl.megatron.parallel import init_parallel
+    from moe_rl.orchestration.preflight import load_checked
     from moe_rl.weight_sync.sender import share_parameters
 
-    config = load_recipe(ROOT / "recipes" / "tiny_moe.yaml")
+    config = load_checked(ROOT / "recipes" / "tiny_moe.yaml")
     init_parallel(config.parallel)
     model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
 
@@ -478,9 +478,9 @@ def synthetic_state(quick: bool) -> State:
 
 @functools.cache
 def quant_config(recipe: str):
-    from moe_rl.config import load_recipe
+    from moe_rl.orchestration.preflight import load_checked
 
-    return load_recipe(ROOT / "recipes" / "tiny_moe.yaml", [f"rollout.quant={recipe}"]).quant
+    return load_checked(ROOT / "recipes" / "tiny_moe.yaml", [f"rollout.quant={recipe}"]).quant
 
 
 def encoder_for(state: State, recipe: str):

@@ -8,9 +8,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from moe_rl.config import ConfigError, load_recipe
+from moe_rl.config import ConfigError
 from moe_rl.errors import UserError
 from moe_rl.log import setup_logging
+from moe_rl.orchestration.preflight import load_checked
 
 log = logging.getLogger("moe_rl.cli")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -140,7 +141,7 @@ def _config_command(args: argparse.Namespace) -> int:
     from moe_rl.config import to_yaml
 
     if args.config_command == "show":
-        sys.stdout.write(to_yaml(load_recipe(args.recipe, args.overrides)))
+        sys.stdout.write(to_yaml(load_checked(args.recipe, args.overrides)))
         return 0
     if args.config_command == "docs":
         from moe_rl.config.docs import render_recipe_docs
@@ -150,7 +151,7 @@ def _config_command(args: argparse.Namespace) -> int:
     failed = 0
     for recipe in args.recipes:
         try:
-            load_recipe(recipe)
+            load_checked(recipe)
             sys.stdout.write(f"OK    {recipe}\n")
         except ConfigError as exc:
             failed += 1

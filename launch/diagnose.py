@@ -13,7 +13,7 @@ from moe_rl.config import ConfigError, RecipeConfig, load_recipe
 from moe_rl.config.loader import recipes_root
 from moe_rl.device import machine_here
 from moe_rl.diagnostics.results import NotAvailable
-from moe_rl.validation import MachineSpec
+from moe_rl.orchestration.preflight import MachineSpec, load_checked
 
 log = logging.getLogger("moe_rl.diagnose")
 
@@ -37,18 +37,18 @@ def resolve(
     are checked against (default: the machine the recipe describes)."""
     quant_dir = recipes_root(Path(recipe)) / "quant"
     if quants is None:
-        default = load_recipe(recipe, overrides, machine=machine).rollout.quant
+        default = load_checked(recipe, overrides, machine).rollout.quant
     else:  # everything but the quantization recipe must load (bf16 runs on every engine)
-        load_recipe(
+        load_checked(
             recipe,
             [*overrides, "rollout.quant=bf16"] if (quant_dir / "bf16.yaml").is_file() else overrides,
-            machine=machine,
+            machine,
         )
         default = ""
     configs: dict[str, RecipeConfig | NotAvailable] = {}
     for name in parse_quants(quants, default):
         try:
-            configs[name] = load_recipe(recipe, [*overrides, f"rollout.quant={name}"], machine=machine)
+            configs[name] = load_checked(recipe, [*overrides, f"rollout.quant={name}"], machine)
         except ConfigError as exc:
             if not (quant_dir / f"{name}.yaml").is_file():
                 raise
@@ -71,7 +71,7 @@ def diagnose_command(
         raise ConfigError(f"--prompts={num_prompts}: expected at least 1")
     # the recipes run here: checked against this machine (a run.device=cpu one hides the GPUs),
     # detected once a check needs it (a recipe refused for itself is refused without torch)
-    run_device = load_recipe(recipe, overrides, validate=False).run.device
+    run_device = load_recipe(recipe, overrides).run.device
     configs = resolve(recipe, overrides, quants, functools.cache(lambda: machine_here(run_device)))
     log.info("recipe %s resolved for %s; loading the trainer model", recipe, ", ".join(configs))
     from moe_rl.diagnostics.render import render, write_budget_png, write_json

@@ -33,8 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe
+from moe_rl.config.derived import data_parallel_size, expert_data_parallel_size, longest_sequence
 from moe_rl.config.schema import ModelConfig, QuantConfig
-from moe_rl.trainer.rules import longest_sequence
+from moe_rl.orchestration.preflight import preflight
+from moe_rl.rules import Rule
 
 GIB = 1024**3
 BF16 = 2
@@ -160,13 +162,10 @@ class Layout:
     cp: int
     world: int
 
-    @property
-    def dp(self) -> int:
-        return max(1, self.world // (self.tp * self.pp * self.cp))
-
-    @property
-    def expert_dp(self) -> int:
-        return max(1, self.world // (self.ep * self.etp * self.pp))
+    dp: int
+    """Data-parallel size of the dense part (`moe_rl.config.derived.data_parallel_size`)."""
+    expert_dp: int
+    """Data-parallel size of the experts."""
 
 
 def layout(config: RecipeConfig) -> Layout:
@@ -179,6 +178,8 @@ def layout(config: RecipeConfig) -> Layout:
         etp=p.expert_tensor_parallel_size,
         cp=p.context_parallel_size,
         world=p.trainer_world_size,
+        dp=data_parallel_size(p),
+        expert_dp=expert_data_parallel_size(p),
     )
 
 
@@ -349,61 +350,52 @@ def routing_trace_bytes_per_token(m: ModelConfig) -> int:
     return (m.num_layers - m.first_k_dense_layers) * m.moe_router_topk * width
 
 
-@dataclass(frozen=True)
-class Check:
-    """One constraint: its name, whether it holds, and the numbers behind it."""
-
-    name: str
-    ok: bool
-    detail: str
-    fatal: bool = True
-
-
-def constraint_checks(config: RecipeConfig) -> list[Check]:
-    """The rules of every component that runs the recipe (`moe_rl.validation`), against the machine
-    the recipe describes: the recipe's own consistency and the engine's capabilities as one row
-    each, the trainer's and placement's rules one by one with their numbers."""
-    from moe_rl.orchestration.placement import placement_rules
-    from moe_rl.trainer.rules import trainer_rules
-    from moe_rl.validation import findings, target_machine
-
-    found = findings(config)
-    if found["recipe"]:
-        return [Check("recipe", False, found["recipe"])]
-    rows = [Check("recipe", True, "consistent (moe_rl.config.validate)")]
-    rows += [Check(rule.name, rule.ok, rule.detail) for rule in trainer_rules(config)]
+def constraint_checks(config: RecipeConfig) -> list[Rule]:
+    """The rules of every component that runs the recipe (`moe_rl.orchestration.preflight`),
+    against the machine the recipe describes: the recipe's own consistency and the engine's
+    capabilities as one row each (with the engine's warnings), the rewards', the trainer's and
+    placement's rules one by one with their numbers."""
+    sections = {section.component: section for section in preflight(config)}
+    recipe = sections["recipe"]
+    if recipe.broken is not None:
+        return [Rule("recipe", False, recipe.error() or "")]
+    rows = [Rule("recipe", True, "consistent (moe_rl.config.validate)")]
+    rows += [*sections["reward"].rules, *sections["trainer"].rules]
+    engine = sections["engine"]
     rows.append(
-        Check("engine capabilities", found["engine"] is None, found["engine"] or "the engine can run it")
+        Rule(
+            "engine capabilities",
+            engine.broken is None,
+            engine.broken.detail if engine.broken else "the engine can run it",
+        )
     )
-    rows += [
-        Check(rule.name, rule.ok, rule.detail) for rule in placement_rules(config, target_machine(config))
-    ]
-    return rows
+    rows += engine.warnings
+    return rows + list(sections["placement"].rules)
 
 
-def memory_checks(config: RecipeConfig, trainer: TrainerMemory, rollout: RolloutMemory) -> list[Check]:
+def memory_checks(config: RecipeConfig, trainer: TrainerMemory, rollout: RolloutMemory) -> list[Rule]:
     """Budget checks against `cluster.gpu_memory_gib` (GPU recipes only)."""
     cap = config.cluster.gpu_memory_gib * GIB
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     return [
-        Check(
+        Rule(
             "trainer states fit",
             trainer.static <= cap,
             f"weights + grads + optimizer {gib(trainer.static)} of {gib(cap)}",
         ),
-        Check(
+        Rule(
             "trainer activations fit",
             trainer.total <= cap,
             f"with activations (estimate) {gib(trainer.total)} of {gib(cap)}",
             fatal=False,
         ),
-        Check(
+        Rule(
             "rollout weights fit",
             rollout.weights_per_gpu < rollout.budget_per_gpu,
             f"{gib(rollout.weights_per_gpu)} of {gib(rollout.budget_per_gpu)} "
             f"(rollout.gpu_memory_utilization={config.rollout.gpu_memory_utilization})",
         ),
-        Check(
+        Rule(
             "KV cache holds a sequence",
             rollout.kv_tokens >= longest_sequence(config),
             f"{rollout.kv_tokens} tokens per engine, longest sequence {longest_sequence(config)}",
@@ -419,11 +411,11 @@ class Plan:
     counts: ParamCounts
     trainer: TrainerMemory
     rollout: RolloutMemory
-    checks: list[Check]
+    checks: list[Rule]
 
     @property
-    def failures(self) -> list[Check]:
-        return [c for c in self.checks if c.fatal and not c.ok]
+    def failures(self) -> list[Rule]:
+        return [c for c in self.checks if c.broken]
 
     @property
     def ok(self) -> bool:
@@ -578,9 +570,9 @@ def plan_command(recipe: str, overrides: Sequence[str] = (), nodes: int | None =
     """`moe-rl plan`: print the plan of `recipe`; exit code 1 when a constraint fails."""
     from rich.console import Console
 
-    config = load_recipe(recipe, overrides, validate=False)
+    config = load_recipe(recipe, overrides)
     if nodes is not None:
-        config = load_recipe(recipe, [*overrides, *node_overrides(config, nodes, None)], validate=False)
+        config = load_recipe(recipe, [*overrides, *node_overrides(config, nodes, None)])
     plan = make_plan(config)
     render(plan, Console(highlight=False, width=140))
     return 0 if plan.ok else 1

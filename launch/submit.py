@@ -21,6 +21,7 @@ from pathlib import Path
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from moe_rl.config.validate import check_text
 from moe_rl.orchestration.placement import PROCESS_ENV, placement_lines
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.orchestration.run_dir import holds_a_run
 
 log = logging.getLogger("moe_rl.submit")
@@ -63,8 +64,8 @@ def cluster_overrides(config: RecipeConfig, args: SlurmArgs) -> list[str]:
 def resolve(recipe: str, overrides: Sequence[str], args: SlurmArgs) -> RecipeConfig:
     """Load, resize and validate the recipe, apply the string flags (partition, account, time)
     as given, and make the run directory an absolute path."""
-    base = load_recipe(recipe, overrides, validate=False)
-    config = load_recipe(recipe, [*overrides, *cluster_overrides(base, args)])
+    base = load_recipe(recipe, overrides)
+    config = load_checked(recipe, [*overrides, *cluster_overrides(base, args)])
     strings = {k: getattr(args, k) for k in ("partition", "time", "account") if getattr(args, k) is not None}
     output_dir = str(Path(config.run.output_dir).expanduser().resolve())
     config = replace(

@@ -1,4 +1,5 @@
-"""`moe-rl train`: resolve the recipe, take the run directory, check the inputs, run the RL loop."""
+"""`moe-rl train`: resolve the recipe, run the preflight, take the run directory, build the inputs,
+run the RL loop."""
 
 from __future__ import annotations
 
@@ -18,31 +19,13 @@ LOG_FILE = "logs/train.log"
 
 
 def check_machine(config: RecipeConfig, machine=None) -> None:
-    """Every component's checks, against the machine the run runs on (default: this one, seen as
-    `machine_here` sees it, which hides the GPUs from a run.device=cpu run before torch looks for
-    CUDA): a refusal is a `ConfigError` like any other bad recipe."""
-    from moe_rl.validation import validate
+    """Every component's rules (`moe_rl.orchestration.preflight.check`), against the machine the
+    run runs on (default: this one, seen as `machine_here` sees it, which hides the GPUs from a
+    run.device=cpu run before torch looks for CUDA): a refusal is a `ConfigError` like any other
+    bad recipe."""
+    from moe_rl.orchestration.preflight import check
 
-    validate(config, machine or (lambda: machine_here(config.run.device)))
-
-
-def check_inputs(config: RecipeConfig) -> None:
-    """What the run reads before it starts anything heavy: stored trajectories of an offline run,
-    the prompt dataset (every row) and the reward function or the environment (imported, and one
-    environment built), so bad data or a missing function is refused in seconds."""
-    from moe_rl.rewards.registry import build_prompt_source, build_scorer
-
-    if config.run.mode == "offline" and config.data.trajectories is not None:
-        from moe_rl.orchestration.stages import read_offline
-
-        read_offline(config, Path(config.data.trajectories))  # read again by the run: a check, not a cache
-    build_prompt_source(config)  # offline runs draw evaluation prompts from it
-    if config.env.name:  # the environment gives the rewards: import it and build one
-        from moe_rl.envs.base import build_env_factory
-
-        build_env_factory(config.env.name, dict(config.env.kwargs))
-    else:
-        build_scorer(config)
+    check(config, machine or (lambda: machine_here(config.run.device)))
 
 
 def train(
@@ -59,9 +42,9 @@ def train(
         run_dir = Path(resume)
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"--resume {run_dir}: not a run directory (no config.yaml)")
-        config = load_recipe(run_dir / "config.yaml", overrides, validate=False)
+        config = load_recipe(run_dir / "config.yaml", overrides)
     else:
-        config = load_recipe(recipe, overrides, validate=False)
+        config = load_recipe(recipe, overrides)
         run_dir = Path(config.run.output_dir) / config.run.name
     check_machine(config)  # before the run directory is touched
     with RunLock(run_dir):
@@ -71,11 +54,13 @@ def train(
         if log_level:
             config = replace(config, logging=replace(config.logging, level=log_level.upper()))
         log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
-        check_inputs(config)
-        return _run(config, run_dir, resume is not None)
+        from moe_rl.orchestration.preflight import build_inputs
+
+        inputs = build_inputs(config)  # read and checked once, then handed to the run
+        return _run(config, run_dir, resume is not None, inputs)
 
 
-def _run(config: RecipeConfig, run_dir: Path, resume: bool) -> int:
+def _run(config: RecipeConfig, run_dir: Path, resume: bool, inputs) -> int:
     """The run, with the terminal kept for the project's messages: library messages and warnings go
     to `logs/` only (`moe_rl.log`) unless `logging.verbose` or level DEBUG shows them."""
     from moe_rl.log import log_to_file, route_library_logs, setup_logging, shows_libraries
@@ -87,7 +72,7 @@ def _run(config: RecipeConfig, run_dir: Path, resume: bool) -> int:
     trace = log_to_file(run_dir / LOG_FILE)
     route_library_logs()
     try:
-        return run(config, run_dir, resume=resume)
+        return run(config, run_dir, resume=resume, inputs=inputs)
     except Exception as exc:
         user = user_error_of(exc)
         if user is None:

@@ -10,6 +10,10 @@ class UserError(ValueError):
     """Bad input from the user; the message says what, where, and what would be valid."""
 
 
+class ConfigError(UserError):
+    """A recipe or override that cannot be used, with the offending key and what would be valid."""
+
+
 class RewardFunctionError(UserError):
     """A reward function raised, or returned something that is not a finite number."""
 

@@ -156,7 +156,7 @@ def bind_objective(
     `aggregation` None = the paper's (`DEFAULT_AGGREGATION`); otherwise one of `AGGREGATIONS` or
     the objective's own (`OWN_AGGREGATIONS`). `norm_len` is the constant L of
     ``seq_mean_token_sum_norm`` (the trainer binds the most tokens a trajectory samples,
-    `moe_rl.config.schema.max_sampled_tokens`: ``rollout.max_new_tokens`` for one turn).
+    `moe_rl.config.derived.max_sampled_tokens`: ``rollout.max_new_tokens`` for one turn).
     """
     hparams = objective_params(name, params, **kwargs)
     if aggregation is None:

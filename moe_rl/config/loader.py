@@ -9,8 +9,9 @@ Order of precedence, lowest first:
   5. the command-line overrides (`trainer.lr=2e-6`).
 
 Unknown keys are errors naming the key and the closest valid key; values of the wrong type are
-errors naming the full path and the expected type. Value and cross-field checks live in
-`validate.py`.
+errors naming the full path and the expected type; every value is checked on its own
+(`validate.check_values`). The cross-field checks live in `validate.py` and are enforced by the
+preflight (`moe_rl.orchestration.preflight`) with every component's rules.
 
 Files are UTF-8. An empty recipe file (nothing, or only comments) is an error, and so is an empty
 quantization recipe (a recipe named by `rollout.quant` must define its `quant` section); an empty
@@ -32,14 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.errors import UserError
-
-if typing.TYPE_CHECKING:
-    from moe_rl.validation import MachineSpec
-
-
-class ConfigError(UserError):
-    """A recipe or override that cannot be used, with the offending key and what would be valid."""
+from moe_rl.config.validate import check_values
+from moe_rl.errors import ConfigError
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -225,20 +220,13 @@ def _quant_layer(root: Path, name: str) -> tuple[str, dict[str, Any]]:
     return str(path), data
 
 
-def load_recipe(
-    recipe: str | Path,
-    overrides: Sequence[str] = (),
-    validate: bool = True,
-    machine: MachineSpec = None,
-) -> RecipeConfig:
+def load_recipe(recipe: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Load `recipe` with `overrides` into a typed `RecipeConfig`.
 
-    Every field's own value is always checked (`check_values`: ranges, finite numbers, choices, the
-    run name), so nothing downstream divides by a zero size. `validate=False` skips the rest: the
-    cross-field checks and the components' rules (a recipe piece alone, or `moe-rl plan`, which
-    reports those rules itself). ``machine``: the machine the components' rules are checked
-    against, or a function giving it when a rule first needs it (default: the one the recipe
-    describes, `moe_rl.validation.target_machine`).
+    Every field's own value is checked (`check_values`: ranges, finite numbers, choices, the run
+    name), so nothing downstream divides by a zero size. The cross-field checks and the components'
+    rules are the preflight's (`moe_rl.orchestration.preflight`): `check` enforces them,
+    `load_checked` loads and checks.
     """
     path = Path(recipe)
     root = recipes_root(path)
@@ -255,14 +243,7 @@ def load_recipe(
     # else: a resolved recipe (e.g. a run directory's config.yaml) that carries its quant section
     merged = _merge(layers)
     config: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    if validate:
-        from moe_rl.validation import validate as validate_all
-
-        validate_all(config, machine)
-    else:
-        from moe_rl.config.validate import check_values
-
-        check_values(config)
+    check_values(config)
     return config
 
 

@@ -437,21 +437,6 @@ class EnvConfig:
     """Constructor arguments of the environment, e.g. `{call_bonus: 0.1}` for `calculator`."""
 
 
-def max_response_tokens(config: RecipeConfig) -> int:
-    """Longest response a recipe can produce: `rollout.max_new_tokens`, or with an environment its
-    token budget `env.max_tokens` (the model's turns and the environment's tokens)."""
-    return config.env.max_tokens if config.env.name else config.rollout.max_new_tokens
-
-
-def max_sampled_tokens(config: RecipeConfig) -> int:
-    """Most tokens the model samples in one trajectory: `rollout.max_new_tokens`, or with an
-    environment at most `env.max_turns` turns of it within `env.max_tokens`."""
-    r, env = config.rollout, config.env
-    if not env.name:
-        return r.max_new_tokens
-    return min(env.max_tokens, env.max_turns * r.max_new_tokens)
-
-
 @dataclass
 class ClusterConfig:
     nodes: int = 1

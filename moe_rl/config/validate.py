@@ -5,8 +5,9 @@ well under a second; every error names the field, its value and what would be va
 `check_values` tests each field on its own (the `RANGES` table, finite floats, choices, the run
 name); `load_recipe` runs it on everything it loads. `validate_recipe` adds the cross-field checks.
 
-The rules of the components that run a recipe (the trainer's layout, the engine's capabilities,
-placement) live with those components; `moe_rl.validation` calls all of them.
+`recipe_rules` states them as rules. The rules of the components that run a recipe (the trainer's
+layout, the engine's capabilities, placement, rewards) live with those components;
+`moe_rl.orchestration.preflight` calls all of them.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moe_rl.config.loader import ConfigError
-from moe_rl.config.schema import ModelConfig, RecipeConfig, max_response_tokens
+from moe_rl.config.derived import longest_sequence, response_limit_key
+from moe_rl.config.schema import ModelConfig, RecipeConfig
 from moe_rl.device import RUN_DEVICES
-from moe_rl.errors import UserError
+from moe_rl.errors import ConfigError
+from moe_rl.rules import Rule
 
 # The recipe vocabulary. `moe_rl.algo.registry` maps the algorithm names to functions; a test
 # keeps the two in step (this module must not import torch).
@@ -207,7 +209,7 @@ def _check_run_name(name: str) -> None:
 
 def check_values(config: RecipeConfig) -> None:
     """Each field on its own: finite floats, choices, ranges, the run name. `load_recipe` runs
-    these on every recipe it loads (with `validate=False` too), so no later computation divides by
+    these on every recipe it loads, so no later computation divides by
     a zero size or carries a NaN."""
     _check_finite(config)
     _check_choices(config)
@@ -298,8 +300,7 @@ def _check_batches(config: RecipeConfig) -> None:
         config.algo.advantage != "rloo" or r.group_size >= 2,
         f"algo.advantage=rloo needs rollout.group_size >= 2 (got {r.group_size})",
     )
-    longest = config.data.max_prompt_len + max_response_tokens(config)
-    response = "env.max_tokens" if config.env.name else "rollout.max_new_tokens"
+    longest, response = longest_sequence(config), response_limit_key(config)
     _require(
         longest <= config.model.max_position_embeddings,
         f"data.max_prompt_len + {response} = {longest} exceeds "
@@ -414,14 +415,6 @@ def _check_data(config: RecipeConfig) -> None:
         )
     if d.prompt_template is not None:
         prompt_template_fields(d.prompt_template)
-    kind, _, name = d.task.partition(":")
-    if kind == "synthetic":
-        from moe_rl.rewards.tasks import check_task_vocab  # (moe_rl.rewards imports this module)
-
-        try:
-            check_task_vocab(name, config.model.vocab_size)  # an unknown task is named there too
-        except UserError as exc:
-            raise ConfigError(str(exc)) from None
 
 
 def _check_env(config: RecipeConfig) -> None:
@@ -444,14 +437,35 @@ def _check_env(config: RecipeConfig) -> None:
              "generates online (remove env.name)")  # fmt: skip
 
 
+_CHECKS: tuple[tuple[str, Callable[[RecipeConfig], None]], ...] = (
+    ("values", check_values),
+    ("model", _check_model),
+    ("batches", _check_batches),
+    ("schedule", _check_schedule),
+    ("algorithm", _check_algo),
+    ("quantization recipe", _check_quant),
+    ("data", _check_data),
+    ("environment", _check_env),
+)
+
+
+def recipe_rules(config: RecipeConfig) -> list[Rule]:
+    """The recipe's own consistency as rules, one per area (field values, model, batches, schedule,
+    algorithm, quantization recipe, data, environment). The areas run in order and stop at the
+    first that fails: the later ones assume the earlier hold. A rule's detail is the error line."""
+    rules = []
+    for name, check in _CHECKS:
+        try:
+            check(config)
+        except ConfigError as exc:
+            return [*rules, Rule(f"recipe {name}", False, str(exc))]
+        rules.append(Rule(f"recipe {name}", True, "consistent"))
+    return rules
+
+
 def validate_recipe(config: RecipeConfig) -> None:
     """Every field on its own (`check_values`), then every cross-field check; raise `ConfigError`
     on the first failure."""
-    check_values(config)
-    _check_model(config)
-    _check_batches(config)
-    _check_schedule(config)
-    _check_algo(config)
-    _check_quant(config)
-    _check_data(config)
-    _check_env(config)
+    for rule in recipe_rules(config):
+        if rule.broken:
+            raise ConfigError(rule.detail)

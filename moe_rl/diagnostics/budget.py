@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_rl.diagnostics.results import NotAvailable, Value, is_number
+from moe_rl.diagnostics.values import NotAvailable, Value, is_number
 
 SHARES = ("routing", "truncation", "precision", "staleness")
 """Sources of the mismatch, in the order they are stacked."""

@@ -8,10 +8,10 @@ JSON it is the string ``"not available: <reason>"``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from moe_rl.diagnostics.budget import MismatchBudget
+from moe_rl.diagnostics.budget import MismatchBudget
+from moe_rl.diagnostics.values import NotAvailable, Value, is_number
 
 MODES = ("plain", "ksm", "r3", "r3+ksm")
 """Trainer recomputations: without / with R3 routing replay, without / with keep-sampling-mask."""
@@ -41,23 +41,6 @@ METRICS = (
 """Per-mode metrics, in table order. ``routing_agreement``: the routing the trainer used vs the
 engine's (1 under R3 by construction, measured); ``routing_agreement_natural``: the trainer
 routers' own choice vs the engine's (under R3: the driver's ``old/routing_agreement``)."""
-
-
-@dataclass(frozen=True)
-class NotAvailable:
-    """A metric this engine or model cannot give, and why."""
-
-    reason: str
-
-    def __str__(self) -> str:
-        return f"not available: {self.reason}"
-
-
-Value = float | NotAvailable
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass

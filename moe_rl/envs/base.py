@@ -1,6 +1,8 @@
-"""The environment interface of multi-turn rollouts, its checks, and `env.name` → a factory.
+"""The environment interface of multi-turn rollouts and its checks (`env.name` → a factory is
+`moe_rl.envs.registry`).
 
-An `Environment` is made once per trajectory (`build_env_factory` returns the maker). The rollout
+An `Environment` is made once per trajectory (`moe_rl.envs.registry.build_env_factory` returns
+the maker). The rollout
 loop (`moe_rl.envs.rollout`) calls ``reset(prompt)`` for the first context, then after every model
 turn ``step(turn)`` with the turn's token ids; the `StepResult` says what the environment writes
 into the context, the reward to add, and whether the episode is over. A model turn ends at EOS, at
@@ -16,10 +18,9 @@ web service) should be async. Every result is checked (`check_step_result`): a b
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +68,7 @@ def check_step_result(result: Any, vocab_size: int, where: str) -> None:
     0 <= tool_errors <= tool_calls."""
     if not isinstance(result, StepResult):
         raise EnvError(
-            f"{where}: step returned {type(result).__name__} {_short(result)}; expected a "
+            f"{where}: step returned {type(result).__name__} {short_repr(result)}; expected a "
             "moe_rl.envs.StepResult"
         )
     obs = result.observation
@@ -76,7 +77,7 @@ def check_step_result(result: Any, vocab_size: int, where: str) -> None:
             f"{where}: StepResult.observation is a {type(obs).__name__}; expected a list of token ids"
         )
     for i, t in enumerate(obs):
-        if not _is_int(t) or not 0 <= t < vocab_size:
+        if not is_int(t) or not 0 <= t < vocab_size:
             raise EnvError(
                 f"{where}: StepResult.observation[{i}]={t!r} is not a token id in [0, {vocab_size}) "
                 f"(model.vocab_size)"
@@ -88,7 +89,7 @@ def check_step_result(result: Any, vocab_size: int, where: str) -> None:
         raise EnvError(f"{where}: StepResult.done={result.done!r} is not a bool")
     for name in ("tool_calls", "tool_errors"):
         value = getattr(result, name)
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise EnvError(f"{where}: StepResult.{name}={value!r} is not an integer >= 0")
     if result.tool_errors > result.tool_calls:
         raise EnvError(
@@ -97,96 +98,10 @@ def check_step_result(result: Any, vocab_size: int, where: str) -> None:
         )
 
 
-def build_env_factory(name: str, kwargs: dict[str, Any]) -> Callable[[], Environment]:
-    """`env.name` and `env.kwargs` → a maker of one environment per trajectory.
-
-    ``name`` is a built-in (`ENVIRONMENTS`) or ``package.module:Class`` (a subclass of
-    `Environment`, or any class with ``reset`` and ``step`` methods; it is wrapped in one). One
-    instance is made here, so a class that cannot be loaded or rejects the kwargs fails now, with
-    its name and the kwargs.
-    """
-    kwargs = dict(kwargs)
-    cls = ENVIRONMENTS.get(name) or _load_class(name)
-    label = f"{cls.__module__}.{cls.__qualname__}"
-    probe = _construct(cls, kwargs, name, label)
-    stop = _stop_tokens(probe, name)
-    if isinstance(probe, Environment):
-        return lambda: cls(**kwargs)
-    return lambda: _Wrapped(cls(**kwargs), stop)
-
-
-def _load_class(spec: str) -> type:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise EnvError(
-            f"env.name={spec!r} is unknown; built-in environments: {', '.join(sorted(ENVIRONMENTS))}, "
-            "or `package.module:Class` for your own"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EnvError(f"env.name={spec!r}: cannot import {module_name}: {exc}") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-    if obj is None:
-        raise EnvError(f"env.name={spec!r}: {module_name} has no class {attr}")
-    if not isinstance(obj, type):
-        raise EnvError(
-            f"env.name={spec!r}: {module_name}.{attr} is a {type(obj).__name__}, not a class; expected a "
-            "subclass of moe_rl.envs.Environment"
-        )
-    missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
-    if missing:
-        raise EnvError(
-            f"env.name={spec!r}: {module_name}.{attr} has no {' / '.join(missing)} method; expected a "
-            "subclass of moe_rl.envs.Environment"
-        )
-    return obj
-
-
-def _construct(cls: type, kwargs: dict[str, Any], name: str, label: str) -> Any:
-    try:
-        return cls(**kwargs)
-    except Exception as exc:  # the user's constructor: any failure is reported with what it was given
-        raise EnvError(
-            f"env.name={name}: {label}(**env.kwargs) failed with env.kwargs={kwargs!r}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _stop_tokens(env: Any, name: str) -> tuple[int, ...]:
-    stop = getattr(env, "stop_token_ids", ())
-    if not isinstance(stop, list | tuple) or not all(_is_int(t) and t >= 0 for t in stop):
-        raise EnvError(
-            f"env.name={name}: stop_token_ids={stop!r} is not a tuple of token ids (integers >= 0)"
-        )
-    return tuple(int(t) for t in stop)
-
-
-class _Wrapped(Environment):
-    """A user environment that does not subclass `Environment`, behind its interface."""
-
-    def __init__(self, inner: Any, stop_token_ids: tuple[int, ...]):
-        self.inner, self.stop_token_ids = inner, stop_token_ids
-
-    def reset(self, prompt: Prompt) -> Any:
-        return self.inner.reset(prompt)
-
-    def step(self, turn: list[int]) -> Any:
-        return self.inner.step(turn)
-
-
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _short(x: Any) -> str:
+def short_repr(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-# The built-in environments import this module's interface, so they are registered after it.
-from moe_rl.envs.calculator import CalculatorEnv  # noqa: E402
-
-ENVIRONMENTS: dict[str, type[Environment]] = {"calculator": CalculatorEnv}

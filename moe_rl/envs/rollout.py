@@ -287,14 +287,17 @@ class SingleTurn:
         return self.engine.generate([list(p.ids) for p in prompts], sampling, group_ids), {}
 
 
-def rollouts_for(config: Any, engine: Any) -> SingleTurn | MultiTurnRollout:
-    """The rollout loop of a recipe: multi-turn with `env.name`'s environment, else single-turn."""
+def rollouts_for(config: Any, engine: Any, env_factory: Any = None) -> SingleTurn | MultiTurnRollout:
+    """The rollout loop of a recipe: multi-turn with `env.name`'s environment (``env_factory``, or
+    one built here), else single-turn."""
     env = config.env
     if not env.name:
         return SingleTurn(engine)
-    from moe_rl.envs.base import build_env_factory
+    if env_factory is None:
+        from moe_rl.envs.registry import build_env_factory
 
+        env_factory = build_env_factory(env.name, dict(env.kwargs))
     return MultiTurnRollout(
-        engine, build_env_factory(env.name, dict(env.kwargs)),
+        engine, env_factory,
         TurnLimits(env.max_turns, env.max_tokens, config.data.max_prompt_len), config.model.vocab_size, env.name,
     )  # fmt: skip

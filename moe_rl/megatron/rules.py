@@ -1,24 +1,13 @@
 """The rules of the Megatron layer on a recipe: how the world splits into TP / PP / EP / ETP / CP /
 DP, what the model's shapes must divide, what routing replay can replay. Parallel init and
 `RoutingReplay` enforce them at run time; the trainer's rules (`moe_rl.trainer.rules`) include
-them, and `moe_rl.validation` calls them before anything loads. Imports no torch.
+them, and the preflight (`moe_rl.orchestration.preflight`) calls them before anything loads. Imports no torch.
 """
 
 from __future__ import annotations
 
 from moe_rl.config.schema import ParallelConfig, RecipeConfig
-from moe_rl.validation import Rule, first_broken
-
-
-def divisible(name: str, value: int, value_name: str, divisor: int, divisor_name: str) -> Rule:
-    ok = divisor > 0 and value % divisor == 0
-    verb = "is" if ok else "is not"
-    return Rule(name, ok, f"{value_name}={value} {verb} divisible by {divisor_name}={divisor}")
-
-
-def data_parallel_size(p: ParallelConfig) -> int:
-    return max(1, p.trainer_world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                                          * p.context_parallel_size))  # fmt: skip
+from moe_rl.rules import Rule, divisible, first_broken
 
 
 def layout_rules(p: ParallelConfig) -> list[Rule]:

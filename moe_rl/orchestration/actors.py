@@ -181,14 +181,17 @@ class EngineActor:
     """One rollout engine replica (see the module docstring)."""
 
     def __init__(
-        self, config: RecipeConfig, model_path: str | None, replica: int, threads: int, restarts: int = 0
-    ):
+        self, config: RecipeConfig, model_path: str | None, replica: int, threads: int, restarts: int = 0,
+        env_factory=None,
+    ):  # fmt: skip
+        """``env_factory``: the environment maker the preflight built (`env.name`; built here when
+        not given)."""
         _setup_process(config, threads, f"engine{replica}")
         self.config, self.replica, self.restarts = config, replica, restarts
         self.engine = make_engine(config, model_path)
         from moe_rl.envs.rollout import rollouts_for
 
-        self.rollouts = rollouts_for(config, self.engine)  # single- or multi-turn (`env.name`)
+        self.rollouts = rollouts_for(config, self.engine, env_factory)  # single- or multi-turn (`env.name`)
         self._reference = None
         self._generates = 0
 
@@ -257,12 +260,14 @@ def _maybe_fail(replica: int, call: int) -> None:
 class RewardActor:
     """Scores and prepares rollout batches away from the driver (`moe_rl.orchestration.batches`)."""
 
-    def __init__(self, config: RecipeConfig):
+    def __init__(self, config: RecipeConfig, scorer=None):
+        """``scorer``: the scorer the preflight built (`data.reward`; built here when not given,
+        None with an environment, whose rewards are in the batch)."""
         _setup_process(config, 1, "reward")
         from moe_rl.orchestration.batches import step_scorer
 
         self.config = config
-        self.scorer = step_scorer(config)
+        self.scorer = scorer if scorer is not None else step_scorer(config)
 
     @ray.method(num_returns=2)
     def prepare(self, batch_refs: Sequence[Any], plan, prompts, version: int, dp_size: int):

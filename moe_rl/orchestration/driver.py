@@ -23,6 +23,7 @@ from moe_rl.config.schema import RecipeConfig
 from moe_rl.log import progress
 from moe_rl.orchestration.actors import start_ray
 from moe_rl.orchestration.metrics import MetricsSink, read_metrics, run_summary
+from moe_rl.orchestration.preflight import RunInputs, build_inputs
 from moe_rl.orchestration.run_dir import sealed
 from moe_rl.orchestration.stages import Stages
 
@@ -48,14 +49,16 @@ class StopRequest:
         log.warning("signal %d: finishing this step, then saving a checkpoint (again to stop now)", signum)
 
 
-def run(config: RecipeConfig, run_dir: Path, resume: bool = False) -> int:
-    """Train `config` in `run_dir`; returns the exit code (0 done, 130 interrupted). A summary of
-    the run (rewards, mismatch, checkpoints, what to run next) ends it, stopped or not."""
+def run(config: RecipeConfig, run_dir: Path, resume: bool = False, inputs: RunInputs | None = None) -> int:
+    """Train `config` in `run_dir`; returns the exit code (0 done, 130 interrupted). ``inputs``:
+    what the preflight built (`moe_rl.orchestration.preflight.build_inputs`; built here when not
+    given). A summary of the run (rewards, mismatch, checkpoints, what to run next) ends it,
+    stopped or not."""
     t0 = time.monotonic()
     started = start_ray(config, run_dir / "logs")
     stop = StopRequest()
     stop.install()
-    stages = Stages(config, run_dir)
+    stages = Stages(config, run_dir, inputs or build_inputs(config))
     sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)
     try:
         code = train_steps(config, stages, sink, stop, resume)

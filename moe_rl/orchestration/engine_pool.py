@@ -24,7 +24,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from moe_rl.config.schema import RecipeConfig, max_response_tokens
+from moe_rl.config.derived import max_response_tokens
+from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, EngineActor
 from moe_rl.orchestration.batches import Dispatch, dispatch
 from moe_rl.orchestration.placement import Placement
@@ -63,8 +64,16 @@ class Generation:
 class EnginePool:
     """Engine replicas (see the module docstring)."""
 
-    def __init__(self, config: RecipeConfig, trainer: TrainerGroup, run_dir: Path, placement: Placement):
+    def __init__(
+        self,
+        config: RecipeConfig,
+        trainer: TrainerGroup,
+        run_dir: Path,
+        placement: Placement,
+        env_factory=None,
+    ):
         self.config, self.trainer, self.run_dir, self.placement = config, trainer, Path(run_dir), placement
+        self.env_factory = env_factory
         self.replicas = [Replica(r) for r in range(placement.engines)]
         self.version = 0
         self.quantized_wire = False
@@ -112,7 +121,7 @@ class EnginePool:
                 num_cpus=0, num_gpus=self.placement.engine_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(replica.pg, placement_group_bundle_index=0),
             )
-            .remote(self.config, model_path, replica.index, threads, replica.restarts)
+            .remote(self.config, model_path, replica.index, threads, replica.restarts, self.env_factory)
         )  # fmt: skip
 
     def _restart(self, replica: Replica, error: Exception, version: int) -> None:

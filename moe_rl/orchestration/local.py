@@ -113,14 +113,14 @@ class LocalRun:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_rl.config import load_recipe
     from moe_rl.log import setup_logging
+    from moe_rl.orchestration.preflight import load_checked
 
     args = sys.argv[1:] if argv is None else argv
     if not args:
         sys.stderr.write("usage: python -m moe_rl.orchestration.local RECIPE [overrides...]\n")
         return 2
-    config = load_recipe(args[0], args[1:])
+    config = load_checked(args[0], args[1:])
     setup_logging(config.logging.level)
     for record in LocalRun(config).run():
         sys.stdout.write(json.dumps(record) + "\n")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import COPY_TUNABLES, DeviceKind, Machine, resolve_device
-from moe_rl.validation import Rule, first_broken
+from moe_rl.rules import Rule, first_broken
 
 TRAINER_NODE = "moe_rl_trainer_node"
 ROLLOUT_NODE = "moe_rl_rollout_node"

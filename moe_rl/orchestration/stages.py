@@ -20,9 +20,7 @@ from typing import Any
 import ray
 import torch
 
-from moe_rl.config.loader import ConfigError
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.data.shards import read_trajectories
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
 from moe_rl.diagnostics.budget import staleness_metrics
@@ -31,7 +29,9 @@ from moe_rl.orchestration import run_dir
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
 from moe_rl.orchestration.batches import Prepared, step_advantages, step_spec, step_zero_variance
 from moe_rl.orchestration.engine_pool import EnginePool, Generation
+from moe_rl.orchestration.offline import read_offline
 from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
+from moe_rl.orchestration.preflight import RunInputs
 from moe_rl.orchestration.trainer_group import TrainerGroup
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rewards.tasks import Prompt
@@ -71,7 +71,7 @@ def _node_roles() -> bool:
 class Stages:
     """Everything one run needs between steps (see `moe_rl.orchestration.driver`)."""
 
-    def __init__(self, config: RecipeConfig, run_dir: Path):
+    def __init__(self, config: RecipeConfig, run_dir: Path, inputs: RunInputs):
         self.config, self.run_dir = config, Path(run_dir)
         self.placement = plan_placement(config, Machine.detect(), node_roles=_node_roles())
         p = self.placement
@@ -81,11 +81,12 @@ class Stages:
             "yes" if p.node_roles else "no",
         )  # fmt: skip
         self.trainer = TrainerGroup(config, self.placement)
-        self.rewarder = ray.remote(RewardActor).options(num_cpus=0).remote(config)
-        self.engines = EnginePool(config, self.trainer, self.run_dir, self.placement)
+        self.rewarder = ray.remote(RewardActor).options(num_cpus=0).remote(config, inputs.scorer)
+        self.engines = EnginePool(config, self.trainer, self.run_dir, self.placement, inputs.env_factory)
         self.engines.spawn()  # engines build their models while the trainer ranks build theirs
         self.trainer.form()
-        self.source = build_prompt_source(config)
+        self.source = inputs.prompt_source
+        self.offline_data = inputs.offline_data
         self.version = 0
         self.step_done = -1
         self.num_stale_rejected = 0
@@ -233,8 +234,8 @@ class Stages:
     def offline_dataset(self) -> list[TrajectoryBatch]:
         """Stored trajectories (`data.trajectories`), or `data.offline_batches` rollout batches
         generated once with the starting policy and stored in `<run_dir>/offline_data`."""
-        folder = self.config.data.trajectories
-        if folder is None:
+        data = self.offline_data  # `data.trajectories`: read and validated by the preflight
+        if data is None:
             folder = self.run_dir / "offline_data"
             done = folder / "complete"
             if not done.exists():
@@ -243,7 +244,7 @@ class Stages:
                     part = folder / f"batch_{i:04d}"
                     ray.get(self.rewarder.dump.remote(str(part), OFFLINE_STEP + i), timeout=RAY_TIMEOUT_S)
                 done.write_text("")
-        data = read_offline(self.config, Path(folder))
+            data = read_offline(self.config, Path(folder))
         size = self.config.rollout.batch_size
         return [data.slice(i, i + size) for i in range(0, data.num_samples - size + 1, size)]
 
@@ -306,23 +307,6 @@ class Stages:
         self.engines.shutdown()
         self.trainer.shutdown()
         ray.kill(self.rewarder)
-
-
-def read_offline(config: RecipeConfig, folder: Path) -> TrajectoryBatch:
-    """Stored trajectories for offline training, validated like live data against the model
-    (token ids, expert ids, kept sets, log-probs): nothing trains on data that fails `validate`."""
-    m = config.model
-    stored = read_trajectories(
-        folder, include_old_logp=False, vocab_size=m.vocab_size, num_experts=m.num_experts or None,
-        topk=m.moe_router_topk if m.num_experts else None,
-    )  # fmt: skip
-    data = TrajectoryBatch.concat(list(stored))
-    size = config.rollout.batch_size
-    if data.num_samples < size:
-        raise ConfigError(
-            f"data.trajectories={folder}: {data.num_samples} samples < rollout.batch_size={size}"
-        )
-    return data
 
 
 def _jsonable(state: dict) -> dict:

@@ -7,11 +7,11 @@ import numbers
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_rl.config import ConfigError
-from moe_rl.errors import RewardFunctionError
+from moe_rl.errors import ConfigError, RewardFunctionError, UserError
 from moe_rl.rewards.datasets import ByteTokenizer, ChatFormat, HFTokenizer, PromptSource, Tokenizer
 from moe_rl.rewards.functions import exact_match, load_user_function, math_answer
-from moe_rl.rewards.tasks import Prompt, SyntheticTask, get_task
+from moe_rl.rewards.tasks import Prompt, SyntheticTask, check_task_vocab, get_task
+from moe_rl.rules import Rule
 
 TEXT_REWARDS = {"exact_match": exact_match, "math": math_answer}
 
@@ -68,6 +68,21 @@ def build_tokenizer(config) -> Tokenizer | None:
             f"{tokenizer.vocab_size}); model.vocab_size={config.model.vocab_size} is too small"
         )
     return tokenizer
+
+
+def reward_rules(config) -> list[Rule]:
+    """The rewards' rules on a recipe, checked before anything loads: a synthetic task
+    (``data.task=synthetic:<name>``) exists and fits the model's vocabulary. What needs the data
+    or the reward function itself is checked when they are built (`moe_rl.orchestration.preflight`,
+    the run's inputs)."""
+    kind, _, name = config.data.task.partition(":")
+    if kind != "synthetic":
+        return []
+    try:
+        check_task_vocab(name, config.model.vocab_size)  # an unknown task is named there too
+    except UserError as exc:
+        return [Rule("synthetic task", False, str(exc))]
+    return [Rule("synthetic task", True, f"{name} fits model.vocab_size={config.model.vocab_size}")]
 
 
 def build_scorer(config) -> RewardScorer:

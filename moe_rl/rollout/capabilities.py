@@ -1,19 +1,23 @@
-"""What each rollout engine can do on this machine, checked before anything starts.
+"""What each rollout engine can do on a machine, as rules checked before anything starts.
 
-``check_recipe`` resolves ``run.device`` against the machine and refuses a recipe that asks an
-engine for something it cannot give (routing for R3, sampling masks for KSM, a quantization
-recipe), with a ``ValueError`` naming the engine, the feature and the alternatives. The machine-
-independent checks live in ``moe_rl.config.validate``; these need to know whether CUDA is here.
-Imports neither vLLM nor Megatron (torch only to look for CUDA, and only when not told).
+``engine_rules`` resolves ``run.device`` against the machine and returns the engine's rules on a
+recipe: one that refuses a recipe asking an engine for something it cannot give (routing for R3,
+sampling masks for KSM, a quantization recipe, a context or head size), its detail naming the
+engine, the feature and the alternatives; and warnings (non-fatal rules) for what a recipe asks
+that the engine ignores. ``check_recipe`` enforces them where an engine is built. The
+machine-independent checks live in ``moe_rl.config.validate``. Imports neither vLLM nor Megatron
+(torch only to look for CUDA, and only when not told).
 """
 
 from __future__ import annotations
 
 import logging
 
-from moe_rl.config.schema import QuantConfig, RecipeConfig, max_response_tokens
+from moe_rl.config.derived import longest_sequence, quant_needs_cuda, response_limit_key
+from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.device import Machine, resolve_device
 from moe_rl.rollout.engine import EngineCapabilities
+from moe_rl.rules import Rule
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +110,36 @@ def vllm_quantization(quant: QuantConfig) -> str | None:
     )
 
 
-def check_recipe(config: RecipeConfig, machine: Machine | None = None) -> EngineCapabilities:
-    """Refuse a recipe whose rollout engine cannot give what it asks for on this machine.
+ENGINE_RULE = "engine capabilities"
 
-    Returns the engine's capabilities. ``machine`` defaults to ``Machine.detect()``.
-    """
+
+def engine_rules(config: RecipeConfig, machine: Machine | None = None) -> list[Rule]:
+    """The rollout engine's rules on ``config`` against ``machine`` (default ``Machine.detect()``):
+    first whether the engine can run the recipe there (one fatal rule, whose detail is the first
+    thing it cannot give), then a warning for each ``rollout.return_*`` it would ignore."""
     machine = Machine.detect() if machine is None else machine
+    try:
+        caps, where = _capable(config, machine)
+    except ValueError as exc:
+        return [Rule(ENGINE_RULE, False, str(exc))]
+    return [Rule(ENGINE_RULE, True, "the engine can run it"), *_unused_requests(config, caps, where)]
+
+
+def check_recipe(config: RecipeConfig, machine: Machine | None = None) -> EngineCapabilities:
+    """Enforce `engine_rules` where an engine is built: raise ``ValueError`` with the first fatal
+    rule's detail, log the warnings; returns the engine's capabilities."""
+    machine = Machine.detect() if machine is None else machine
+    for rule in engine_rules(config, machine):
+        if rule.broken:
+            raise ValueError(rule.detail)
+        if not rule.ok:
+            logger.warning("%s", rule.detail)
+    return _capable(config, machine)[0]
+
+
+def _capable(config: RecipeConfig, machine: Machine) -> tuple[EngineCapabilities, str]:
+    """The engine's capabilities and how messages name it; ``ValueError`` at the first feature of
+    the recipe the engine cannot give on ``machine``."""
     device = resolve_device(config.run.device, machine)
     engine = config.rollout.engine
     caps = engine_capabilities(engine, device)
@@ -138,8 +166,7 @@ def check_recipe(config: RecipeConfig, machine: Machine | None = None) -> Engine
         _check_vllm_context(config, where)
     if engine == "vllm" and device == "cpu":
         _check_vllm_cpu_model(config)
-    _warn_unused_requests(config, caps, where)
-    return caps
+    return caps, where
 
 
 def _alternatives(feature: str, engine: str, device: str) -> str:
@@ -156,7 +183,7 @@ def _alternatives(feature: str, engine: str, device: str) -> str:
 
 def _check_quant(quant: QuantConfig, caps: EngineCapabilities, where: str, machine: Machine) -> None:
     method = quant.method
-    if (quant.requires_cuda or method == "nvfp4") and caps.device != "cuda":
+    if quant_needs_cuda(quant) and caps.device != "cuda":
         raise ValueError(
             f"{where} cannot run rollout.quant={quant.name} ({method}): it needs a CUDA GPU; alternatives "
             "on CPU: rollout.engine=megatron with fp8_block128, fp8_tensor, int8 or int4_awq"
@@ -184,8 +211,7 @@ def _check_quant(quant: QuantConfig, caps: EngineCapabilities, where: str, machi
 def _check_vllm_context(config: RecipeConfig, where: str) -> None:
     """vLLM refuses a request whose prompt plus new tokens exceed its ``max_model_len``: the longest
     sequence the recipe can produce must fit, or the run would stop at its first long prompt."""
-    response = "env.max_tokens" if config.env.name else "rollout.max_new_tokens"
-    longest = config.data.max_prompt_len + max_response_tokens(config)
+    response, longest = response_limit_key(config), longest_sequence(config)
     if longest > config.rollout.max_model_len:
         raise ValueError(
             f"{where}: data.max_prompt_len + {response} = {longest} exceeds rollout.max_model_len="
@@ -202,9 +228,13 @@ def _check_vllm_cpu_model(config: RecipeConfig) -> None:
         )
 
 
-def _warn_unused_requests(config: RecipeConfig, caps: EngineCapabilities, where: str) -> None:
-    """``rollout.return_*`` asked of an engine that cannot, while no correction needs it: say so."""
-    if config.rollout.return_routing and not caps.routing:
-        logger.warning("%s returns no routed experts: rollout.return_routing=true is ignored", where)
-    if config.rollout.return_sampling_mask and not caps.sampling_mask:
-        logger.warning("%s returns no sampling masks: rollout.return_sampling_mask=true is ignored", where)
+def _unused_requests(config: RecipeConfig, caps: EngineCapabilities, where: str) -> list[Rule]:
+    """``rollout.return_*`` asked of an engine that cannot give it, while no correction needs it:
+    warnings (non-fatal rules)."""
+    r = config.rollout
+    return [
+        Rule("engine returns routing", not (r.return_routing and not caps.routing),
+             f"{where} returns no routed experts: rollout.return_routing=true is ignored", fatal=False),
+        Rule("engine returns sampling masks", not (r.return_sampling_mask and not caps.sampling_mask),
+             f"{where} returns no sampling masks: rollout.return_sampling_mask=true is ignored", fatal=False),
+    ]  # fmt: skip

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_rl.config.derived import quant_needs_cuda
 from moe_rl.config.schema import QuantConfig
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -119,7 +120,7 @@ def quantizer_attributes(cfg: QuantConfig) -> dict:
 
 def check_quant_supported(cfg: QuantConfig, cuda: bool) -> None:
     """Refuse recipes this machine cannot run, naming the alternatives."""
-    if (cfg.requires_cuda or cfg.method == "nvfp4") and not cuda:
+    if quant_needs_cuda(cfg) and not cuda:
         raise ValueError(
             f"rollout.quant={cfg.name} ({cfg.method}) needs a CUDA GPU (ModelOpt's NVFP4 kernels); "
             "on CPU use fp8_block128, fp8_tensor, int8 or int4_awq"

@@ -2,7 +2,7 @@
 
 The Megatron layer's layout and replay rules (`moe_rl.megatron.rules`) plus the trainer's own:
 batch packing and the objectives and corrections it applies. The worker checks them when it
-starts, and `moe_rl.validation` calls the same functions before anything loads, so `plan`,
+starts, and the preflight (`moe_rl.orchestration.preflight`) calls the same functions before anything loads, so `plan`,
 `config check`, `submit` and `train` refuse the same recipes.
 `trainer_rules` returns every rule with its numbers (what `moe-rl plan` prints);
 `check_trainer` raises the first broken one.
@@ -10,20 +10,10 @@ starts, and `moe_rl.validation` calls the same functions before anything loads, 
 
 from __future__ import annotations
 
-from moe_rl.config.schema import RecipeConfig, max_response_tokens
-from moe_rl.megatron.rules import (
-    data_parallel_size,
-    divisible,
-    layout_rules,
-    model_rules,
-    replay_layout_error,
-)
-from moe_rl.validation import Rule, first_broken
-
-
-def longest_sequence(config: RecipeConfig) -> int:
-    """The longest sequence a rollout can produce (prompt + response)."""
-    return config.data.max_prompt_len + max_response_tokens(config)
+from moe_rl.config.derived import data_parallel_size, longest_sequence, response_limit_key
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.megatron.rules import layout_rules, model_rules, replay_layout_error
+from moe_rl.rules import Rule, divisible, first_broken
 
 
 def _batch_rules(config: RecipeConfig) -> list[Rule]:
@@ -34,8 +24,7 @@ def _batch_rules(config: RecipeConfig) -> list[Rule]:
                    f"trainer.num_mini_batches*DP (trainer.num_mini_batches={t.num_mini_batches}, data-parallel size {dp})"),
         Rule("micro-batch holds a sequence", t.max_tokens_per_microbatch >= longest_sequence(config),
              f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}, longest sequence "
-             f"{longest_sequence(config)} (data.max_prompt_len + "
-             f"{'env.max_tokens' if config.env.name else 'rollout.max_new_tokens'})"),
+             f"{longest_sequence(config)} (data.max_prompt_len + {response_limit_key(config)})"),
     ]  # fmt: skip
     if cp > 1:
         chunks = 2 * cp * (p.tensor_model_parallel_size if p.sequence_parallel else 1)

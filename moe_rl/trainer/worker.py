@@ -53,7 +53,8 @@ from moe_rl.algo import registry
 from moe_rl.algo.advantages import zvp_shape
 from moe_rl.algo.aggregate import local_denominator
 from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
-from moe_rl.config.schema import RecipeConfig, max_sampled_tokens
+from moe_rl.config.derived import max_sampled_tokens
+from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.packing import RankShare, plan_shards
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import check_process_device

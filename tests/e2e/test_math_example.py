@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.config import load_recipe
 from moe_rl.data.shards import read_trajectories
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rewards.datasets import HFTokenizer
 from moe_rl.rewards.functions import math_answer
 from tests.unit.rewards.chat_tokenizer import IM_END, chat_text, write_chat_tokenizer
@@ -48,7 +48,7 @@ def _model_folder(folder: Path) -> Path:
     """A random-init Qwen3-MoE checkpoint of the twin's shape, with the chat tokenizer beside it."""
     from moe_rl.rollout.tiny_hf import make_tiny_qwen3_moe, qwen3_moe_kwargs
 
-    model = load_recipe(EXAMPLE, CPU_TWIN).model
+    model = load_checked(EXAMPLE, CPU_TWIN).model
     make_tiny_qwen3_moe(folder, seed=0, eos_token_id=IM_END, **qwen3_moe_kwargs(model))
     return write_chat_tokenizer(folder)
 
@@ -68,7 +68,7 @@ def test_math_example_runs_three_steps_on_chat_formatted_prompts(tmp_path: Path)
     assert all(math.isfinite(r["reward/mean"]) and 0.0 <= r["reward/mean"] <= 1.0 for r in records)
 
     # every prompt the engine saw is the example's template in the chat template, thinking block off
-    config = load_recipe(run_dir / "config.yaml")
+    config = load_checked(run_dir / "config.yaml")
     assert config.data.chat_template and config.data.chat_template_kwargs == {"enable_thinking": False}
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
     rendered = {

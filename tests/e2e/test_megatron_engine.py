@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from moe_rl.algo.diagnostics import routing_agreement
-from moe_rl.config import load_recipe
 from moe_rl.data.packing import pack_microbatches
 from moe_rl.data.validate import validate
 from moe_rl.megatron.hf_weights import iter_hf_weights
 from moe_rl.megatron.replay import RoutingReplay
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
 from moe_rl.trainer.logprobs import PassOptions, old_logprobs
@@ -22,13 +22,13 @@ from moe_rl.trainer.logprobs import PassOptions, old_logprobs
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("device")]
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe.yaml"
-VOCAB = load_recipe(TINY).model.vocab_size
+VOCAB = load_checked(TINY).model.vocab_size
 PROMPTS = [[1, 3 + i, 4 + (i * 3) % 10, 5 + (i * 7) % 8, 2] for i in range(8)]
 
 
 def make_engine(quant: str) -> MegatronEngine:
     return MegatronEngine(
-        load_recipe(TINY, [f"rollout.quant={quant}", "rollout.top_p=0.9", "rollout.top_k=8"])
+        load_checked(TINY, [f"rollout.quant={quant}", "rollout.top_p=0.9", "rollout.top_k=8"])
     )
 
 

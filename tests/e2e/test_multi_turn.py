@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.config import load_recipe
 from moe_rl.data.shards import read_trajectories
 from moe_rl.envs.calculator import CALL, END_CALL, END_RESULT, RESULT
+from moe_rl.orchestration.preflight import load_checked
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +39,7 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> tuple[Path, list[dict]
 
 
 def _check_trajectories(run_dir: Path, records: list[dict], routing: bool) -> None:
-    config = load_recipe(run_dir / "config.yaml")
+    config = load_checked(run_dir / "config.yaml")
     m = config.model
     batches = list(read_trajectories(  # validated on read, against the model
         run_dir / "trajectories", vocab_size=m.vocab_size, num_experts=m.num_experts, topk=m.moe_router_topk,
@@ -75,7 +75,7 @@ def _check_trajectories(run_dir: Path, records: list[dict], routing: bool) -> No
 
 def test_calculator_task_with_the_megatron_engine_and_the_stability_stack(tmp_path: Path) -> None:
     run_dir, records = _train(tmp_path, "tools_megatron")
-    config = load_recipe(run_dir / "config.yaml")
+    config = load_checked(run_dir / "config.yaml")
     assert config.algo.routing_replay == "r3" and config.algo.corrections.keep_sampling_mask
     assert config.algo.objective == "espo"
     _check_trajectories(run_dir, records, routing=True)

@@ -53,8 +53,8 @@ def _model_weights(checkpoint: Path, config) -> dict[str, torch.Tensor]:
 
 
 def test_dp2_first_step_equals_the_one_rank_run(tmp_path):
-    from moe_rl.config import load_recipe
     from moe_rl.orchestration.local import LocalRun
+    from moe_rl.orchestration.preflight import load_checked
 
     # Adam's epsilon at 1e-6 instead of 1e-8: with 1e-8, a weight whose first mini-batch gradient
     # cancels to ~2e-8 (one qkv element of this run, against a median |g| of 1e-3) moves by an
@@ -62,7 +62,7 @@ def test_dp2_first_step_equals_the_one_rank_run(tmp_path):
     # gradients themselves agree (tests/distributed/test_trainer_dp.py), and so does every weight
     # once no gradient sits at epsilon.
     same = ["run.steps=1", "trainer.adam_eps=1e-6"]
-    config = load_recipe(TINY, same)
+    config = load_checked(TINY, same)
     local = LocalRun(config)
     start = {n: p.detach().clone() for n, p in local.trainer.model.named_parameters()}
     reference = local.step(0)

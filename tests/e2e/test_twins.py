@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.config import load_recipe
+from moe_rl.orchestration.preflight import load_checked
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +21,7 @@ TWINS = sorted((REPO / "recipes" / "twins").glob("*.yaml"))
 
 @pytest.mark.parametrize("twin", TWINS, ids=[t.stem for t in TWINS])
 def test_twin_runs_two_rl_steps_with_the_stack(twin, tmp_path):
-    config = load_recipe(twin)
+    config = load_checked(twin)
     assert config.algo.routing_replay == "r3" and config.algo.corrections.keep_sampling_mask
     assert config.algo.objective == "espo" and config.rollout.quant == "fp8_block128"
     out = subprocess.run(

@@ -16,6 +16,7 @@ from launch.cli import main
 from launch.submit import SlurmArgs, render_script, resolve, sbatch_options
 from moe_rl.config import ConfigError, load_recipe
 from moe_rl.config.validate import FLOATS, RANGES, UNBOUNDED
+from moe_rl.orchestration.preflight import load_checked
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = REPO / "recipes"
@@ -99,7 +100,7 @@ BAD = [
 @pytest.mark.parametrize(("override", "expected"), BAD, ids=[o for o, _ in BAD])
 def test_bad_value_is_refused_with_one_line_naming_it(override, expected):
     with pytest.raises(ConfigError) as info:
-        load_recipe(TINY, [override])
+        load_checked(TINY, [override])
     message = str(info.value)
     assert expected in message
     assert "\n" not in message
@@ -109,7 +110,7 @@ def test_bad_value_is_refused_with_one_line_naming_it(override, expected):
 def test_field_values_are_checked_without_full_validation(override, expected):
     """`validate=False` (a recipe piece, `moe-rl plan`) still refuses values nothing can compute with."""
     with pytest.raises(ConfigError, match=None) as info:
-        load_recipe(TINY, [override], validate=False)
+        load_recipe(TINY, [override])
     assert expected in str(info.value)
 
 
@@ -123,11 +124,11 @@ def test_field_values_are_checked_without_full_validation(override, expected):
     ],
 )
 def test_an_infinite_bound_is_no_bound(override):
-    load_recipe(TINY, [override])
+    load_checked(TINY, [override])
 
 
 def test_every_float_field_is_checked_and_every_range_names_a_field():
-    config = load_recipe(TINY)
+    config = load_checked(TINY)
     assert set(UNBOUNDED) <= set(FLOATS)
     assert {"trainer.lr", "rollout.temperature", "model.rope_theta", "cluster.gpu_memory_gib"} <= set(FLOATS)
     for path in RANGES:
@@ -150,7 +151,7 @@ def test_a_recipe_that_is_not_utf8_is_named_with_the_offset(tmp_path):
     text = "run:\n  name: caf\xe9\n"
     bad.write_bytes(text.encode("latin-1"))
     with pytest.raises(ConfigError) as info:
-        load_recipe(bad)
+        load_checked(bad)
     offset = text.index("\xe9")
     assert (
         str(info.value) == f"{bad.resolve()}: not UTF-8 text (byte 0xe9 at offset {offset}); save it as UTF-8"
@@ -164,7 +165,7 @@ def test_an_empty_recipe_is_refused(tmp_path, text):
     empty = _recipes(tmp_path) / "empty.yaml"
     empty.write_text(text)
     with pytest.raises(ConfigError) as info:
-        load_recipe(empty)
+        load_checked(empty)
     assert str(info.value) == f"recipe {empty.resolve()} is empty"
 
 
@@ -173,12 +174,12 @@ def test_an_empty_piece_adds_nothing_and_an_empty_quant_recipe_is_refused(tmp_pa
     (root / "placeholder.yaml").write_text("# nothing to add yet\n")
     recipe = root / "r.yaml"
     recipe.write_text("defaults: [tiny_moe, placeholder]\n")
-    assert load_recipe(recipe) == load_recipe(TINY)
+    assert load_checked(recipe) == load_checked(TINY)
     (root / "quant").unlink()
     (root / "quant").mkdir()
     (root / "quant" / "bf16.yaml").write_text("# forgot the section\n")
     with pytest.raises(ConfigError, match=r"quantization recipe .*bf16\.yaml is empty"):
-        load_recipe(recipe, ["rollout.quant=bf16"])
+        load_checked(recipe, ["rollout.quant=bf16"])
 
 
 def _main(argv: list[str], caplog) -> tuple[int, list[str]]:

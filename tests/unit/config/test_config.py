@@ -13,6 +13,7 @@ import pytest
 from moe_rl.config import ConfigError, load_recipe, to_yaml
 from moe_rl.config.loader import recipes_root
 from moe_rl.config.validate import CHOICES
+from moe_rl.orchestration.preflight import load_checked
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = REPO / "recipes"
@@ -26,7 +27,9 @@ def test_config_imports_without_heavy_libraries():
         import sys
         import moe_rl.config
         from moe_rl.config import load_recipe
+        from moe_rl.orchestration.preflight import load_checked
         load_recipe("recipes/tiny_moe.yaml")
+        load_checked("recipes/tiny_moe.yaml")
         heavy = sorted(m for m in ("torch", "vllm", "megatron", "modelopt", "ray", "transformers")
                        if m in sys.modules)
         print(",".join(heavy))
@@ -39,22 +42,23 @@ def test_config_imports_without_heavy_libraries():
 @pytest.mark.parametrize("path", ALL_YAML, ids=[str(p.relative_to(RECIPES)) for p in ALL_YAML])
 def test_every_recipe_yaml_loads(path: Path, tmp_path: Path):
     if path.parent.name == "quant":  # nvfp4 needs CUDA: load it for a CUDA machine
-        config = load_recipe(TINY, [f"rollout.quant={path.stem}", "run.device=cuda"])
+        config = load_checked(TINY, [f"rollout.quant={path.stem}", "run.device=cuda"])
         assert config.quant.name == path.stem
     elif path.parent in (RECIPES, RECIPES / "twins", RECIPES / "examples", RECIPES / "bench"):
-        config = load_recipe(path)  # a runnable recipe: every component accepts it
+        config = load_checked(path)  # a runnable recipe: every component accepts it
     else:  # a piece (model/, algo/, cluster/): keys and types only; alone it is no whole recipe
-        config = load_recipe(path, validate=False)
+        config = load_recipe(path)
     # the resolved YAML loads back to the same config
     root = tmp_path / "recipes"
     root.mkdir()
     (root / "quant").symlink_to(recipes_root(path) / "quant")
     (root / "resolved.yaml").write_text(to_yaml(config))
-    assert load_recipe(root / "resolved.yaml", validate=path.parent != RECIPES / "cluster") == config
+    load = load_checked if path.parent != RECIPES / "cluster" else load_recipe
+    assert load(root / "resolved.yaml") == config
 
 
 def test_layers_and_overrides_take_precedence():
-    config = load_recipe(TINY, ["algo.objective=espo", "trainer.lr=2e-6", "quant.block_size=64"])
+    config = load_checked(TINY, ["algo.objective=espo", "trainer.lr=2e-6", "quant.block_size=64"])
     assert config.algo.objective == "espo"
     assert config.trainer.lr == pytest.approx(2e-6)
     assert config.model.num_experts == 8  # from the model piece
@@ -63,8 +67,8 @@ def test_layers_and_overrides_take_precedence():
 
 
 def test_quant_recipe_switch_is_one_override():
-    assert load_recipe(TINY, ["rollout.quant=bf16"]).quant.method == "none"
-    assert load_recipe(TINY, ["rollout.quant=int4_awq"]).quant.method == "int4_awq"
+    assert load_checked(TINY, ["rollout.quant=bf16"]).quant.method == "none"
+    assert load_checked(TINY, ["rollout.quant=int4_awq"]).quant.method == "int4_awq"
 
 
 @pytest.mark.parametrize(
@@ -101,7 +105,7 @@ def test_quant_recipe_switch_is_one_override():
 )
 def test_bad_config_names_the_field(overrides, expected):
     with pytest.raises(ConfigError, match=None) as info:
-        load_recipe(TINY, overrides)
+        load_checked(TINY, overrides)
     assert expected in str(info.value)
 
 
@@ -116,9 +120,9 @@ def test_bad_config_names_the_field(overrides, expected):
 )
 def test_bad_yarn_fields_are_named(overrides, expected):
     twin = RECIPES / "twins" / "deepseek_v3.yaml"
-    assert load_recipe(twin).model.rope_scaling_type == "yarn"
+    assert load_checked(twin).model.rope_scaling_type == "yarn"
     with pytest.raises(ConfigError, match=None) as info:
-        load_recipe(twin, overrides)
+        load_checked(twin, overrides)
     assert expected in str(info.value)
 
 
@@ -128,7 +132,7 @@ def test_unknown_key_in_a_file_names_the_file(tmp_path):
     with pytest.raises(
         ConfigError, match=r"bad\.yaml: unknown key `trainer\.lrr`; did you mean `trainer\.lr`"
     ):
-        load_recipe(bad)
+        load_checked(bad)
 
 
 def test_defaults_cycle_is_an_error(tmp_path):
@@ -137,11 +141,11 @@ def test_defaults_cycle_is_an_error(tmp_path):
     (tmp_path / "quant").mkdir()
     (tmp_path / "quant" / "bf16.yaml").write_text("quant: {name: bf16}\n")
     with pytest.raises(ConfigError, match="cycle"):
-        load_recipe(tmp_path / "a.yaml")
+        load_checked(tmp_path / "a.yaml")
 
 
 def test_choices_are_known_to_the_schema():
-    config = load_recipe(TINY)
+    config = load_checked(TINY)
     for path in CHOICES:
         obj = config
         for part in path.split("."):
@@ -195,11 +199,11 @@ def test_cli_train_rejects_bad_config_before_anything_heavy_starts(override, tmp
 
 @pytest.mark.parametrize("word", ["off", "on", "yes", "no"])
 def test_yaml_words_that_are_not_booleans_stay_strings(word, tmp_path):
-    config = load_recipe(TINY, [f"run.name={word}", "algo.routing_replay=off"])
+    config = load_checked(TINY, [f"run.name={word}", "algo.routing_replay=off"])
     assert config.run.name == word and config.algo.routing_replay == "off"
     recipe = tmp_path / "recipes" / "r.yaml"
     recipe.parent.mkdir()
     (recipe.parent / "quant").symlink_to(RECIPES / "quant")
     recipe.write_text(f"run:\n  name: {word}\nalgo:\n  routing_replay: off\n")
-    assert load_recipe(recipe).algo.routing_replay == "off"
-    assert load_recipe(TINY, ["trainer.compute_entropy=true"]).trainer.compute_entropy is True
+    assert load_checked(recipe).algo.routing_replay == "off"
+    assert load_checked(TINY, ["trainer.compute_entropy=true"]).trainer.compute_entropy is True

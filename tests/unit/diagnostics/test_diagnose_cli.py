@@ -72,12 +72,12 @@ def test_recipes_are_checked_against_the_machine_given():
 
 def test_a_recipe_refused_for_itself_never_detects_the_machine():
     from moe_rl.config import load_recipe
-    from moe_rl.validation import validate
+    from moe_rl.orchestration.preflight import check
 
-    config = load_recipe(TINY, ["rollout.group_size=7"], validate=False)
+    config = load_recipe(TINY, ["rollout.group_size=7"])
 
     def no_detection():
         raise AssertionError("the machine was detected for a recipe refused for its own values")
 
     with pytest.raises(ConfigError, match="group_size"):
-        validate(config, no_detection)
+        check(config, no_detection)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.config import load_recipe
 from moe_rl.diagnostics.measure import MeasureParams, availability, measure, outside_top_p
 from moe_rl.diagnostics.probe import mismatch_probe
 from moe_rl.diagnostics.results import MODES, NotAvailable
 from moe_rl.diagnostics.zero_update import build_trainer
 from moe_rl.megatron.hf_weights import iter_hf_weights
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rollout.capabilities import engine_capabilities
 from moe_rl.rollout.engine import SamplingSpec
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("device")
 
 @pytest.fixture(scope="module")
 def config():
-    return load_recipe(TINY, OVERRIDES)
+    return load_checked(TINY, OVERRIDES)
 
 
 @pytest.fixture(scope="module")

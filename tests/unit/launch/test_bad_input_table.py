@@ -16,10 +16,10 @@ import pytest
 pytest.importorskip("ray", reason="`moe-rl train` runs on Ray")  # e.g. a GPU check machine without Ray
 
 from launch.cli import main
-from moe_rl.config import load_recipe
 from moe_rl.data.shards import write_shards
 from moe_rl.data.synthetic import random_batch
-from moe_rl.orchestration.stages import read_offline
+from moe_rl.orchestration.offline import read_offline
+from moe_rl.orchestration.preflight import load_checked
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 TINY, DGO = str(RECIPES / "tiny_moe.yaml"), str(RECIPES / "tiny_moe_dgo.yaml")
@@ -78,7 +78,7 @@ def test_a_runs_trajectories_folder_is_read_whole_in_step_order(tmp_path):
     folder = tmp_path / "run" / "trajectories"
     for step in (0, 1, 10):
         _shards(folder / f"step_{step:06d}", seed=step)
-    config = load_recipe(DGO, [f"data.trajectories={folder}"])
+    config = load_checked(DGO, [f"data.trajectories={folder}"])
     data = read_offline(config, folder)
     assert data.num_samples == 3 * 64
     want = [

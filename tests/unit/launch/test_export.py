@@ -13,8 +13,9 @@ import pytest
 
 from launch import export
 from launch.cli import main
-from moe_rl.config import load_recipe, to_yaml
+from moe_rl.config import to_yaml
 from moe_rl.errors import UserError
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.orchestration.run_dir import write_manifest
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
@@ -35,7 +36,7 @@ def run(tmp_path: Path) -> Path:
     """A run directory with the resolved tiny recipe and sealed checkpoints of steps 0 and 3."""
     run = tmp_path / "runs" / "tiny"
     run.mkdir(parents=True)
-    (run / "config.yaml").write_text(to_yaml(load_recipe(TINY)))
+    (run / "config.yaml").write_text(to_yaml(load_checked(TINY)))
     for step in (0, 3):
         _checkpoint(run, step)
     return run
@@ -73,7 +74,7 @@ def test_a_step_without_a_checkpoint_lists_the_saved_steps(run, tmp_path, monkey
 
 def test_a_run_without_checkpoints_has_nothing_to_export(tmp_path, monkeypatch, caplog):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.yaml").write_text(to_yaml(load_recipe(TINY)))
+    (tmp_path / "run" / "config.yaml").write_text(to_yaml(load_checked(TINY)))
     line = _export(monkeypatch, caplog, str(tmp_path / "run"), str(tmp_path / "out"))
     assert line.startswith(f"{tmp_path / 'run' / 'checkpoints'}: no checkpoint to export"), line
 

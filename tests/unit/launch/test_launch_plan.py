@@ -20,6 +20,7 @@ from launch.plan import (
 )
 from moe_rl.config import load_recipe
 from moe_rl.config.schema import ModelConfig
+from moe_rl.orchestration.preflight import load_checked
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = REPO / "recipes"
@@ -38,20 +39,20 @@ PUBLISHED = [
 
 
 def _plan(recipe: str, *overrides: str):
-    return make_plan(load_recipe(RECIPES / f"{recipe}.yaml", list(overrides), validate=False))
+    return make_plan(load_recipe(RECIPES / f"{recipe}.yaml", list(overrides)))
 
 
 @pytest.mark.parametrize(
     ("recipe", "total", "active", "kind", "tol"), PUBLISHED, ids=[p[0] for p in PUBLISHED]
 )
 def test_parameter_counts_match_published(recipe, total, active, kind, tol):
-    counts = count_params(load_recipe(RECIPES / f"{recipe}.yaml").model)
+    counts = count_params(load_checked(RECIPES / f"{recipe}.yaml").model)
     assert counts.total == pytest.approx(total, rel=0.01)
     assert getattr(counts, kind) == pytest.approx(active, rel=tol)
 
 
 def test_kimi_k2_total_is_near_the_reported_one_point_zero_four_trillion():
-    counts = count_params(load_recipe(RECIPES / "kimi_k2.yaml").model)
+    counts = count_params(load_checked(RECIPES / "kimi_k2.yaml").model)
     assert counts.total == pytest.approx(1.04e12, rel=0.015)  # 1.0264T; the report rounds to 1.04T
 
 
@@ -85,21 +86,21 @@ def test_mla_formula_by_hand():
 
 
 def test_routing_trace_width_follows_expert_count():
-    deepseek = load_recipe(RECIPES / "deepseek_v3.yaml").model
-    kimi = load_recipe(RECIPES / "kimi_k2.yaml").model
-    qwen = load_recipe(RECIPES / "qwen3_30b_a3b.yaml").model
+    deepseek = load_checked(RECIPES / "deepseek_v3.yaml").model
+    kimi = load_checked(RECIPES / "kimi_k2.yaml").model
+    qwen = load_checked(RECIPES / "qwen3_30b_a3b.yaml").model
     assert routing_trace_bytes_per_token(deepseek) == 58 * 8  # 256 experts: uint8
     assert routing_trace_bytes_per_token(kimi) == 60 * 8 * 2  # 384 experts: uint16
     assert routing_trace_bytes_per_token(qwen) == 384  # half the published int16 trace (768 B)
 
 
 def test_fp8_weight_sync_is_about_half_of_bf16():
-    config = load_recipe(RECIPES / "kimi_k2.yaml")
+    config = load_checked(RECIPES / "kimi_k2.yaml")
     counts = count_params(config.model)
     ratio = rollout_weight_bytes(config, counts) / (2 * counts.total)
     assert 0.5 < ratio < 0.51
-    assert quant_bytes_per_weight(load_recipe(RECIPES / "kimi_k2.yaml", ["rollout.quant=bf16"]).quant) == 2
-    assert quant_bytes_per_weight(load_recipe(RECIPES / "kimi_k2.yaml", ["rollout.quant=nvfp4"]).quant) < 0.6
+    assert quant_bytes_per_weight(load_checked(RECIPES / "kimi_k2.yaml", ["rollout.quant=bf16"]).quant) == 2
+    assert quant_bytes_per_weight(load_checked(RECIPES / "kimi_k2.yaml", ["rollout.quant=nvfp4"]).quant) < 0.6
 
 
 def test_distributed_optimizer_shards_adam_states():
@@ -179,7 +180,7 @@ def test_constraint_failures_are_named(recipe, overrides, failing):
 
 
 def test_nodes_flag_resizes_the_trainer():
-    config = load_recipe(RECIPES / "kimi_k2.yaml")
+    config = load_checked(RECIPES / "kimi_k2.yaml")
     assert node_overrides(config, 96, None) == [
         "cluster.nodes=96",
         "cluster.trainer_nodes=80",

@@ -13,7 +13,7 @@ from launch.plan import make_plan
 from launch.submit import SlurmArgs, resolve
 from launch.train import check_machine
 from moe_rl.config import ConfigError, load_recipe
-from moe_rl.validation import target_machine, validate
+from moe_rl.orchestration.preflight import check, load_checked, target_machine
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = REPO / "recipes"
@@ -32,10 +32,10 @@ CASES = [(p.relative_to(RECIPES).as_posix(), []) for p in SHIPPED] + BROKEN
 
 def _verdicts(recipe: str, overrides: list[str]) -> dict[str, bool]:
     path = RECIPES / recipe
-    raw = load_recipe(path, overrides, validate=False)
+    raw = load_recipe(path, overrides)
     out = {"plan": make_plan(raw).ok}
     try:
-        load_recipe(path, overrides)
+        load_checked(path, overrides)
         out["config check"] = True
     except ConfigError:
         out["config check"] = False
@@ -75,9 +75,9 @@ def test_the_cli_refuses_a_broken_recipe_before_anything_heavy():
     assert bad.returncode == 1 and "replay without context parallelism" in bad.stdout
 
 
-def test_validate_names_the_component():
-    config = load_recipe(RECIPES / "kimi_k2.yaml", ["parallel.context_parallel_size=2"], validate=False)
+def test_the_preflight_names_the_component():
+    config = load_recipe(RECIPES / "kimi_k2.yaml", ["parallel.context_parallel_size=2"])
     with pytest.raises(
         ConfigError, match=r"^trainer: replay without context parallelism: algo.routing_replay=r3"
     ):
-        validate(config)
+        check(config)

@@ -22,6 +22,7 @@ from moe_rl.orchestration.placement import (
     placement_rules,
     plan_placement,
 )
+from moe_rl.orchestration.preflight import load_checked
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 KIMI = TINY.parent / "kimi_k2.yaml"
@@ -88,35 +89,35 @@ def test_prepare_scores_and_refuses_stale_batches_without_sharding():
 
 
 def test_step_spec_is_seeded_by_run_and_step():
-    config = load_recipe(TINY)
+    config = load_checked(TINY)
     a, b = step_spec(config, 3), step_spec(config, 4)
     assert a.seed + 1 == b.seed and a.n == config.rollout.group_size
     assert a.stop_token_ids == (config.model.eos_token_id,)
 
 
 def test_placement_follows_the_device_and_the_cluster():
-    tiny = load_recipe(TINY, ["parallel.trainer_world_size=2", "rollout.num_engines=2"])
+    tiny = load_checked(TINY, ["parallel.trainer_world_size=2", "rollout.num_engines=2"])
     cpu = plan_placement(tiny, Machine(cuda=False))
     assert (cpu.device, cpu.trainer_ranks, cpu.trainer_gpus, cpu.engines) == ("cpu", 2, 0.0, 2)
     assert cpu.trainer_bundle() == {"CPU": 1.0} and cpu.threads("trainer", 8) == 4
-    one_gpu = plan_placement(load_recipe(TINY), Machine(cuda=True))
+    one_gpu = plan_placement(load_checked(TINY), Machine(cuda=True))
     assert one_gpu.trainer_gpus == one_gpu.engine_gpus == SHARED_GPU
-    kimi = plan_placement(load_recipe(KIMI), Machine(cuda=True), node_roles=True)
+    kimi = plan_placement(load_checked(KIMI), Machine(cuda=True), node_roles=True)
     assert kimi.trainer_bundle() == {"CPU": 1.0, "GPU": 1.0, "moe_rl_trainer_node": 0.001}
     assert kimi.engine_bundle(colocated=False) == {"CPU": 1.0, "GPU": 16.0, "moe_rl_rollout_node": 0.001}
 
 
 def test_placement_rules_name_what_does_not_fit():
-    kimi = load_recipe(KIMI, validate=False)
+    kimi = load_recipe(KIMI)
     names = {r.name: r for r in placement_rules(kimi)}
     assert all(r.ok for r in names.values()) and "engine GPUs" in names
     with pytest.raises(ValueError, match=r"engine GPUs: .* 9 x 16 = 144 GPUs, 128 on cluster.rollout_nodes"):
-        check_placement(load_recipe(KIMI, ["rollout.num_engines=9"], validate=False))
-    two_ranks = load_recipe(TINY, ["parallel.trainer_world_size=2"], validate=False)
+        check_placement(load_recipe(KIMI, ["rollout.num_engines=9"]))
+    two_ranks = load_recipe(TINY, ["parallel.trainer_world_size=2"])
     check_placement(two_ranks, Machine(cuda=False))
     with pytest.raises(ValueError, match="one machine's GPU"):
         check_placement(two_ranks, Machine(cuda=True))
-    lines = placement_lines(load_recipe(KIMI))
+    lines = placement_lines(load_checked(KIMI))
     assert lines == [
         "trainer: 384 ranks on 48 node(s) (nodes 0..47), 8 per node, 1 GPU each",
         "rollout: 8 engine(s) on 16 node(s) (nodes 48..63), 16 GPUs each, spanning 2 nodes",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.config import load_recipe
 from moe_rl.orchestration.placement import PROCESS_ENV
+from moe_rl.orchestration.preflight import load_checked
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 
@@ -25,7 +25,7 @@ def test_a_local_run_s_ray_processes_start_with_the_process_env(monkeypatch):
         with open("/proc/self/environ", "rb") as f:  # what the process was started with
             return [entry.decode() for entry in f.read().split(b"\0") if entry]
 
-    assert start_ray(load_recipe(TINY))
+    assert start_ray(load_checked(TINY))
     try:
         started_with = ray.get(ray.remote(initial_environment).remote(), timeout=120)
     finally:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.config import load_recipe
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.quant import (
     FP8_E4M3_MAX,
     QuantReport,
@@ -23,7 +23,7 @@ TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 
 
 def quant_cfg(name: str):
-    return load_recipe(TINY, [f"rollout.quant={name}"]).quant
+    return load_checked(TINY, [f"rollout.quant={name}"]).quant
 
 
 def named_weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:

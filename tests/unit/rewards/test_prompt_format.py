@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moe_rl.config import ConfigError, load_recipe
+from moe_rl.config import ConfigError
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rewards import ByteTokenizer, PromptSource, RewardScorer
 from moe_rl.rewards.datasets import ChatFormat, DatasetError, HFTokenizer, read_records
 from moe_rl.rewards.registry import build_prompt_source, build_scorer
@@ -78,7 +79,7 @@ def test_chat_template_renders_system_prompt_and_passes_kwargs(
 
 def test_recipe_keys_reach_the_prompt_source(tmp_path: Path, chat_folder: Path) -> None:
     data = _jsonl(tmp_path / "q.jsonl", QUESTIONS[:1])
-    config = load_recipe(TINY, [
+    config = load_checked(TINY, [
         f"data.task=file:{data}", "data.reward=math", f"model.hf_path={chat_folder}", "model.vocab_size=128",
         f"model.eos_token_id={IM_END}", "data.max_prompt_len=100", 'data.prompt_template="Solve: {question}"',
         "data.chat_template=true", "data.system_prompt=Be brief.", "data.chat_template_kwargs.enable_thinking=false",
@@ -175,7 +176,7 @@ def test_a_chat_template_that_refuses_the_prompt_fails_when_the_source_is_built(
 )
 def test_prompt_format_keys_are_checked_with_the_recipe(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_recipe(TINY, overrides)
+        load_checked(TINY, overrides)
 
 
 def test_train_refuses_a_record_without_the_template_field_in_one_line(tmp_path: Path) -> None:
@@ -199,7 +200,7 @@ def test_the_math_example_passes_config_check_and_plan(capsys: pytest.CaptureFix
     assert main(["config", "check", str(REPO / example)]) == 0
     assert main(["plan", str(REPO / example)]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS")
-    d = load_recipe(REPO / example).data
+    d = load_checked(REPO / example).data
     assert (d.task.startswith("file:"), d.reward, d.chat_template) == (True, "math", True)
     assert d.chat_template_kwargs == {"enable_thinking": False}
     assert d.prompt_template.format(question="6*7") == (

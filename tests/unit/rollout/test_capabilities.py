@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.config import load_recipe
 from moe_rl.config.schema import QuantConfig, RecipeConfig
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.capabilities import (
     VLLM_CPU_HEAD_SIZES,
     Machine,
@@ -184,6 +184,6 @@ def test_vllm_block_fp8_needs_128_blocks():
 
 
 def test_shipped_tiny_recipe_passes_on_cpu():
-    config = load_recipe(REPO / "recipes" / "tiny_moe.yaml")
+    config = load_checked(REPO / "recipes" / "tiny_moe.yaml")
     caps = check_recipe(config, CPU)
     assert caps.engine == config.rollout.engine

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.config import ConfigError, load_recipe
+from moe_rl.config import ConfigError
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.trainer.worker import recipe_objective
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
@@ -44,7 +45,7 @@ def by_hand(alpha: float, rho: float, vocab: int) -> float:
 
 
 def test_the_stability_stack_trains_espo_with_its_own_aggregation():
-    config = load_recipe(TINY, [])  # the tiny recipe includes recipes/algo/stability_stack.yaml
+    config = load_checked(TINY, [])  # the tiny recipe includes recipes/algo/stability_stack.yaml
     a = config.algo
     assert (a.objective, a.aggregation) == ("espo", "seq_mean_group_mean")
     loss_fn = recipe_objective(config)
@@ -60,20 +61,20 @@ def test_the_stability_stack_trains_espo_with_its_own_aggregation():
     want = by_hand(a.espo_alpha, a.espo_rho, config.model.vocab_size)
     assert float(out.loss_sum / out.denom) == pytest.approx(want, rel=1e-12)
     assert float(out.denom) == 2.0  # the mean over responses
-    token_mean = load_recipe(TINY, ["algo.aggregation=token_mean"])
+    token_mean = load_checked(TINY, ["algo.aggregation=token_mean"])
     other = recipe_objective(token_mean)(**tensors, num_seqs=2, weights=None, vocab_size=16)
     assert float(other.loss_sum / other.denom) != pytest.approx(want, rel=1e-3)  # the choice matters
 
 
 def test_espos_aggregation_is_refused_for_other_objectives():
     with pytest.raises(ConfigError, match="algo.aggregation=seq_mean_group_mean is ESPO's own"):
-        load_recipe(TINY, ["algo.objective=ppo_clip"])  # the stack's aggregation, another objective
+        load_checked(TINY, ["algo.objective=ppo_clip"])  # the stack's aggregation, another objective
 
 
 def test_dr_grpo_constant_normalizer_is_the_recipes_max_new_tokens():
     """`seq_mean_token_sum_norm` (Dr.GRPO): Σ_t l_t / L per response, L = rollout.max_new_tokens,
     mean over responses; REINFORCE's token loss is −A·logp."""
-    config = load_recipe(TINY, ["algo.objective=reinforce", "algo.aggregation=seq_mean_token_sum_norm"])
+    config = load_checked(TINY, ["algo.objective=reinforce", "algo.aggregation=seq_mean_token_sum_norm"])
     length = config.rollout.max_new_tokens
     out = recipe_objective(config)(
         logp=torch.tensor(LOGP, dtype=torch.float64, requires_grad=True),
@@ -91,7 +92,7 @@ def test_dr_grpo_constant_normalizer_is_the_recipes_max_new_tokens():
 @pytest.mark.parametrize(("c", "capped"), [(3.0, True), (1.0, False), (0.0, False)])
 def test_a_recipe_turns_dual_clip_off_with_c_at_most_one(c, capped):
     """PPO-clip with a negative advantage and ratio 10: dual clip caps the token loss at −c·A."""
-    config = load_recipe(
+    config = load_checked(
         TINY, ["algo.objective=ppo_clip", "algo.aggregation=token_mean", f"algo.dual_clip_c={c}"]
     )
     out = recipe_objective(config)(

@@ -12,13 +12,13 @@ import pytest
 import torch
 from trainer_testing import TINY_MODEL_OVERRIDES, TINY_RECIPE, assert_same, micro_batches, tiny_recipe
 
-from moe_rl.config import ConfigError, load_recipe
+from moe_rl.config import ConfigError
 from moe_rl.megatron.forward import forward_logits
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.replay import RoutingReplay
+from moe_rl.orchestration.preflight import findings, load_checked
 from moe_rl.trainer.logprobs import old_logprobs, response_logprobs
 from moe_rl.trainer.worker import TrainerWorker
-from moe_rl.validation import findings
 
 pytestmark = pytest.mark.usefixtures("device")
 
@@ -253,7 +253,7 @@ def test_the_in_process_loop_trains_with_the_penalty():
     # one mini-batch per step: step 0's KL is measured before any update. With two, the second is
     # measured after the first's optimizer step, and Adam turns even a round-off gradient (CUDA's
     # training and no-grad passes differ in the last bits) into a step of about the learning rate.
-    config = load_recipe(TINY_RECIPE, [
+    config = load_checked(TINY_RECIPE, [
         *TINY_MODEL_OVERRIDES, "rollout.batch_size=16", "rollout.quant=bf16", "algo.kl.coef=1.0",
         "algo.kl.estimator=k3", "trainer.num_mini_batches=1",
     ])  # fmt: skip

@@ -11,10 +11,10 @@ import torch
 from device_audit import FactoryAudit, ModelInputAudit, tensors_of
 from trainer_testing import TINY_MODEL_OVERRIDES, TINY_RECIPE, micro_batches, tiny_recipe
 
-from moe_rl.config import load_recipe
 from moe_rl.data.errors import TrajectoryError
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.device import Machine, check_process_device, process_device, resolve_device
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.sampler import sample
 from moe_rl.trainer.worker import TrainerWorker
@@ -61,7 +61,7 @@ def test_engine_and_diagnostics_create_their_tensors_on_their_device(device):
     from moe_rl.megatron.hf_weights import iter_hf_weights
     from moe_rl.rollout.megatron_engine import MegatronEngine
 
-    config = load_recipe(
+    config = load_checked(
         TINY_RECIPE, [*TINY_MODEL_OVERRIDES, "rollout.quant=bf16", "rollout.top_p=0.9", "rollout.top_k=8"]
     )
     engine = MegatronEngine(config)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.config import load_recipe
 from moe_rl.config.schema import ModelConfig, RecipeConfig
 from moe_rl.data.synthetic import random_batch
+from moe_rl.orchestration.preflight import load_checked
 from moe_rl.trainer.batch import TrainMicroBatch, make_train_micro_batches
 
 REPO = Path(__file__).resolve().parents[3]
@@ -91,7 +91,7 @@ TINY_MODEL_OVERRIDES = [
 
 def tiny_recipe(*overrides: str) -> RecipeConfig:
     """The tiny recipe (stability stack: R3, KSM, IcePop, OPSM, ESPO) on an even smaller model."""
-    return load_recipe(TINY_RECIPE, [*TINY_MODEL_OVERRIDES, *overrides])
+    return load_checked(TINY_RECIPE, [*TINY_MODEL_OVERRIDES, *overrides])
 
 
 def micro_batches(

@@ -1,0 +1,60 @@
+"""Quantities a recipe implies, computed in one place from the schema's fields: the longest
+sequence a rollout can produce, the data-parallel sizes of the trainer's layout, the response and
+sampling budgets. Every rule and every component that needs one of them calls these functions.
+Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from moe_rl.config.schema import ParallelConfig, QuantConfig, RecipeConfig
+
+
+def response_limit_key(config: RecipeConfig) -> str:
+    """The recipe key that bounds a response: ``env.max_tokens`` with an environment, else
+    ``rollout.max_new_tokens`` (how error messages name the budget)."""
+    return "env.max_tokens" if config.env.name else "rollout.max_new_tokens"
+
+
+def max_response_tokens(config: RecipeConfig) -> int:
+    """Longest response a recipe can produce: `rollout.max_new_tokens`, or with an environment its
+    token budget `env.max_tokens` (the model's turns and the environment's tokens)."""
+    return config.env.max_tokens if config.env.name else config.rollout.max_new_tokens
+
+
+def max_sampled_tokens(config: RecipeConfig) -> int:
+    """Most tokens the model samples in one trajectory: `rollout.max_new_tokens`, or with an
+    environment at most `env.max_turns` turns of it within `env.max_tokens`."""
+    r, env = config.rollout, config.env
+    if not env.name:
+        return r.max_new_tokens
+    return min(env.max_tokens, env.max_turns * r.max_new_tokens)
+
+
+def longest_sequence(config: RecipeConfig) -> int:
+    """The longest sequence a rollout can produce: ``data.max_prompt_len`` plus the longest
+    response (`max_response_tokens`)."""
+    return config.data.max_prompt_len + max_response_tokens(config)
+
+
+def data_parallel_size(p: ParallelConfig) -> int:
+    """Data-parallel ranks of the dense part: world / (TP * PP * CP) (at least 1)."""
+    return max(
+        1,
+        p.trainer_world_size
+        // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size),
+    )
+
+
+def expert_data_parallel_size(p: ParallelConfig) -> int:
+    """Data-parallel ranks of the experts: world / (EP * ETP * PP) (at least 1)."""
+    return max(
+        1,
+        p.trainer_world_size
+        // (p.expert_model_parallel_size * p.expert_tensor_parallel_size * p.pipeline_model_parallel_size),
+    )
+
+
+def quant_needs_cuda(q: QuantConfig) -> bool:
+    """The quantization recipe runs only on a CUDA GPU: NVFP4 (its kernels need one), or a recipe
+    that says so (``quant.requires_cuda``)."""
+    return q.requires_cuda or q.method == "nvfp4"
