@@ -4,7 +4,7 @@ Variants, run in one process on the same inputs:
 
 * ``modelopt``: the old path, ModelOpt's ``FP8QTensor.quantize(w.float(), block_sizes=...)`` (an
   expert stack: one call per expert);
-* ``quantize_fp8_block``: the project function (``moe_rl.rollout.fp8_block``): one fused Triton
+* ``quantize_fp8_block``: the project function (``moe_rl.quant.fp8_block``): one fused Triton
   kernel launch on CUDA, ModelOpt on CPU;
 * ``torch.compile``: ``torch.compile`` of the same math written in plain torch (CUDA only).
 
@@ -149,7 +149,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     timer = time_cuda if cuda else time_cpu
 
-    from moe_rl.rollout.fp8_block import (
+    from moe_rl.quant.fp8_block import (
         _triton_quantize,
         kernel_configs,
         quantize_fp8_block,

@@ -3,7 +3,7 @@ raw Ray transfer of the same bytes, measured in one process.
 
 Run: ``python bench/weight_sync.py [--quick]`` (CPU, 2 cores: about 2 min with ``--quick``, about 4-5
 min without; most of it is FP8 encoding and decoding, which on CPU run at ~0.9 and ~4 G elements/s,
-`weight_sync.fused`). The bench starts itself again under the run's process environment
+`quant.fused`). The bench starts itself again under the run's process environment
 (`orchestration.placement.PROCESS_ENV`) when it was not started with it, as a run's processes are.
 
 How many times each byte is copied sets the bound. A tensor the sender must compute (quantized
@@ -24,7 +24,7 @@ arrays`, then the load; a computed tensor a third time, into the pack buffer fir
 about the speed of a raw Ray transfer of the same bytes. FP8 rows are bound by the receiver's
 decoding into the float values a fake-quantizing engine holds (receivers decode 67-93 % of the
 time), not by the transport: a decode reads each e4m3 byte and writes a 2-byte weight. It runs as
-one fused compiled kernel per weight (`weight_sync.fused`, ~4 G elements/s on 2 threads alone, near
+one fused compiled kernel per weight (`quant.fused`, ~4 G elements/s on 2 threads alone, near
 what memory allows for 1 byte read and 2 written with ordinary stores), so per byte moved it costs
 about three times a copy of the e4m3 bytes. FP8 inline adds the sender's quantization (one fused
 kernel too, with the error measure: ~0.9 G elements/s on 2 threads), which shares the 2 cores with
@@ -664,7 +664,7 @@ class Row:
 def fp8_encode_cost(state: State) -> str:
     """Encode of one o_proj-shaped weight: `WireEncoder.encode` (quantization + its QuantReport's
     error measure) through the fused kernel and through torch operations, and quantizing alone."""
-    from moe_rl.weight_sync import fused
+    from moe_rl.quant import fused
     from moe_rl.weight_sync.wire import quantize_fp8
 
     cfg = quant_config("fp8_block128")

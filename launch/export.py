@@ -27,9 +27,9 @@ import re
 import shutil
 from pathlib import Path
 
+from moe_rl import run_dir as rd
 from moe_rl.config import RecipeConfig, load_recipe
 from moe_rl.errors import UserError
-from moe_rl.orchestration import run_dir as rd
 
 log = logging.getLogger("moe_rl.export")
 

@@ -22,7 +22,7 @@ from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from moe_rl.config.validate import check_text
 from moe_rl.orchestration.placement import PROCESS_ENV, placement_lines
 from moe_rl.orchestration.preflight import load_checked
-from moe_rl.orchestration.run_dir import holds_a_run
+from moe_rl.run_dir import holds_a_run
 
 log = logging.getLogger("moe_rl.submit")
 

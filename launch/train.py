@@ -11,7 +11,7 @@ from pathlib import Path
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from moe_rl.device import machine_here
 from moe_rl.errors import UserError, user_error_of
-from moe_rl.orchestration.run_dir import RunLock, claim
+from moe_rl.run_dir import RunLock, claim
 
 log = logging.getLogger("moe_rl.train")
 LOG_FILE = "logs/train.log"

@@ -19,7 +19,8 @@ from typing import Any
 
 from moe_rl.diagnostics import verdicts
 from moe_rl.diagnostics.budget import METRIC_PREFIX, SHARE_TITLES, SHARES, stack_bars
-from moe_rl.diagnostics.results import NotAvailable, is_number
+from moe_rl.diagnostics.values import NotAvailable, is_number
+from moe_rl.run_dir import read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -325,8 +326,6 @@ def markdown(run_dir: Path, records: Records, drawn: Mapping[str, Path | NotAvai
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     """Write the plots and `report.md` into ``out_dir`` (default ``run_dir/report``)."""
-    from moe_rl.orchestration.metrics import read_metrics
-
     records = [r for r in read_metrics(run_dir) if is_number(r.get("step"))]
     if not records:
         raise ValueError(f"{run_dir}/metrics.jsonl has no step records")

@@ -22,10 +22,10 @@ import ray
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.log import progress
 from moe_rl.orchestration.actors import start_ray
-from moe_rl.orchestration.metrics import MetricsSink, read_metrics, run_summary
+from moe_rl.orchestration.metrics import MetricsSink, run_summary
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
-from moe_rl.orchestration.run_dir import sealed
 from moe_rl.orchestration.stages import Stages
+from moe_rl.run_dir import read_metrics, sealed
 
 log = logging.getLogger("moe_rl.driver")
 

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from moe_rl.run_dir import METRICS, read_records
+
 log = logging.getLogger("moe_rl.metrics")
 
 SUMMARY_KEYS = (
@@ -50,7 +52,7 @@ class MetricsSink:
         run_name: str = "",
         config: Mapping[str, Any] | None = None,
     ):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -69,7 +71,7 @@ class MetricsSink:
         temporary file and renamed, so an interruption leaves the old file whole."""
         if not self.path.exists():
             return
-        kept = [json.dumps(record) for record in _records(self.path) if record["step"] < step]
+        kept = [json.dumps(record) for record in read_records(self.path) if record["step"] < step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(f"{line}\n" for line in kept))
         os.replace(tmp, self.path)
@@ -152,32 +154,3 @@ def _duration(seconds: float) -> str:
     minutes, s = divmod(round(seconds), 60)
     hours, m = divmod(minutes, 60)
     return f"{hours} h {m:02d} min" if hours else f"{m} min {s:02d} s" if m else f"{s} s"
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The records of `run_dir/metrics.jsonl`, in order."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise ValueError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
-    return _records(path)
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    """The JSON records of ``path``, one per line. A torn last line (a write cut short by a crash)
-    is reported and dropped; a bad line elsewhere is an error naming it."""
-    lines = path.read_bytes().split(b"\n")
-    records = []
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError("not a step record")
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            if all(not rest.strip() for rest in lines[number:]):
-                log.warning("%s: line %d is incomplete (a write cut short); dropped", path, number)
-                break
-            raise ValueError(f"{path}: line {number} is not a metrics record ({exc}): {raw[:80]!r}") from None
-        records.append(record)
-    return records

@@ -20,12 +20,12 @@ from typing import Any
 import ray
 import torch
 
+from moe_rl import run_dir
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
 from moe_rl.diagnostics.budget import staleness_metrics
 from moe_rl.envs.rollout import env_metrics
-from moe_rl.orchestration import run_dir
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
 from moe_rl.orchestration.batches import Prepared, step_advantages, step_spec, step_zero_variance
 from moe_rl.orchestration.engine_pool import EnginePool, Generation

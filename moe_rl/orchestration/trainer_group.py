@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, TrainerRank
 from moe_rl.orchestration.placement import Placement
-from moe_rl.rollout.quant import QuantReport
+from moe_rl.quant.recipes import QuantReport
 
 log = logging.getLogger("moe_rl.driver")
 

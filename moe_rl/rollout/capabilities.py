@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 
-from moe_rl.config.derived import longest_sequence, quant_needs_cuda, response_limit_key
+from moe_rl.config.derived import longest_sequence, response_limit_key
 from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.device import Machine, resolve_device
+from moe_rl.quant.rules import cuda_rule
 from moe_rl.rollout.engine import EngineCapabilities
 from moe_rl.rules import Rule
 
@@ -183,11 +184,9 @@ def _alternatives(feature: str, engine: str, device: str) -> str:
 
 def _check_quant(quant: QuantConfig, caps: EngineCapabilities, where: str, machine: Machine) -> None:
     method = quant.method
-    if quant_needs_cuda(quant) and caps.device != "cuda":
-        raise ValueError(
-            f"{where} cannot run rollout.quant={quant.name} ({method}): it needs a CUDA GPU; alternatives "
-            "on CPU: rollout.engine=megatron with fp8_block128, fp8_tensor, int8 or int4_awq"
-        )
+    needs_cuda = cuda_rule(quant, caps.device == "cuda", where)
+    if needs_cuda.broken:
+        raise ValueError(needs_cuda.detail)
     if method not in caps.quant_methods:
         others = [
             f"rollout.engine={c.engine} on {c.device}"

@@ -2,7 +2,7 @@
 
 It is the CPU path for R3 and keep-sampling-mask, and the zero-mismatch reference: with the
 `bf16` recipe its weights are the trainer's, bit for bit. Quantized recipes run through ModelOpt
-fake quantization at each weight sync (`moe_rl.rollout.quant`), so the engine computes with the
+fake quantization at each weight sync (`moe_rl.quant.recipes`), so the engine computes with the
 values a quantized engine would hold.
 
 Decoding is incremental (`Decoding.KV_CACHE`): the prompts are prefilled once, then each step
@@ -26,7 +26,7 @@ rows back to the CPU once: the trajectories it returns are CPU tensors.
 `int4_awq` is activation-aware: at each sync ModelOpt's AWQ-lite searches per-channel scales on
 calibration activations (`quant.calib_tokens` tokens of the engine's most recent rollout
 sequences) in a scratch copy of the model, and the engine loads the effective dequantized weights
-`Q(W/p)·p` (`moe_rl.rollout.quant.awq_effective_weights`). The first sync has no rollout yet; its
+`Q(W/p)·p` (`moe_rl.quant.recipes.awq_effective_weights`). The first sync has no rollout yet; its
 calibration runs at the next `generate`, on that call's prompts.
 """
 
@@ -52,15 +52,15 @@ from moe_rl.megatron.decoding import (
     kv_cache_unsupported,
     pack_sequences,
 )
-from moe_rl.rollout.capabilities import engine_capabilities
-from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
-from moe_rl.rollout.quant import (
+from moe_rl.quant.recipes import (
     QuantReport,
     WeightQuantizer,
     awq_effective_weights,
     check_quant_supported,
     should_quantize,
 )
+from moe_rl.rollout.capabilities import engine_capabilities
+from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
 from moe_rl.rollout.sampler import SampleOutput, sample
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.receiver import ModelReceiver, decoded

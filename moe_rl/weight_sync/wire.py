@@ -5,7 +5,7 @@ The sender applies the recipe (`WireEncoder`), so a quantized recipe moves quant
 * ``fp8`` (``fp8_block128``, ``fp8_tensor``, channel): e4m3 data plus fp32 scales, one per block
   (the block of ``tensor`` granularity is the whole tensor, of ``channel`` a row). The block-FP8
   layout is vLLM's (``weight`` + ``weight_scale_inv``) and comes from
-  `moe_rl.rollout.fp8_block.quantize_fp8_block` (a fused kernel on CUDA). ``scale = amax / 448``,
+  `moe_rl.quant.fp8_block.quantize_fp8_block` (a fused kernel on CUDA). ``scale = amax / 448``,
   ``data = e4m3(x / scale)``; a block whose scale is 0 sends zeros.
 * ``int8``: int8 data ``round(x / scale)`` clamped to ±127 and fp32 scales ``amax / 127`` per row
   (``channel``) or per tensor.
@@ -18,7 +18,7 @@ blockwise, in float32), which is what an engine that fake-quantizes (the Megatro
 with. Engines that quantize themselves (vLLM's online quantization) are sent the tensors as they
 are (``quantized_wire=False``). The sender also fills the sync's `QuantReport` (relative error of
 what the engine will hold, bytes sent). On CPU, block FP8 of a large weight of whole blocks is
-encoded and decoded by the fused kernels of `moe_rl.weight_sync.fused`.
+encoded and decoded by the fused kernels of `moe_rl.quant.fused`.
 
 A weight larger than a bucket travels in row chunks (`WireEncoder.lazy_groups`: whole blocks of
 rows when quantized, so each chunk carries exactly the bytes of those rows of the whole weight);
@@ -39,8 +39,8 @@ from torch import Tensor
 
 from moe_rl.config.schema import QuantConfig
 from moe_rl.device import copy_into
-from moe_rl.rollout.quant import FP8_E4M3_MAX, QuantReport, should_quantize
-from moe_rl.weight_sync import fused
+from moe_rl.quant import fused
+from moe_rl.quant.recipes import FP8_E4M3_MAX, QuantReport, should_quantize
 
 INT8_MAX = 127.0
 WIRE_METHODS = ("fp8", "int8")
@@ -81,7 +81,7 @@ def quantize_fp8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tupl
     """``(e4m3 data, fp32 scales, block)`` of a 2-D weight under an fp8 recipe."""
     block = _block(cfg, weight.shape)
     if cfg.granularity == "block":
-        from moe_rl.rollout.fp8_block import quantize_fp8_block
+        from moe_rl.quant.fp8_block import quantize_fp8_block
 
         data, scale = quantize_fp8_block(weight, cfg.block_size)
         return data, scale, block
@@ -423,7 +423,7 @@ class WireEncoder:
             if sums is not None:
                 return sums
         if self.cfg.method == "fp8" and self.cfg.granularity == "block" and tensor.device == data.device:
-            from moe_rl.rollout.fp8_block import torch_fp8_block
+            from moe_rl.quant.fp8_block import torch_fp8_block
 
             torch_fp8_block(tensor, self.cfg.block_size, out=(data, scale))  # in place, row blocks at a time
             sent_data, sent_scale = data, scale

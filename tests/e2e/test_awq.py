@@ -14,9 +14,9 @@ from moe_rl.megatron.hf_weights import hf_names_for, iter_hf_weights, load_hf_we
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.replay import release_router_replay
 from moe_rl.orchestration.preflight import load_checked
+from moe_rl.quant.recipes import WeightQuantizer, awq_effective_weights, should_quantize
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine, _calibration_chunks
-from moe_rl.rollout.quant import WeightQuantizer, awq_effective_weights, should_quantize
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("device")]
 

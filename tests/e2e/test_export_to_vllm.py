@@ -24,10 +24,10 @@ from moe_rl.config import to_yaml
 from moe_rl.data.synthetic import random_batch
 from moe_rl.megatron.hf_weights import SafetensorsReader, iter_hf_weights
 from moe_rl.orchestration.preflight import load_checked
-from moe_rl.orchestration.run_dir import mark_latest, write_manifest
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
 from moe_rl.rollout.vllm_engine import VLLMEngine
+from moe_rl.run_dir import mark_latest, write_manifest
 from moe_rl.trainer.batch import make_train_micro_batches
 from moe_rl.trainer.worker import TrainerWorker
 

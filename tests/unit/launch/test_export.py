@@ -16,7 +16,7 @@ from launch.cli import main
 from moe_rl.config import to_yaml
 from moe_rl.errors import UserError
 from moe_rl.orchestration.preflight import load_checked
-from moe_rl.orchestration.run_dir import write_manifest
+from moe_rl.run_dir import write_manifest
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 SHARD = "trainer/__0_0.distcp"

@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl import run_dir as rd
 from moe_rl.config import ConfigError
-from moe_rl.orchestration import run_dir as rd
-from moe_rl.orchestration.metrics import MetricsSink, read_metrics
+from moe_rl.orchestration.metrics import MetricsSink
+from moe_rl.run_dir import read_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 HOLD = (
     "import sys, time\n"
-    "from moe_rl.orchestration.run_dir import RunLock\n"
+    "from moe_rl.run_dir import RunLock\n"
     "lock = RunLock(sys.argv[1])\n"
     "lock.acquire()\n"
     "print('held', flush=True)\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_rl.orchestration import run_dir as rd
+from moe_rl import run_dir as rd
 from moe_rl.orchestration.metrics import run_summary
 
 

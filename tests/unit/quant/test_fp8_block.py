@@ -1,4 +1,4 @@
-"""Block-FP8 quantization (`moe_rl.rollout.fp8_block`) against NVIDIA ModelOpt, bit for bit.
+"""Block-FP8 quantization (`moe_rl.quant.fp8_block`) against NVIDIA ModelOpt, bit for bit.
 
 Three tiers, all compared with ModelOpt's `FP8QTensor.quantize` called here directly:
 
@@ -23,15 +23,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.rollout import fp8_block
-from moe_rl.rollout.fp8_block import (
+from moe_rl.quant import fp8_block
+from moe_rl.quant.fp8_block import (
     INV_FP8_MAX,
     kernel_configs,
     quantize_fp8_block,
     reference_fp8_block,
     triton_path_available,
 )
-from moe_rl.rollout.quant import real_quantize_fp8_block
+from moe_rl.quant.recipes import real_quantize_fp8_block
 
 ROOT = Path(__file__).resolve().parents[3]
 FP8 = torch.float8_e4m3fn
@@ -266,7 +266,7 @@ _INTERPRETER_SCRIPT = """
 import os, sys
 import torch
 assert os.environ.get("TRITON_INTERPRET") == "1"
-from moe_rl.rollout.fp8_block import _triton_quantize
+from moe_rl.quant.fp8_block import _triton_quantize
 import triton
 cases = torch.load(sys.argv[1])
 out = [_triton_quantize(c["weight"], c["block"], config=c["config"], reciprocal=c["cuda_rule"]) for c in cases]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_rl.orchestration.preflight import load_checked
-from moe_rl.rollout.quant import (
+from moe_rl.quant.recipes import (
     FP8_E4M3_MAX,
     QuantReport,
     WeightQuantizer,

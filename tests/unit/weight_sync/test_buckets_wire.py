@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_rl.config.schema import QuantConfig
-from moe_rl.rollout.fp8_block import quantize_fp8_block
+from moe_rl.quant.fp8_block import quantize_fp8_block
 from moe_rl.weight_sync import wire
 from moe_rl.weight_sync.buckets import detach, pack_buckets
 from moe_rl.weight_sync.receiver import bucket_items
@@ -220,7 +220,7 @@ def test_lazy_groups_write_the_same_bytes_and_report_as_encoded_ones(cfg):
 
 
 def test_torch_fp8_block_out_must_fit():
-    from moe_rl.rollout.fp8_block import torch_fp8_block
+    from moe_rl.quant.fp8_block import torch_fp8_block
 
     weight = torch.randn(8, 8)
     with pytest.raises(ValueError, match="out= must be float8_e4m3fn"):

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from moe_rl.config.schema import QuantConfig
-from moe_rl.rollout.fp8_block import torch_fp8_block
-from moe_rl.weight_sync import fused, wire
+from moe_rl.quant import fused
+from moe_rl.quant.fp8_block import torch_fp8_block
+from moe_rl.weight_sync import wire
 from moe_rl.weight_sync.wire import WireEncoder, dequantize
 
 FP8_BLOCK128 = QuantConfig(name="fp8_block128", method="fp8", granularity="block", block_size=128)
@@ -89,8 +90,9 @@ import logging, sys, torch
 import torch._inductor.config as inductor
 inductor.cpp.cxx = (None, "/nonexistent/c++")
 inductor.compile_threads = 1
-from moe_rl.rollout.fp8_block import torch_fp8_block
-from moe_rl.weight_sync import fused, wire
+from moe_rl.quant.fp8_block import torch_fp8_block
+from moe_rl.quant import fused
+from moe_rl.weight_sync import wire
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s|%(message)s")
 fused.FUSED_MIN_ELEMENTS = 1
 weight = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))

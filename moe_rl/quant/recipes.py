@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_rl.config.derived import quant_needs_cuda
 from moe_rl.config.schema import QuantConfig
+from moe_rl.quant.rules import cuda_rule
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 FP8_E4M3_MAX = 448.0
@@ -119,12 +119,11 @@ def quantizer_attributes(cfg: QuantConfig) -> dict:
 
 
 def check_quant_supported(cfg: QuantConfig, cuda: bool) -> None:
-    """Refuse recipes this machine cannot run, naming the alternatives."""
-    if quant_needs_cuda(cfg) and not cuda:
-        raise ValueError(
-            f"rollout.quant={cfg.name} ({cfg.method}) needs a CUDA GPU (ModelOpt's NVFP4 kernels); "
-            "on CPU use fp8_block128, fp8_tensor, int8 or int4_awq"
-        )
+    """Refuse a recipe this machine cannot run (`moe_rl.quant.rules.cuda_rule`), naming the
+    alternatives."""
+    rule = cuda_rule(cfg, cuda)
+    if rule.broken:
+        raise ValueError(rule.detail)
 
 
 def should_quantize(name: str, tensor: torch.Tensor, cfg: QuantConfig, num_layers: int) -> bool:
@@ -180,9 +179,9 @@ def real_quantize_fp8_block(weight: torch.Tensor, block_size: int = 128) -> tupl
     `weight ≈ weight_fp8.float() * scale` blockwise: vLLM's block-FP8 `weight` and
     `weight_scale_inv`, on `weight`'s device. Bit-identical to ModelOpt's `FP8QTensor` (a fused
     Triton kernel on CUDA, ModelOpt itself elsewhere), except that an all-zero block gets scale 0
-    and data 0 where ModelOpt gives NaN (see `moe_rl.rollout.fp8_block`).
+    and data 0 where ModelOpt gives NaN (see `moe_rl.quant.fp8_block`).
     """
-    from moe_rl.rollout.fp8_block import quantize_fp8_block
+    from moe_rl.quant.fp8_block import quantize_fp8_block
 
     if weight.dim() != 2:
         raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")

@@ -10,6 +10,8 @@
   atomically (a temporary file renamed). `newest_usable` scans ``checkpoints/`` (``latest`` is only a
   hint), verifies the newest checkpoint against its manifest and falls back to older ones, saying
   why each newer one was skipped.
+* **Its metrics.** `read_metrics` reads ``metrics.jsonl`` back (a torn last line, a write cut
+  short, is reported and dropped).
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from moe_rl.config import ConfigError
+from moe_rl.errors import ConfigError
 
 log = logging.getLogger("moe_rl.run_dir")
 
 LOCK = "run.lock"
 MANIFEST = "manifest.json"
+METRICS = "metrics.jsonl"
 CHECKPOINT = re.compile(r"step_(\d{6,})")
 RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "trajectories", "offline_data", "config.yaml")
 """What a run writes into its directory (``--force-new`` removes these; logs stay)."""
@@ -231,3 +235,32 @@ def set_aside_newer(folder: Path, step: int) -> None:
         if m and int(m.group(1)) > step:
             os.replace(folder / name, folder / f"{name}.unusable-{stamp}")
             log.warning("set aside checkpoint %s as %s.unusable-%s", name, name, stamp)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of `run_dir/metrics.jsonl`, in order."""
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        raise ValueError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
+    return read_records(path)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of ``path``, one per line. A torn last line (a write cut short by a crash)
+    is reported and dropped; a bad line elsewhere is an error naming it."""
+    lines = path.read_bytes().split(b"\n")
+    records = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a step record")
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if all(not rest.strip() for rest in lines[number:]):
+                log.warning("%s: line %d is incomplete (a write cut short); dropped", path, number)
+                break
+            raise ValueError(f"{path}: line {number} is not a metrics record ({exc}): {raw[:80]!r}") from None
+        records.append(record)
+    return records

@@ -1,7 +1,7 @@
 """Fused CPU kernels for the FP8 wire: block-FP8 encoding (with the error sums the sync reports) and
 decoding, each one compiled pass over the weight instead of a string of torch operations.
 
-On CPU the torch-operation paths (`moe_rl.rollout.fp8_block.torch_fp8_block` plus the sender's
+On CPU the torch-operation paths (`moe_rl.quant.fp8_block.torch_fp8_block` plus the sender's
 error measure, `moe_rl.weight_sync.wire.dequantize`) run each step as its own pass over the
 weight or a chunk of it (torch converts e4m3 to float one element at a time, which the decode
 works around with integer passes). Here each direction is one function compiled with
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from moe_rl.rollout.quant import FP8_E4M3_MAX
+from moe_rl.quant.recipes import FP8_E4M3_MAX
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def _encoder():
     def encode_blocks(weight: Tensor, data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
         x = weight.float()
         block_scale = x.abs().amax(dim=(1, 3), keepdim=True) / FP8_E4M3_MAX
-        # a block whose scale is 0 sends zeros (the zero-block rule of `moe_rl.rollout.fp8_block`)
+        # a block whose scale is 0 sends zeros (the zero-block rule of `moe_rl.quant.fp8_block`)
         q = torch.where(block_scale == 0, 0.0, x / block_scale).to(torch.float8_e4m3fn)
         data.copy_(q)
         scale.copy_(block_scale)

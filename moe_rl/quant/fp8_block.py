@@ -84,7 +84,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("moe_rl.rollout.fp8_block")
+log = logging.getLogger("moe_rl.quant.fp8_block")
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_CAPABILITY = (9, 0)  # native RNE fp32 → e4m3 conversion in Triton (see module docstring)
