@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe
 from moe_rl.config.derived import data_parallel_size, expert_data_parallel_size, longest_sequence
+from moe_rl.config.modes import Attention, Family, Granularity, Precision, QuantMethod
 from moe_rl.config.schema import ModelConfig, QuantConfig
 from moe_rl.orchestration.preflight import preflight
 from moe_rl.rules import Rule
@@ -114,8 +115,8 @@ class ParamCounts:
 def attention_params(m: ModelConfig) -> int:
     """Attention parameters of one layer (GQA or MLA, see the module docstring)."""
     h, heads = m.hidden_size, m.num_attention_heads
-    if m.attention == "gqa":
-        qk_norms = 2 * m.head_dim if m.family == "qwen3_moe" else 0
+    if m.attention == Attention.GQA:
+        qk_norms = 2 * m.head_dim if m.family == Family.QWEN3_MOE else 0
         kv = m.num_key_value_heads * m.head_dim
         return h * heads * m.head_dim + 2 * h * kv + heads * m.head_dim * h + qk_norms
     qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -219,7 +220,7 @@ def _attention_activations(m: ModelConfig) -> int:
     """bf16 elements per token one attention block keeps for backward (norm and projection inputs,
     q/k/v, the core-attention output)."""
     h, heads = m.hidden_size, m.num_attention_heads
-    if m.attention == "gqa":
+    if m.attention == Attention.GQA:
         return 2 * h + (heads + 2 * m.num_key_value_heads) * m.head_dim + heads * m.head_dim
     qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
     q = (m.q_lora_rank or 0) + heads * qk_dim
@@ -263,7 +264,7 @@ def activation_bytes(config: RecipeConfig) -> float:
 def trainer_memory(config: RecipeConfig, counts: ParamCounts) -> TrainerMemory:
     """Weights, gradients, optimizer states and activations on the busiest trainer GPU."""
     lay = layout(config)
-    fp32_training = config.trainer.precision == "fp32"
+    fp32_training = config.trainer.precision == Precision.FP32
     weight_bytes = FP32 if fp32_training else BF16
     adam_bytes = 8 if fp32_training else 12
     best: TrainerMemory | None = None
@@ -284,13 +285,13 @@ def trainer_memory(config: RecipeConfig, counts: ParamCounts) -> TrainerMemory:
 def quant_bytes_per_weight(q: QuantConfig) -> float:
     """Bytes per quantized weight, scales included: fp8 1 (+ one fp32 scale per block), int8 1,
     int4-AWQ 0.5 + an fp16 scale per 128, NVFP4 0.5 + an fp8 scale per 16; bf16 otherwise."""
-    if q.method == "fp8":
-        return 1.0 + (FP32 / q.block_size**2 if q.granularity == "block" else 0.0)
-    if q.method == "int8":
+    if q.method == QuantMethod.FP8:
+        return 1.0 + (FP32 / q.block_size**2 if q.granularity == Granularity.BLOCK else 0.0)
+    if q.method == QuantMethod.INT8:
         return 1.0
-    if q.method == "int4_awq":
+    if q.method == QuantMethod.INT4_AWQ:
         return 0.5 + 2 / 128
-    if q.method == "nvfp4":
+    if q.method == QuantMethod.NVFP4:
         return 0.5 + 1 / 16
     return float(BF16)
 
@@ -312,7 +313,7 @@ def rollout_weight_bytes(config: RecipeConfig, counts: ParamCounts) -> float:
 def kv_bytes_per_token(m: ModelConfig, rollout_tp: int) -> float:
     """bf16 KV cache bytes per token on one engine GPU: GQA shards KV heads over TP (replicated
     when TP > KV heads); MLA caches the latent (r_kv + d_rope) on every TP rank."""
-    if m.attention == "mla":
+    if m.attention == Attention.MLA:
         return m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * BF16
     heads = max(1, m.num_key_value_heads // rollout_tp)
     return 2 * m.num_layers * heads * m.head_dim * BF16

@@ -19,16 +19,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from enum import StrEnum
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
 
-RunDevice = Literal["auto", "cpu", "cuda"]
-"""What a recipe asks for (``run.device``)."""
+
+class RunDevice(StrEnum):
+    """What a recipe asks for (``run.device``): CUDA where the machine has it, the CPU, or CUDA."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
 DeviceKind = Literal["cpu", "cuda"]
-"""What a process computes on."""
-RUN_DEVICES: tuple[str, ...] = get_args(RunDevice)
+"""What a process computes on (torch's device type)."""
+RUN_DEVICES: tuple[str, ...] = tuple(device.value for device in RunDevice)
 
 
 @dataclass(frozen=True)
@@ -51,18 +59,18 @@ class Machine:
 def resolve_device(run_device: str, machine: Machine) -> DeviceKind:
     """``run.device`` on this machine: ``auto`` is ``cuda`` where CUDA is present."""
     if run_device not in RUN_DEVICES:
-        raise ValueError(f"run.device={run_device!r}; expected one of {', '.join(RUN_DEVICES)}")
-    if run_device == "auto":
+        raise ValueError(f"run.device='{run_device}'; expected one of {', '.join(RUN_DEVICES)}")
+    if run_device == RunDevice.AUTO:
         return "cuda" if machine.cuda else "cpu"
-    if run_device == "cuda" and not machine.cuda:
+    if run_device == RunDevice.CUDA and not machine.cuda:
         raise ValueError("run.device=cuda but this machine has no CUDA device; use run.device=cpu or auto")
-    return run_device  # type: ignore[return-value]
+    return "cuda" if run_device == RunDevice.CUDA else "cpu"
 
 
 def hide_cuda_if_cpu(run_device: str) -> bool:
     """Before torch touches CUDA: make a ``run.device=cpu`` process see no GPU. Returns whether
     it hid them. (Once CUDA is initialized, the process keeps the devices it saw.)"""
-    if run_device != "cpu":
+    if run_device != RunDevice.CPU:
         return False
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     return True
@@ -93,8 +101,8 @@ def check_process_device(run_device: str) -> torch.device:
     sees (``cpu`` with CUDA visible, ``cuda`` without it)."""
     device = process_device()
     if run_device not in RUN_DEVICES:
-        raise ValueError(f"run.device={run_device!r}; expected one of {', '.join(RUN_DEVICES)}")
-    if run_device not in ("auto", device.type):
+        raise ValueError(f"run.device='{run_device}'; expected one of {', '.join(RUN_DEVICES)}")
+    if run_device not in (RunDevice.AUTO, device.type):
         raise ValueError(
             f"run.device={run_device} but this process computes on {device.type}: a CPU run must not see "
             "CUDA (set CUDA_VISIBLE_DEVICES= before starting it, as `moe-rl` and the Ray actors do) "

@@ -25,8 +25,7 @@ import torch
 from torch import Tensor
 
 from moe_rl.algo._ops import check_num_seqs, check_tokens, segment_count, valid_seqs
-
-AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+from moe_rl.algo.modes import AGGREGATIONS, Aggregation
 
 
 def _check_mode(mode: str) -> None:
@@ -39,7 +38,7 @@ def local_denominator(loss_mask: Tensor, seq_ids: Tensor, *, num_seqs: int, mode
     _check_mode(mode)
     check_num_seqs(num_seqs)
     check_tokens(loss_mask, seq_ids)
-    if mode == "token_mean":
+    if mode == Aggregation.TOKEN_MEAN:
         return loss_mask.sum().to(torch.float32)
     return valid_seqs(loss_mask, seq_ids, num_seqs).sum().to(torch.float32)
 
@@ -79,12 +78,12 @@ def aggregate(
     check_num_seqs(num_seqs)
     check_tokens(loss_mask, seq_ids, token_loss=token_loss)
     masked = torch.where(loss_mask, token_loss, 0.0)
-    if mode == "seq_mean_token_mean":
+    if mode == Aggregation.SEQ_MEAN_TOKEN_MEAN:
         if seq_num_tokens is None:
             seq_num_tokens = segment_count(loss_mask, seq_ids, num_seqs, masked.dtype)
         masked = masked / seq_num_tokens.to(masked.dtype).clamp_min(1.0)[seq_ids]
     loss_sum = masked.sum()
-    if mode == "seq_mean_token_sum_norm":
+    if mode == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM:
         if norm_len is None or not norm_len > 0:
             raise ValueError(f"norm_len must be > 0 for seq_mean_token_sum_norm, got {norm_len!r}")
         loss_sum = loss_sum / norm_len

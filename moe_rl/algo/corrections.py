@@ -34,11 +34,12 @@ from moe_rl.algo._ops import (
     share,
     valid_seqs,
 )
+from moe_rl.algo.modes import Divergence, PolicyMode, RejectionAggregation, TISMode, values
 
-TIS_MODES = ("off", "token", "seq")
-REJECTION_DIVERGENCES = ("k1", "k2", "k3")
-REJECTION_AGGREGATIONS = ("token", "seq_sum", "seq_mean", "seq_max")
-CORRECTION_MODES = ("decoupled", "bypass")
+TIS_MODES = values(TISMode)
+REJECTION_DIVERGENCES = values(Divergence)
+REJECTION_AGGREGATIONS = values(RejectionAggregation)
+CORRECTION_MODES = values(PolicyMode)
 GEOMETRIC_BAND = (0.999, 1.001)
 """Default band for k1 divergences (verl's geometric rejection on ``exp(mean k1)``)."""
 
@@ -61,7 +62,7 @@ def resolve_old_logp(old_logp: Tensor | None, rollout_logp: Tensor, *, mode: str
     """The π_old log-probs to use: ``rollout_logp`` in bypass mode, `old_logp` when decoupled."""
     if mode not in CORRECTION_MODES:
         raise ValueError(f"mode must be one of {CORRECTION_MODES}, got {mode!r}")
-    if mode == "bypass":
+    if mode == PolicyMode.BYPASS:
         return rollout_logp
     if old_logp is None:
         raise ValueError("old_logp is None but mode='decoupled' needs the recomputed π_old log-probs")
@@ -135,17 +136,17 @@ def icepop(
 
 
 def _divergence(log_rho: Tensor, divergence: str) -> Tensor:
-    if divergence == "k1":
+    if divergence == Divergence.K1:
         return -log_rho
-    if divergence == "k2":
+    if divergence == Divergence.K2:
         return 0.5 * log_rho**2
     return torch.exp(log_rho) - log_rho - 1
 
 
 def _rejection_band(divergence: str, low: float | None, high: float | None) -> tuple[float, float]:
-    if divergence == "k1" and low is None and high is None:
+    if divergence == Divergence.K1 and low is None and high is None:
         return GEOMETRIC_BAND
-    if divergence != "k1" and high is None:
+    if divergence != Divergence.K1 and high is None:
         raise ValueError(f"rejection high must be given for divergence {divergence!r} (an upper bound on it)")
     band = (-math.inf if low is None else low, math.inf if high is None else high)
     if not band[0] <= band[1]:
@@ -185,14 +186,16 @@ def rejection_mask(
     d = _divergence(log_importance_ratio(old_logp, rollout_logp), divergence)
 
     def inside(stat: Tensor) -> Tensor:
-        value = torch.exp(stat.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) if divergence == "k1" else stat
+        value = (
+            torch.exp(stat.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) if divergence == Divergence.K1 else stat
+        )
         return (value >= lo) & (value <= hi)
 
-    if aggregation == "token":
+    if aggregation == RejectionAggregation.TOKEN:
         keep = inside(d)
-    elif aggregation == "seq_max":
+    elif aggregation == RejectionAggregation.SEQ_MAX:
         keep = segment_amin(inside(d).float(), loss_mask, seq_ids, num_seqs, 1.0)[seq_ids] > 0
-    elif aggregation == "seq_mean":
+    elif aggregation == RejectionAggregation.SEQ_MEAN:
         keep = inside(segment_mean(d, loss_mask, seq_ids, num_seqs))[seq_ids]
     else:
         keep = inside(segment_sum(torch.where(loss_mask, d, 0.0), seq_ids, num_seqs))[seq_ids]

@@ -20,9 +20,10 @@ from torch import Tensor
 
 from moe_rl.algo._ops import LOG_RATIO_CLAMP, masked_mean, safe_exp
 from moe_rl.algo.aggregate import aggregate
+from moe_rl.algo.modes import KLEstimator, values
 from moe_rl.algo.objectives import LossOutput
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k3_is")
+KL_ESTIMATORS = values(KLEstimator)
 
 
 def _check(logp: Tensor, ref_logp: Tensor) -> None:
@@ -65,7 +66,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str, old_logp: Tens
     """Dispatch on `estimator` ∈ `KL_ESTIMATORS`; ``k3_is`` needs `old_logp`."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-    if estimator == "k3_is":
+    if estimator == KLEstimator.K3_IS:
         if old_logp is None:
             raise ValueError("estimator 'k3_is' needs old_logp (the sampling policy's log-probs)")
         return kl_k3_is(logp, ref_logp, old_logp)

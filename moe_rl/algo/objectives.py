@@ -38,8 +38,9 @@ from moe_rl.algo._ops import (
     valid_seqs,
 )
 from moe_rl.algo.aggregate import aggregate, local_denominator
+from moe_rl.algo.modes import Aggregation
 
-ESPO_AGGREGATION = "seq_mean_group_mean"
+ESPO_AGGREGATION = Aggregation.SEQ_MEAN_GROUP_MEAN
 """ESPO's own aggregation: token-mean within a group, mean over groups, mean over responses."""
 
 

@@ -28,14 +28,26 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-OBJECTIVES = ("ppo_clip", "gspo", "gspo_token", "cispo", "reinforce", "espo", "dgo")
-ADVANTAGES = ("grpo", "dr_grpo", "rloo")
-AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k3_is")
-TIS_MODES = ("off", "token", "seq")
-REJECTION_DIVERGENCES = ("k1", "k2", "k3")
-REJECTION_AGGREGATIONS = ("token", "seq_sum", "seq_mean", "seq_max")
-CORRECTION_MODES = ("decoupled", "bypass")
+from moe_rl.algo.modes import (
+    AGGREGATIONS,
+    OWN_AGGREGATIONS,
+    Advantage,
+    Divergence,
+    KLEstimator,
+    Objective,
+    PolicyMode,
+    RejectionAggregation,
+    TISMode,
+    values,
+)
+
+OBJECTIVES = values(Objective)
+ADVANTAGES = values(Advantage)
+KL_ESTIMATORS = values(KLEstimator)
+TIS_MODES = values(TISMode)
+REJECTION_DIVERGENCES = values(Divergence)
+REJECTION_AGGREGATIONS = values(RejectionAggregation)
+CORRECTION_MODES = values(PolicyMode)
 
 OBJECTIVE_PARAMS: dict[str, dict[str, Any]] = {
     "ppo_clip": {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "dual_clip_c": 3.0},
@@ -59,10 +71,6 @@ DEFAULT_AGGREGATION = {
 }
 """The papers' aggregations; ``seq_mean_group_mean`` is ESPO's own (not in `AGGREGATIONS`)."""
 
-OWN_AGGREGATIONS: dict[str, tuple[str, ...]] = {"espo": ("seq_mean_group_mean",)}
-"""Aggregations only one objective defines (`objectives.ESPO_AGGREGATION`: token-mean within an
-entropy group, mean over the response's groups, mean over responses); a recipe may choose them
-for that objective only."""
 
 ADVANTAGE_PARAMS: dict[str, dict[str, Any]] = {"grpo": {"eps": 1e-6}, "dr_grpo": {}, "rloo": {}}
 

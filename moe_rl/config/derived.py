@@ -6,6 +6,7 @@ Imports nothing heavy.
 
 from __future__ import annotations
 
+from moe_rl.config.modes import QuantMethod
 from moe_rl.config.schema import ParallelConfig, QuantConfig, RecipeConfig
 
 
@@ -57,4 +58,4 @@ def expert_data_parallel_size(p: ParallelConfig) -> int:
 def quant_needs_cuda(q: QuantConfig) -> bool:
     """The quantization recipe runs only on a CUDA GPU: NVFP4 (its kernels need one), or a recipe
     that says so (``quant.requires_cuda``)."""
-    return q.requires_cuda or q.method == "nvfp4"
+    return q.requires_cuda or q.method == QuantMethod.NVFP4

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import functools
 import inspect
 import itertools
@@ -84,6 +85,8 @@ def type_text(tp: Any) -> str:
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp)
         return f"list[{type_text(item)}]"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):  # a mode: its values
+        return "one of " + ", ".join(f"`{member.value}`" for member in tp)
     return getattr(tp, "__name__", str(tp))
 
 

@@ -25,6 +25,7 @@ import difflib
 import re
 import typing
 from collections.abc import Iterable, Sequence
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from moe_rl.config.modes import CHOICES
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.validate import check_values
 from moe_rl.errors import ConfigError
@@ -179,6 +181,27 @@ def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _typed_modes(data: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """``data`` with the value of every choice field (`moe_rl.config.modes.CHOICES`) turned into
+    its mode's member; a value that is none of them is a `ConfigError` naming the field, the value
+    and the valid ones."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        full = f"{path}{key}"
+        mode = CHOICES.get(full)
+        if isinstance(value, dict):
+            value = _typed_modes(value, f"{full}.")
+        elif mode is not None and value is not None and not isinstance(value, Enum):
+            text = str(value)
+            try:
+                value = mode(text)
+            except ValueError:
+                valid = ", ".join(member.value for member in mode)
+                raise ConfigError(f"{full}={text!r} is not one of: {valid}") from None
+        out[key] = value
+    return out
+
+
 def _expected_type(full_key: str) -> str:
     cls: Any = RecipeConfig
     tp: Any = None
@@ -194,7 +217,7 @@ def _merge(layers: Iterable[tuple[str, dict[str, Any]]]) -> DictConfig:
     merged = OmegaConf.structured(RecipeConfig)
     for source, data in layers:
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.create(data))
+            merged = OmegaConf.merge(merged, OmegaConf.create(_typed_modes(data)))
         except OmegaConfBaseException as exc:
             key = getattr(exc, "full_key", None) or "?"
             raise ConfigError(
@@ -248,10 +271,19 @@ def load_recipe(recipe: str | Path, overrides: Sequence[str] = ()) -> RecipeConf
 
 
 def to_yaml(config: RecipeConfig) -> str:
-    """The resolved recipe as YAML (loadable again with `load_recipe`)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """The resolved recipe as YAML (loadable again with `load_recipe`); modes as the recipe
+    spells them."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(config)))
 
 
 def to_dict(config: RecipeConfig) -> dict[str, Any]:
-    """The resolved recipe as plain Python containers."""
-    return OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[return-value]
+    """The resolved recipe as plain Python containers; modes as the recipe spells them."""
+    return _spelled(OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=False))
+
+
+def _spelled(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _spelled(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_spelled(v) for v in value]
+    return value.value if isinstance(value, Enum) else value

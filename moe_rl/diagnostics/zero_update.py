@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.diagnostics import binding
 from moe_rl.diagnostics.budget import kl_by_mode, mismatch_budget, truncation_applies
@@ -56,11 +57,11 @@ class EngineFactory:
         self._hf_folder: Path | None = None
 
     def open(self, config: RecipeConfig):
-        if config.rollout.engine == "megatron":
+        if config.rollout.engine == Engine.MEGATRON:
             return self._megatron(config)
-        if config.rollout.engine == "vllm":
+        if config.rollout.engine == Engine.VLLM:
             return self._vllm(config)
-        raise ValueError(f"rollout.engine={config.rollout.engine!r}; valid: megatron, vllm")
+        raise ValueError(f"rollout.engine='{config.rollout.engine}'; valid: megatron, vllm")
 
     def _megatron(self, config: RecipeConfig):
         from moe_rl.megatron.hf_weights import iter_hf_weights

@@ -67,6 +67,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from moe_rl.config.modes import Dispatcher
+
 log = logging.getLogger(__name__)
 
 _CPU_DEVICE = "cpu"
@@ -93,12 +95,13 @@ def te_available() -> bool:
     return cuda_available() and transformer_engine_importable()
 
 
-def token_dispatcher(requested: str) -> str:
-    """The Megatron token dispatcher this process can build (``alltoall`` needs CUDA streams)."""
-    if requested == "alltoall" and not cuda_available():
+def token_dispatcher(requested: Dispatcher) -> str:
+    """The Megatron token dispatcher this process can build (``alltoall`` needs CUDA streams), as
+    the plain string Megatron's config takes."""
+    if requested == Dispatcher.ALLTOALL and not cuda_available():
         log.info("no CUDA: moe_token_dispatcher_type 'alltoall' needs CUDA streams; using 'allgather'")
-        return "allgather"
-    return requested
+        return str(Dispatcher.ALLGATHER)
+    return str(requested)
 
 
 # ---------------------------------------------------------------------------------- the shims

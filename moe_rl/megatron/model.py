@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moe_rl.config.modes import Attention, Family, RopeScaling, ScoreFunction
 from moe_rl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from moe_rl.config.validate import check_rope_scaling
 from moe_rl.megatron.attention import SDPACoreAttention
@@ -55,7 +56,7 @@ def moe_layer_pattern(model: ModelConfig) -> list[int]:
 
 def _check_model(model: ModelConfig) -> None:
     if model.family not in FAMILIES:
-        raise ValueError(f"model.family={model.family!r} is not supported; valid: {', '.join(FAMILIES)}")
+        raise ValueError(f"model.family='{model.family}' is not supported; valid: {', '.join(FAMILIES)}")
     if model.num_experts <= 0:
         raise ValueError(
             f"model.num_experts={model.num_experts}: the trainer builds MoE models (>= 1 expert)"
@@ -65,7 +66,7 @@ def _check_model(model: ModelConfig) -> None:
             f"model.moe_router_topk={model.moe_router_topk} must be in 1..num_experts={model.num_experts}"
         )
     if (
-        model.moe_router_score_function == "sigmoid"
+        model.moe_router_score_function == ScoreFunction.SIGMOID
         and not model.norm_topk_prob
         and model.moe_router_topk > 1
     ):
@@ -73,10 +74,10 @@ def _check_model(model: ModelConfig) -> None:
             "model.norm_topk_prob=false with moe_router_score_function=sigmoid: Megatron-core always "
             "renormalizes sigmoid top-k scores; set norm_topk_prob=true"
         )
-    if model.family == "deepseek_v3" and model.attention != "mla":
-        raise ValueError(f"model.family=deepseek_v3 needs model.attention='mla', got {model.attention!r}")
-    if model.family == "qwen3_moe" and model.attention != "gqa":
-        raise ValueError(f"model.family=qwen3_moe needs model.attention='gqa', got {model.attention!r}")
+    if model.family == Family.DEEPSEEK_V3 and model.attention != Attention.MLA:
+        raise ValueError(f"model.family=deepseek_v3 needs model.attention='mla', got '{model.attention}'")
+    if model.family == Family.QWEN3_MOE and model.attention != Attention.GQA:
+        raise ValueError(f"model.family=qwen3_moe needs model.attention='gqa', got '{model.attention}'")
     check_rope_scaling(model)
 
 
@@ -87,8 +88,9 @@ def _moe_kwargs(model: ModelConfig, trainer: TrainerConfig) -> dict[str, Any]:
         "moe_router_topk": model.moe_router_topk,
         "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
         "moe_layer_freq": moe_layer_pattern(model),
-        "moe_router_score_function": model.moe_router_score_function,
-        "moe_router_pre_softmax": model.moe_router_score_function == "softmax" and not model.norm_topk_prob,
+        "moe_router_score_function": str(model.moe_router_score_function),
+        "moe_router_pre_softmax": model.moe_router_score_function == ScoreFunction.SOFTMAX
+        and not model.norm_topk_prob,
         "moe_router_enable_expert_bias": model.moe_router_enable_expert_bias,
         # The expert bias is a rollout-time balancing device; RL keeps it as loaded.
         "moe_router_bias_update_rate": 0.0,
@@ -140,7 +142,7 @@ def _rope_kwargs(model: ModelConfig) -> dict[str, Any]:
     Plain RoPE keeps ``rotary_scaling_factor=1``: Megatron's MLA computes its softmax scale from
     that field whatever ``rope_type`` is, and ``m`` of a factor of 1 is 1.
     """
-    if model.rope_scaling_type == "none":
+    if model.rope_scaling_type == RopeScaling.NONE:
         return {"rope_type": "rope", "rotary_scaling_factor": 1.0}
     return {
         "rope_type": "yarn",
@@ -178,7 +180,7 @@ def transformer_config(
     parallel = parallel or ParallelConfig()
     trainer = trainer or TrainerConfig()
     if trainer.precision not in PRECISIONS:
-        raise ValueError(f"trainer.precision={trainer.precision!r}; valid: {', '.join(PRECISIONS)}")
+        raise ValueError(f"trainer.precision='{trainer.precision}'; valid: {', '.join(PRECISIONS)}")
     dtype = PRECISIONS[trainer.precision]
     kwargs: dict[str, Any] = {
         "num_layers": model.num_layers,
@@ -210,7 +212,7 @@ def transformer_config(
     }
     if trainer.recompute_activations:
         kwargs |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    if model.attention == "mla":
+    if model.attention == Attention.MLA:
         return MLATransformerConfig(**kwargs, **_mla_kwargs(model))
     kwargs |= {
         "num_query_groups": model.num_key_value_heads,
@@ -370,7 +372,7 @@ def _rope_fields(cfg: dict, attention: str) -> dict[str, Any]:
     kind = scaling.get("rope_type", scaling.get("type")) or "default"
     if kind == "default":
         return {"rope_theta": theta}
-    if kind != "yarn" or attention != "mla":
+    if kind != RopeScaling.YARN or attention != Attention.MLA:
         raise ValueError(
             f"HF config rope scaling {kind!r} with model_type={cfg.get('model_type')!r} is not supported; "
             f"valid: plain RoPE, or 'yarn' for MLA models (deepseek_v3, kimi_k2); rope_scaling={scaling}"
@@ -467,7 +469,7 @@ def _deepseek_hf_fields(model: ModelConfig) -> dict[str, Any]:
 def _rope_hf_fields(model: ModelConfig) -> dict[str, Any]:
     """``rope_scaling`` as the published DeepSeek-V3 / Kimi-K2 configs write it (``type``, read by
     their own modeling code) and with ``rope_type`` (read by transformers and vLLM)."""
-    if model.rope_scaling_type == "none":
+    if model.rope_scaling_type == RopeScaling.NONE:
         return {}
     yarn = {key: getattr(model, field) for key, field in YARN_FIELDS.items()}
     return {"rope_scaling": {"type": "yarn", "rope_type": "yarn", **yarn}}
@@ -477,7 +479,7 @@ def model_config_to_hf_config(model: ModelConfig, dtype: str = "float32") -> dic
     """The HF ``config.json`` dict of a recipe model (inverse of `hf_config_to_model_config`),
     for `hf_weights.save_hf_checkpoint` and engines that load HF folders (vLLM)."""
     _check_model(model)
-    family = _qwen3_hf_fields(model) if model.family == "qwen3_moe" else _deepseek_hf_fields(model)
+    family = _qwen3_hf_fields(model) if model.family == Family.QWEN3_MOE else _deepseek_hf_fields(model)
     return {
         "vocab_size": model.vocab_size,
         "hidden_size": model.hidden_size,

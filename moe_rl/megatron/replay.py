@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from moe_rl.config.modes import ScoreFunction
 from moe_rl.megatron.rules import replay_layout_error
 
 log = logging.getLogger(__name__)
@@ -289,7 +290,7 @@ def select_topk(router, logits: Tensor) -> Tensor:
 
     config = router.config
     scores = logits.detach().view(-1, config.num_moe_experts)
-    if config.moe_router_score_function == "sigmoid":
+    if config.moe_router_score_function == ScoreFunction.SIGMOID:
         scores = torch.sigmoid(scores.float())
         if router.expert_bias is not None:
             scores = scores + router.expert_bias

@@ -6,6 +6,7 @@ them, and the preflight (`moe_rl.orchestration.preflight`) calls them before any
 
 from __future__ import annotations
 
+from moe_rl.config.modes import Attention, ReplayMode
 from moe_rl.config.schema import ParallelConfig, RecipeConfig
 from moe_rl.rules import Rule, divisible, first_broken
 
@@ -40,7 +41,7 @@ def model_rules(config: RecipeConfig) -> list[Rule]:
     m, p = config.model, config.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     rules = [divisible("heads % TP", m.num_attention_heads, "model.num_attention_heads", tp, "TP")]
-    if m.attention == "gqa":
+    if m.attention == Attention.GQA:
         rules.append(
             divisible("query groups % TP", m.num_key_value_heads, "model.num_key_value_heads", tp, "TP")
         )
@@ -72,7 +73,7 @@ def model_rules(config: RecipeConfig) -> list[Rule]:
 
 def replay_layout_error(routing_replay: str, context_parallel_size: int) -> str | None:
     """Routing replay replays per packed token; a context-parallel rank holds only a slice."""
-    if routing_replay != "off" and context_parallel_size > 1:
+    if routing_replay != ReplayMode.OFF and context_parallel_size > 1:
         return (
             f"algo.routing_replay={routing_replay} with parallel.context_parallel_size={context_parallel_size}: "
             "routing replay does not support context parallelism; use context_parallel_size=1 or "

@@ -26,6 +26,7 @@ from typing import Any
 import ray
 import torch
 
+from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import process_device
 from moe_rl.log import LOG_DIR_ENV
@@ -312,7 +313,7 @@ def make_engine(config: RecipeConfig, model_path: str | None = None):
     from moe_rl.rollout.capabilities import check_recipe
 
     check_recipe(config)
-    if config.rollout.engine == "megatron":
+    if config.rollout.engine == Engine.MEGATRON:
         from moe_rl.rollout.megatron_engine import MegatronEngine
 
         return MegatronEngine(config)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from moe_rl.algo import registry
 from moe_rl.algo.advantages import zero_variance_groups, zero_variance_signs
+from moe_rl.algo.modes import Objective
 from moe_rl.algo.objectives import dgo_weights
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.errors import TrajectoryError
@@ -172,7 +173,7 @@ def step_advantages(
 ) -> tuple[Tensor, dict[str, float]]:
     """Per-sample advantages of a scored batch (for DGO the weights exp(r/β)/mean_group exp(r/β)),
     with the zero-variance group counts."""
-    if config.algo.objective == "dgo":
+    if config.algo.objective == Objective.DGO:
         adv = dgo_weights(rewards, group_ids, dgo_beta=config.algo.dgo_beta)
     else:
         adv = registry.bind_advantage(config.algo.advantage)(rewards=rewards, group_ids=group_ids)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import ray
 
+from moe_rl.config.modes import RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.log import progress
 from moe_rl.orchestration.actors import start_ray
@@ -80,7 +81,7 @@ def train_steps(
 ) -> int:
     """The steps from the start (or the checkpoint resumed) to `run.steps` or a stop request."""
     start = stages.restore(sink) if resume else stages.start()
-    loop = offline_loop if config.run.mode == "offline" else online_loop
+    loop = offline_loop if config.run.mode == RunMode.OFFLINE else online_loop
     with progress(config.logging.progress) as bar:
         task = bar.add_task("RL steps", total=config.run.steps, completed=start, info="")
         for record in loop(config, stages, start):
@@ -99,7 +100,7 @@ def train_steps(
 
 def online_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[dict]:
     """Generate with the current policy (or one version behind, async), then train on it."""
-    pending = stages.launch_rollout(start) if config.run.mode == "async" else None
+    pending = stages.launch_rollout(start) if config.run.mode == RunMode.ASYNC else None
     for step in range(start, config.run.steps):
         t0 = time.perf_counter()
         batch, metrics = stages.rollout(step, pending)  # generate on the engine pool (+ staleness)
@@ -107,7 +108,7 @@ def online_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[di
         stages.dump(step, batch)  # optional trajectory shards
         advantages = stages.advantages(batch, metrics)  # GRPO / Dr.GRPO / RLOO
         stages.old_logp(batch, advantages, metrics)  # π_old + mismatch diagnostics
-        if config.run.mode == "async" and step + 1 < config.run.steps:
+        if config.run.mode == RunMode.ASYNC and step + 1 < config.run.steps:
             pending = stages.launch_rollout(step + 1)  # overlaps training
         stages.train(metrics)  # objective + corrections
         stages.sync_weights(version=step + 1, metrics=metrics)  # quantized per recipe

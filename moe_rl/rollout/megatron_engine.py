@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_rl.config.modes import QuantMethod
 from moe_rl.config.schema import ParallelConfig, RecipeConfig
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.device import check_process_device
@@ -188,7 +189,7 @@ class MegatronEngine:
         self._incoming = int(version)
         self._receiver.begin()
         self._rx_report = QuantReport(self.config.quant.name)
-        if self.config.quant.method == "int4_awq":
+        if self.config.quant.method == QuantMethod.INT4_AWQ:
             self._awq_pending = {}
 
     @torch.no_grad()
@@ -203,7 +204,9 @@ class MegatronEngine:
     def _receive(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._incoming is None:
             raise RuntimeError("receive_bucket before begin_weight_update")
-        if self.config.quant.method == "int4_awq":  # calibrated as a whole at finish (or at generate)
+        if (
+            self.config.quant.method == QuantMethod.INT4_AWQ
+        ):  # calibrated as a whole at finish (or at generate)
             self._awq_pending.update((name, tensor.clone()) for name, tensor in named)
             return
         if not self._wire_quantized:  # the recipe runs here (ModelOpt fake quantization)
@@ -218,7 +221,7 @@ class MegatronEngine:
         start = time.perf_counter()
         self._incoming = None
         self.version = int(version)
-        if self.config.quant.method == "int4_awq":
+        if self.config.quant.method == QuantMethod.INT4_AWQ:
             if not self._calibration:
                 log.info("int4_awq: calibration of version %d runs at the next generate", version)
                 return {"quant/recipe": self.config.quant.name}
@@ -363,7 +366,7 @@ class MegatronEngine:
             for p, g in zip((p for p in checked for _ in range(sampling.n)), groups)
         ]
         self._decode(rollouts, sampling)
-        if self.config.quant.method == "int4_awq":
+        if self.config.quant.method == QuantMethod.INT4_AWQ:
             self._calibration = [r.prompt + r.response for r in rollouts]
         return self._to_batch(rollouts)
 

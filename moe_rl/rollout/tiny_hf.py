@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moe_rl.config.modes import Attention, Family
+
 if TYPE_CHECKING:
     from moe_rl.config.schema import ModelConfig
 
@@ -40,9 +42,9 @@ top-2); any of them can be overridden."""
 
 def qwen3_moe_kwargs(model: ModelConfig) -> dict[str, Any]:
     """``Qwen3MoeConfig`` keyword arguments mirroring a recipe's ``model`` section (qwen3_moe only)."""
-    if model.family != "qwen3_moe" or model.attention != "gqa":
+    if model.family != Family.QWEN3_MOE or model.attention != Attention.GQA:
         raise ValueError(
-            f"model.family={model.family!r} / model.attention={model.attention!r}: a Hugging Face "
+            f"model.family='{model.family}' / model.attention='{model.attention}': a Hugging Face "
             "checkpoint can be made from config only for family=qwen3_moe with attention=gqa; "
             "set model.hf_path to an existing checkpoint for other families"
         )

@@ -52,6 +52,7 @@ import torch
 from vllm import SamplingParams
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
+from moe_rl.config.modes import Engine
 from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.vllm_convert import from_vllm_outputs
@@ -143,9 +144,9 @@ class VLLMEngine:
     ) -> VLLMEngine:
         """An engine for a recipe; refuses (``ValueError``) what the engine cannot do on this machine."""
         caps = check_recipe(config, machine)
-        if config.rollout.engine != "vllm":
+        if config.rollout.engine != Engine.VLLM:
             raise ValueError(
-                f"rollout.engine={config.rollout.engine!r}: VLLMEngine serves rollout.engine=vllm"
+                f"rollout.engine='{config.rollout.engine}': VLLMEngine serves rollout.engine=vllm"
             )
         r = config.rollout
         return cls(

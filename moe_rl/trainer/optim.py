@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe_rl.config.modes import LrDecay
 from moe_rl.config.schema import TrainerConfig
 from moe_rl.megatron.compat import cuda_available
 from moe_rl.megatron.model import PRECISIONS
@@ -198,9 +199,9 @@ def build_scheduler(optimizer, trainer: TrainerConfig, total_steps: int):
     """Megatron's ``OptimizerParamScheduler``: linear warm-up, then constant / linear / cosine."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if trainer.lr_decay_style not in ("constant", "linear", "cosine"):
+    if trainer.lr_decay_style not in (LrDecay.CONSTANT, LrDecay.LINEAR, LrDecay.COSINE):
         raise ValueError(
-            f"trainer.lr_decay_style={trainer.lr_decay_style!r}; valid: constant, linear, cosine"
+            f"trainer.lr_decay_style='{trainer.lr_decay_style}'; valid: constant, linear, cosine"
         )
     decay_steps = max(total_steps, trainer.lr_warmup_steps + 1)
     return OptimizerParamScheduler(
@@ -210,7 +211,7 @@ def build_scheduler(optimizer, trainer: TrainerConfig, total_steps: int):
         min_lr=trainer.min_lr,
         lr_warmup_steps=trainer.lr_warmup_steps,
         lr_decay_steps=decay_steps,
-        lr_decay_style=trainer.lr_decay_style,
+        lr_decay_style=str(trainer.lr_decay_style),  # a plain string: the scheduler state is checkpointed
         start_wd=trainer.weight_decay,
         end_wd=trainer.weight_decay,
         wd_incr_steps=decay_steps,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.replay import RoutingReplay
@@ -74,7 +75,7 @@ class ReferencePolicy:
         model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
         model.load_state_dict(policy.state_dict())
         offload = config.algo.kl.offload_reference
-        return cls(model, device, offload=offload, replay=config.algo.routing_replay != "off")
+        return cls(model, device, offload=offload, replay=config.algo.routing_replay != ReplayMode.OFF)
 
     @property
     def offloaded(self) -> bool:

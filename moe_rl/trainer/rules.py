@@ -10,7 +10,9 @@ starts, and the preflight (`moe_rl.orchestration.preflight`) calls the same func
 
 from __future__ import annotations
 
+from moe_rl.algo.modes import Divergence, Objective, TISMode
 from moe_rl.config.derived import data_parallel_size, longest_sequence, response_limit_key
+from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.megatron.rules import layout_rules, model_rules, replay_layout_error
 from moe_rl.rules import Rule, divisible, first_broken
@@ -37,10 +39,10 @@ def _correction_rules(config: RecipeConfig) -> list[Rule]:
     c = config.algo.corrections
     rej = c.rejection
     return [
-        Rule("one importance weight", not (c.icepop.enabled and c.tis.mode != "off"),
+        Rule("one importance weight", not (c.icepop.enabled and c.tis.mode != TISMode.OFF),
              f"algo.corrections.icepop.enabled={c.icepop.enabled} with algo.corrections.tis.mode={c.tis.mode}: "
              "both weight the loss by the rollout-vs-old ratio, which would count it twice; keep one"),
-        Rule("rejection band fits its divergence", not rej.enabled or rej.divergence == "k1" or rej.low <= 0,
+        Rule("rejection band fits its divergence", not rej.enabled or rej.divergence == Divergence.K1 or rej.low <= 0,
              f"algo.corrections.rejection.divergence={rej.divergence} with low={rej.low}: k2 and k3 are >= 0 and "
              "0 when on-policy, so a band starting above 0 rejects the most on-policy responses; set low=0 "
              "(the ratio band 0.999..1.001 is k1's)"),
@@ -54,16 +56,16 @@ def _algo_rules(config: RecipeConfig) -> list[Rule]:
         *_correction_rules(config),
         Rule("replay without context parallelism", replay_error is None,
              replay_error or f"algo.routing_replay={a.routing_replay}, CP={config.parallel.context_parallel_size}"),
-        Rule("replay without the fused router", a.routing_replay == "off" or not t.moe_router_fusion,
+        Rule("replay without the fused router", a.routing_replay == ReplayMode.OFF or not t.moe_router_fusion,
              f"algo.routing_replay={a.routing_replay} with trainer.moe_router_fusion={t.moe_router_fusion}: the fused "
              "router skips Megatron's RouterReplay silently; set trainer.moe_router_fusion=false"),
-        Rule("ESPO has the old policy's entropy", a.objective != "espo" or t.compute_entropy,
+        Rule("ESPO has the old policy's entropy", a.objective != Objective.ESPO or t.compute_entropy,
              f"algo.objective={a.objective} needs trainer.compute_entropy=true (entropy of π_old), "
              f"got {t.compute_entropy}"),
         Rule("zero-variance shaping has the old policy's entropy", not a.zero_variance_shaping or t.compute_entropy,
              f"algo.zero_variance_shaping={a.zero_variance_shaping} needs trainer.compute_entropy=true "
              f"(RL-ZVP shapes advantages with π_old's entropy), got {t.compute_entropy}"),
-        Rule("zero-variance shaping shapes advantages", not a.zero_variance_shaping or a.objective != "dgo",
+        Rule("zero-variance shaping shapes advantages", not a.zero_variance_shaping or a.objective != Objective.DGO,
              f"algo.zero_variance_shaping={a.zero_variance_shaping} with algo.objective={a.objective}: DGO "
              "trains on sample weights, not advantages; turn one of them off"),
     ]  # fmt: skip

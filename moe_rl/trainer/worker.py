@@ -53,7 +53,9 @@ from moe_rl.algo import registry
 from moe_rl.algo.advantages import zvp_shape
 from moe_rl.algo.aggregate import local_denominator
 from moe_rl.algo.diagnostics import mismatch_metrics, routing_agreement
+from moe_rl.algo.modes import Objective, PolicyMode
 from moe_rl.config.derived import max_sampled_tokens
+from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.packing import RankShare, plan_shards
 from moe_rl.data.trajectory import TrajectoryBatch
@@ -94,7 +96,7 @@ def recipe_objective(config: RecipeConfig):
     aggregation bound. DGO's loss −w_i·log π(y_i|x) is REINFORCE with A_i = w_i: the driver computes
     the weights over the whole batch (a prompt's N samples may span micro-batches) and passes them
     as advantages."""
-    objective = "reinforce" if config.algo.objective == "dgo" else config.algo.objective
+    objective = Objective.REINFORCE if config.algo.objective == Objective.DGO else config.algo.objective
     return registry.bind_objective(
         objective, _objective_params(config), aggregation=config.algo.aggregation,
         norm_len=max_sampled_tokens(config),
@@ -144,7 +146,7 @@ class TrainerWorker:
         self.optimizer = build_optimizer([self.ddp], trainer, config.parallel.use_distributed_optimizer)
         steps = total_steps or config.run.steps * trainer.num_mini_batches
         self.scheduler = build_scheduler(self.optimizer, trainer, steps)
-        self.replay = RoutingReplay(self.model) if config.algo.routing_replay != "off" else None
+        self.replay = RoutingReplay(self.model) if config.algo.routing_replay != ReplayMode.OFF else None
         self.objective = recipe_objective(config)
         self.corrections = registry.bind_corrections(_correction_params(config))
         self.kl_loss = (
@@ -176,14 +178,14 @@ class TrainerWorker:
     def _trace_for(self, mb: TrainMicroBatch) -> tuple[Tensor | None, bool]:
         """The routing to replay for ``mb`` and whether it is this stage's layers only."""
         mode = self.config.algo.routing_replay
-        if mode == "r3":
+        if mode == ReplayMode.R3:
             if mb.micro.routed_experts is None:
                 raise ValueError(
                     f"algo.routing_replay=r3 but samples {mb.micro.sample_indices.tolist()} carry no "
                     "routed_experts; the rollout engine must return routing (rollout.return_routing)"
                 )
             return mb.micro.routed_experts, False
-        if mode == "r2" and mb.recorded_routing is not None:
+        if mode == ReplayMode.R2 and mb.recorded_routing is not None:
             return mb.recorded_routing, True
         return None, False
 
@@ -202,7 +204,7 @@ class TrainerWorker:
         self._to_device(micro_batches)
         self.ddp.eval()
         options = dataclasses.replace(self.options, entropy=self.config.trainer.compute_entropy)
-        record = self.config.algo.routing_replay == "r2"
+        record = self.config.algo.routing_replay == ReplayMode.R2
         if self.pipelined:
             found = self._pipelined_old_logp(micro_batches, options, record)
             self._reference_logp(micro_batches, options)
@@ -365,7 +367,7 @@ class TrainerWorker:
         if (
             holds_logits
             and any(mb.old_logp is None for mb in mini_batch)
-            and self.config.algo.policy_mode != "bypass"
+            and self.config.algo.policy_mode != PolicyMode.BYPASS
         ):
             raise ValueError("train_step needs old_logp on every micro-batch: call compute_old_logp first")
         if holds_logits and self.reference is not None and any(mb.ref_logp is None for mb in mini_batch):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moe_rl.config.modes import Granularity, QuantMethod
 from moe_rl.config.schema import QuantConfig
 from moe_rl.device import copy_into
 from moe_rl.quant import fused
@@ -53,9 +54,9 @@ def scale_name(weight_name: str) -> str:
 
 
 def _block(cfg: QuantConfig, shape: torch.Size) -> tuple[int, int]:
-    if cfg.granularity == "block":
+    if cfg.granularity == Granularity.BLOCK:
         return cfg.block_size, cfg.block_size
-    if cfg.granularity == "channel":
+    if cfg.granularity == Granularity.CHANNEL:
         return 1, shape[1]
     return shape[0], shape[1]
 
@@ -80,7 +81,7 @@ def _expand(scale: Tensor, block: tuple[int, int], shape: torch.Size) -> Tensor:
 def quantize_fp8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tuple[int, int]]:
     """``(e4m3 data, fp32 scales, block)`` of a 2-D weight under an fp8 recipe."""
     block = _block(cfg, weight.shape)
-    if cfg.granularity == "block":
+    if cfg.granularity == Granularity.BLOCK:
         from moe_rl.quant.fp8_block import quantize_fp8_block
 
         data, scale = quantize_fp8_block(weight, cfg.block_size)
@@ -94,7 +95,9 @@ def quantize_fp8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tupl
 
 def quantize_int8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tuple[int, int]]:
     """``(int8 data, fp32 scales, block)`` of a 2-D weight: symmetric, ±127, per row or tensor."""
-    block = (1, weight.shape[1]) if cfg.granularity == "channel" else (weight.shape[0], weight.shape[1])
+    block = (
+        (1, weight.shape[1]) if cfg.granularity == Granularity.CHANNEL else (weight.shape[0], weight.shape[1])
+    )
     x = weight.float()
     scale = _block_amax(x, block) / INT8_MAX
     full = _expand(scale, block, x.shape)
@@ -278,7 +281,7 @@ class WireEncoder:
             scale = torch.empty(_scale_shape(tensor.shape, block), dtype=torch.float32)
             self._quantize_into(name, tensor, data, scale)
         else:
-            quantize = quantize_fp8 if self.cfg.method == "fp8" else quantize_int8
+            quantize = quantize_fp8 if self.cfg.method == QuantMethod.FP8 else quantize_int8
             data, scale, block = quantize(tensor, self.cfg)
             self.report.add_quantized(name, tensor, *_errors(tensor, data, scale, block), bits=8)
         meta = {"block": list(block), "scale": scale_name(name)}
@@ -300,7 +303,7 @@ class WireEncoder:
                 continue
             block = _block(self.cfg, tensor.shape)
             scales = _scale_shape(tensor.shape, block)
-            dtype = torch.float8_e4m3fn if self.cfg.method == "fp8" else torch.int8
+            dtype = torch.float8_e4m3fn if self.cfg.method == QuantMethod.FP8 else torch.int8
             pieces += [
                 Piece(name, dtype, tuple(tensor.shape), {"block": list(block), "scale": scale_name(name)}),
                 Piece(scale_name(name), torch.float32, scales, {"scale_of": name}),
@@ -368,7 +371,7 @@ class WireEncoder:
                 continue
             first, end = start // block[0], -(-stop // block[0])
             scales = _scale_shape(tensor.shape, block)
-            dtype = torch.float8_e4m3fn if self.cfg.method == "fp8" else torch.int8
+            dtype = torch.float8_e4m3fn if self.cfg.method == QuantMethod.FP8 else torch.int8
             data_meta = {"block": list(block), "scale": scale_name(name), **where}
             scale_meta = {"scale_of": name, "rows": [first, end], "shape": list(scales), "chunk": chunk}
             pieces = [
@@ -407,8 +410,8 @@ class WireEncoder:
     def _fused(self, tensor: Tensor, block: tuple[int, int]) -> bool:
         """Whether ``tensor`` is block-FP8 encoded by the fused CPU kernel (`fused.encode_fp8_block`)."""
         return (
-            self.cfg.method == "fp8"
-            and self.cfg.granularity == "block"
+            self.cfg.method == QuantMethod.FP8
+            and self.cfg.granularity == Granularity.BLOCK
             and fused.usable(tensor.shape, block, tensor.device)
         )
 
@@ -422,13 +425,17 @@ class WireEncoder:
             sums = fused.encode_fp8_block(tensor, self.cfg.block_size, data, scale)
             if sums is not None:
                 return sums
-        if self.cfg.method == "fp8" and self.cfg.granularity == "block" and tensor.device == data.device:
+        if (
+            self.cfg.method == QuantMethod.FP8
+            and self.cfg.granularity == Granularity.BLOCK
+            and tensor.device == data.device
+        ):
             from moe_rl.quant.fp8_block import torch_fp8_block
 
             torch_fp8_block(tensor, self.cfg.block_size, out=(data, scale))  # in place, row blocks at a time
             sent_data, sent_scale = data, scale
         else:  # computed on the tensor's device (the Triton kernel on CUDA), then copied in
-            quantize = quantize_fp8 if self.cfg.method == "fp8" else quantize_int8
+            quantize = quantize_fp8 if self.cfg.method == QuantMethod.FP8 else quantize_int8
             sent_data, sent_scale, block = quantize(tensor, self.cfg)
             data.copy_(sent_data)
             scale.copy_(sent_scale)

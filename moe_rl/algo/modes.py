@@ -1,0 +1,101 @@
+"""The algorithm choices a recipe names (``algo.*``), as typed modes: one list of choices each.
+
+Each is a `StrEnum` whose values are the recipe's spelling (``algo.objective: espo``) and whose
+names are those values in capitals; the recipe loader turns the YAML strings into members, and
+the math compares members, never strings. `moe_rl.algo.registry` binds each member to its
+function. Imports nothing.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Objective(StrEnum):
+    """The policy loss (``algo.objective``); formulas in `moe_rl.algo.objectives`."""
+
+    PPO_CLIP = "ppo_clip"
+    GSPO = "gspo"
+    GSPO_TOKEN = "gspo_token"
+    CISPO = "cispo"
+    REINFORCE = "reinforce"
+    ESPO = "espo"
+    DGO = "dgo"
+
+
+class Advantage(StrEnum):
+    """The advantage estimator (``algo.advantage``)."""
+
+    GRPO = "grpo"
+    DR_GRPO = "dr_grpo"
+    RLOO = "rloo"
+
+
+class Aggregation(StrEnum):
+    """How token losses become one loss (``algo.aggregation``); ``seq_mean_group_mean`` is ESPO's
+    own (token mean within an entropy group, mean over groups, mean over responses)."""
+
+    TOKEN_MEAN = "token_mean"
+    SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
+    SEQ_MEAN_GROUP_MEAN = "seq_mean_group_mean"
+
+
+class KLEstimator(StrEnum):
+    """The KL penalty's estimator (``algo.kl.estimator``)."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+    ABS = "abs"
+    K3_IS = "k3_is"
+
+
+class PolicyMode(StrEnum):
+    """Which policy the objective's ratio is taken against (``algo.policy_mode``): the trainer's
+    recomputed π_old (``decoupled``) or the rollout policy (``bypass``)."""
+
+    DECOUPLED = "decoupled"
+    BYPASS = "bypass"
+
+
+class TISMode(StrEnum):
+    """Truncated importance sampling (``algo.corrections.tis.mode``)."""
+
+    OFF = "off"
+    TOKEN = "token"
+    SEQ = "seq"
+
+
+class Divergence(StrEnum):
+    """The divergence a rejection mask bounds (``algo.corrections.rejection.divergence``)."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+
+
+class RejectionAggregation(StrEnum):
+    """Over what a rejection mask decides (``algo.corrections.rejection.aggregation``)."""
+
+    TOKEN = "token"
+    SEQ_SUM = "seq_sum"
+    SEQ_MEAN = "seq_mean"
+    SEQ_MAX = "seq_max"
+
+
+def values(mode: type[StrEnum]) -> tuple[str, ...]:
+    """The recipe spellings of a mode, in declaration order."""
+    return tuple(member.value for member in mode)
+
+
+OWN_AGGREGATIONS: dict[Objective, tuple[Aggregation, ...]] = {
+    Objective.ESPO: (Aggregation.SEQ_MEAN_GROUP_MEAN,)
+}
+"""Aggregations only one objective defines; a recipe may choose them for that objective only."""
+
+AGGREGATIONS: tuple[str, ...] = tuple(
+    a.value for a in Aggregation if all(a not in own for own in OWN_AGGREGATIONS.values())
+)
+"""The aggregations every objective (and the KL term) can use."""

@@ -1,0 +1,87 @@
+"""Modes are typed: every choice field of a recipe holds a member of its mode, the loader refuses
+any other value naming the field, and no code compares a mode with a string."""
+
+from __future__ import annotations
+
+import ast
+from enum import StrEnum
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import ConfigError, load_recipe, to_yaml
+from moe_rl.config.modes import CHOICES
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "recipes" / "tiny_moe.yaml"
+
+MODE_FIELDS = {path.rsplit(".", 1)[-1] for path in CHOICES} | {"run_device", "divergence", "estimator"}
+"""Attribute and argument names that hold a mode (the schema's choice fields and their parameters)."""
+SPELLINGS = {member.value for mode in CHOICES.values() for member in mode}
+
+
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_every_choice_field_holds_a_member_of_its_mode():
+    config = load_recipe(TINY)
+    for path, mode in CHOICES.items():
+        value = _get(config, path)
+        assert isinstance(value, mode), (path, value)
+
+
+def test_a_value_outside_the_mode_is_refused_naming_the_field_and_the_valid_values():
+    with pytest.raises(ConfigError, match=r"^algo.routing_replay='r4' is not one of: off, r2, r3$"):
+        load_recipe(TINY, ["algo.routing_replay=r4"])
+    with pytest.raises(ConfigError, match=r"^run.mode='3' is not one of: sync, async, offline$"):
+        load_recipe(TINY, ["run.mode=3"])
+
+
+def test_the_resolved_recipe_spells_modes_as_recipes_do():
+    text = to_yaml(load_recipe(TINY, ["run.mode=async"]))
+    assert "  mode: async\n" in text and "routing_replay: r3\n" in text and "RunMode" not in text
+
+
+def test_modes_are_spelled_as_their_values_in_capitals():
+    for mode in CHOICES.values():
+        assert issubclass(mode, StrEnum)
+        assert all(member.name == member.value.upper() for member in mode), mode
+
+
+def _mode_name(node: ast.AST) -> str | None:
+    """The name a compared expression holds a mode under: an attribute or a variable (``device``
+    only as ``<...>.run.device``: elsewhere it is torch's device type)."""
+    if isinstance(node, ast.Attribute):
+        if node.attr == "device":
+            return "device" if isinstance(node.value, ast.Attribute) and node.value.attr == "run" else None
+        return node.attr
+    if isinstance(node, ast.Name) and node.id != "device":
+        return node.id
+    return None
+
+
+def _string_comparisons(path: Path) -> list[str]:
+    """``x.routing_replay == "r3"``-like comparisons (a mode-holding name against a mode's spelling)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        names = {_mode_name(s) for s in sides}
+        strings = [s.value for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+        for s in sides:  # `x.mode in ("sync", "async")`
+            if isinstance(s, ast.Tuple | ast.List | ast.Set):
+                strings += [
+                    e.value for e in s.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                ]
+        if names & MODE_FIELDS and set(strings) & SPELLINGS:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
+def test_no_code_compares_a_mode_with_a_string():
+    files = [*sorted((REPO / "moe_rl").rglob("*.py")), *sorted((REPO / "launch").rglob("*.py"))]
+    assert [hit for f in files for hit in _string_comparisons(f)] == []
