@@ -2,7 +2,7 @@
 
 Four workers built from the tiny recipe (same seed, same weights, same batch), timed
 interleaved in one process so machine drift hits all of them alike. One step =
-``compute_old_logp`` + ``train_step`` over the rollout batch.
+``compute_old_logp`` + ``train_step`` over the rollout batch (the batches on the device first).
 
 * ``base``:   no replay, PPO-clip, no corrections, no keep-sampling-mask, no diagnostics.
 * ``r3``:     ``base`` + R3 routing replay in both passes (Megatron RouterReplay).
@@ -39,6 +39,7 @@ Printed: per-step times, the paired ratios ``r3/base − 1`` (target ≤ +3 %) a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import statistics
@@ -108,12 +109,14 @@ def make_batches(config, num_samples: int, seed: int):
     return make_train_micro_batches(batch, advantages, config.trainer.max_tokens_per_microbatch)
 
 
-def on_policy(worker, batches) -> None:
-    """Set each batch's rollout log-probs to the worker's own (rollout = trainer, no mismatch).
-    ``old_logp`` may live on the worker's device; the worker moves what it reads."""
-    worker.compute_old_logp(batches)
-    for mb in batches:
-        mb.micro.rollout_logp = mb.old_logp.detach().clone()
+def on_policy(worker, batches) -> list:
+    """The batches on the worker's device (moved once, before any timing), each with its rollout
+    log-probs set to the worker's own (rollout = trainer, no mismatch)."""
+    batches = [mb.to(worker.device) for mb in batches]
+    prepared, _ = worker.compute_old_logp(batches)
+    for mb, old in zip(batches, prepared):
+        mb.micro.rollout_logp = old.old_logp.detach().clone()
+    return batches
 
 
 def one_step(worker, batches, cuda: bool, later_mini_batch: bool = False) -> tuple[float, float]:
@@ -126,11 +129,10 @@ def one_step(worker, batches, cuda: bool, later_mini_batch: bool = False) -> tup
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     wall, cpu = time.perf_counter(), time.process_time()
-    worker.compute_old_logp(batches)
+    prepared, _ = worker.compute_old_logp(batches)
     if later_mini_batch:
-        for mb in batches:
-            mb.old_weights_version = -1
-    worker.train_step(batches)
+        prepared = [dataclasses.replace(mb, old_weights_version=-1) for mb in prepared]
+    worker.train_step(prepared)
     if cuda:
         end.record()
         end.synchronize()
@@ -186,7 +188,7 @@ def main() -> None:
     }
     batches = {name: make_batches(cfg, samples, seed=0) for name, cfg in configs.items()}
     for name, worker in workers.items():
-        on_policy(worker, batches[name])
+        batches[name] = on_policy(worker, batches[name])
         for _ in range(2 if cuda else 1):  # warm-up (CUDA: allocator, cuBLAS handles, autotuning)
             one_step(worker, batches[name], cuda)
         worker.timer.seconds.clear()

@@ -32,6 +32,7 @@ from moe_rl.algo.modes import (
     AGGREGATIONS,
     OWN_AGGREGATIONS,
     Advantage,
+    Aggregation,
     Divergence,
     KLEstimator,
     Objective,
@@ -203,10 +204,40 @@ def bind_kl(estimator: str) -> Callable[..., Any]:
     return _filter_call(_load("moe_rl.algo.kl", "kl_penalty"), {"estimator": estimator}, f"kl {estimator!r}")
 
 
-KL_AGGREGATION = {"seq_mean_group_mean": "seq_mean_token_mean"}
+KL_AGGREGATION = {Aggregation.SEQ_MEAN_GROUP_MEAN: Aggregation.SEQ_MEAN_TOKEN_MEAN}
 """The KL term's aggregation under an objective's own one: ESPO's groups belong to its clip, so its
 KL term is the mean over responses of each response's token mean (the same denominator, the count
 of responses)."""
+
+TRAINED_AS = {Objective.DGO: Objective.REINFORCE}
+"""Objectives trained as another: DGO's loss −w_i·log π(y_i|x) is REINFORCE with A_i = w_i (the
+driver computes the weights over the whole batch, as a prompt's samples may span micro-batches,
+and passes them as advantages)."""
+
+
+def recipe_objective_params(algo: Mapping[str, Any]) -> dict[str, Any]:
+    """The objectives' hyper-parameters a recipe's ``algo`` section sets, as the functions take
+    them: the recipe's ``dual_clip_c <= 1`` (dual clip off) is None."""
+    names = {k for spec in OBJECTIVE_PARAMS.values() for k in spec}
+    params = {k: algo[k] for k in names if k in algo}
+    if params.get("dual_clip_c") is not None and params["dual_clip_c"] <= 1:
+        params["dual_clip_c"] = None
+    return params
+
+
+def bind_recipe_objective(
+    objective: str, algo: Mapping[str, Any], aggregation: str, norm_len: float | None = None
+) -> Callable[..., Any]:
+    """The loss a trainer trains a recipe's objective with: `TRAINED_AS` resolved, the recipe's
+    hyper-parameters (`recipe_objective_params`) and aggregation bound (`bind_objective`)."""
+    trained = TRAINED_AS.get(objective, objective)
+    return bind_objective(trained, recipe_objective_params(algo), aggregation=aggregation, norm_len=norm_len)
+
+
+def denominator_aggregation(aggregation: str) -> str:
+    """The aggregation whose count divides a recipe's loss: its own, or for an objective's own
+    aggregation (ESPO's groups) the count of responses, as its KL term (`KL_AGGREGATION`)."""
+    return KL_AGGREGATION.get(aggregation, aggregation)
 
 
 def bind_kl_loss(

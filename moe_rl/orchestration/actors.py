@@ -66,6 +66,7 @@ class TrainerRank:
         self._packer = None  # the bucket buffers (or shared slots), kept from sync to sync
         self._arena = None  # this rank's CPU parameters in shared memory, once a sync uses the slots
         self._engine_nodes: dict[str, str | None] = {}
+        self._prepared: dict = {}  # handle -> the batch its π_old pass prepared (`old_logp` / `train`)
 
     def pid(self) -> int:
         return os.getpid()
@@ -86,18 +87,24 @@ class TrainerRank:
         info = self.worker.info
         return {"rank": info.rank, "dp_rank": info.dp_rank, "dp_size": info.dp_size, "pp_rank": info.pp_rank}
 
-    def compute_old_logp(
-        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], plan,
-        zvp_signs: Sequence[torch.Tensor] | None = None,
-    ) -> dict[str, float]:  # fmt: skip
-        """Fetch this rank's shard (by its data-parallel rank) and run the π_old pass on it."""
-        dp = self.worker.info.dp_rank
-        shard = ray.get(shard_refs[dp], timeout=RAY_TIMEOUT_S)
-        signs = None if zvp_signs is None else zvp_signs[dp]
-        return self.worker.old_logp_of(shard, advantages[dp], plan.rank(dp), zvp_signs=signs)
+    def old_logp(self, part, handle: int) -> dict[str, float]:
+        """The π_old pass on this rank's `moe_rl.orchestration.batches.RankPart` (its shard fetched
+        by reference); the prepared batch is kept under ``handle`` until `train` takes it."""
+        from moe_rl.trainer.batch import TrainerBatch
 
-    def train(self) -> dict[str, float]:
-        return self.worker.train_on_batch()
+        shard = ray.get(part.trajectories, timeout=RAY_TIMEOUT_S)
+        prepared = self.worker.old_logp(
+            TrainerBatch.of_share(shard, part.advantages, part.share, part.zvp_signs)
+        )
+        self._prepared = {handle: prepared}  # a new step's batch replaces one never trained on
+        return prepared.metrics
+
+    def train(self, handle: int) -> dict[str, float]:
+        """One optimizer step per mini-batch of the batch prepared under ``handle``."""
+        prepared = self._prepared.pop(handle, None)
+        if prepared is None:
+            raise RuntimeError(f"trainer rank {self.rank}: no batch prepared under handle {handle}")
+        return self.worker.train(prepared)
 
     def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, into: str) -> dict[str, Any]:
         """Send the tensors this rank owns to every engine, bucket by bucket (see

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ from moe_rl.algo.modes import Objective
 from moe_rl.algo.objectives import dgo_weights
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.errors import TrajectoryError
-from moe_rl.data.packing import ShardPlan, plan_shards
+from moe_rl.data.packing import RankShare, ShardPlan, plan_shards
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.validate import check_staleness, validate
 from moe_rl.rollout.engine import SamplingSpec
@@ -79,6 +80,29 @@ def merge(batches: Sequence[TrajectoryBatch], plan: Dispatch) -> TrajectoryBatch
     """The replicas' batches (one per non-empty replica, in replica order) in prompt order."""
     present = [b for b in batches if b is not None]
     return TrajectoryBatch.concat(present).select(plan.merge_order())
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one data-parallel rank trains on in a step: its shard of the batch (in the object
+    store, fetched by the rank), its samples' advantages (and RL-ZVP signs) and its share of the
+    mini-batch plan (`moe_rl.trainer.batch.TrainerBatch.of_share`)."""
+
+    trajectories: Any
+    """The shard's `TrajectoryBatch`, or an object reference to it."""
+    advantages: Tensor
+    share: RankShare
+    zvp_signs: Tensor | None = None
+
+
+def rank_parts(
+    plan: ShardPlan, shards: Sequence[Any], advantages: Tensor, zvp_signs: Tensor | None
+) -> list[RankPart]:
+    """Per data-parallel rank, its `RankPart`: the one place that reads the plan's layout."""
+    return [
+        RankPart(shard, advantages[idx], plan.rank(dp), None if zvp_signs is None else zvp_signs[idx])
+        for dp, (shard, idx) in enumerate(zip(shards, plan.indices, strict=True))
+    ]
 
 
 @dataclass

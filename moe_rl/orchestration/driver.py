@@ -107,10 +107,10 @@ def online_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[di
         batch = stages.reward(batch, metrics)  # verifiable rewards (scored by the reward worker)
         stages.dump(step, batch)  # optional trajectory shards
         advantages = stages.advantages(batch, metrics)  # GRPO / Dr.GRPO / RLOO
-        stages.old_logp(batch, advantages, metrics)  # π_old + mismatch diagnostics
+        prepared = stages.old_logp(batch, advantages, metrics)  # π_old + mismatch diagnostics
         if config.run.mode == RunMode.ASYNC and step + 1 < config.run.steps:
             pending = stages.launch_rollout(step + 1)  # overlaps training
-        stages.train(metrics)  # objective + corrections
+        stages.train(prepared, metrics)  # objective + corrections
         stages.sync_weights(version=step + 1, metrics=metrics)  # quantized per recipe
         metrics["time/step_s"] = time.perf_counter() - t0
         stages.maybe_probe(step, metrics)  # optional mismatch probe
@@ -124,8 +124,8 @@ def offline_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[d
         t0 = time.perf_counter()
         batch, metrics = stages.offline_batch(dataset, step)
         weights = stages.advantages(batch, metrics)  # exp(r/β) / mean_group exp(r/β)
-        stages.old_logp(batch, weights, metrics)  # drift from the sampling policy
-        stages.train(metrics)  # −w·log π(y|x)
+        prepared = stages.old_logp(batch, weights, metrics)  # drift from the sampling policy
+        stages.train(prepared, metrics)  # −w·log π(y|x)
         stages.sync_weights(version=step + 1, metrics=metrics)
         stages.evaluate(step, metrics)  # fresh rollouts: reward/mean
         metrics["time/step_s"] = time.perf_counter() - t0

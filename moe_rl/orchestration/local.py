@@ -81,11 +81,13 @@ class LocalRun:
         from moe_rl.orchestration.batches import (
             length_metrics,
             prepare,
+            rank_parts,
             step_advantages,
             step_rewards,
             step_spec,
             step_zero_variance,
         )
+        from moe_rl.trainer.batch import TrainerBatch
 
         cfg, t0 = self.config, time.perf_counter()
         prompts = self.source.next_batch(cfg.rollout.batch_size // cfg.rollout.group_size)
@@ -102,8 +104,12 @@ class LocalRun:
         metrics.update(env_metrics([env]))
         metrics["reward/mean"] = float(summary.rewards.mean())
         signs = step_zero_variance(cfg, summary.rewards, summary.group_ids)
-        metrics.update(self.trainer.old_logp_of(batch, advantages, summary.plan.rank(0), zvp_signs=signs))
-        metrics.update(self.trainer.train_on_batch())
+        (part,) = rank_parts(summary.plan, [batch], advantages, signs)
+        prepared = self.trainer.old_logp(
+            TrainerBatch.of_share(part.trajectories, part.advantages, part.share, part.zvp_signs)
+        )
+        metrics.update(prepared.metrics)
+        metrics.update(self.trainer.train(prepared))
         metrics.update(self.sync(step + 1))
         metrics["time/step_s"] = time.perf_counter() - t0
         return {"step": step, **metrics}

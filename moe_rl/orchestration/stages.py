@@ -27,12 +27,12 @@ from moe_rl.device import Machine
 from moe_rl.diagnostics.budget import staleness_metrics
 from moe_rl.envs.rollout import env_metrics
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
-from moe_rl.orchestration.batches import Prepared, step_advantages, step_spec, step_zero_variance
+from moe_rl.orchestration.batches import Prepared, rank_parts, step_advantages, step_spec, step_zero_variance
 from moe_rl.orchestration.engine_pool import EnginePool, Generation
 from moe_rl.orchestration.offline import read_offline
 from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
 from moe_rl.orchestration.preflight import RunInputs
-from moe_rl.orchestration.trainer_group import TrainerGroup
+from moe_rl.orchestration.trainer_group import OldLogp, TrainerGroup
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rewards.tasks import Prompt
 
@@ -182,20 +182,21 @@ class Stages:
         metrics.update(found)
         return adv
 
-    def old_logp(self, rollout: Rollout, advantages: torch.Tensor, metrics: dict[str, Any]) -> None:
-        """π_old on every trainer rank: each fetches its own shard (with its advantages and, under
-        RL-ZVP, its samples' zero-variance signs)."""
+    def old_logp(self, rollout: Rollout, advantages: torch.Tensor, metrics: dict[str, Any]) -> OldLogp:
+        """π_old on every trainer rank, each on its own part of the batch: its shard (fetched by
+        reference), its samples' advantages and, under RL-ZVP, their zero-variance signs."""
         t0 = time.perf_counter()
         summary = rollout.summary
-        per_shard = [advantages[idx] for idx in summary.plan.indices]
         signs = step_zero_variance(self.config, summary.rewards, summary.group_ids)
-        per_signs = None if signs is None else [signs[idx] for idx in summary.plan.indices]
-        metrics.update(self.trainer.compute_old_logp(rollout.shards, per_shard, summary.plan, per_signs))
+        prepared = self.trainer.old_logp(rank_parts(summary.plan, rollout.shards, advantages, signs))
+        metrics.update(prepared.metrics)
         metrics["time/old_logp_s"] = time.perf_counter() - t0
+        return prepared
 
-    def train(self, metrics: dict[str, Any]) -> None:
+    def train(self, prepared: OldLogp, metrics: dict[str, Any]) -> None:
+        """One optimizer step per mini-batch of the batch ``prepared`` on every rank."""
         t0 = time.perf_counter()
-        metrics.update(self.trainer.train())
+        metrics.update(self.trainer.train(prepared))
         metrics["time/train_s"] = time.perf_counter() - t0
 
     def sync_weights(self, version: int, metrics: dict[str, Any]) -> None:

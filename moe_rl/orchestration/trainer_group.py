@@ -14,21 +14,31 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
-import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, TrainerRank
+from moe_rl.orchestration.batches import RankPart
 from moe_rl.orchestration.placement import Placement
 from moe_rl.quant.recipes import QuantReport
 
 log = logging.getLogger("moe_rl.driver")
 
 PLACEMENT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class OldLogp:
+    """A step's batch after the π_old pass on every trainer rank: its ``old/*`` metrics, and the
+    handle under which the ranks keep the prepared batch until `TrainerGroup.train` takes it."""
+
+    handle: int
+    metrics: dict[str, float]
 
 
 class TrainerGroup:
@@ -53,6 +63,7 @@ class TrainerGroup:
         ]  # fmt: skip
         self.layout: list[dict[str, int]] = []
         self.dp_size = 0
+        self._handles = 0
 
     def form(self) -> None:
         """Wait until every rank has joined the world and built its model part."""
@@ -76,16 +87,20 @@ class TrainerGroup:
     def world_size(self) -> int:
         return len(self.ranks)
 
-    def compute_old_logp(
-        self, shard_refs: Sequence[Any], advantages: Sequence[torch.Tensor], plan,
-        zvp_signs: Sequence[torch.Tensor] | None = None,
-    ) -> dict[str, float]:  # fmt: skip
-        """Each rank fetches shard ``dp_rank`` (by reference) and runs the π_old pass on it."""
-        signs = None if zvp_signs is None else list(zvp_signs)
-        return self._all("compute_old_logp", list(shard_refs), list(advantages), plan, signs)[0]
+    def old_logp(self, parts: Sequence[RankPart]) -> OldLogp:
+        """The π_old pass of a step's batch: each rank gets the part of its data-parallel rank (and
+        fetches its shard by reference); `train` takes the handle returned."""
+        self._handles += 1
+        handle = self._handles
+        refs = [
+            rank.old_logp.remote(parts[info["dp_rank"]], handle)
+            for rank, info in zip(self.ranks, self.layout)
+        ]
+        return OldLogp(handle, ray.get(refs, timeout=RAY_TIMEOUT_S)[0])
 
-    def train(self) -> dict[str, float]:
-        return self._all("train")[0]
+    def train(self, prepared: OldLogp) -> dict[str, float]:
+        """One optimizer step per mini-batch of the batch ``prepared`` names, on every rank."""
+        return self._all("train", prepared.handle)[0]
 
     def stream_weights(
         self, engines: Sequence[Any], quantized_wire: bool, into: str = "engine"

@@ -7,11 +7,10 @@ policy), with the policy's weights copied in before the first optimizer step, so
 the run starts from (the seed's initialization or ``model.hf_path``). It is frozen: eval mode, no
 gradients, in no optimizer, not wrapped in ``DistributedDataParallel``.
 
-Its log-probs (``ref_logp``) come from the old-logp pass, under the routing and kept sets of the
-policy's pass: R3 replays the engine's routing, R2 the routing the policy recorded in that pass,
-keep-sampling-mask normalizes over the engine's kept sets (`logp`, and `pipelined_logp` through
-Megatron's 1F1B schedule with PP > 1). The reference has its own `RoutingReplay` (the adapter is
-per model).
+Its log-probs (``ref_logp``) come right after the π_old pass (`moe_rl.trainer.passes.
+reference_pass`), under the routing and kept sets of the policy's pass: R3 replays the engine's
+routing, R2 the routing the policy recorded in that pass, keep-sampling-mask normalizes over the
+engine's kept sets. The reference has its own `RoutingReplay` (the adapter is per model).
 
 Offload (``algo.kl.offload_reference``, GPU trainers): the parameters live in pinned host memory
 and are copied to the trainer's device for each pass (`resident`). The weights never change after
@@ -24,7 +23,7 @@ so a resumed run keeps the original starting weights whatever seed or HF path it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,15 +34,9 @@ from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.replay import RoutingReplay
-from moe_rl.trainer import pipeline
-from moe_rl.trainer.batch import TrainMicroBatch
-from moe_rl.trainer.logprobs import PassOptions, old_logprobs, response_logprobs
 
 PREFIX = "reference."
 """Checkpoint keys of the reference's weights."""
-
-TraceFor = Callable[[TrainMicroBatch], tuple[Tensor | None, bool]]
-"""The routing to replay for a micro-batch and whether it covers this stage's layers only."""
 
 
 class ReferencePolicy:
@@ -99,53 +92,6 @@ class ReferencePolicy:
             yield self.model
         finally:
             self._drop_device_copies()
-
-    # ------------------------------------------------------------------ log-probs
-    @torch.no_grad()
-    def logp(
-        self, mb: TrainMicroBatch, options: PassOptions, trace: Tensor | None, local: bool, pad_to: int | None
-    ) -> Tensor:
-        """``[R]`` π_ref log-probs of ``mb``'s response tokens, replaying ``trace`` when given
-        (call inside `resident`)."""
-        out = old_logprobs(
-            self.model, mb.micro, options, self.replay, trace, sample_of_token=mb.sample_of_token,
-            pad_to=pad_to, local=local,
-        )  # fmt: skip
-        return out.logp
-
-    @torch.no_grad()
-    def pipelined_logp(
-        self,
-        micro_batches: Sequence[TrainMicroBatch],
-        options: PassOptions,
-        trace_for: TraceFor,
-        pad_length: Callable[[TrainMicroBatch], int | None],
-    ) -> None:
-        """Fill ``ref_logp`` of every micro-batch through the 1F1B schedule, forward only (on the
-        last stage; every stage replays its own layers' routing). Call inside `resident`."""
-        replay = self.replay
-
-        def before(mb: TrainMicroBatch) -> None:
-            trace, local = trace_for(mb)
-            if replay is not None and trace is not None:
-                replay.set_replay(trace, pad_length(mb) or mb.micro.num_tokens, mb.sample_of_token, local)
-
-        def after(mb: TrainMicroBatch) -> None:
-            if replay is not None:
-                replay.clear()
-
-        def on_logits(mb: TrainMicroBatch, logits: Tensor) -> Tensor:
-            mb.ref_logp = response_logprobs(
-                logits, mb.micro, options.temperature, options.chunk_size, options.keep_sampling_mask,
-                validate_mask=False,  # the policy's pass has checked the kept sets
-            )  # fmt: skip
-            return logits.new_zeros(())
-
-        try:
-            pipeline.run_schedule(self.model, micro_batches, True, before, after, on_logits, pad_length)
-        finally:
-            if replay is not None:
-                replay.clear()
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state_dict(self) -> dict:

@@ -62,7 +62,7 @@ def gradients(world: int, rank: int, ep: int, hf_path: str) -> dict[str, torch.T
         mine = [batches[0], batches[3]] if rank == 0 else [batches[1], batches[2]]
     else:
         mine = shard(batches, rank, world, even=False)
-    worker.compute_old_logp(mine)
+    mine, _ = worker.compute_old_logp(mine)
     worker.accumulate_gradients(mine)
     grads = {}
     for name, param in worker.model.named_parameters():
@@ -85,7 +85,7 @@ def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tens
     config = recipe(pp, 1, hf_path, pp, "trainer.grad_clip=1.0", *extra)  # clipping: a real grad norm
     worker = TrainerWorker(config)
     batches = global_batch(config)
-    old = worker.compute_old_logp(batches)
+    batches, old = worker.compute_old_logp(batches)
     step = worker.train_step(batches)
     step = {k: v for k, v in step.items() if k != "train/lr"}
     out = {"__old__/" + k: torch.tensor(v, dtype=torch.float64) for k, v in old.items()}

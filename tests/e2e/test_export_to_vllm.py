@@ -45,8 +45,8 @@ def _trainer_checkpoint(config, run: Path) -> TrainerWorker:
     batch = random_batch(0, 16, max_prompt_len=6, max_response_len=6, vocab_size=config.model.vocab_size)
     advantages = torch.randn(16, generator=torch.Generator().manual_seed(0))
     micro_batches = make_train_micro_batches(batch, advantages, config.trainer.max_tokens_per_microbatch)
-    worker.compute_old_logp(micro_batches)
-    assert worker.train_step(micro_batches)["train/update_ok"] == 1.0
+    prepared, _ = worker.compute_old_logp(micro_batches)
+    assert worker.train_step(prepared)["train/update_ok"] == 1.0
     ckpt = run / "checkpoints" / "step_000000"
     worker.save_checkpoint(ckpt / "trainer")
     write_manifest(ckpt)

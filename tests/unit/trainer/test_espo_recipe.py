@@ -12,7 +12,7 @@ import torch
 
 from moe_rl.config import ConfigError
 from moe_rl.orchestration.preflight import load_checked
-from moe_rl.trainer.worker import recipe_objective
+from moe_rl.trainer.loss import TrainerLoss
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 
@@ -48,7 +48,7 @@ def test_the_stability_stack_trains_espo_with_its_own_aggregation():
     config = load_checked(TINY, [])  # the tiny recipe includes recipes/algo/stability_stack.yaml
     a = config.algo
     assert (a.objective, a.aggregation) == ("espo", "seq_mean_group_mean")
-    loss_fn = recipe_objective(config)
+    loss_fn = TrainerLoss.of(config).objective
     tensors = {
         "logp": torch.tensor(LOGP, dtype=torch.float64, requires_grad=True),
         "old_logp": torch.tensor(OLD, dtype=torch.float64),
@@ -62,7 +62,7 @@ def test_the_stability_stack_trains_espo_with_its_own_aggregation():
     assert float(out.loss_sum / out.denom) == pytest.approx(want, rel=1e-12)
     assert float(out.denom) == 2.0  # the mean over responses
     token_mean = load_checked(TINY, ["algo.aggregation=token_mean"])
-    other = recipe_objective(token_mean)(**tensors, num_seqs=2, weights=None, vocab_size=16)
+    other = TrainerLoss.of(token_mean).objective(**tensors, num_seqs=2, weights=None, vocab_size=16)
     assert float(other.loss_sum / other.denom) != pytest.approx(want, rel=1e-3)  # the choice matters
 
 
@@ -76,7 +76,7 @@ def test_dr_grpo_constant_normalizer_is_the_recipes_max_new_tokens():
     mean over responses; REINFORCE's token loss is −A·logp."""
     config = load_checked(TINY, ["algo.objective=reinforce", "algo.aggregation=seq_mean_token_sum_norm"])
     length = config.rollout.max_new_tokens
-    out = recipe_objective(config)(
+    out = TrainerLoss.of(config).objective(
         logp=torch.tensor(LOGP, dtype=torch.float64, requires_grad=True),
         old_logp=torch.tensor(OLD, dtype=torch.float64),
         advantages=torch.tensor(ADV, dtype=torch.float64),
@@ -95,7 +95,7 @@ def test_a_recipe_turns_dual_clip_off_with_c_at_most_one(c, capped):
     config = load_checked(
         TINY, ["algo.objective=ppo_clip", "algo.aggregation=token_mean", f"algo.dual_clip_c={c}"]
     )
-    out = recipe_objective(config)(
+    out = TrainerLoss.of(config).objective(
         logp=torch.tensor([math.log(10.0)], dtype=torch.float64),
         old_logp=torch.tensor([0.0], dtype=torch.float64),
         advantages=torch.tensor([-1.0], dtype=torch.float64),

@@ -6,6 +6,7 @@ displaced policy back to the reference on every device; the in-process RL loop t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -53,14 +54,14 @@ def test_reference_is_the_frozen_starting_policy(device):
     for name, value in _tensors(ref).items():
         assert torch.equal(value, start[name]), name
 
-    mbs = _batches(config)
-    worker.compute_old_logp(mbs)
+    batches = _batches(config)
+    mbs, _ = worker.compute_old_logp(batches)
     for mb in mbs:  # same weights, same replayed routing, same kept sets
         assert_same(mb.ref_logp, mb.old_logp, device)
     ref_logp = [mb.ref_logp.clone() for mb in mbs]
     first = worker.train_step(mbs)
     assert first["train/kl/ref_k3"] == pytest.approx(0.0, abs=1e-6)
-    worker.compute_old_logp(mbs)
+    mbs, _ = worker.compute_old_logp(batches)
     assert any(not torch.equal(mb.old_logp, before) for mb, before in zip(mbs, ref_logp))  # π_old moved
     for mb, before in zip(mbs, ref_logp):  # π_ref did not
         assert_same(mb.ref_logp, before, device)
@@ -77,9 +78,8 @@ def test_r2_reference_replays_the_policys_recorded_routing(device):
     with torch.no_grad():  # a reference whose routers would choose other experts on their own
         for _, router in reference.replay.routers:
             router.weight.mul_(-3.0)
-    mbs = _batches(config, seed=4)
-    worker.compute_old_logp(mbs)
-    options = worker.options
+    mbs, _ = worker.compute_old_logp(_batches(config, seed=4))
+    options = worker.passes.options
     natural_differs = False
     for mb in mbs:
         assert mb.recorded_routing is not None
@@ -123,7 +123,7 @@ def test_kl_term_value_and_gradient_by_hand(estimator, mode, device):
     mbs = _batches(config, seed=2)
     for mb in mbs:
         mb.advantages = torch.zeros_like(mb.advantages)
-    worker.compute_old_logp(mbs)
+    mbs, _ = worker.compute_old_logp(mbs)
     loss_sum, denom, metrics = worker.accumulate_gradients(mbs)
 
     policy = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
@@ -158,8 +158,7 @@ def test_resume_keeps_the_original_reference(tmp_path, device):
     config = tiny_recipe(f"algo.kl.coef={COEF}")
     first = TrainerWorker(config)
     start = _tensors(first.model)
-    mbs = _batches(config, seed=1)
-    first.compute_old_logp(mbs)
+    mbs, _ = first.compute_old_logp(_batches(config, seed=1))
     first.train_step(mbs)
     first.save_checkpoint(tmp_path / "ckpt")
     resumed = TrainerWorker(tiny_recipe(f"algo.kl.coef={COEF}", "run.seed=99"))  # another start
@@ -170,9 +169,8 @@ def test_resume_keeps_the_original_reference(tmp_path, device):
     policy = _tensors(first.model)
     for name, value in _tensors(resumed.model).items():
         assert torch.equal(value, policy[name]), name
-    a, b = _batches(config, seed=3), _batches(config, seed=3)
-    first.compute_old_logp(a)
-    resumed.compute_old_logp(b)
+    a, _ = first.compute_old_logp(_batches(config, seed=3))
+    b, _ = resumed.compute_old_logp(_batches(config, seed=3))
     for x, y in zip(a, b):
         assert_same(y.ref_logp, x.ref_logp, device)
         assert not torch.equal(x.ref_logp, x.old_logp)
@@ -180,8 +178,7 @@ def test_resume_keeps_the_original_reference(tmp_path, device):
 
 def test_checkpoints_with_and_without_a_reference(tmp_path, caplog, device):
     plain = TrainerWorker(tiny_recipe())
-    mbs = _batches(plain.config, seed=6)
-    plain.compute_old_logp(mbs)
+    mbs, _ = plain.compute_old_logp(_batches(plain.config, seed=6))
     plain.train_step(mbs)
     plain.save_checkpoint(tmp_path / "plain")
     kl = TrainerWorker(tiny_recipe(f"algo.kl.coef={COEF}", "run.seed=7"))
@@ -201,8 +198,7 @@ def test_offloaded_reference_lives_in_host_memory_between_passes(device):
     assert worker.reference.offloaded == on_gpu  # on the CPU there is nothing to offload
     home = "cpu" if on_gpu else device.type
     assert all(p.device.type == home for p in worker.reference.model.parameters())
-    mbs = _batches(worker.config, seed=5)
-    worker.compute_old_logp(mbs)
+    mbs, _ = worker.compute_old_logp(_batches(worker.config, seed=5))
     assert all(p.device.type == home for p in worker.reference.model.parameters())
     for mb in mbs:
         assert mb.ref_logp.device == device
@@ -227,17 +223,19 @@ def test_the_penalty_pulls_a_displaced_policy_back_to_the_reference(device):
         config = tiny_recipe(f"algo.kl.coef={max(coef, 1e-12)}", "algo.kl.estimator=k3", "trainer.lr=1e-3")
         worker = TrainerWorker(config)
         if coef == 0.0:
-            worker.kl_loss = None  # a reference to measure against, no penalty in the loss
+            worker.loss = dataclasses.replace(
+                worker.loss, kl=None
+            )  # a reference to measure against, no penalty
         _perturb(worker.model, 0.05)
         mbs = _batches(config, seed=8)
         for mb in mbs:
             mb.advantages.zero_()
         curve = []
         for _ in range(5):
-            worker.compute_old_logp(mbs)
-            log_ratio = torch.cat([mb.ref_logp - mb.old_logp for mb in mbs])  # log π_ref / π
+            prepared, _ = worker.compute_old_logp(mbs)
+            log_ratio = torch.cat([mb.ref_logp - mb.old_logp for mb in prepared])  # log π_ref / π
             curve.append(float((log_ratio.exp() - log_ratio - 1).mean()))
-            worker.train_step(mbs)
+            worker.train_step(prepared)
         curves[coef] = curve
     free, pulled = curves[0.0], curves[1.0]
     assert pulled[0] > 1e-2 and free[0] == pytest.approx(pulled[0], rel=1e-4), curves  # the same start

@@ -14,6 +14,7 @@ from moe_rl.algo.advantages import grpo
 from moe_rl.data.packing import pack_samples
 from moe_rl.data.synthetic import random_batch
 from moe_rl.data.validate import validate
+from moe_rl.trainer.batch import TrainerBatch
 from moe_rl.trainer.worker import TrainerWorker
 
 
@@ -45,13 +46,19 @@ def _scramble_environment_fields(batch):
     return batch.replace(rollout_logp=logp, sampling_mask_ids=ids, sampling_mask_offsets=new_offsets)
 
 
+def _prepared(worker: TrainerWorker, batch, advantages):
+    t = worker.config.trainer
+    return worker.old_logp(
+        TrainerBatch.whole(batch, advantages, t.max_tokens_per_microbatch, t.num_mini_batches)
+    )
+
+
 def _loss_and_grads(worker: TrainerWorker, batch) -> tuple[float, list[torch.Tensor], dict]:
     advantages = grpo(batch.rewards, batch.group_ids)
-    old = worker.old_logp_of(batch, advantages)
-    loss_sum, denom, _ = worker.accumulate_gradients(worker.mini_batches[0])
+    prepared = _prepared(worker, batch, advantages)
+    loss_sum, denom, _ = worker.accumulate_gradients(prepared.mini_batches[0])
     grads = [p.main_grad.detach().clone() for p in worker.model.parameters() if p.requires_grad]
-    worker.mini_batches = []
-    return float(loss_sum / denom), grads, old
+    return float(loss_sum / denom), grads, prepared.metrics
 
 
 def test_environment_tokens_are_context_not_response_tokens():
@@ -97,10 +104,9 @@ def test_environment_rollout_fields_cannot_change_the_loss_and_r3_replays_their_
     num_experts = config.model.num_experts
     trace[row] = (trace[row].to(torch.int64) + 1).remainder(num_experts).to(trace.dtype)
     advantages = grpo(batch.rewards, batch.group_ids)
-    worker.old_logp_of(batch, advantages)
-    before = {int(i): mb for mini in worker.mini_batches for mb in mini for i in mb.micro.sample_indices}
+    prepared = _prepared(worker, batch, advantages)
+    before = {int(i): mb for mini in prepared.mini_batches for mb in mini for i in mb.micro.sample_indices}
     base = before[sample].old_logp.clone()
-    worker.old_logp_of(batch.replace(routed_experts=trace), advantages)
-    after = {int(i): mb for mini in worker.mini_batches for mb in mini for i in mb.micro.sample_indices}
+    prepared = _prepared(worker, batch.replace(routed_experts=trace), advantages)
+    after = {int(i): mb for mini in prepared.mini_batches for mb in mini for i in mb.micro.sample_indices}
     assert not torch.equal(after[sample].old_logp, base)
-    worker.mini_batches = []

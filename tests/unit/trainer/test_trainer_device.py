@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("device")
 
 
 def test_the_boundary_moves_every_tensor_of_a_micro_batch():
-    """`TrainMicroBatch.to_` leaves no field behind (a missed field would stay on the CPU)."""
+    """`TrainMicroBatch.to` leaves no field behind (a missed field would stay on the CPU)."""
     config = tiny_recipe()
     (mb, *_) = micro_batches(0, 6, config.model)
     mb.old_logp = torch.zeros_like(mb.advantages)
@@ -33,7 +33,7 @@ def test_the_boundary_moves_every_tensor_of_a_micro_batch():
     assert {"micro.input_ids", "micro.routed_experts", "micro.sampling_mask_ids", "recorded_routing"} <= {
         name for name, _ in found
     }
-    mb.to_("meta")
+    mb = mb.to("meta")
     assert [name for name, t in tensors_of(mb) if t.device.type != "meta"] == []
     assert mb.seq_ids.device.type == "meta" and mb.sample_of_token.device.type == "meta"
 
@@ -44,7 +44,7 @@ def test_a_worker_step_creates_its_tensors_on_the_worker_device(device):
     mbs = micro_batches(1, 12, worker.config.model, max_tokens=48)  # CPU, as from a trajectory
     inputs = ModelInputAudit(worker.model)
     with FactoryAudit() as audit:
-        old = worker.compute_old_logp(mbs)
+        mbs, old = worker.compute_old_logp(mbs)
         first = worker.train_step(mbs[: len(mbs) // 2])
         second = worker.train_step(mbs[len(mbs) // 2 :])
     inputs.remove()

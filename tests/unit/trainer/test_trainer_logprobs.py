@@ -119,6 +119,6 @@ def test_a_micro_batch_off_the_model_device_is_refused(device):
 
     cfg = tiny_qwen()
     model = build_gpt_model(cfg, seed=15).eval()
-    mb = micro_batches(7, 3, cfg)[0].to_("meta")
+    mb = micro_batches(7, 3, cfg)[0].to("meta")
     with pytest.raises(ValueError, match="input_ids are on meta, the model on"):
         forward_logits(model, mb.micro)

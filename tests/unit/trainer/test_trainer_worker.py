@@ -26,8 +26,7 @@ def stack_worker():
 def test_stability_stack_step(stack_worker):
     worker = stack_worker
     assert worker.config.algo.routing_replay == "r3" and worker.config.algo.objective == "espo"
-    mbs = _batches(worker.config)
-    old = worker.compute_old_logp(mbs)
+    mbs, old = worker.compute_old_logp(_batches(worker.config))
     assert all(mb.old_logp is not None and mb.old_entropy is not None for mb in mbs)
     assert {"old/kl_k3", "old/ess_token", "old/routing_agreement"} <= set(old)
     metrics = worker.train_step(mbs)
@@ -50,8 +49,8 @@ def test_export_hf_weights_streams_names(stack_worker):
 def _run(worker, batches, steps):
     losses = []
     for _ in range(steps):
-        worker.compute_old_logp(batches)
-        losses.append(worker.train_step(batches)["train/loss"])
+        prepared, _ = worker.compute_old_logp(batches)
+        losses.append(worker.train_step(prepared)["train/loss"])
     return losses
 
 
@@ -81,8 +80,7 @@ def test_checkpoint_resume_is_exact(tmp_path, device):
 
 def test_vcpo_scales_the_learning_rate():
     worker = TrainerWorker(tiny_recipe("trainer.vcpo_lr_scaling=true", "algo.routing_replay='off'"))
-    mbs = _batches(worker.config, seed=2)
-    worker.compute_old_logp(mbs)
+    mbs, _ = worker.compute_old_logp(_batches(worker.config, seed=2))
     metrics = worker.train_step(mbs)
     assert 0 < metrics["train/lr_scale"] < 1  # random rollout log-probs: far off-policy
 

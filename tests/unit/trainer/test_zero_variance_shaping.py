@@ -12,6 +12,7 @@ from trainer_testing import tiny_recipe
 
 from moe_rl.algo.advantages import grpo, zero_variance_signs
 from moe_rl.data.synthetic import random_batch
+from moe_rl.trainer.batch import TrainerBatch
 from moe_rl.trainer.rules import check_trainer
 from moe_rl.trainer.worker import TrainerWorker
 
@@ -48,12 +49,16 @@ def test_the_worker_shapes_zero_variance_advantages_from_old_entropy():
     batch, rewards, groups = _batch(config)
     adv = grpo(rewards, groups)
     signs = zero_variance_signs(rewards, groups)
+    t = config.trainer
     with pytest.raises(ValueError, match="zero_variance_shaping=True but zero-variance signs were not given"):
-        worker.old_logp_of(batch, adv)
-    metrics = worker.old_logp_of(batch, adv, zvp_signs=signs)
+        worker.old_logp(TrainerBatch.whole(batch, adv, t.max_tokens_per_microbatch, t.num_mini_batches))
+    prepared = worker.old_logp(
+        TrainerBatch.whole(batch, adv, t.max_tokens_per_microbatch, t.num_mini_batches, zvp_signs=signs)
+    )
+    metrics = prepared.metrics
     assert metrics["old/zvp_token_share"] == pytest.approx(2 / 3, abs=0.2)
     seen, base = set(), 0
-    for mini in worker.mini_batches:  # the rank's samples in order, mini-batch after mini-batch
+    for mini in prepared.mini_batches:  # the rank's samples in order, mini-batch after mini-batch
         for mb in mini:
             offsets = mb.micro.response_offsets.tolist()
             for j, index in enumerate(mb.micro.sample_indices.tolist()):
@@ -72,7 +77,7 @@ def test_the_worker_shapes_zero_variance_advantages_from_old_entropy():
                     assert any(abs(g) > 1e-4 for g in got), (sample, h, got)
         base += sum(mb.num_samples for mb in mini)
     assert seen == set(range(12))
-    step = worker.train_on_batch()
+    step = worker.train(prepared)
     assert math.isfinite(step["train/loss"]) and step["train/grad_norm"] > 0
 
 

@@ -119,7 +119,7 @@ def micro_batches(
     )
     advantages = torch.randn(num_samples, generator=torch.Generator().manual_seed(seed))
     packed = make_train_micro_batches(batch, advantages, max_tokens, num_microbatches)
-    return packed if device is None else [mb.to_(device) for mb in packed]
+    return packed if device is None else [mb.to(device) for mb in packed]
 
 
 def assert_same(

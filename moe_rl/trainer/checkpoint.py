@@ -1,0 +1,104 @@
+"""A trainer rank's checkpoint: model, optimizer, schedule, RNG, step and, with a KL penalty, the
+reference policy, through Megatron ``dist_checkpointing`` (every rank writes and reads its own
+shards; any trainer layout reads any other's).
+
+The reference policy is saved next to the policy (``reference.`` keys), so a resumed run keeps the
+original run's starting weights whatever seed or HF path it starts from; a checkpoint saved without
+a KL penalty holds none, and the reference stays the starting weights the worker built.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_rl.trainer.reference import saved_with_reference
+
+log = logging.getLogger("moe_rl.trainer.worker")
+
+
+def rng_state(device: torch.device) -> dict:
+    """Python, NumPy and torch RNG states (and CUDA's, with Megatron's tracker, on a GPU)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and device.type == "cuda":
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        torch.cuda.set_rng_state(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["cuda_tracker"])
+
+
+def _sharded_state(worker, is_loading: bool, reference: bool = True) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model_sd = worker.model.sharded_state_dict()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = {
+        "model": model_sd,
+        "optimizer": worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "scheduler": worker.scheduler.state_dict(),
+        "step": worker.step,
+        "rng": ShardedObject("rng_state", rng_state(worker.device), (world,), (rank,), replica_id=0),
+    }
+    if reference and worker.reference is not None:
+        state["reference"] = worker.reference.sharded_state_dict()
+    return state
+
+
+def _reference_resident(worker) -> AbstractContextManager:
+    """The reference's weights on the device for a checkpoint's save or load (when offloaded)."""
+    return worker.reference.resident() if worker.reference is not None else nullcontext()
+
+
+def save(worker, directory: str | Path) -> Path:
+    """Save ``worker``'s state (see the module docstring) into ``directory`` (collective)."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    with _reference_resident(worker):
+        dist_checkpointing.save(_sharded_state(worker, is_loading=False), str(directory))
+    log.info("saved checkpoint of step %d to %s", worker.step, directory)
+    return directory
+
+
+def load(worker, directory: str | Path) -> int:
+    """Restore everything `save` wrote into ``worker``; returns the step (collective)."""
+    from megatron.core import dist_checkpointing
+
+    with_reference = worker.reference is not None and saved_with_reference(directory)
+    if worker.reference is not None and not with_reference:
+        log.warning(
+            "checkpoint %s holds no reference policy (saved with algo.kl.coef=0): the reference is "
+            "the starting weights of this run's model.hf_path or run.seed", directory,
+        )  # fmt: skip
+    with _reference_resident(worker):
+        state = dist_checkpointing.load(_sharded_state(worker, True, with_reference), str(directory))
+        if with_reference:
+            worker.reference.load_sharded(state["reference"])
+    worker.model.load_state_dict(state["model"])
+    worker.optimizer.load_state_dict(state["optimizer"])
+    worker.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"], worker.device)
+    worker.step = int(state["step"])
+    log.info("loaded checkpoint of step %d from %s", worker.step, directory)
+    return worker.step
