@@ -26,11 +26,14 @@ from typing import Any
 import ray
 import torch
 
-from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import process_device
 from moe_rl.log import LOG_DIR_ENV
+from moe_rl.orchestration.engine_host import EngineHost
 from moe_rl.orchestration.placement import PROCESS_ENV
+from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.report import SyncReport
+from moe_rl.weight_sync.transport import Reach
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +66,7 @@ class TrainerRank:
         _setup_process(config, threads, f"trainer{rank}")
         self.config, self.rank, self.world_size = config, rank, world_size
         self.worker = None
-        self._packer = None  # the bucket buffers (or shared slots), kept from sync to sync
-        self._arena = None  # this rank's CPU parameters in shared memory, once a sync uses the slots
+        self._sender = None  # this rank's side of weight syncs (transport, buffers, arena), kept
         self._engine_nodes: dict[str, str | None] = {}
         self._prepared: dict = {}  # handle -> the batch its π_old pass prepared (`old_logp` / `train`)
 
@@ -106,56 +108,36 @@ class TrainerRank:
             raise RuntimeError(f"trainer rank {self.rank}: no batch prepared under handle {handle}")
         return self.worker.train(prepared)
 
-    def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, into: str) -> dict[str, Any]:
-        """Send the tensors this rank owns to every engine, bucket by bucket (see
-        `moe_rl.weight_sync.sender`): through shared-memory slots when every engine runs on this
-        node, else through the object store. Returns the bytes, bucket count, quantization report
-        and the indices of engines that died on the way."""
-        from moe_rl.weight_sync.sender import publish, stream_buckets
-        from moe_rl.weight_sync.wire import WireEncoder
-
-        config = self.config
-        encoder = WireEncoder(config.quant, config.model.num_layers, quantized_wire=quantized_wire)
+    def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:
+        """Send the tensors this rank owns to ``target`` of every engine, bucket by bucket
+        (`moe_rl.weight_sync.sender.RankSender`): through shared memory when every engine runs on
+        this node, else through the object store. This rank's part of the sync's report (with the
+        indices of engines that died on the way)."""
         nodes = self._nodes_of(engines)
         dead = {i for i, node in nodes.items() if node is None}
-        shared = all(node == ray.get_runtime_context().get_node_id() for node in nodes.values() if node)
-        packer = self._packer_for(config.rollout.sync_bucket_mb << 20, shared)
+        here = ray.get_runtime_context().get_node_id()
+        reach = Reach.SAME_NODE if all(node == here for node in nodes.values() if node) else Reach.OTHER_NODES
         receivers = {
-            i: functools.partial(engine.receive_bucket.remote, into=into)
+            i: functools.partial(engine.receive_bucket.remote, into=target)
             for i, engine in enumerate(engines)
             if i not in dead
         }
-        buckets = stream_buckets(self.worker.model, encoder, packer.capacity, self.rank, packer)
-        out = publish(buckets, receivers, RAY_TIMEOUT_S)
-        return {"bytes": out.bytes, "in_place": out.in_place, "buckets": out.buckets, "report": encoder.report if encoder.active else None,
-                "dead": sorted(dead | out.dead), "shared_memory": int(shared)}  # fmt: skip
+        if self._sender is None:
+            from moe_rl.weight_sync.sender import RankSender
+
+            c = self.config
+            self._sender = RankSender(
+                self.worker.model, c.quant, c.model.num_layers, c.rollout.sync_bucket_mb << 20, self.rank
+            )
+        report = self._sender.send(receivers, reach, quantized_wire, RAY_TIMEOUT_S)
+        report.dead |= dead
+        return report
 
     def release(self) -> None:
         """Remove this rank's shared weight-sync slots and arena file (before the actor is killed)."""
-        if self._packer is not None and self._packer.slots is not None:
-            self._packer.slots.close()
-        if self._arena is not None:
-            self._arena.close()
-        self._packer = self._arena = None
-
-    def _packer_for(self, capacity: int, shared: bool):
-        """The rank's packer, kept from sync to sync (its buffers or shared slots are reused). With
-        shared slots on CPU the rank's parameters move into a shared arena once (`weight_sync.sender.
-        share_parameters`), so the engines read the tensors that travel as they are in place."""
-        from moe_rl.weight_sync.buckets import BucketPacker
-        from moe_rl.weight_sync.sender import sends, share_parameters
-        from moe_rl.weight_sync.shm import SharedSlots
-
-        if shared and self._arena is None and self.worker.device.type == "cpu":
-            self._arena = share_parameters(self.worker.model, tag=str(self.rank), select=sends)
-        packer = self._packer
-        if packer is None or packer.capacity != capacity or (packer.slots is not None) != shared:
-            if packer is not None and packer.slots is not None:
-                packer.slots.close()
-            slots = SharedSlots(capacity, tag=str(self.rank)) if shared else None
-            arena = self._arena if shared else None
-            self._packer = packer = BucketPacker(capacity, sender=self.rank, slots=slots, arena=arena)
-        return packer
+        if self._sender is not None:
+            self._sender.close()
+        self._sender = None
 
     def _nodes_of(self, engines: Sequence[Any]) -> dict[int, str | None]:
         """Each engine's node id (None: its process is gone), asked once per engine actor."""
@@ -185,72 +167,29 @@ class TrainerRank:
         return self.worker.load_checkpoint(directory)
 
 
-class EngineActor:
-    """One rollout engine replica (see the module docstring)."""
+class EngineActor(EngineHost):
+    """One rollout engine replica as a Ray actor (see the module docstring)."""
 
     def __init__(
         self, config: RecipeConfig, model_path: str | None, replica: int, threads: int, restarts: int = 0,
         env_factory=None,
     ):  # fmt: skip
-        """``env_factory``: the environment maker the preflight built (`env.name`; built here when
-        not given)."""
         _setup_process(config, threads, f"engine{replica}")
-        self.config, self.replica, self.restarts = config, replica, restarts
-        self.engine = make_engine(config, model_path)
-        from moe_rl.envs.rollout import rollouts_for
-
-        self.rollouts = rollouts_for(config, self.engine, env_factory)  # single- or multi-turn (`env.name`)
-        self._reference = None
-        self._generates = 0
+        super().__init__(config, model_path, replica, restarts, env_factory)
 
     def pid(self) -> int:
         return os.getpid()
 
     @ray.method(num_returns=2)
     def generate(self, prompts: Sequence[Any], sampling, group_ids: Sequence[int]):
-        """``(batch, status)`` for `moe_rl.rewards.tasks.Prompt` s: the driver waits on the small status
-        (with the environment's counts of a multi-turn rollout), the batch goes on by reference."""
+        """``(batch, status)``: the driver waits on the small status, the batch goes on by reference."""
         self._generates += 1
         if self.restarts == 0:
             _maybe_fail(self.replica, self._generates)
-        batch, env = self.rollouts.generate(prompts, sampling, group_ids)
-        return batch, {"replica": self.replica, "samples": batch.num_samples, "env": env}
+        return super().generate(prompts, sampling, group_ids)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
-
-    def begin_weight_update(self, version: int, into: str = "engine") -> None:
-        self._target(into).begin_weight_update(version)
-
-    def receive_bucket(self, bucket, into: str = "engine") -> dict[str, float]:
-        return self._target(into).receive_bucket(bucket)
-
-    def finish_weight_update(self, version: int, into: str = "engine") -> dict[str, float]:
-        return self._target(into).finish_weight_update(version)
-
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
-    def capabilities(self):
-        return self.engine.capabilities
-
-    def _target(self, into: str):
-        if into == "engine":
-            return self.engine
-        if into != "reference":
-            raise ValueError(f"weights go into 'engine' or 'reference', not {into!r}")
-        if self._reference is None:
-            from moe_rl.diagnostics.probe import ReferenceModel
-
-            self._reference = ReferenceModel(self.config)
-        return self._reference
-
-    def probe(self, prompts) -> dict[str, float | str]:
-        """The zero-update mismatch probe (`moe_rl.diagnostics.probe`): the engine as it is now vs
-        the full-precision reference model, which the last reference sync filled."""
-        from moe_rl.diagnostics.probe import mismatch_probe
-
-        return mismatch_probe(self.engine, self._target("reference").model, prompts, self.config)
 
 
 def _maybe_fail(replica: int, call: int) -> None:
@@ -266,69 +205,30 @@ def _maybe_fail(replica: int, call: int) -> None:
 
 
 class RewardActor:
-    """Scores and prepares rollout batches away from the driver (`moe_rl.orchestration.batches`)."""
+    """The reward worker as a Ray actor (`moe_rl.orchestration.batches.Rewarder`): rollout batches
+    travel engine → store → trainer ranks, and the driver reads only their summary."""
 
     def __init__(self, config: RecipeConfig, scorer=None):
-        """``scorer``: the scorer the preflight built (`data.reward`; built here when not given,
-        None with an environment, whose rewards are in the batch)."""
         _setup_process(config, 1, "reward")
-        from moe_rl.orchestration.batches import step_scorer
+        from moe_rl.orchestration.batches import Rewarder
 
-        self.config = config
-        self.scorer = scorer if scorer is not None else step_scorer(config)
+        self.rewarder = Rewarder(config, scorer)
 
     @ray.method(num_returns=2)
     def prepare(self, batch_refs: Sequence[Any], plan, prompts, version: int, dp_size: int):
-        """Merge the replicas' batches in prompt order, score, validate, check staleness and shard:
-        ``(shard refs, summary)``; the summary is all the driver reads."""
-        from moe_rl.orchestration.batches import engine_metrics, merge, step_rewards
-
+        """``(shard refs, summary)`` of the replicas' batches (fetched by reference)."""
         parts = ray.get(list(batch_refs), timeout=RAY_TIMEOUT_S)
-        batch = merge(parts, plan)
-        rewards = step_rewards(self.scorer, batch, prompts, plan.group_size)
-        return self._shard(batch, rewards, version, dp_size, engine_metrics(parts))
+        shards, summary = self.rewarder.prepare(parts, plan, prompts, version, dp_size)
+        return [ray.put(shard) for shard in shards], summary
 
     @ray.method(num_returns=2)
     def prepare_stored(self, batch, version: int, dp_size: int):
-        """A stored batch (offline DGO, rewards already in it): validate and shard."""
-        return self._shard(batch, batch.rewards.tolist(), version, dp_size, {}, staleness=10**9)
-
-    def _shard(self, batch, rewards, version: int, dp_size: int, extra: dict, staleness: int | None = None):
-        from moe_rl.orchestration.batches import prepare
-
-        t = self.config.trainer
-        batch, summary = prepare(
-            batch, rewards, version, self.config.run.max_staleness if staleness is None else staleness,
-            vocab_size=self.config.model.vocab_size, dp_size=dp_size,
-            max_tokens_per_microbatch=t.max_tokens_per_microbatch, num_mini_batches=t.num_mini_batches,
-        )  # fmt: skip
-        summary.metrics.update(extra)
-        self._last = batch
-        shards = [] if summary.plan is None else [ray.put(batch.select(idx)) for idx in summary.plan.indices]
-        return shards, summary
+        """``(shard refs, summary)`` of a stored batch (offline DGO)."""
+        shards, summary = self.rewarder.prepare_stored(batch, version, dp_size)
+        return [ray.put(shard) for shard in shards], summary
 
     def dump(self, folder: str, step: int) -> None:
-        """Write the last prepared batch as trajectory shards (`logging.dump_trajectories`)."""
-        from moe_rl.data.shards import write_shards
-
-        batch = self._last
-        write_shards([batch], folder, max_samples_per_shard=batch.num_samples, metadata={"step": step})
-
-
-def make_engine(config: RecipeConfig, model_path: str | None = None):
-    """The engine of `rollout.engine`, after the capability checks for this machine."""
-    from moe_rl.rollout.capabilities import check_recipe
-
-    check_recipe(config)
-    if config.rollout.engine == Engine.MEGATRON:
-        from moe_rl.rollout.megatron_engine import MegatronEngine
-
-        return MegatronEngine(config)
-    from moe_rl.rollout.vllm_engine import VLLMEngine
-
-    if model_path is None:
-        raise ValueError("rollout.engine=vllm starts from a Hugging Face folder; none was written")
-    return VLLMEngine.from_recipe(config, model_path)
+        self.rewarder.dump(folder, step)
 
 
 def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:

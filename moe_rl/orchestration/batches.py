@@ -31,6 +31,7 @@ from moe_rl.data.errors import TrajectoryError
 from moe_rl.data.packing import RankShare, ShardPlan, plan_shards
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.validate import check_staleness, validate
+from moe_rl.rewards.tasks import Prompt
 from moe_rl.rollout.engine import SamplingSpec
 
 
@@ -76,10 +77,49 @@ def dispatch(prompt_lengths: Sequence[int], n: int, max_new_tokens: int, replica
     return Dispatch([sorted(a) for a in assignment], n)
 
 
+REPLICA_SEED_STRIDE = 1_000_003
+"""Replica r samples with the step's seed + r · stride (one replica: the step's seed)."""
+
+
+def replica_spec(spec: SamplingSpec, replica: int) -> SamplingSpec:
+    """The sampling of replica ``replica`` in a step (its own seed, `REPLICA_SEED_STRIDE`)."""
+    return replace(spec, seed=None if spec.seed is None else spec.seed + replica * REPLICA_SEED_STRIDE)
+
+
 def merge(batches: Sequence[TrajectoryBatch], plan: Dispatch) -> TrajectoryBatch:
     """The replicas' batches (one per non-empty replica, in replica order) in prompt order."""
     present = [b for b in batches if b is not None]
     return TrajectoryBatch.concat(present).select(plan.merge_order())
+
+
+@dataclass
+class Replica:
+    index: int
+    actor: Any = None
+    pg: Any = None
+    restarts: int = 0
+
+
+@dataclass
+class Generation:
+    """A generation in flight: per replica its prompts and ``(batch ref, status ref)``."""
+
+    plan: Dispatch
+    prompts: list[Prompt]
+    spec: SamplingSpec
+    group_ids: list[int]
+    refs: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Per replica, what its ``generate`` reported (samples, environment counts)."""
+
+
+@dataclass(frozen=True)
+class OldLogp:
+    """A step's batch after the π_old pass on every trainer rank: its ``old/*`` metrics, and the
+    handle under which the ranks keep the prepared batch until `TrainerGroup.train` takes it."""
+
+    handle: int
+    metrics: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -215,3 +255,49 @@ def step_zero_variance(config: RecipeConfig, rewards: Tensor, group_ids: Tensor)
     if not config.algo.zero_variance_shaping:
         return None
     return zero_variance_signs(rewards, group_ids)
+
+
+class Rewarder:
+    """The reward worker's work, wherever it runs (a Ray actor of its own, `moe_rl.orchestration.
+    actors.RewardActor`, or the one-process loop): merge the replicas' batches in prompt order,
+    score, validate, check staleness and shard; keep the last prepared batch for `dump`."""
+
+    def __init__(self, config: RecipeConfig, scorer=None):
+        """``scorer``: the scorer the preflight built (`data.reward`; built here when not given,
+        None with an environment, whose rewards are in the batch)."""
+        self.config = config
+        self.scorer = scorer if scorer is not None else step_scorer(config)
+        self._last: TrajectoryBatch | None = None
+
+    def prepare(
+        self, parts: Sequence[TrajectoryBatch], plan: Dispatch, prompts: Sequence, version: int, dp_size: int
+    ) -> tuple[list[TrajectoryBatch], Prepared]:
+        """``(shards, summary)`` of the replicas' batches; the summary is all the driver reads."""
+        batch = merge(parts, plan)
+        rewards = step_rewards(self.scorer, batch, prompts, plan.group_size)
+        return self._shard(batch, rewards, version, dp_size, engine_metrics(parts))
+
+    def prepare_stored(
+        self, batch: TrajectoryBatch, version: int, dp_size: int
+    ) -> tuple[list[TrajectoryBatch], Prepared]:
+        """A stored batch (offline DGO, rewards already in it): validate and shard."""
+        return self._shard(batch, batch.rewards.tolist(), version, dp_size, {}, staleness=10**9)
+
+    def _shard(self, batch, rewards, version: int, dp_size: int, extra: dict, staleness: int | None = None):
+        t = self.config.trainer
+        batch, summary = prepare(
+            batch, rewards, version, self.config.run.max_staleness if staleness is None else staleness,
+            vocab_size=self.config.model.vocab_size, dp_size=dp_size,
+            max_tokens_per_microbatch=t.max_tokens_per_microbatch, num_mini_batches=t.num_mini_batches,
+        )  # fmt: skip
+        summary.metrics.update(extra)
+        self._last = batch
+        shards = [] if summary.plan is None else [batch.select(idx) for idx in summary.plan.indices]
+        return shards, summary
+
+    def dump(self, folder: str, step: int) -> None:
+        """Write the last prepared batch as trajectory shards (`logging.dump_trajectories`)."""
+        from moe_rl.data.shards import write_shards
+
+        batch = self._last
+        write_shards([batch], folder, max_samples_per_shard=batch.num_samples, metadata={"step": step})

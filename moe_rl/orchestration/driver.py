@@ -1,12 +1,8 @@
-"""The RL driver. It reads as the algorithm:
-
-    generate → reward → advantages → old log-probs → train → sync weights → log / checkpoint
-
-Modes (`run.mode`): `sync` (on-policy: each batch is generated with the weights it trains) and
-`async` (one-step-off-policy: the next batch is generated while the current one trains; its
-tokens are one policy version old, and batches older than `run.max_staleness` versions are
-rejected and counted, never trained on). `trainer.num_mini_batches` > 1 takes several optimizer
-steps per rollout batch (the off-policyness R2/R3 exist for).
+"""The RL driver of `moe-rl train`: Ray started (or joined), the workers placed
+(`moe_rl.orchestration.workers`), the loop of `moe_rl.orchestration.loop` run step after step with
+metrics, checkpoints and stop signals, and a summary of the run at its end.
+`trainer.num_mini_batches` > 1 takes several optimizer steps per rollout batch (the off-policyness
+R2/R3 exist for).
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -23,9 +18,11 @@ from moe_rl.config.modes import RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.log import progress
 from moe_rl.orchestration.actors import start_ray
+from moe_rl.orchestration.loop import offline_loop, online_loop
 from moe_rl.orchestration.metrics import MetricsSink, run_summary
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
 from moe_rl.orchestration.stages import Stages
+from moe_rl.orchestration.workers import ray_workers
 from moe_rl.run_dir import read_metrics, sealed
 
 log = logging.getLogger("moe_rl.driver")
@@ -59,7 +56,8 @@ def run(config: RecipeConfig, run_dir: Path, resume: bool = False, inputs: RunIn
     started = start_ray(config, run_dir / "logs")
     stop = StopRequest()
     stop.install()
-    stages = Stages(config, run_dir, inputs or build_inputs(config))
+    inputs = inputs or build_inputs(config)
+    stages = Stages(config, run_dir, ray_workers(config, run_dir, inputs), inputs)
     sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)
     try:
         code = train_steps(config, stages, sink, stop, resume)
@@ -96,37 +94,3 @@ def train_steps(
                 return 130
     stages.checkpoint()
     return 0
-
-
-def online_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[dict]:
-    """Generate with the current policy (or one version behind, async), then train on it."""
-    pending = stages.launch_rollout(start) if config.run.mode == RunMode.ASYNC else None
-    for step in range(start, config.run.steps):
-        t0 = time.perf_counter()
-        batch, metrics = stages.rollout(step, pending)  # generate on the engine pool (+ staleness)
-        batch = stages.reward(batch, metrics)  # verifiable rewards (scored by the reward worker)
-        stages.dump(step, batch)  # optional trajectory shards
-        advantages = stages.advantages(batch, metrics)  # GRPO / Dr.GRPO / RLOO
-        prepared = stages.old_logp(batch, advantages, metrics)  # π_old + mismatch diagnostics
-        if config.run.mode == RunMode.ASYNC and step + 1 < config.run.steps:
-            pending = stages.launch_rollout(step + 1)  # overlaps training
-        stages.train(prepared, metrics)  # objective + corrections
-        stages.sync_weights(version=step + 1, metrics=metrics)  # quantized per recipe
-        metrics["time/step_s"] = time.perf_counter() - t0
-        stages.maybe_probe(step, metrics)  # optional mismatch probe
-        yield {"step": step, **metrics}
-
-
-def offline_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[dict]:
-    """DGO: generation decoupled from optimization; epochs over stored trajectories."""
-    dataset = stages.offline_dataset()  # stored, or generated once
-    for step in range(start, config.run.steps):
-        t0 = time.perf_counter()
-        batch, metrics = stages.offline_batch(dataset, step)
-        weights = stages.advantages(batch, metrics)  # exp(r/β) / mean_group exp(r/β)
-        prepared = stages.old_logp(batch, weights, metrics)  # drift from the sampling policy
-        stages.train(prepared, metrics)  # −w·log π(y|x)
-        stages.sync_weights(version=step + 1, metrics=metrics)
-        stages.evaluate(step, metrics)  # fresh rollouts: reward/mean
-        metrics["time/step_s"] = time.perf_counter() - t0
-        yield {"step": step, **metrics}

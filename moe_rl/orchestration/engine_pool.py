@@ -6,18 +6,18 @@
 * A replica whose process dies (during generation or a weight sync) is restarted alone with the
   current weights, at most ``MAX_ENGINE_RESTARTS`` times per replica; only its prompts are
   generated again, the other replicas' results are kept.
-* Weight sync: every replica is told a sync begins, the trainer group streams its buckets to all
-  of them (each bucket published once), then each replica takes the new version when its last
-  bucket has landed.
+* Weight sync, the pool's part of it (`moe_rl.orchestration.weight_sync.WeightSync` runs a sync):
+  every replica is told a sync begins (`begin`), the trainer group streams its buckets to the
+  replicas' actors (`actors`), then each replica takes the new version when its last bucket has
+  landed (`finish`). The pool knows nothing of the trainer group: a restarted replica is brought to
+  the current weights by ``on_restart``, which the coordinator sets.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -28,58 +28,34 @@ from moe_rl.config.derived import max_response_tokens
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, EngineActor
-from moe_rl.orchestration.batches import Dispatch, dispatch
-from moe_rl.orchestration.placement import Placement
-from moe_rl.orchestration.trainer_group import PLACEMENT_TIMEOUT_S, TrainerGroup
+from moe_rl.orchestration.batches import Generation, Replica, dispatch, replica_spec
+from moe_rl.orchestration.placement import PLACEMENT_TIMEOUT_S, Placement
 from moe_rl.rewards.tasks import Prompt
 from moe_rl.rollout.engine import SamplingSpec
+from moe_rl.weight_sync.receiver import SyncTarget
 
 log = logging.getLogger("moe_rl.driver")
 
 MAX_ENGINE_RESTARTS = 2
-REPLICA_SEED_STRIDE = 1_000_003
-"""Replica r samples with the step's seed + r · stride (one replica: the step's seed)."""
-
-
-@dataclass
-class Replica:
-    index: int
-    actor: Any = None
-    pg: Any = None
-    restarts: int = 0
-
-
-@dataclass
-class Generation:
-    """A generation in flight: per replica its prompts and ``(batch ref, status ref)``."""
-
-    plan: Dispatch
-    prompts: list[Prompt]
-    spec: SamplingSpec
-    group_ids: list[int]
-    refs: dict[int, tuple[Any, Any]] = field(default_factory=dict)
-    statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
-    """Per replica, what its ``generate`` reported (samples, environment counts)."""
 
 
 class EnginePool:
     """Engine replicas (see the module docstring)."""
 
     def __init__(
-        self,
-        config: RecipeConfig,
-        trainer: TrainerGroup,
-        run_dir: Path,
-        placement: Placement,
-        env_factory=None,
-    ):
-        self.config, self.trainer, self.run_dir, self.placement = config, trainer, Path(run_dir), placement
-        self.env_factory = env_factory
+        self, config: RecipeConfig, placement: Placement, env_factory=None,
+        start_folder: Callable[[], str] | None = None,
+    ):  # fmt: skip
+        """``env_factory``: the environment maker the preflight built (multi-turn).
+        ``start_folder``: gives the Hugging Face folder replicas that start from one (vLLM) load."""
+        self.config, self.placement = config, placement
+        self.env_factory, self.start_folder = env_factory, start_folder
         self.replicas = [Replica(r) for r in range(placement.engines)]
-        self.version = 0
         self.quantized_wire = False
         self._hf_folder: str | None = None
         self.regenerated_prompts = 0
+        self.on_restart: Callable[[list[Replica]], None] = lambda replicas: None
+        """Brings restarted replicas to the current weights (set by the sync coordinator)."""
 
     @property
     def restarts(self) -> int:
@@ -93,12 +69,12 @@ class EnginePool:
         if self.config.rollout.engine != Engine.VLLM:
             self._spawn_missing()
 
-    def start(self, version: int) -> dict[str, float]:
-        """Start the replicas not started yet (`spawn`) and sync them to ``version``."""
+    def start(self) -> None:
+        """Start the replicas not started yet (`spawn`) and learn what they take on the wire (the
+        first sync follows)."""
         self._spawn_missing()
         caps = ray.get(self.replicas[0].actor.capabilities.remote(), timeout=RAY_TIMEOUT_S)
         self.quantized_wire = caps.quantized_wire
-        return self.sync(version)
 
     def _spawn_missing(self) -> None:
         for replica in self.replicas:
@@ -109,7 +85,9 @@ class EnginePool:
         model_path = None
         if self.config.rollout.engine == Engine.VLLM:
             if self._hf_folder is None:
-                self._hf_folder = self.trainer.save_hf(str(self.run_dir / "hf_start"))
+                if self.start_folder is None:
+                    raise ValueError("rollout.engine=vllm starts from a Hugging Face folder; none was given")
+                self._hf_folder = self.start_folder()
             model_path = self._hf_folder
         colocated = self.config.cluster.rollout_nodes == 0
         replica.pg = placement_group([self.placement.engine_bundle(colocated)], strategy="PACK")
@@ -125,7 +103,7 @@ class EnginePool:
             .remote(self.config, model_path, replica.index, threads, replica.restarts, self.env_factory)
         )  # fmt: skip
 
-    def _restart(self, replica: Replica, error: Exception, version: int) -> None:
+    def _restart(self, replica: Replica, error: Exception) -> None:
         replica.restarts += 1
         if replica.restarts > MAX_ENGINE_RESTARTS:
             raise RuntimeError(
@@ -134,7 +112,7 @@ class EnginePool:
         log.error("engine replica %d died (%s); restarting it with the current weights", replica.index, error)
         self._kill(replica)
         self._spawn(replica)
-        self._sync_replicas([replica], version)
+        self.on_restart([replica])
 
     def _kill(self, replica: Replica) -> None:
         if replica.actor is not None:
@@ -148,50 +126,36 @@ class EnginePool:
             self._kill(replica)
 
     # ------------------------------------------------------------------ weights
-    def sync(self, version: int) -> dict[str, float]:
-        """Stream the trainer's weights to every replica as ``version``; restart replicas that die."""
-        start = time.perf_counter()
-        out = self._sync_replicas(self.replicas, version)
-        self.version = version
-        out["sync/seconds"] = time.perf_counter() - start
-        return out
-
-    def _sync_replicas(self, replicas: list[Replica], version: int) -> dict[str, float]:
+    def begin(self, version: int, replicas: list[Replica], target: SyncTarget) -> list[Replica]:
+        """Tell ``replicas`` a sync of ``version`` into ``target`` begins; the ones that began (a
+        replica that died is restarted, which brings it to the new weights)."""
         begun = []
         for replica in replicas:
             try:
-                ray.get(replica.actor.begin_weight_update.remote(version), timeout=RAY_TIMEOUT_S)
+                ray.get(replica.actor.begin_weight_update.remote(version, target), timeout=RAY_TIMEOUT_S)
                 begun.append(replica)
             except ray.exceptions.RayActorError as exc:
-                self._restart(replica, exc, version)  # comes back with these weights
-        if not begun:
-            return {}
-        streamed = self.trainer.stream_weights([r.actor for r in begun], self.quantized_wire)
-        dead = {begun[i].index for i in streamed["dead"]}
+                self._restart(replica, exc)
+        return begun
+
+    def finish(self, version: int, replicas: list[Replica], dead: set[int], target: SyncTarget) -> dict:
+        """Each replica that took the whole sync takes ``version``; the ones that died on the way
+        are restarted. What the last replica reported when it finished."""
         finished: dict = {}
-        for replica in begun:
+        dead = set(dead)
+        for replica in replicas:
             if replica.index in dead:
                 continue
             try:
-                finished = ray.get(replica.actor.finish_weight_update.remote(version), timeout=RAY_TIMEOUT_S)
+                finished = ray.get(
+                    replica.actor.finish_weight_update.remote(version, target), timeout=RAY_TIMEOUT_S
+                )
             except ray.exceptions.RayActorError:
                 dead.add(replica.index)
-        for replica in begun:
+        for replica in replicas:
             if replica.index in dead:
-                self._restart(replica, RuntimeError("the process died during a weight sync"), version)
-        metrics = {k: v for k, v in finished.items() if isinstance(v, (int, float, str))}
-        if streamed["report"] is not None:
-            metrics.update(streamed["report"].summary())
-        metrics.update(
-            {
-                "sync/bytes": streamed["bytes"],
-                "sync/in_place_bytes": streamed["in_place"],
-                "sync/buckets": streamed["buckets"],
-                "sync/senders": streamed["senders"],
-                "sync/shared_memory": streamed["shared_memory"],
-            }
-        )
-        return metrics
+                self._restart(replica, RuntimeError("the process died during a weight sync"))
+        return finished
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[Prompt], spec: SamplingSpec, group_ids: list[int]) -> Generation:
@@ -207,9 +171,10 @@ class EnginePool:
         mine = gen.plan.assignment[replica.index]
         if not mine:
             return
-        seed = None if gen.spec.seed is None else gen.spec.seed + replica.index * REPLICA_SEED_STRIDE
         gen.refs[replica.index] = replica.actor.generate.remote(
-            [gen.prompts[i] for i in mine], replace(gen.spec, seed=seed), [gen.group_ids[i] for i in mine]
+            [gen.prompts[i] for i in mine],
+            replica_spec(gen.spec, replica.index),
+            [gen.group_ids[i] for i in mine],
         )
 
     def collect(self, gen: Generation) -> list[Any]:
@@ -221,7 +186,7 @@ class EnginePool:
                     gen.statuses[replica.index] = ray.get(gen.refs[replica.index][1], timeout=RAY_TIMEOUT_S)
                     break
                 except ray.exceptions.RayActorError as exc:
-                    self._restart(replica, exc, self.version)
+                    self._restart(replica, exc)
                     self.regenerated_prompts += len(gen.plan.assignment[replica.index])
                     self._launch(gen, replica)
                 except ray.exceptions.GetTimeoutError as exc:
@@ -231,10 +196,6 @@ class EnginePool:
         return [gen.refs[r][0] for r in sorted(gen.refs)]
 
     def probe(self, prompts) -> dict[str, float | str]:
-        """The mismatch probe on replica 0: its reference model gets the trainer's weights at full
-        precision through the same bucket stream, then the engine is measured against it."""
-        actor = self.replicas[0].actor
-        ray.get(actor.begin_weight_update.remote(self.version, "reference"), timeout=RAY_TIMEOUT_S)
-        self.trainer.stream_weights([actor], quantized_wire=False, into="reference")
-        ray.get(actor.finish_weight_update.remote(self.version, "reference"), timeout=RAY_TIMEOUT_S)
-        return ray.get(actor.probe.remote(prompts), timeout=RAY_TIMEOUT_S)
+        """The mismatch probe on replica 0, whose reference model the last reference sync filled:
+        the engine is measured against it."""
+        return ray.get(self.replicas[0].actor.probe.remote(prompts), timeout=RAY_TIMEOUT_S)

@@ -1,39 +1,159 @@
 """The RL loop in one process, without Ray: one trainer rank and the Megatron engine side by side.
 
 For machines without Ray (the GPU check runs RL steps this way) and for tests that need the
-one-rank run as a reference. It drives the same pieces as the Ray run — `TrainerWorker`, the
-`MegatronEngine`, the reward scorer, `batches.prepare` / `step_spec` / `step_advantages`, and the
-bucket weight sync of `moe_rl.weight_sync` — step by step; on CPU it reproduces the Ray run of the
-same recipe with one rank and one engine exactly. Trainer layouts other than one whole-model rank
-need the Ray trainer group.
+one-rank run as a reference. It is not a second copy of the loop: it runs the loop of
+`moe_rl.orchestration.loop` over the same `Stages` as `moe-rl train`, with in-process handles for
+the workers (`LocalTrainer`, `LocalEngines`, the reward worker's `Rewarder`) where the Ray run has
+actors; weights travel through the same weight-sync coordinator and rank sender, in-process. On CPU
+it reproduces the Ray run of the same recipe with one rank and one engine exactly. Trainer layouts
+other than one whole-model rank need the Ray trainer group.
 
     python -m moe_rl.orchestration.local RECIPE [overrides...]   # prints one JSON line per step
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
+from moe_rl.config.derived import max_response_tokens
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.orchestration.batches import (
+    Generation,
+    OldLogp,
+    RankPart,
+    Replica,
+    Rewarder,
+    dispatch,
+    replica_spec,
+)
+from moe_rl.orchestration.preflight import RunInputs, build_inputs
+from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.report import SyncReport
 
 log = logging.getLogger("moe_rl.local")
 
+SYNC_TIMEOUT_S = 1800.0
 
-class LocalRun:
-    """Trainer, engine, scorer and prompt stream of one process (see the module docstring)."""
+
+class LocalTrainer:
+    """One whole-model trainer rank in this process, behind the trainer group's interface."""
+
+    dp_size = world_size = 1
 
     def __init__(self, config: RecipeConfig):
-        from moe_rl.envs.rollout import rollouts_for
-        from moe_rl.orchestration.batches import step_scorer
-        from moe_rl.rewards.registry import build_prompt_source
-        from moe_rl.rollout.megatron_engine import MegatronEngine
         from moe_rl.trainer.worker import TrainerWorker
-        from moe_rl.weight_sync.buckets import BucketPacker
+        from moe_rl.weight_sync.sender import RankSender
+
+        self.config = config
+        self.worker = TrainerWorker(config)
+        capacity = config.rollout.sync_bucket_mb << 20
+        self.sender = RankSender(self.worker.model, config.quant, config.model.num_layers, capacity)
+        self._handles = itertools.count(1)
+        self._prepared: dict[int, Any] = {}
+
+    @property
+    def model(self):
+        return self.worker.model
+
+    def old_logp(self, parts: Sequence[RankPart]) -> OldLogp:
+        from moe_rl.trainer.batch import TrainerBatch
+
+        (part,) = parts
+        prepared = self.worker.old_logp(
+            TrainerBatch.of_share(part.trajectories, part.advantages, part.share, part.zvp_signs)
+        )
+        handle = next(self._handles)
+        self._prepared = {handle: prepared}
+        return OldLogp(handle, prepared.metrics)
+
+    def train(self, prepared: OldLogp) -> dict[str, float]:
+        return self.worker.train(self._prepared.pop(prepared.handle))
+
+    def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:
+        """The rank's tensors to ``target`` of each engine in this process, bucket by bucket."""
+        from moe_rl.weight_sync.transport import Reach
+
+        receivers = {
+            i: functools.partial(engine.receive_bucket, into=target) for i, engine in enumerate(engines)
+        }
+        return self.sender.send(receivers, Reach.IN_PROCESS, quantized_wire, SYNC_TIMEOUT_S)
+
+    def save_hf(self, directory: str) -> str:
+        from moe_rl.megatron.hf_weights import save_hf_checkpoint
+        from moe_rl.megatron.model import model_config_to_hf_config
+
+        save_hf_checkpoint(self.worker.model, directory, model_config_to_hf_config(self.config.model))
+        return directory
+
+    def save_checkpoint(self, directory: str) -> None:
+        self.worker.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str) -> int:
+        return self.worker.load_checkpoint(directory)
+
+    def shutdown(self) -> None:
+        self.sender.close()
+
+
+class LocalEngines:
+    """One Megatron engine in this process, behind the engine pool's interface."""
+
+    def __init__(self, config: RecipeConfig, env_factory=None):
+        from moe_rl.orchestration.engine_host import EngineHost
+
+        self.config = config
+        self.host = EngineHost(config, None, 0, env_factory=env_factory)
+        self.replicas = [Replica(0, actor=self.host)]
+        self.quantized_wire = self.host.capabilities().quantized_wire
+        self.regenerated_prompts = self.restarts = 0
+        self.on_restart = lambda replicas: None
+
+    def spawn(self) -> None:
+        return None
+
+    def start(self) -> None:
+        return None
+
+    def generate(self, prompts: list, spec, group_ids: list[int]) -> Generation:
+        plan = dispatch([len(p.ids) for p in prompts], spec.n, max_response_tokens(self.config), 1)
+        gen = Generation(plan, prompts, spec, group_ids)
+        batch, status = self.host.generate(prompts, replica_spec(spec, 0), group_ids)
+        gen.refs[0], gen.statuses[0] = (batch, status), status
+        return gen
+
+    def collect(self, gen: Generation) -> list:
+        return [gen.refs[0][0]]
+
+    def begin(self, version: int, replicas: list, target: SyncTarget) -> list:
+        for replica in replicas:
+            replica.actor.begin_weight_update(version, target)
+        return replicas
+
+    def finish(self, version: int, replicas: list, dead: set[int], target: SyncTarget) -> dict:
+        finished: dict = {}
+        for replica in replicas:
+            finished = replica.actor.finish_weight_update(version, target)
+        return finished
+
+    def probe(self, prompts) -> dict[str, float | str]:
+        return self.host.probe(prompts)
+
+    def shutdown(self) -> None:
+        return None
+
+
+class LocalRun:
+    """The loop of `moe-rl train` in this process (see the module docstring)."""
+
+    def __init__(self, config: RecipeConfig, inputs: RunInputs | None = None):
+        from moe_rl.orchestration.stages import Stages, Workers
 
         if config.parallel.trainer_world_size != 1 or config.rollout.engine != Engine.MEGATRON:
             raise ValueError(
@@ -42,81 +162,24 @@ class LocalRun:
                 f"rollout.engine={config.rollout.engine} (use `moe-rl train`, on Ray)"
             )
         self.config = config
-        self.trainer = TrainerWorker(config)
-        self.engine = MegatronEngine(config)
-        self.rollouts = rollouts_for(config, self.engine)
-        self.scorer = step_scorer(config)
-        self.source = build_prompt_source(config)
-        self.version = 0
-        self.packer = BucketPacker(config.rollout.sync_bucket_mb << 20)
-        self.sync(0)
-
-    def sync(self, version: int) -> dict[str, float]:
-        """The trainer's weights into the engine, bucket by bucket, quantized per recipe."""
-        from moe_rl.weight_sync.sender import stream_buckets
-        from moe_rl.weight_sync.wire import WireEncoder
-
-        cfg = self.config
-        start = time.perf_counter()
-        encoder = WireEncoder(cfg.quant, cfg.model.num_layers, self.engine.capabilities.quantized_wire)
-        self.engine.begin_weight_update(version)
-        sent = buckets = 0
-        for bucket in stream_buckets(self.trainer.model, encoder, self.packer.capacity, packer=self.packer):
-            self.engine.receive_bucket(bucket)
-            sent, buckets = sent + bucket.nbytes, buckets + 1
-        out = self.engine.finish_weight_update(version)
-        if encoder.active:
-            out.update(encoder.report.summary())
-        self.version = version
-        return {
-            **out,
-            "sync/bytes": sent,
-            "sync/buckets": buckets,
-            "sync/seconds": time.perf_counter() - start,
-        }
-
-    def step(self, step: int) -> dict[str, float]:
-        """generate → reward → advantages → old log-probs → train → sync."""
-        from moe_rl.envs.rollout import env_metrics
-        from moe_rl.orchestration.batches import (
-            length_metrics,
-            prepare,
-            rank_parts,
-            step_advantages,
-            step_rewards,
-            step_spec,
-            step_zero_variance,
+        inputs = inputs or build_inputs(config)
+        self.trainer = LocalTrainer(config)  # first, as in a one-rank run: the trainer's seed
+        workers = Workers(
+            self.trainer, LocalEngines(config, inputs.env_factory), Rewarder(config, inputs.scorer)
         )
-        from moe_rl.trainer.batch import TrainerBatch
+        self.stages = Stages(config, None, workers, inputs)
+        self.stages.start()
 
-        cfg, t0 = self.config, time.perf_counter()
-        prompts = self.source.next_batch(cfg.rollout.batch_size // cfg.rollout.group_size)
-        group_ids = [step * len(prompts) + i for i in range(len(prompts))]
-        batch, env = self.rollouts.generate(prompts, step_spec(cfg, step), group_ids)
-        rewards = step_rewards(self.scorer, batch, prompts, cfg.rollout.group_size)
-        batch, summary = prepare(
-            batch, rewards, self.version, cfg.run.max_staleness, vocab_size=cfg.model.vocab_size, dp_size=1,
-            max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-            num_mini_batches=cfg.trainer.num_mini_batches,
-        )  # fmt: skip
-        advantages, metrics = step_advantages(cfg, summary.rewards, summary.group_ids)
-        metrics.update(length_metrics(batch))
-        metrics.update(env_metrics([env]))
-        metrics["reward/mean"] = float(summary.rewards.mean())
-        signs = step_zero_variance(cfg, summary.rewards, summary.group_ids)
-        (part,) = rank_parts(summary.plan, [batch], advantages, signs)
-        prepared = self.trainer.old_logp(
-            TrainerBatch.of_share(part.trajectories, part.advantages, part.share, part.zvp_signs)
-        )
-        metrics.update(prepared.metrics)
-        metrics.update(self.trainer.train(prepared))
-        metrics.update(self.sync(step + 1))
-        metrics["time/step_s"] = time.perf_counter() - t0
-        return {"step": step, **metrics}
+    def step(self, step: int) -> dict[str, Any]:
+        """generate → reward → advantages → old log-probs → train → sync, for step ``step``."""
+        from moe_rl.orchestration.loop import online_loop
 
-    def run(self, steps: int | None = None) -> Iterator[dict[str, float]]:
-        for step in range(self.config.run.steps if steps is None else steps):
-            yield self.step(step)
+        return next(online_loop(self.config, self.stages, step, step + 1))
+
+    def run(self, steps: int | None = None) -> Iterator[dict[str, Any]]:
+        from moe_rl.orchestration.loop import online_loop
+
+        yield from online_loop(self.config, self.stages, 0, self.config.run.steps if steps is None else steps)
 
 
 def main(argv: list[str] | None = None) -> int:

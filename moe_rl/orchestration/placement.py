@@ -28,6 +28,8 @@ TRAINER_NODE = "moe_rl_trainer_node"
 ROLLOUT_NODE = "moe_rl_rollout_node"
 NODE_SHARE = 0.001
 """How much of a node-role resource one bundle takes (any number of bundles fit on a node)."""
+PLACEMENT_TIMEOUT_S = 600.0
+"""How long Ray may take to find room for a placement group."""
 SHARED_GPU = 0.5
 """GPU share of the trainer and of the engine when both run on one machine's GPU."""
 

@@ -1,15 +1,17 @@
 """The stages of an RL step, each a named method the driver calls in order, and the run state they
-share: the trainer group, the engine pool, the reward worker, the prompt stream, the policy
-version, checkpoints.
+share: the workers (trainer, engines, rewarder: `moe_rl.orchestration.workers`), the weight-sync
+coordinator, the prompt stream, checkpoints.
 
-Rollout batches never pass through the driver: the engine replicas' batches stay in Ray's object
-store, the reward worker merges, scores and shards them there, and each trainer rank fetches its
-own shard (`moe_rl.orchestration.batches`). The driver reads summaries (rewards, group ids,
-lengths) and computes the advantages.
+The stages run against the workers' handles, so the Ray run and the one-process loop
+(`moe_rl.orchestration.local`) are the same loop. On Ray, rollout batches never pass through the
+driver: the engine replicas' batches stay in the object store, the reward worker merges, scores
+and shards them there, and each trainer rank fetches its own shard (`moe_rl.orchestration.
+batches`). The driver reads summaries (rewards, group ids, lengths) and computes the advantages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -17,24 +19,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
 from moe_rl import run_dir
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
-from moe_rl.device import Machine
 from moe_rl.diagnostics.budget import staleness_metrics
 from moe_rl.envs.rollout import env_metrics
-from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
-from moe_rl.orchestration.batches import Prepared, rank_parts, step_advantages, step_spec, step_zero_variance
-from moe_rl.orchestration.engine_pool import EnginePool, Generation
+from moe_rl.orchestration.batches import (
+    Generation,
+    OldLogp,
+    Prepared,
+    rank_parts,
+    step_advantages,
+    step_spec,
+    step_zero_variance,
+)
 from moe_rl.orchestration.offline import read_offline
-from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
 from moe_rl.orchestration.preflight import RunInputs
-from moe_rl.orchestration.trainer_group import OldLogp, TrainerGroup
+from moe_rl.orchestration.weight_sync import WeightSync
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rewards.tasks import Prompt
+from moe_rl.weight_sync.receiver import SyncTarget
 
 log = logging.getLogger("moe_rl.driver")
 
@@ -42,6 +48,22 @@ log = logging.getLogger("moe_rl.driver")
 OFFLINE_STEP = 20_000_000
 PROBE_SEED_OFFSET = 7919
 EVAL_STEP = 10_000_000
+
+
+@dataclass
+class Workers:
+    """A run's trainer, engines and rewarder, behind the handles the stages use (the Ray ones:
+    `moe_rl.orchestration.workers`; the one-process ones: `moe_rl.orchestration.local`)."""
+
+    trainer: Any
+    engines: Any
+    rewarder: Any
+
+    def shutdown(self) -> None:
+        self.engines.shutdown()
+        self.trainer.shutdown()
+        with contextlib.suppress(AttributeError):
+            self.rewarder.shutdown()
 
 
 @dataclass
@@ -56,38 +78,23 @@ class PendingRollout:
 
 @dataclass
 class Rollout:
-    """A scored rollout batch: its data-parallel shards (in the object store) and its summary."""
+    """A scored rollout batch: its data-parallel shards (on Ray: in the object store) and its summary."""
 
     shards: list[Any]
     summary: Prepared
 
 
-def _node_roles() -> bool:
-    """Whether the Ray cluster's nodes carry the role resources of the sbatch script."""
-    resources = ray.cluster_resources()
-    return TRAINER_NODE in resources or ROLLOUT_NODE in resources
-
-
 class Stages:
     """Everything one run needs between steps (see `moe_rl.orchestration.driver`)."""
 
-    def __init__(self, config: RecipeConfig, run_dir: Path, inputs: RunInputs):
-        self.config, self.run_dir = config, Path(run_dir)
-        self.placement = plan_placement(config, Machine.detect(), node_roles=_node_roles())
-        p = self.placement
-        log.info(
-            "placement on %s: %d trainer rank(s) %s, %d engine(s) %s, nodes by role: %s", p.device,
-            p.trainer_ranks, p.trainer_bundle(), p.engines, p.engine_bundle(config.cluster.rollout_nodes == 0),
-            "yes" if p.node_roles else "no",
-        )  # fmt: skip
-        self.trainer = TrainerGroup(config, self.placement)
-        self.rewarder = ray.remote(RewardActor).options(num_cpus=0).remote(config, inputs.scorer)
-        self.engines = EnginePool(config, self.trainer, self.run_dir, self.placement, inputs.env_factory)
-        self.engines.spawn()  # engines build their models while the trainer ranks build theirs
-        self.trainer.form()
+    def __init__(self, config: RecipeConfig, run_dir: Path | None, workers: Workers, inputs: RunInputs):
+        """``run_dir``: where checkpoints and dumps go (None for a run that writes neither)."""
+        self.config, self.run_dir = config, None if run_dir is None else Path(run_dir)
+        self.workers = workers
+        self.trainer, self.engines, self.rewarder = workers.trainer, workers.engines, workers.rewarder
+        self.sync = WeightSync(self.trainer, self.engines)
         self.source = inputs.prompt_source
         self.offline_data = inputs.offline_data
-        self.version = 0
         self.step_done = -1
         self.num_stale_rejected = 0
         self._pending_state: dict = {}
@@ -95,7 +102,8 @@ class Stages:
 
     # ------------------------------------------------------------------ start / resume
     def start(self) -> int:
-        self.engines.start(version=0)
+        self.engines.start()
+        self.sync.run(0)
         return 0
 
     def restore(self, sink) -> int:
@@ -109,9 +117,10 @@ class Stages:
         state = json.loads((usable.path / "driver.json").read_text())
         self.trainer.load_checkpoint(str(usable.path / "trainer"))
         self.source.load_state(state["source"])
-        self.version, self.step_done = state["version"], state["step"]
+        self.step_done = state["step"]
         self.num_stale_rejected = state["num_stale_rejected"]
-        self.engines.start(version=self.version)
+        self.engines.start()
+        self.sync.run(state["version"])
         run_dir.set_aside_newer(usable.path.parent, self.step_done)
         sink.resume_from(self.step_done + 1)
         log.info(
@@ -138,17 +147,16 @@ class Stages:
             pending = pending if pending is not None and pending.step == step else self.launch_rollout(step)
             refs = self.engines.collect(pending.generation)
             t_reward = time.perf_counter()
-            shards, summary_ref = self.rewarder.prepare.remote(
+            shards, summary = self.rewarder.prepare(
                 refs, pending.generation.plan, pending.prompts, self.version, self.trainer.dp_size
             )
-            summary: Prepared = ray.get(summary_ref, timeout=RAY_TIMEOUT_S)
             reward_s = time.perf_counter() - t_reward
             if summary.stale is None:
                 break
             self.num_stale_rejected += summary.num_samples
             log.warning("rejected a stale batch: %s", summary.stale)
             pending = None
-        rollout = Rollout(ray.get(shards, timeout=RAY_TIMEOUT_S), summary)
+        rollout = Rollout(shards, summary)
         metrics = {
             "time/rollout_s": time.perf_counter() - t0 - reward_s,
             "time/reward_s": reward_s,  # merge, score, validate and shard in the reward worker
@@ -199,13 +207,17 @@ class Stages:
         metrics.update(self.trainer.train(prepared))
         metrics["time/train_s"] = time.perf_counter() - t0
 
+    @property
+    def version(self) -> int:
+        """The policy version the engines hold (the sync coordinator's)."""
+        return self.sync.version
+
     def sync_weights(self, version: int, metrics: dict[str, Any]) -> None:
         """Stream the new weights to every engine replica (bucket by bucket, quantized per recipe)."""
         t0 = time.perf_counter()
-        out = self.engines.sync(version)
-        self.version = version
+        report = self.sync.run(version)
         self.step_done = version - 1
-        metrics.update({k if "/" in k else f"sync/{k}": v for k, v in out.items()})
+        metrics.update(report.metrics())
         metrics["time/sync_s"] = time.perf_counter() - t0
         metrics["rollout/engine_restarts"] = self.engines.restarts
 
@@ -213,7 +225,7 @@ class Stages:
         """Store the step's batch as trajectory shards (`logging.dump_trajectories`)."""
         if self.config.logging.dump_trajectories:
             folder = self.run_dir / "trajectories" / f"step_{step:06d}"
-            ray.get(self.rewarder.dump.remote(str(folder), step), timeout=RAY_TIMEOUT_S)
+            self.rewarder.dump(str(folder), step)
 
     def maybe_probe(self, step: int, metrics: dict[str, Any]) -> None:
         """Every `logging.diagnose_every` steps, right after a sync: the engine-vs-trainer mismatch
@@ -228,6 +240,7 @@ class Stages:
         prompts = self._probe_source.next_batch(
             self.config.rollout.batch_size // self.config.rollout.group_size
         )
+        self.sync.run(self.version, SyncTarget.REFERENCE, self.engines.replicas[:1])  # full precision
         metrics.update(self.engines.probe(prompts))
         metrics.update(staleness_metrics(metrics))
 
@@ -243,7 +256,7 @@ class Stages:
                 for i in range(self.config.data.offline_batches):
                     self.rollout(OFFLINE_STEP + i, None)  # scored by the reward worker, which writes it
                     part = folder / f"batch_{i:04d}"
-                    ray.get(self.rewarder.dump.remote(str(part), OFFLINE_STEP + i), timeout=RAY_TIMEOUT_S)
+                    self.rewarder.dump(str(part), OFFLINE_STEP + i)
                 done.write_text("")
             data = read_offline(self.config, Path(folder))
         size = self.config.rollout.batch_size
@@ -252,11 +265,8 @@ class Stages:
     def offline_batch(self, dataset: list[TrajectoryBatch], step: int) -> tuple[Rollout, dict[str, Any]]:
         """The step's slice of the stored data (epochs cycle over it), sharded by the reward worker."""
         batch = dataset[step % len(dataset)]
-        shards, summary_ref = self.rewarder.prepare_stored.remote(
-            ray.put(batch), self.version, self.trainer.dp_size
-        )
-        summary: Prepared = ray.get(summary_ref, timeout=RAY_TIMEOUT_S)
-        rollout = Rollout(ray.get(shards, timeout=RAY_TIMEOUT_S), summary)
+        shards, summary = self.rewarder.prepare_stored(batch, self.version, self.trainer.dp_size)
+        rollout = Rollout(shards, summary)
         return rollout, {
             "offline/epoch": step // len(dataset),
             "offline/reward_mean": float(batch.rewards.mean()),
@@ -305,9 +315,7 @@ class Stages:
         log.info("checkpoint %s", ckpt)
 
     def shutdown(self) -> None:
-        self.engines.shutdown()
-        self.trainer.shutdown()
-        ray.kill(self.rewarder)
+        self.workers.shutdown()
 
 
 def _jsonable(state: dict) -> dict:

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -23,22 +22,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, TrainerRank
-from moe_rl.orchestration.batches import RankPart
-from moe_rl.orchestration.placement import Placement
-from moe_rl.quant.recipes import QuantReport
+from moe_rl.orchestration.batches import OldLogp, RankPart
+from moe_rl.orchestration.placement import PLACEMENT_TIMEOUT_S, Placement
+from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.report import SyncReport
 
 log = logging.getLogger("moe_rl.driver")
-
-PLACEMENT_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class OldLogp:
-    """A step's batch after the π_old pass on every trainer rank: its ``old/*`` metrics, and the
-    handle under which the ranks keep the prepared batch until `TrainerGroup.train` takes it."""
-
-    handle: int
-    metrics: dict[str, float]
 
 
 class TrainerGroup:
@@ -102,26 +91,12 @@ class TrainerGroup:
         """One optimizer step per mini-batch of the batch ``prepared`` names, on every rank."""
         return self._all("train", prepared.handle)[0]
 
-    def stream_weights(
-        self, engines: Sequence[Any], quantized_wire: bool, into: str = "engine"
-    ) -> dict[str, Any]:
-        """Every rank sends the tensors it owns to ``engines``; totals over the senders."""
-        results = self._all("stream_weights", list(engines), quantized_wire, into)
-        reports = [r["report"] for r in results if r["report"] is not None]
-        report = None
-        if reports:
-            report = QuantReport(reports[0].recipe)
-            for part in reports:
-                report.merge(part)
-        return {
-            "bytes": sum(r["bytes"] for r in results),
-            "in_place": sum(r["in_place"] for r in results),
-            "buckets": sum(r["buckets"] for r in results),
-            "senders": sum(1 for r in results if r["buckets"]),
-            "shared_memory": int(all(r["shared_memory"] for r in results if r["buckets"])),
-            "report": report,
-            "dead": sorted({i for r in results for i in r["dead"]}),
-        }
+    def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:
+        """Every rank sends the tensors it owns to ``target`` of ``engines``; totals over the senders."""
+        report = SyncReport()
+        for part in self._all("stream_weights", list(engines), quantized_wire, target):
+            report.merge(part)
+        return report
 
     def save_hf(self, directory: str) -> str:
         """A Hugging Face folder of the current weights (collective)."""

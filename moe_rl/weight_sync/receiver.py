@@ -1,17 +1,46 @@
-"""The receiving side of a weight sync into a Megatron model (the Megatron engine, the mismatch
-probe's reference model): buckets are decoded and loaded as they arrive, and the sync is complete
-only when every tensor of the model has arrived exactly once."""
+"""The receiving side of a weight sync.
+
+`WeightReceiver` is what every receiver implements — both rollout engines and the probe's
+reference model: a sync begins with the policy version, buckets arrive one by one, and it finishes
+with the version, which the receiver takes only then. `SyncTarget` names which receiver of an
+engine process a sync fills. `ModelReceiver` is the receiving side into a Megatron model (the
+Megatron engine, the reference model): buckets are decoded and loaded as they arrive, and the sync
+is complete only when every tensor of the model has arrived exactly once.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.wire import Rejoin, decode
+
+
+class SyncTarget(StrEnum):
+    """Which receiver of an engine process a sync fills: the engine, or the mismatch probe's
+    full-precision reference model next to it."""
+
+    ENGINE = "engine"
+    REFERENCE = "reference"
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """Takes weight syncs: ``begin_weight_update(version)``, ``receive_bucket(bucket)`` for each
+    bucket, ``finish_weight_update(version)``, which checks the sync is complete, takes the
+    version and returns what the receiver measured (numbers, the recipe's name)."""
+
+    def begin_weight_update(self, version: int) -> None: ...
+
+    def receive_bucket(self, bucket: Bucket) -> dict[str, float]: ...
+
+    def finish_weight_update(self, version: int) -> dict[str, Any]: ...
 
 
 def bucket_items(bucket: Bucket) -> list[tuple[str, Tensor, dict]]:

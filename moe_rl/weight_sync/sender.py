@@ -14,6 +14,11 @@ twice, and no rank gathers more than one tensor at a time.
 A CPU rank whose engines share its node keeps its parameters in shared memory (`share_parameters`):
 a tensor that travels as it is (an expert's weight, a norm; not a quantized or gathered one) is then
 read by the engines where the trainer holds it, and only the rest is written into the shared slots.
+
+`RankSender` is one rank's side of every sync: it owns the rank's transport (chosen from where the
+receivers are, `transport.Reach`, and kept from sync to sync with its buffers or shared slots), the
+shared arena, the encoder of the quantization recipe, and the bucket stream; `publish` delivers the
+buckets to the receivers with at most two in flight.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from typing import Any
 
 import torch
 
+from moe_rl.config.schema import QuantConfig
 from moe_rl.weight_sync import shm
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
+from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.shm import SharedArena, tensor_nbytes
+from moe_rl.weight_sync.transport import InProcess, ObjectStore, Reach, SharedMemory, Transport
 from moe_rl.weight_sync.wire import LazyGroup, WireEncoder
 
 EXPERT_MARK = ".mlp.experts."
@@ -126,7 +134,10 @@ class Published:
 
 
 def publish(
-    buckets: Iterable[Bucket], receivers: dict[int, Callable[[Any], Any]], timeout_s: float
+    buckets: Iterable[Bucket],
+    receivers: dict[int, Callable[[Any], Any]],
+    timeout_s: float,
+    transport: Transport | None = None,
 ) -> Published:
     """Deliver every bucket to every receiver, with at most two buckets in flight: bucket ``i`` is
     handed to all receivers, then the deliveries of bucket ``i - 1`` are awaited, so the packer's
@@ -137,15 +148,19 @@ def publish(
     of bucket ``i``, so receivers work through their queue of parts while the sender writes ahead.
 
     ``receivers`` maps a receiver's index to a function that starts its delivery (a Ray call
-    returning an object reference). A bucket in a shared slot travels as itself (entries and the
-    slot's name); any other bucket is put in Ray's object store once, for all receivers.
+    returning an object reference, or a call in this process returning its result). The
+    ``transport`` turns each bucket into what receivers are handed (default: a bucket in a shared
+    slot as itself, any other once into Ray's object store).
     """
     out, alive = Published(), dict(receivers)
     in_flight: list[tuple[int, Any]] = []  # deliveries of the previous bucket
     current: list[tuple[int, Any]] = []  # deliveries of this bucket's parts so far
     size = 0
     for bucket in buckets:
-        message = bucket if bucket.slot is not None else _in_object_store(bucket)
+        if transport is not None:
+            message = transport.message(bucket)
+        else:
+            message = bucket if bucket.slot is not None else _in_object_store(bucket)
         current += [(i, deliver(message)) for i, deliver in alive.items()]
         out.bytes += bucket.nbytes
         out.in_place += sum(entry.nbytes for entry in bucket.entries if entry.source is not None)
@@ -163,6 +178,61 @@ def publish(
     return out
 
 
+class RankSender:
+    """One trainer rank's side of every weight sync (see the module docstring)."""
+
+    def __init__(
+        self, model: torch.nn.Module, quant: QuantConfig, num_layers: int, capacity: int, rank: int = 0
+    ):
+        self.model, self.quant, self.num_layers = model, quant, num_layers
+        self.capacity, self.rank = capacity, rank
+        self.transport: Transport | None = None
+        self.arena: SharedArena | None = None
+
+    def _transport_for(self, reach: Reach) -> Transport:
+        """The transport of ``reach``, kept while the receivers stay where they are. A CPU rank whose
+        receivers share its node moves its parameters into a shared arena, once."""
+        if (
+            reach is Reach.SAME_NODE
+            and self.arena is None
+            and next(self.model.parameters()).device.type == "cpu"
+        ):
+            self.arena = share_parameters(self.model, tag=str(self.rank), select=sends)
+        if self.transport is None or self.transport.reach is not reach:
+            if self.transport is not None:
+                self.transport.close()
+            kinds = {Reach.IN_PROCESS: InProcess, Reach.OTHER_NODES: ObjectStore}
+            self.transport = (
+                SharedMemory(self.capacity, self.rank, self.arena)
+                if reach is Reach.SAME_NODE
+                else kinds[reach](self.capacity, self.rank)
+            )
+        return self.transport
+
+    def send(
+        self, receivers: dict[int, Callable[[Any], Any]], reach: Reach, quantized_wire: bool, timeout_s: float
+    ) -> SyncReport:
+        """Stream this rank's tensors to ``receivers`` (each encoded by the quantization recipe when
+        the receivers take it on the wire); this rank's part of the sync's report."""
+        encoder = WireEncoder(self.quant, self.num_layers, quantized_wire=quantized_wire)
+        transport = self._transport_for(reach)
+        packer = transport.packer
+        buckets = stream_buckets(self.model, encoder, packer.capacity, self.rank, packer)
+        out = publish(buckets, receivers, timeout_s, transport)
+        return SyncReport(
+            bytes=out.bytes, in_place=out.in_place, buckets=out.buckets, senders=1,
+            shared_memory=transport.shared_memory, quant=encoder.report if encoder.active else None, dead=out.dead,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Remove this rank's shared slots and arena file (before the process ends)."""
+        if self.transport is not None:
+            self.transport.close()
+        if self.arena is not None:
+            self.arena.close()
+        self.transport = self.arena = None
+
+
 def _in_object_store(bucket: Bucket) -> Any:
     """One copy of `bucket` in Ray's object store, for every receiver. (Buckets in shared slots
     never go there, so `publish` of those runs without Ray.)"""
@@ -172,11 +242,15 @@ def _in_object_store(bucket: Bucket) -> Any:
 
 
 def _settle(flight: list[tuple[int, Any]], timeout_s: float) -> set[int]:
-    """Wait for deliveries; the indices of receivers whose process died."""
+    """Wait for deliveries (Ray's object references; a delivery in this process is done already);
+    the indices of receivers whose process died."""
+    refs = [(i, ref) for i, ref in flight if type(ref).__name__ == "ObjectRef"]
+    if not refs:
+        return set()
     import ray
 
     dead = set()
-    for i, ref in flight:
+    for i, ref in refs:
         try:
             ray.get(ref, timeout=timeout_s)
         except ray.exceptions.RayActorError:

@@ -1,0 +1,85 @@
+"""One rollout engine replica's process, wherever it runs: a Ray actor of the engine pool
+(`moe_rl.orchestration.actors.EngineActor`) or the one-process loop (`moe_rl.orchestration.local`).
+Imports no Ray."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from moe_rl.config.modes import Engine
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.weight_sync.receiver import SyncTarget, WeightReceiver
+
+
+class EngineHost:
+    """One rollout engine replica's process, wherever it runs (a Ray actor, `EngineActor`, or the
+    one-process loop): the engine, its rollout loop (single- or multi-turn), the weight receivers
+    a sync fills (`SyncTarget`: the engine, or the probe's reference model) and the probe."""
+
+    def __init__(
+        self, config: RecipeConfig, model_path: str | None, replica: int, restarts: int = 0, env_factory=None
+    ):
+        """``env_factory``: the environment maker the preflight built (`env.name`; built here when
+        not given)."""
+        self.config, self.replica, self.restarts = config, replica, restarts
+        self.engine = make_engine(config, model_path)
+        from moe_rl.envs.rollout import rollouts_for
+
+        self.rollouts = rollouts_for(config, self.engine, env_factory)  # single- or multi-turn (`env.name`)
+        self._reference = None
+        self._generates = 0
+
+    def generate(self, prompts: Sequence[Any], sampling, group_ids: Sequence[int]):
+        """``(batch, status)`` for `moe_rl.rewards.tasks.Prompt` s (the status with the environment's
+        counts of a multi-turn rollout)."""
+        batch, env = self.rollouts.generate(prompts, sampling, group_ids)
+        return batch, {"replica": self.replica, "samples": batch.num_samples, "env": env}
+
+    def begin_weight_update(self, version: int, into: SyncTarget = SyncTarget.ENGINE) -> None:
+        self._target(into).begin_weight_update(version)
+
+    def receive_bucket(self, bucket, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:
+        return self._target(into).receive_bucket(bucket)
+
+    def finish_weight_update(self, version: int, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:
+        return self._target(into).finish_weight_update(version)
+
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def capabilities(self):
+        return self.engine.capabilities
+
+    def _target(self, into: SyncTarget) -> WeightReceiver:
+        """The receiver a sync fills: the engine, or the probe's reference model (built once)."""
+        if SyncTarget(into) == SyncTarget.ENGINE:
+            return self.engine
+        if self._reference is None:
+            from moe_rl.diagnostics.probe import ReferenceModel
+
+            self._reference = ReferenceModel(self.config)
+        return self._reference
+
+    def probe(self, prompts) -> dict[str, float | str]:
+        """The zero-update mismatch probe (`moe_rl.diagnostics.probe`): the engine as it is now vs
+        the full-precision reference model, which the last reference sync filled."""
+        from moe_rl.diagnostics.probe import mismatch_probe
+
+        return mismatch_probe(self.engine, self._target(SyncTarget.REFERENCE).model, prompts, self.config)
+
+
+def make_engine(config: RecipeConfig, model_path: str | None = None):
+    """The engine of `rollout.engine`, after the capability checks for this machine."""
+    from moe_rl.rollout.capabilities import check_recipe
+
+    check_recipe(config)
+    if config.rollout.engine == Engine.MEGATRON:
+        from moe_rl.rollout.megatron_engine import MegatronEngine
+
+        return MegatronEngine(config)
+    from moe_rl.rollout.vllm_engine import VLLMEngine
+
+    if model_path is None:
+        raise ValueError("rollout.engine=vllm starts from a Hugging Face folder; none was written")
+    return VLLMEngine.from_recipe(config, model_path)

@@ -1,0 +1,85 @@
+"""The workers of a run behind three handles, so the stages (`moe_rl.orchestration.stages`) run
+the same whatever runs them:
+
+* the trainer: ``old_logp(parts) -> OldLogp``, ``train(OldLogp)``, ``stream_weights``, checkpoints,
+  ``save_hf``, ``dp_size`` / ``world_size`` — the Ray trainer group
+  (`moe_rl.orchestration.trainer_group.TrainerGroup`) or one rank in this process;
+* the engines: ``generate`` / ``collect``, the sync's ``begin`` / ``finish``, ``probe``, restarts — the
+  Ray engine pool (`moe_rl.orchestration.engine_pool.EnginePool`) or one engine in this process;
+* the rewarder: ``prepare`` / ``prepare_stored`` / ``dump`` — the reward worker as a Ray actor
+  (`RayRewarder`) or `moe_rl.orchestration.batches.Rewarder` in this process.
+
+On Ray, batches stay in the object store: the engines' batches and the rank shards are object
+references, which only the rewarder and the trainer ranks resolve. In one process they are the
+batches themselves (`moe_rl.orchestration.local`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import ray
+
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.device import Machine
+from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
+from moe_rl.orchestration.batches import Prepared
+from moe_rl.orchestration.engine_pool import EnginePool
+from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
+from moe_rl.orchestration.preflight import RunInputs
+from moe_rl.orchestration.stages import Workers
+from moe_rl.orchestration.trainer_group import TrainerGroup
+
+log = logging.getLogger("moe_rl.driver")
+
+
+class RayRewarder:
+    """The reward worker as a Ray actor, seen from the driver: summaries come back, shards stay in
+    the object store (their references go to the trainer ranks)."""
+
+    def __init__(self, config: RecipeConfig, scorer=None):
+        self.actor = ray.remote(RewardActor).options(num_cpus=0).remote(config, scorer)
+
+    def prepare(self, batch_refs: list, plan, prompts, version: int, dp_size: int) -> tuple[list, Prepared]:
+        shards, summary = self.actor.prepare.remote(batch_refs, plan, prompts, version, dp_size)
+        return self._resolved(shards, summary)
+
+    def prepare_stored(self, batch, version: int, dp_size: int) -> tuple[list, Prepared]:
+        shards, summary = self.actor.prepare_stored.remote(ray.put(batch), version, dp_size)
+        return self._resolved(shards, summary)
+
+    @staticmethod
+    def _resolved(shards, summary) -> tuple[list, Prepared]:
+        summary = ray.get(summary, timeout=RAY_TIMEOUT_S)
+        return ray.get(shards, timeout=RAY_TIMEOUT_S), summary
+
+    def dump(self, folder: str, step: int) -> None:
+        ray.get(self.actor.dump.remote(folder, step), timeout=RAY_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        ray.kill(self.actor)
+
+
+def _node_roles() -> bool:
+    """Whether the Ray cluster's nodes carry the role resources of the sbatch script."""
+    resources = ray.cluster_resources()
+    return TRAINER_NODE in resources or ROLLOUT_NODE in resources
+
+
+def ray_workers(config: RecipeConfig, run_dir: Path, inputs: RunInputs) -> Workers:
+    """Place and start the trainer group, the reward worker and the engine pool on the Ray cluster
+    (engines build their models while the trainer ranks build theirs)."""
+    placement = plan_placement(config, Machine.detect(), node_roles=_node_roles())
+    log.info(
+        "placement on %s: %d trainer rank(s) %s, %d engine(s) %s, nodes by role: %s", placement.device,
+        placement.trainer_ranks, placement.trainer_bundle(), placement.engines,
+        placement.engine_bundle(config.cluster.rollout_nodes == 0), "yes" if placement.node_roles else "no",
+    )  # fmt: skip
+    trainer = TrainerGroup(config, placement)
+    rewarder = RayRewarder(config, inputs.scorer)
+    start_folder = lambda: trainer.save_hf(str(Path(run_dir) / "hf_start"))  # noqa: E731 (vLLM loads it)
+    engines = EnginePool(config, placement, inputs.env_factory, start_folder)
+    engines.spawn()  # engines build their models while the trainer ranks build theirs
+    trainer.form()
+    return Workers(trainer, engines, rewarder)

@@ -1,0 +1,70 @@
+"""What one weight sync did, typed: `SyncReport`, and the one place its metrics are named."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_rl.quant.recipes import QuantReport
+
+
+@dataclass
+class SyncReport:
+    """One sync: what the senders streamed (totals over the trainer ranks), what the receivers said
+    when it finished, and how long it took."""
+
+    version: int = 0
+    bytes: int = 0
+    """Bytes of every bucket, over all senders."""
+    in_place: int = 0
+    """Of ``bytes``, those receivers read where the sender holds them (its shared arena)."""
+    buckets: int = 0
+    senders: int = 0
+    """Trainer ranks that sent something (each pipeline stage, each expert-parallel owner)."""
+    shared_memory: bool = True
+    """Every sender's buckets travelled through shared memory."""
+    quant: QuantReport | None = None
+    """The quantization recipe's report of what was sent (quantized on the sending side)."""
+    received: dict[str, Any] = field(default_factory=dict)
+    """What a receiver reported when it finished (numbers and the recipe's name)."""
+    seconds: float = 0.0
+    dead: set[int] = field(default_factory=set)
+    """Receivers whose process died during the sync."""
+
+    def merge(self, other: SyncReport) -> SyncReport:
+        """Add another sender's part of the same sync."""
+        self.bytes += other.bytes
+        self.in_place += other.in_place
+        self.buckets += other.buckets
+        self.dead |= other.dead
+        if other.buckets:
+            self.senders += other.senders
+            self.shared_memory = self.shared_memory and other.shared_memory
+        if other.quant is not None:
+            self.quant = (
+                QuantReport(other.quant.recipe).merge(other.quant)
+                if self.quant is None
+                else self.quant.merge(other.quant)
+            )
+        return self
+
+    def metrics(self) -> dict[str, float | int | str]:
+        """The sync's metrics as a run logs them: the receivers' (``sync/`` unless they name their
+        own prefix, as ``quant/``), the recipe's report of what was sent, the streamed totals."""
+        out: dict[str, Any] = {}
+        for key, value in self.received.items():
+            if isinstance(value, (int, float, str)):
+                out[key if "/" in key else f"sync/{key}"] = value
+        if self.quant is not None:
+            out.update(self.quant.summary())
+        out.update(
+            {
+                "sync/bytes": self.bytes,
+                "sync/in_place_bytes": self.in_place,
+                "sync/buckets": self.buckets,
+                "sync/senders": self.senders,
+                "sync/shared_memory": int(self.shared_memory),
+                "sync/seconds": self.seconds,
+            }
+        )
+        return out
