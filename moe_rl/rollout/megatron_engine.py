@@ -65,7 +65,8 @@ from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompt
 from moe_rl.rollout.sampler import SampleOutput, sample
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.receiver import ModelReceiver, decoded
-from moe_rl.weight_sync.wire import WIRE_METHODS, WireEncoder, decode
+from moe_rl.weight_sync.sender import sync_in_process
+from moe_rl.weight_sync.wire import WIRE_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -235,16 +236,17 @@ class MegatronEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
-        """A whole sync in this process: the recipe applied as a sender would
-        (`moe_rl.weight_sync.wire.WireEncoder`), then loaded as buckets would be."""
+        """A whole sync in this process, through what a trainer rank's sync uses
+        (`moe_rl.weight_sync.sender.sync_in_process`: the recipe applied as a sender would, buckets,
+        this engine's receiver protocol)."""
         start = time.perf_counter()
-        encoder = WireEncoder(self.config.quant, self.config.model.num_layers, quantized_wire=True)
-        self.begin_weight_update(version)
-        self._receive(decode(encoder.encode_group(named_tensors)))
-        stats = self.finish_weight_update(version)
-        if encoder.active:
-            self.last_quant_report = encoder.report
-            stats.update(encoder.report.summary())
+        report = sync_in_process(
+            self, named_tensors, self.config.quant, self.config.model.num_layers, version
+        )
+        stats = dict(report.received)
+        if report.quant is not None:
+            self.last_quant_report = report.quant
+            stats.update(report.quant.summary())
         bytes_sent = self.last_quant_report.bytes_sent if self.last_quant_report else 0
         return {**stats, "seconds": time.perf_counter() - start, "bytes": bytes_sent}
 

@@ -233,6 +233,25 @@ class RankSender:
         self.transport = self.arena = None
 
 
+def sync_in_process(
+    receiver: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig, num_layers: int,
+    version: int, quantized_wire: bool = True, capacity: int = 64 << 20,
+) -> SyncReport:  # fmt: skip
+    """A whole sync of ``named_tensors`` (HF names) into a receiver in this process (a
+    `moe_rl.weight_sync.receiver.WeightReceiver`), through what a trainer rank uses: the recipe's
+    encoder, buckets of ``capacity`` bytes, `publish` and the receiver protocol."""
+    encoder = WireEncoder(quant, num_layers, quantized_wire=quantized_wire)
+    transport = InProcess(capacity)
+    groups = (g for item in named_tensors for g in encoder.lazy_groups([item], capacity))
+    receiver.begin_weight_update(version)
+    out = publish(transport.packer.pack(groups), {0: receiver.receive_bucket}, 0.0, transport)
+    received = receiver.finish_weight_update(version)
+    return SyncReport(
+        version, bytes=out.bytes, in_place=out.in_place, buckets=out.buckets, senders=1, shared_memory=False,
+        quant=encoder.report if encoder.active else None, received=received,
+    )  # fmt: skip
+
+
 def _in_object_store(bucket: Bucket) -> Any:
     """One copy of `bucket` in Ray's object store, for every receiver. (Buckets in shared slots
     never go there, so `publish` of those runs without Ray.)"""
