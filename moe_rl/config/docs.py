@@ -34,8 +34,9 @@ Every key a recipe may set, section by section, with its type, its default (the 
 gets when neither the recipe, its `defaults:` pieces nor the command line sets it) and what it
 does. Recipes are YAML files that mirror these sections one to one; a key is written
 `section.key` on the command line (`trainer.lr=2e-6`) and nested under its section in YAML.
-Unknown keys and values of the wrong type are errors, and the cross-field checks (README,
-"Recipes") run when a recipe loads. The algorithms behind the `algo` keys, with their formulas and
+Unknown keys, values of the wrong type and values outside a key's choices are errors when a recipe
+loads; the cross-field checks and every component's rules run in the preflight that `plan`,
+`config check`, `submit` and `train` share (README, "Recipes"). The algorithms behind the `algo` keys, with their formulas and
 papers: [algorithms.md](algorithms.md)."""
 
 
