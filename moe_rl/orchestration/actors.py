@@ -33,7 +33,7 @@ from moe_rl.orchestration.engine_host import EngineHost
 from moe_rl.orchestration.placement import PROCESS_ENV
 from moe_rl.weight_sync.receiver import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
-from moe_rl.weight_sync.transport import Reach
+from moe_rl.weight_sync.transport import reach_of
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,7 @@ class TrainerRank:
         (`moe_rl.weight_sync.sender.RankSender`): through shared memory when every engine runs on
         this node, else through the object store. This rank's part of the sync's report (with the
         indices of engines that died on the way)."""
-        nodes = self._nodes_of(engines)
-        dead = {i for i, node in nodes.items() if node is None}
-        here = ray.get_runtime_context().get_node_id()
-        reach = Reach.SAME_NODE if all(node == here for node in nodes.values() if node) else Reach.OTHER_NODES
+        reach, dead = reach_of(self._nodes_of(engines), ray.get_runtime_context().get_node_id())
         receivers = {
             i: functools.partial(engine.receive_bucket.remote, into=target)
             for i, engine in enumerate(engines)

@@ -34,6 +34,14 @@ class Reach(StrEnum):
     OTHER_NODES = "other_nodes"
 
 
+def reach_of(nodes: dict[int, str | None], here: str) -> tuple[Reach, set[int]]:
+    """Where a sender's receivers are, from each one's node (None: its process is gone): on the
+    sender's node when every live one is, else on other nodes; and the receivers that are gone."""
+    dead = {i for i, node in nodes.items() if node is None}
+    alive = [node for node in nodes.values() if node is not None]
+    return (Reach.SAME_NODE if all(node == here for node in alive) else Reach.OTHER_NODES), dead
+
+
 class Transport(ABC):
     """How buckets travel (see the module docstring)."""
 
