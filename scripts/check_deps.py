@@ -1,6 +1,9 @@
 """Check the installed set: `pip check` must report nothing but the overrides the project made on
-purpose (constraints/cpu-overrides.txt), and the CUDA builds of torchvision, torchaudio and
-torchcodec must be absent (they break `import transformers` on the CPU torch)."""
+purpose (constraints/cpu-overrides.txt), and on a CPU install the CUDA builds of torchvision,
+torchaudio and torchcodec must be absent (they break `import transformers` on the CPU torch).
+A GPU install (the `gpu` extra, pinned by constraints/gpu.txt) has no deliberate overrides.
+
+    python scripts/check_deps.py [EXTRAS]     # e.g. cpu,dev (the default) or gpu,dev"""
 
 from __future__ import annotations
 
@@ -21,12 +24,13 @@ DELIBERATE = {
 ABSENT = ("torchvision", "torchaudio", "torchcodec")
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    cpu = "cpu" in (argv[0] if argv else "cpu,dev").split(",")
     out = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
     lines = {line.strip() for line in out.stdout.splitlines() if line.strip()}
     lines.discard("No broken requirements found.")
-    unexpected = sorted(lines - DELIBERATE)
-    present = [name for name in ABSENT if importlib.util.find_spec(name) is not None]
+    unexpected = sorted(lines - DELIBERATE if cpu else lines)
+    present = [name for name in ABSENT if cpu and importlib.util.find_spec(name) is not None]
     for line in unexpected:
         print(f"dependency conflict: {line}", file=sys.stderr)
     for name in present:
@@ -38,4 +42,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

