@@ -267,3 +267,34 @@ def test_in_process_engine_refuses_a_process_with_a_distributed_group(tmp_path):
     finally:
         if own_group:
             torch.distributed.destroy_process_group()
+
+
+def test_an_int16_routed_experts_payload_reaches_the_rows_the_trainer_replays():
+    """vLLM returns ``routed_experts`` as int16 ``[prompt + response - 1, layers, top_k]`` (it never
+    runs the last sampled token). Packed for the trainer, packed position ``p`` of a sample replays
+    payload row ``p``: the forward that predicts response token ``r`` from position ``r - 1`` runs
+    with the engine's experts at every position before it; the last position repeats the row before
+    it and is marked invalid (its output feeds no loss)."""
+    from moe_rl.data.packing import pack_samples
+
+    rng = np.random.default_rng(7)
+    prompts, responses = [[1, 2, 3], [7, 8]], [[10, 11, 12], [20, 21]]
+    outputs = []
+    for i, (prompt, tokens) in enumerate(zip(prompts, responses, strict=True)):
+        out = completion(0, tokens, [-0.5] * len(tokens), prompt_len=len(prompt), seed=i)
+        out.routed_experts = routing(len(prompt) + len(tokens) - 1, rng, np.int16)
+        outputs.append(request(str(i), prompt, [out]))
+    batch = from_vllm_outputs(
+        outputs, policy_version=0, quant_recipe="bf16", num_experts=EXPERTS, vocab_size=64
+    )
+    micro = pack_samples(batch, torch.arange(batch.num_samples))
+    start = 0
+    for out, prompt, tokens in zip(outputs, prompts, responses, strict=True):
+        payload = torch.from_numpy(out.outputs[0].routed_experts.astype(np.int64))
+        length = len(prompt) + len(tokens)
+        rows = micro.routed_experts[start : start + length].long()
+        assert torch.equal(rows[: length - 1], payload)  # position p: the engine's experts at p
+        assert torch.equal(rows[length - 1], payload[-1])  # the last sampled token: never run by vLLM
+        valid = micro.routing_valid[start : start + length]
+        assert valid[: length - 1].all() and not valid[length - 1]
+        start += length
