@@ -574,13 +574,19 @@ def _num_experts(hf_config: dict[str, Any]) -> int | None:
     return None
 
 
+FLOAT32_WEIGHTS = ("e_score_correction_bias",)
+"""Weights vLLM's models hold in float32 whatever the engine's dtype (DeepSeek-V3's expert-score
+correction bias, which decides the routing): they travel in float32, not rounded to the engine's
+dtype (the contract test against vLLM's model class checks every weight's dtype)."""
+
+
 def _to_engine_dtype(
     named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in named_tensors:
         tensor = tensor.detach().to("cpu")
         if tensor.is_floating_point():
-            tensor = tensor.to(dtype)
+            tensor = tensor.to(torch.float32 if name.endswith(FLOAT32_WEIGHTS) else dtype)
         yield name, tensor.contiguous()
 
 
