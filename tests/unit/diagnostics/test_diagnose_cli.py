@@ -30,8 +30,9 @@ def test_resolve_overrides_the_quant_last_and_reports_refusals():
     configs = resolve(TINY, ["rollout.quant=int8"], "bf16,fp8_block128")
     assert [c.quant.name for c in configs.values()] == ["bf16", "fp8_block128"]
     assert configs["fp8_block128"].quant.granularity == "block"
-    vllm = resolve(TINY, ["rollout.engine=vllm", "run.device=cpu", "model.head_dim=32", "algo.routing_replay=off",
-                          "algo.corrections.keep_sampling_mask=false"], "bf16,fp8_block128")  # fmt: skip
+    vllm = resolve(TINY, ["rollout.engine=vllm", "run.device=cpu", "rollout.max_model_len=128", "model.head_dim=32",
+                          "algo.routing_replay=off", "algo.corrections.keep_sampling_mask=false"],
+                   "bf16,fp8_block128")  # fmt: skip
     assert isinstance(vllm["fp8_block128"], NotAvailable) and "vllm" in vllm["fp8_block128"].reason
     with pytest.raises(ConfigError, match="fp9"):
         resolve(TINY, [], "bf16,fp9")
