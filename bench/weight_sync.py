@@ -35,7 +35,7 @@ torch-operation decode); FP8 inline ~5 % (~1 % with torch operations). The first
 process compiles the kernels (10-20 s; not timed: the memory pass runs first).
 
 * Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
-  `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.sender.publish` hands it to
+  `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.transport.publish` hands it to
   every receiver, then waits for the previous bucket's deliveries (at most two buckets in flight). It
   copies tensors into a bucket on one thread (`moe_rl.device.copy_into`), leaving the other core to
   the receivers, and writes nothing for a tensor of its arena that travels as it is. Ray starts its
@@ -536,7 +536,7 @@ def run_sync(
     """One sync: `TrainerRank.stream_weights`'s packer and `publish` loop (at most two buckets in
     flight). With ``store`` (the memory pass) the sender and the receivers sample their memory and the
     receivers checksum."""
-    from moe_rl.weight_sync.sender import publish
+    from moe_rl.weight_sync.transport import publish
 
     memory = store is not None
     threads = RECV_THREADS or max(1, (os.cpu_count() or 1) // len(receivers))  # the node's cores, shared
@@ -694,6 +694,136 @@ def fp8_encode_cost(state: State) -> str:
     )
 
 
+# ------------------------------------------------------------------------------ process group
+def pg_worker(rank: int, size: int, port: int, quick: bool, capacities: list[int], repeat: int, out) -> None:
+    """One process of the process-group rows: rank 0 sends, the others receive (see `pg_rows`)."""
+    from moe_rl.config.schema import QuantConfig
+    from moe_rl.device import copy_into
+    from moe_rl.weight_sync.broadcast import GroupSpec, StreamReceiver, open_group, send_stream
+    from moe_rl.weight_sync.receiver import decoded
+    from moe_rl.weight_sync.wire import Rejoin, WireEncoder
+
+    torch.set_num_threads(1 if rank == 0 else max(1, (os.cpu_count() or 2) // max(1, size - 1)))
+    groups = synthetic_groups(*((1, 2, 1024) if quick else (2, 6, 4096)))
+    nbytes = sum(tensor_nbytes(t) for g in groups for _, t in g)
+    spec = GroupSpec("127.0.0.1", port, size, f"bench/{port}/")
+    group = open_group(spec, 0) if rank == 0 else None
+    receiver = None if rank == 0 else StreamReceiver(spec, rank)
+    if receiver is not None:
+        receiver.join()
+        group = receiver.group
+        state = {name: torch.empty_like(t).fill_(0) for g in groups for name, t in g}  # pre-touched
+    flat = torch.zeros(nbytes, dtype=torch.uint8)  # the raw broadcast's buffer (the sender's: the bytes)
+
+    def sync(capacity: int, sample: bool = False) -> tuple[float, dict]:
+        with PeakSampler() if sample else contextlib.nullcontext() as peak:
+            start = time.perf_counter()
+            if rank == 0:
+                encoder = WireEncoder(QuantConfig(), num_layers=1, quantized_wire=True)
+                lazy = (lg for g in groups for lg in encoder.lazy_groups(g, capacity))
+                send_stream(group, packer(capacity).pack(lazy), buffers=len(packer(capacity).buffers))
+            else:
+                rejoin = Rejoin()
+
+                def land(bucket) -> None:  # as an engine: each tensor copied into its weight (`Receiver`)
+                    for name, value in decoded(bucket, into=state.get, rejoin=rejoin):
+                        if value is not state[name]:
+                            copy_into(state[name], value, threads=torch.get_num_threads())
+
+                receiver.receive(land)
+            group.barrier().wait()  # the last receiver has landed the last bucket
+            seconds = time.perf_counter() - start
+        return seconds, peak.result if sample else {}
+
+    def raw() -> float:
+        from torch.distributed import BroadcastOptions
+
+        options = BroadcastOptions()
+        options.rootRank = 0
+        start = time.perf_counter()
+        group.broadcast([flat], options).wait()
+        group.barrier().wait()
+        return time.perf_counter() - start
+
+    raw()  # warm-up: the group's connections, the buffers' pages
+    for capacity in capacities:
+        sync(capacity)  # warm-up (the slabs, the group's connections at this size)
+        if receiver is not None:  # every weight landed as sent
+            bad = [name for g in groups for name, t in g if not torch.equal(state[name], t)]
+            assert not bad, f"receiver {rank}: {len(bad)} weights differ from what was sent, e.g. {bad[0]}"
+        _, memory = sync(capacity, sample=True)  # the memory pass
+        timed = []
+        for _ in range(repeat):
+            seconds, _ = sync(capacity)
+            timed.append((seconds, raw()))
+        if receiver is None:  # what each side holds from sync to sync: the packer's buffers, the slabs
+            held = sum(b.nbytes for b in packer(capacity).buffers)
+        else:
+            held = sum(int(t.numel()) for t in receiver.slabs)
+        out.put((rank, capacity, nbytes, timed, memory["anon"], held))
+
+
+PACKERS: dict[int, object] = {}
+
+
+def packer(capacity: int):
+    """The sender's packer of ``capacity``, as the process-group transport makes it (kept)."""
+    from moe_rl.weight_sync.transport import ProcessGroup
+
+    if capacity not in PACKERS:
+        PACKERS[capacity] = ProcessGroup(capacity, host="127.0.0.1").packer
+    return PACKERS[capacity]
+
+
+def pg_rows(args: argparse.Namespace, repeat: int) -> None:
+    """The process-group transport (`weight_sync.broadcast`: what a trainer rank uses for engines on
+    other nodes) against a raw gloo broadcast of the same bytes in the same group: one sender process
+    and 1 or 2 receiver processes on this machine (loopback TCP), the synthetic bf16 state, the bucket
+    sizes of the other rows. A receiver lands every tensor in its preallocated state, as an engine
+    does (and the first sync's weights are checked equal to those sent). Memory: ``sender+MB`` and
+    ``recv+MB``, anonymous memory a sync adds (as above); ``buffers MB``, the sender packer's two
+    buffers, and ``slabs MB``, a receiver's two slabs, held from sync to sync; ``x bucket``, the
+    larger of the two in buckets (at most two)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    capacities = [c * MB for c in ((16, 64) if args.quick else (64, 256, 1024))]
+    print(
+        "\nprocess group (gloo, loopback): sender and receivers are processes of their own; bf16, synthetic state"
+    )
+    print(f"{'bucket':>8} {'recv':>4} {'s':>7} {'raw s':>7} {'%raw':>6} {'GB/s':>6} {'sender+MB':>9} "
+          f"{'buffers MB':>10} {'recv+MB':>7} {'slabs MB':>8} {'x bucket':>8}")  # fmt: skip
+    for receivers in (1, 2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        out = ctx.SimpleQueue()
+        size = receivers + 1
+        mp.start_processes(
+            pg_worker,
+            args=(size, port, args.quick, capacities, repeat, out),
+            nprocs=size,
+            start_method="spawn",
+        )
+        results: dict[int, dict[int, tuple]] = {}
+        while not out.empty():
+            rank, capacity, nbytes, timed, anon, held = out.get()
+            results.setdefault(capacity, {})[rank] = (nbytes, timed, anon, held)
+        for capacity in capacities:
+            nbytes, timed, sender_anon, buffers = results[capacity][0]
+            recv = [results[capacity][r] for r in range(1, size)]
+            sync_s = statistics.median(t for t, _ in timed)
+            raw_s = statistics.median(r for _, r in timed)
+            ratio = statistics.median(r / t for t, r in timed)
+            slabs = max(r[3] for r in recv)
+            recv_anon = max(r[2] for r in recv)
+            print(f"{capacity // MB:>6}MB {receivers:>4} {sync_s:>7.3f} {raw_s:>7.3f} {ratio:>6.0%} "
+                  f"{nbytes / sync_s / 1e9:>6.2f} {sender_anon / MB:>9.1f} {buffers / MB:>10.1f} "
+                  f"{recv_anon / MB:>7.1f} {slabs / MB:>8.1f} {max(buffers, slabs) / capacity:>7.2f}x")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~0.3 GB synthetic state, 16/64 MB buckets")
@@ -705,6 +835,10 @@ def main() -> None:
     parser.add_argument(
         "--free-objects-ms", type=int, default=None,
         help="Ray's free_objects_period_milliseconds (default: the run's, 50 ms)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--only", choices=("all", "ray", "process-group"), default="all",
+        help="the Ray transports' rows, the process-group rows, or both (default)",
     )  # fmt: skip
     args = parser.parse_args()
     from moe_rl.orchestration.placement import PROCESS_ENV
@@ -724,11 +858,14 @@ def main() -> None:
     init: dict = {"num_cpus": 4, "include_dashboard": False}
     if args.free_objects_ms is not None:
         init["_system_config"] = {"free_objects_period_milliseconds": args.free_objects_ms}
-    ray.init(**init)
-    try:
-        run_all(args, repeat)
-    finally:
-        ray.shutdown()
+    if args.only in ("all", "process-group"):
+        pg_rows(args, repeat)
+    if args.only in ("all", "ray"):
+        ray.init(**init)
+        try:
+            run_all(args, repeat)
+        finally:
+            ray.shutdown()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\nbench wall time {time.perf_counter() - wall:.0f} s; load average at the end {load}")
 

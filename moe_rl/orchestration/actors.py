@@ -111,8 +111,8 @@ class TrainerRank:
     def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:
         """Send the tensors this rank owns to ``target`` of every engine, bucket by bucket
         (`moe_rl.weight_sync.sender.RankSender`): through shared memory when every engine runs on
-        this node, else through the object store. This rank's part of the sync's report (with the
-        indices of engines that died on the way)."""
+        this node, else broadcast in a process group of this rank and the engines. This rank's part of
+        the sync's report (with the indices of engines that died on the way)."""
         reach, dead = reach_of(self._nodes_of(engines), ray.get_runtime_context().get_node_id())
         receivers = {
             i: functools.partial(engine.receive_bucket.remote, into=target)
@@ -124,9 +124,13 @@ class TrainerRank:
 
             c = self.config
             self._sender = RankSender(
-                self.worker.model, c.quant, c.model.num_layers, c.rollout.sync_bucket_mb << 20, self.rank
-            )
-        report = self._sender.send(receivers, reach, quantized_wire, RAY_TIMEOUT_S)
+                self.worker.model, c.quant, c.model.num_layers, c.rollout.sync_bucket_mb << 20, self.rank,
+                host=ray.util.get_node_ip_address(),
+            )  # fmt: skip
+        members = tuple(
+            engines[i]._actor_id.hex() for i in sorted(receivers)
+        )  # a restarted engine: a new group
+        report = self._sender.send(receivers, reach, quantized_wire, RAY_TIMEOUT_S, members)
         report.dead |= dead
         return report
 

@@ -29,6 +29,9 @@ class EngineHost:
         self.rollouts = rollouts_for(config, self.engine, env_factory)  # single- or multi-turn (`env.name`)
         self._reference = None
         self._generates = 0
+        from moe_rl.weight_sync.broadcast import StreamThreads
+
+        self._streams = StreamThreads()
 
     def generate(self, prompts: Sequence[Any], sampling, group_ids: Sequence[int]):
         """``(batch, status)`` for `moe_rl.rewards.tasks.Prompt` s (the status with the environment's
@@ -40,9 +43,20 @@ class EngineHost:
         self._target(into).begin_weight_update(version)
 
     def receive_bucket(self, bucket, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:
-        return self._target(into).receive_bucket(bucket)
+        """A bucket for ``into``; or a sender's `BroadcastStream`, whose buckets this process takes
+        in a thread of its own while other senders' streams and buckets arrive (trainer ranks send
+        at once, and may wait on each other's collectives), each loaded under one lock; the sync's
+        finish waits for every stream."""
+        from moe_rl.weight_sync.broadcast import BroadcastStream
+
+        if isinstance(bucket, BroadcastStream):
+            self._streams.start(bucket, self._target(into).receive_bucket)
+            return {"bytes": 0.0}
+        with self._streams.lock:
+            return self._target(into).receive_bucket(bucket)
 
     def finish_weight_update(self, version: int, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:
+        self._streams.wait()  # every sender's stream has ended (or its error is raised here)
         return self._target(into).finish_weight_update(version)
 
     def policy_version(self) -> int:

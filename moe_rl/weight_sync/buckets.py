@@ -152,8 +152,10 @@ class BucketPacker:
     once. A buffer has `SLACK` bytes beyond ``capacity`` for the padding of the tensors written in it
     (`ALIGN`); a bucket whose padding would overflow them (many tiny tensors) ends early.
 
-    * without ``slots``: one working buffer. A yielded bucket's buffer is valid until the next
-      bucket is requested: publish it (``ray.put`` copies it) or `detach` it before asking for the next;
+    * without ``slots``: ``buffers`` working buffers (default one), bucket ``i`` in buffer
+      ``i % buffers``. A yielded bucket's buffer is valid until the packer comes back to it: with
+      one, until the next bucket is requested (publish it, ``ray.put`` copies it, or `detach` it
+      first); with two, the sender may still be sending bucket ``i`` while bucket ``i + 1`` is packed;
     * with ``slots`` (`shm.SharedSlots`): bucket ``i`` goes to slot ``i % num_slots``, valid until the
       packer comes back to that slot; the caller makes sure receivers are done with it by then.
       Such a bucket is yielded in parts of about ``part_bytes`` (whole groups; the last part is
@@ -175,6 +177,7 @@ class BucketPacker:
         slots: SharedSlots | None = None,
         part_bytes: int | None = None,
         arena: SharedArena | None = None,
+        buffers: int = 1,
     ):
         if capacity <= 0:
             raise ValueError(f"bucket capacity={capacity} bytes must be > 0")
@@ -182,16 +185,17 @@ class BucketPacker:
             raise ValueError("a packer reads tensors in a shared arena only with shared slots")
         self.capacity, self.sender, self.slots, self.arena = capacity, sender, slots, arena
         self.part_bytes = None if slots is None else min(capacity, part_bytes or PART_BYTES)
-        self.buffer = np.empty(0, dtype=np.uint8)
+        self.buffers = [np.empty(0, dtype=np.uint8) for _ in range(max(1, buffers))]
 
     def _target(self, index: int, size: int) -> tuple[np.ndarray, str | None]:
         """Where bucket ``index`` is written, for a bucket of at least ``size`` bytes."""
         size = max(size, self.capacity + SLACK)
         if self.slots is not None:
             return self.slots.buffer(index, size)
-        if size > self.buffer.nbytes:
-            self.buffer = np.empty(size, dtype=np.uint8)
-        return self.buffer, None
+        i = index % len(self.buffers)
+        if size > self.buffers[i].nbytes:
+            self.buffers[i] = np.empty(size, dtype=np.uint8)
+        return self.buffers[i], None
 
     def pack(self, groups: Iterator[LazyGroup | Sequence[tuple[str, Tensor, dict]]]) -> Iterator[Bucket]:
         """Buckets (or parts of buckets, see the class) of ``groups``: lists of ``(name, tensor,

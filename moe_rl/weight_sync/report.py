@@ -28,6 +28,8 @@ class SyncReport:
     received: dict[str, Any] = field(default_factory=dict)
     """What a receiver reported when it finished (numbers and the recipe's name)."""
     seconds: float = 0.0
+    transports: set[str] = field(default_factory=set)
+    """How the senders' buckets travelled (`moe_rl.weight_sync.transport.Reach.transport`)."""
     dead: set[int] = field(default_factory=set)
     """Receivers whose process died during the sync."""
 
@@ -37,6 +39,7 @@ class SyncReport:
         self.in_place += other.in_place
         self.buckets += other.buckets
         self.dead |= other.dead
+        self.transports |= other.transports
         if other.buckets:
             self.senders += other.senders
             self.shared_memory = self.shared_memory and other.shared_memory
@@ -64,6 +67,7 @@ class SyncReport:
                 "sync/buckets": self.buckets,
                 "sync/senders": self.senders,
                 "sync/shared_memory": int(self.shared_memory),
+                "sync/transport": ",".join(sorted(self.transports)) or "none",
                 "sync/seconds": self.seconds,
             }
         )

@@ -23,8 +23,8 @@ buckets to the receivers with at most two in flight.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +34,14 @@ from moe_rl.weight_sync import shm
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
 from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.shm import SharedArena, tensor_nbytes
-from moe_rl.weight_sync.transport import InProcess, ObjectStore, Reach, SharedMemory, Transport
+from moe_rl.weight_sync.transport import (
+    InProcess,
+    ProcessGroup,
+    Reach,
+    SharedMemory,
+    Transport,
+    publish,
+)
 from moe_rl.weight_sync.wire import LazyGroup, WireEncoder
 
 EXPERT_MARK = ".mlp.experts."
@@ -119,73 +126,17 @@ def stream_buckets(
     return packer.pack(weight_groups(model, encoder, packer.capacity))
 
 
-@dataclass
-class Published:
-    """What one sender's stream delivered."""
-
-    bytes: int = 0
-    in_place: int = 0
-    """Of ``bytes``, those the receivers read where the sender holds them (its shared arena)."""
-    buckets: int = 0
-    largest: int = 0
-    """Bytes of the largest bucket."""
-    dead: set[int] = field(default_factory=set)
-    """Receivers whose process died on the way (they got no later bucket)."""
-
-
-def publish(
-    buckets: Iterable[Bucket],
-    receivers: dict[int, Callable[[Any], Any]],
-    timeout_s: float,
-    transport: Transport | None = None,
-) -> Published:
-    """Deliver every bucket to every receiver, with at most two buckets in flight: bucket ``i`` is
-    handed to all receivers, then the deliveries of bucket ``i - 1`` are awaited, so the packer's
-    buffer (or shared slot) of bucket ``i - 1`` is free again when bucket ``i + 1`` is packed.
-
-    A bucket that travels in parts (`buckets.BucketPacker` with shared slots) is handed over part
-    by part as each is written; the deliveries of bucket ``i - 1`` are awaited after the last part
-    of bucket ``i``, so receivers work through their queue of parts while the sender writes ahead.
-
-    ``receivers`` maps a receiver's index to a function that starts its delivery (a Ray call
-    returning an object reference, or a call in this process returning its result). The
-    ``transport`` turns each bucket into what receivers are handed (default: a bucket in a shared
-    slot as itself, any other once into Ray's object store).
-    """
-    out, alive = Published(), dict(receivers)
-    in_flight: list[tuple[int, Any]] = []  # deliveries of the previous bucket
-    current: list[tuple[int, Any]] = []  # deliveries of this bucket's parts so far
-    size = 0
-    for bucket in buckets:
-        if transport is not None:
-            message = transport.message(bucket)
-        else:
-            message = bucket if bucket.slot is not None else _in_object_store(bucket)
-        current += [(i, deliver(message)) for i, deliver in alive.items()]
-        out.bytes += bucket.nbytes
-        out.in_place += sum(entry.nbytes for entry in bucket.entries if entry.source is not None)
-        size += bucket.nbytes
-        if not bucket.last:
-            continue
-        out.dead |= _settle(in_flight, timeout_s)
-        in_flight, current = current, []
-        for i in out.dead:
-            alive.pop(i, None)
-        out.buckets += 1
-        out.largest = max(out.largest, size)
-        size = 0
-    out.dead |= _settle(in_flight + current, timeout_s)
-    return out
-
-
 class RankSender:
     """One trainer rank's side of every weight sync (see the module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, quant: QuantConfig, num_layers: int, capacity: int, rank: int = 0
-    ):
+        self, model: torch.nn.Module, quant: QuantConfig, num_layers: int, capacity: int, rank: int = 0,
+        host: str | None = None,
+    ):  # fmt: skip
+        """``host``: the address receivers on other nodes reach this rank at (its process group's
+        store; default: this machine's name resolved)."""
         self.model, self.quant, self.num_layers = model, quant, num_layers
-        self.capacity, self.rank = capacity, rank
+        self.capacity, self.rank, self.host = capacity, rank, host
         self.transport: Transport | None = None
         self.arena: SharedArena | None = None
 
@@ -201,16 +152,21 @@ class RankSender:
         if self.transport is None or self.transport.reach is not reach:
             if self.transport is not None:
                 self.transport.close()
-            kinds = {Reach.IN_PROCESS: InProcess, Reach.OTHER_NODES: ObjectStore}
-            self.transport = (
-                SharedMemory(self.capacity, self.rank, self.arena)
-                if reach is Reach.SAME_NODE
-                else kinds[reach](self.capacity, self.rank)
-            )
+            device = next(self.model.parameters()).device.type
+            self.transport = {
+                Reach.IN_PROCESS: lambda: InProcess(self.capacity, self.rank),
+                Reach.SAME_NODE: lambda: SharedMemory(self.capacity, self.rank, self.arena),
+                Reach.OTHER_NODES: lambda: ProcessGroup(self.capacity, self.rank, self.host, device),
+            }[reach]()
         return self.transport
 
     def send(
-        self, receivers: dict[int, Callable[[Any], Any]], reach: Reach, quantized_wire: bool, timeout_s: float
+        self,
+        receivers: dict[int, Callable[[Any], Any]],
+        reach: Reach,
+        quantized_wire: bool,
+        timeout_s: float,
+        members: tuple = (),
     ) -> SyncReport:
         """Stream this rank's tensors to ``receivers`` (each encoded by the quantization recipe when
         the receivers take it on the wire); this rank's part of the sync's report."""
@@ -218,11 +174,21 @@ class RankSender:
         transport = self._transport_for(reach)
         packer = transport.packer
         buckets = stream_buckets(self.model, encoder, packer.capacity, self.rank, packer)
-        out = publish(buckets, receivers, timeout_s, transport)
+        if not self.owns_any:  # it still joins the gathers of what others send; nothing to deliver
+            for _ in buckets:
+                raise AssertionError(f"trainer rank {self.rank} owns no tensor but packed a bucket")
+            return SyncReport(senders=0, transports=set())
+        out = transport.send(buckets, receivers, timeout_s, members)
         return SyncReport(
             bytes=out.bytes, in_place=out.in_place, buckets=out.buckets, senders=1,
             shared_memory=transport.shared_memory, quant=encoder.report if encoder.active else None, dead=out.dead,
+            transports={transport.reach.transport},
         )  # fmt: skip
+
+    @functools.cached_property
+    def owns_any(self) -> bool:
+        """Whether this rank sends any tensor (`sends`): one that owns none never contacts the receivers."""
+        return any(sends(name) for name, _ in self.model.named_parameters())
 
     def close(self) -> None:
         """Remove this rank's shared slots and arena file (before the process ends)."""
@@ -250,28 +216,3 @@ def sync_in_process(
         version, bytes=out.bytes, in_place=out.in_place, buckets=out.buckets, senders=1, shared_memory=False,
         quant=encoder.report if encoder.active else None, received=received,
     )  # fmt: skip
-
-
-def _in_object_store(bucket: Bucket) -> Any:
-    """One copy of `bucket` in Ray's object store, for every receiver. (Buckets in shared slots
-    never go there, so `publish` of those runs without Ray.)"""
-    import ray
-
-    return ray.put(bucket)
-
-
-def _settle(flight: list[tuple[int, Any]], timeout_s: float) -> set[int]:
-    """Wait for deliveries (Ray's object references; a delivery in this process is done already);
-    the indices of receivers whose process died."""
-    refs = [(i, ref) for i, ref in flight if type(ref).__name__ == "ObjectRef"]
-    if not refs:
-        return set()
-    import ray
-
-    dead = set()
-    for i, ref in refs:
-        try:
-            ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            dead.add(i)
-    return dead

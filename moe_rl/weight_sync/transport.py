@@ -7,8 +7,9 @@ are reused) and turns each packed bucket into the message a receiver is handed:
   shared-memory slots (`moe_rl.weight_sync.shm`), a CPU trainer's parameters into a shared arena
   once, and the message is the bucket itself (entries and slot names): receivers read the bytes
   where they lie;
-* `ObjectStore`: receivers on other nodes. Each bucket is put into Ray's object store once, for
-  every receiver;
+* `ProcessGroup`: receivers on other nodes. The sender and its receivers form a process group of
+  their own (gloo on CPU, NCCL between GPUs) and the buckets are broadcast in it
+  (`moe_rl.weight_sync.broadcast`): the bytes cross the network once, straight into each receiver;
 * `InProcess`: the receiver is in the sender's process (the one-process loop): the message is the
   bucket, valid until the next one is packed.
 
@@ -18,7 +19,11 @@ Which one a sync uses is the sender's choice from where its receivers are (`Reac
 
 from __future__ import annotations
 
+import socket
+import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -32,6 +37,13 @@ class Reach(StrEnum):
     IN_PROCESS = "in_process"
     SAME_NODE = "same_node"
     OTHER_NODES = "other_nodes"
+
+    @property
+    def transport(self) -> str:
+        """The name of the transport buckets take to receivers this far (what a sync records)."""
+        return {"in_process": "in_process", "same_node": "shared_memory", "other_nodes": "process_group"}[
+            self.value
+        ]
 
 
 def reach_of(nodes: dict[int, str | None], here: str) -> tuple[Reach, set[int]]:
@@ -65,6 +77,15 @@ class Transport(ABC):
     def message(self, bucket: Bucket) -> Any:
         """What every receiver is handed for ``bucket``."""
 
+    def send(
+        self, buckets: Iterable[Bucket], receivers: dict[int, Callable[[Any], Any]], timeout_s: float,
+        members: tuple = (),
+    ) -> Published:  # fmt: skip
+        """Deliver ``buckets`` to ``receivers`` (`publish`: each bucket handed to every receiver).
+        ``members`` names the receivers' processes (a transport that keeps state per set of
+        receivers rebuilds it when they change)."""
+        return publish(buckets, receivers, timeout_s, self)
+
     @property
     def shared_memory(self) -> bool:
         """Buckets travel through shared memory (receivers read them in place)."""
@@ -80,16 +101,6 @@ class InProcess(Transport):
 
     def message(self, bucket: Bucket) -> Any:
         return bucket
-
-
-class ObjectStore(Transport):
-    reach = Reach.OTHER_NODES
-
-    def message(self, bucket: Bucket) -> Any:
-        """One copy of ``bucket`` in Ray's object store, for every receiver."""
-        import ray
-
-        return ray.put(bucket)
 
 
 class SharedMemory(Transport):
@@ -116,3 +127,143 @@ class SharedMemory(Transport):
         if self._packer is not None and self._packer.slots is not None:
             self._packer.slots.close()
         super().close()
+
+
+class ProcessGroup(Transport):
+    """Buckets broadcast to receivers on other nodes in a process group of the sender and its
+    receivers (`moe_rl.weight_sync.broadcast`): the bytes cross the network once, straight into
+    each receiver's slab, never through Ray's object store. The group is made at the first sync and
+    kept while the receivers are the same processes (``members``)."""
+
+    reach = Reach.OTHER_NODES
+
+    def __init__(self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu"):
+        super().__init__(capacity, sender)
+        self.host = host or socket.gethostbyname(socket.gethostname())
+        self.device = device
+        self.group: Any = None
+        self.spec: Any = None
+        self.members: tuple = ()
+
+    def _make_packer(self) -> BucketPacker:
+        return BucketPacker(self.capacity, sender=self.sender, buffers=2)  # one packed while one is sent
+
+    def message(self, bucket: Bucket) -> Any:  # buckets are broadcast, never handed over one by one
+        raise NotImplementedError("a process-group transport broadcasts buckets (`send`)")
+
+    def send(
+        self, buckets: Iterable[Bucket], receivers: dict[int, Callable[[Any], Any]], timeout_s: float,
+        members: tuple = (),
+    ) -> Published:  # fmt: skip
+        """Ask each receiver to join the stream (one call each: they take every bucket of it), then
+        broadcast the buckets; the receivers whose process died on the way."""
+        from moe_rl.weight_sync.broadcast import BroadcastStream, GroupSpec, open_group, send_stream
+
+        order = sorted(receivers)
+        members = tuple(members) or tuple(order)
+        fresh = self.group is None or members != self.members
+        if fresh:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            key = f"moe-rl-sync/{self.sender}/{uuid.uuid4().hex}/"
+            self.spec = GroupSpec(self.host, port, len(order) + 1, key, self.device, self.sender)
+            self.members, self.group = members, None
+        joined = [
+            (i, receivers[i](BroadcastStream(self.spec, rank))) for rank, i in enumerate(order, start=1)
+        ]
+        if fresh:
+            self.group = open_group(self.spec, 0)  # the members meet here (they connect to this store)
+        streamed = send_stream(self.group, buckets, self.device, buffers=len(self.packer.buffers))
+        dead = _settle(joined, timeout_s)
+        if dead:
+            self.group = None  # the next sync makes a new group of the live receivers
+        return Published(bytes=streamed.bytes, buckets=streamed.buckets, largest=streamed.largest, dead=dead)
+
+    def close(self) -> None:
+        self.group = None
+        super().close()
+
+
+@dataclass
+class Published:
+    """What one sender's stream delivered."""
+
+    bytes: int = 0
+    in_place: int = 0
+    """Of ``bytes``, those the receivers read where the sender holds them (its shared arena)."""
+    buckets: int = 0
+    largest: int = 0
+    """Bytes of the largest bucket."""
+    dead: set[int] = field(default_factory=set)
+    """Receivers whose process died on the way (they got no later bucket)."""
+
+
+def publish(
+    buckets: Iterable[Bucket],
+    receivers: dict[int, Callable[[Any], Any]],
+    timeout_s: float,
+    transport: Transport | None = None,
+) -> Published:
+    """Deliver every bucket to every receiver, with at most two buckets in flight: bucket ``i`` is
+    handed to all receivers, then the deliveries of bucket ``i - 1`` are awaited, so the packer's
+    buffer (or shared slot) of bucket ``i - 1`` is free again when bucket ``i + 1`` is packed.
+
+    A bucket that travels in parts (`buckets.BucketPacker` with shared slots) is handed over part
+    by part as each is written; the deliveries of bucket ``i - 1`` are awaited after the last part
+    of bucket ``i``, so receivers work through their queue of parts while the sender writes ahead.
+
+    ``receivers`` maps a receiver's index to a function that starts its delivery (a Ray call
+    returning an object reference, or a call in this process returning its result). The
+    ``transport`` turns each bucket into what receivers are handed (default: a bucket in a shared
+    slot as itself, any other once into Ray's object store).
+    """
+    out, alive = Published(), dict(receivers)
+    in_flight: list[tuple[int, Any]] = []  # deliveries of the previous bucket
+    current: list[tuple[int, Any]] = []  # deliveries of this bucket's parts so far
+    size = 0
+    for bucket in buckets:
+        if transport is not None:
+            message = transport.message(bucket)
+        else:
+            message = bucket if bucket.slot is not None else _in_object_store(bucket)
+        current += [(i, deliver(message)) for i, deliver in alive.items()]
+        out.bytes += bucket.nbytes
+        out.in_place += sum(entry.nbytes for entry in bucket.entries if entry.source is not None)
+        size += bucket.nbytes
+        if not bucket.last:
+            continue
+        out.dead |= _settle(in_flight, timeout_s)
+        in_flight, current = current, []
+        for i in out.dead:
+            alive.pop(i, None)
+        out.buckets += 1
+        out.largest = max(out.largest, size)
+        size = 0
+    out.dead |= _settle(in_flight + current, timeout_s)
+    return out
+
+
+def _in_object_store(bucket: Bucket) -> Any:
+    """One copy of `bucket` in Ray's object store, for every receiver. (Buckets in shared slots
+    never go there, so `publish` of those runs without Ray.)"""
+    import ray
+
+    return ray.put(bucket)
+
+
+def _settle(flight: list[tuple[int, Any]], timeout_s: float) -> set[int]:
+    """Wait for deliveries (Ray's object references; a delivery in this process is done already);
+    the indices of receivers whose process died."""
+    refs = [(i, ref) for i, ref in flight if type(ref).__name__ == "ObjectRef"]
+    if not refs:
+        return set()
+    import ray
+
+    dead = set()
+    for i, ref in refs:
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            dead.add(i)
+    return dead

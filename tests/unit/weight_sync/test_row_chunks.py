@@ -57,7 +57,7 @@ def test_large_weights_travel_in_chunks_and_arrive_whole(cfg, slotted, tmp_path,
     chunks = [e for b in buckets for e in b.entries if "rows" in e.meta]
     assert {e.name for e in chunks} >= {"model.embed_tokens.weight", "model.layers.0.mlp.gate_proj.weight"}
     assert all(b.nbytes <= CAPACITY for b in buckets)  # no bucket grows for a large weight
-    held = slots.nbytes() if slots is not None else packer.buffer.nbytes
+    held = slots.nbytes() if slots is not None else sum(b.nbytes for b in packer.buffers)
     assert held <= (2 if slotted else 1) * (CAPACITY + SLACK)  # nor does the sender's memory
     # each weight handed on once, whole, equal to what the whole sync decodes
     assert [n for n, _ in values] == [n for n, _ in whole_values]

@@ -92,17 +92,16 @@ def test_a_packer_sends_arena_tensors_where_they_lie_and_writes_the_rest(shm_dir
         BucketPacker(256, arena=arena)
 
 
-def test_in_place_buckets_count_their_bytes_toward_parts_and_buckets(shm_dir, monkeypatch):
-    from moe_rl.weight_sync import sender
+def test_in_place_buckets_count_their_bytes_toward_parts_and_buckets(shm_dir):
+    from moe_rl.weight_sync.transport import publish
 
-    monkeypatch.setattr(sender, "_settle", lambda flight, timeout: set())  # deliveries are plain calls here
     arena = shm.SharedArena(4096, tag="t")
     tensors = [arena.place(torch.full((8,), float(i))) for i in range(5)]  # 32 B each
     slots = shm.SharedSlots(64, tag="t")
     packer = BucketPacker(64, slots=slots, part_bytes=32, arena=arena)
     groups = [[(f"w{i}", t, {})] for i, t in enumerate(tensors)]
     delivered = []
-    out = sender.publish(packer.pack(iter(groups)), {0: lambda b: delivered.append(b) or len(delivered)}, 1.0)
+    out = publish(packer.pack(iter(groups)), {0: lambda b: delivered.append(b) or len(delivered)}, 1.0)
     assert (out.bytes, out.in_place, out.buckets) == (160, 160, 3)
     assert [(b.index, b.part, b.last) for b in delivered] == [(0, 0, False), (0, 1, True), (1, 0, False),
                                                             (1, 1, True), (2, 0, True)]  # fmt: skip

@@ -127,11 +127,11 @@ def test_a_bucket_without_slots_travels_whole():
 
 
 def test_publish_frees_a_slot_only_after_every_part_of_its_bucket_was_delivered(slots, monkeypatch):
-    from moe_rl.weight_sync import sender
+    from moe_rl.weight_sync import transport
 
     events: list = []
     monkeypatch.setattr(
-        sender,
+        transport,
         "_settle",
         lambda flight, timeout: events.append(("settle", [ref for _, ref in flight])) or set(),
     )
@@ -141,7 +141,7 @@ def test_publish_frees_a_slot_only_after_every_part_of_its_bucket_was_delivered(
         events.append(("deliver", (bucket.index, bucket.part)))
         return (bucket.index, bucket.part)
 
-    out = sender.publish(packer.pack(iter(_groups([4, 4, 4, 4, 4, 4, 4]))), {0: deliver}, 1.0)
+    out = transport.publish(packer.pack(iter(_groups([4, 4, 4, 4, 4, 4, 4]))), {0: deliver}, 1.0)
     assert (out.buckets, out.bytes, out.largest) == (4, 112, 32)
     assert events == [
         ("deliver", (0, 0)), ("deliver", (0, 1)), ("settle", []),

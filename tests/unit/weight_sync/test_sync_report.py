@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from moe_rl.config.schema import QuantConfig
 from moe_rl.quant.recipes import QuantReport
 from moe_rl.weight_sync.report import SyncReport
-from moe_rl.weight_sync.transport import InProcess, ObjectStore, Reach, SharedMemory, reach_of
+from moe_rl.weight_sync.sender import RankSender
+from moe_rl.weight_sync.transport import InProcess, ProcessGroup, Reach, SharedMemory, reach_of
 
 
 def _quant(num: int) -> QuantReport:
@@ -48,9 +50,16 @@ def test_the_sender_picks_its_transport_from_where_the_receivers_are():
     assert reach_of({0: "a", 1: "a"}, "a") == (Reach.SAME_NODE, set())
     assert reach_of({0: "a", 1: "b"}, "a") == (Reach.OTHER_NODES, set())
     assert reach_of({0: "a", 1: None}, "a") == (Reach.SAME_NODE, {1})  # a dead receiver: left out
-    kinds = {Reach.SAME_NODE: SharedMemory, Reach.OTHER_NODES: ObjectStore, Reach.IN_PROCESS: InProcess}
-    for reach, kind in kinds.items():
-        assert kind.reach is reach
+    sender = RankSender(torch.nn.Linear(4, 4), QuantConfig(), num_layers=1, capacity=1024, host="10.0.0.7")
+    kinds = {Reach.SAME_NODE: SharedMemory, Reach.OTHER_NODES: ProcessGroup, Reach.IN_PROCESS: InProcess}
+    try:
+        for reach, kind in kinds.items():
+            transport = sender._transport_for(reach)
+            assert type(transport) is kind and transport.reach is reach
+            assert sender._transport_for(reach) is transport  # kept from sync to sync
+        assert sender._transport_for(Reach.OTHER_NODES).host == "10.0.0.7"  # the store other nodes reach
+    finally:
+        sender.close()
     shared = SharedMemory(1024)
     try:
         assert shared.shared_memory and shared.packer.slots is not None and shared.packer is shared.packer

@@ -1,0 +1,331 @@
+"""The process-group transport: a sending trainer rank broadcasts its buckets to its engines in a
+``torch.distributed`` group of their own (gloo on CPU; NCCL between GPUs), so weights cross nodes
+once, without a copy through Ray's object store.
+
+The group is the sender (rank 0) and its receivers (ranks 1..n), made outside any default world
+(each member already belongs to one: the trainer rank to Megatron's, an engine to its own):
+a TCP store the sender opens on its node (`GroupSpec`), a prefix per group, and a process group
+over it (`open_group`). It is made at the first sync that needs it and kept while its members stay.
+
+A bucket travels as one small header (its entries and how its bytes are laid out, pickled, in a
+message of fixed size) and its bytes (the packed buffer, then each tensor that travels as the
+sender holds it). An empty header ends the stream. A receiver takes each bucket into one of two
+byte slabs it keeps (alternating), rebuilds the `Bucket` over it and hands it to its
+`WeightReceiver`; the sender's packer reuses its buffer once the broadcast is done. So neither
+side holds more than two buckets' bytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import pickle
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_rl.weight_sync.buckets import Bucket
+from moe_rl.weight_sync.shm import aligned
+
+HEADER_BYTES = 1 << 16
+"""A bucket's header travels in one message of this size (a longer header: the rest in a second)."""
+
+GROUP_TIMEOUT_S = 1800.0
+"""How long a member waits for the others (the group's rendezvous, each broadcast)."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where the members of one sender's group meet: the sender's TCP store and the group's size."""
+
+    host: str
+    port: int
+    size: int
+    key: str
+    """Names the group (the store's prefix): a new group after a member changed gets a new key."""
+    device: str = "cpu"
+    """Where the buckets' bytes are broadcast from and to: ``cpu`` (gloo) or ``cuda`` (NCCL)."""
+    sender: int = 0
+    """The trainer rank that sends (one group per sending rank)."""
+
+
+@dataclass(frozen=True)
+class BroadcastStream:
+    """The message a receiver gets instead of a bucket: join the stream of ``spec`` as ``rank`` and
+    receive every bucket it carries, until the sender ends it."""
+
+    spec: GroupSpec
+    rank: int
+
+
+def open_group(spec: GroupSpec, rank: int) -> Any:
+    """This member's side of the group of ``spec`` (collective: every member calls it)."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    store = PrefixStore(spec.key, TCPStore(spec.host, spec.port, spec.size, rank == 0, timeout=timeout))
+    if spec.device == "cuda":
+        from torch.distributed import ProcessGroupNCCL
+
+        return ProcessGroupNCCL(store, rank, spec.size)
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, spec.size, timeout)
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    """Start broadcasting ``tensor`` from rank 0 (the returned work completes it)."""
+    from torch.distributed import BroadcastOptions
+
+    options = BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([tensor], options)
+
+
+@dataclass
+class Streamed:
+    """What one broadcast stream carried."""
+
+    bytes: int = 0
+    buckets: int = 0
+    largest: int = 0
+
+
+def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu", buffers: int = 1) -> Streamed:
+    """Broadcast every bucket to the group (as rank 0), then the end of the stream. ``buffers``: how
+    many buffers the packer of ``buckets`` alternates (`BucketPacker`). With two the stream is
+    pipelined: the broadcast of bucket ``i`` runs while bucket ``i + 1`` is packed, and bucket
+    ``i - 1``'s has ended before then, so the packer reuses a buffer only when every receiver has its
+    bytes. With one, each broadcast ends before the next bucket is packed."""
+    out = Streamed()
+    before: list[tuple[Any, Any]] = []  # the works of the previous bucket, and what they read
+    for bucket in buckets:  # packing this bucket reused the buffer of the one before the previous
+        parts = _parts(bucket)
+        header = {
+            "entries": bucket.entries, "index": bucket.index, "sender": bucket.sender, "part": bucket.part,
+            "last": bucket.last, "sizes": [len(p) for p in parts],
+        }  # fmt: skip
+        now = _send_header(group, header, device)
+        for part in parts:
+            if len(part):
+                tensor = _on(torch.from_numpy(part), device)
+                now.append((_broadcast(group, tensor), tensor))
+        _wait(before)
+        before = now
+        if buffers < 2:
+            _wait(before)
+            before = []
+        out.bytes += bucket.nbytes
+        out.buckets += int(bucket.last)
+        out.largest = max(out.largest, bucket.nbytes)
+    _wait(before)
+    _wait(_send_header(group, None, device))
+    return out
+
+
+def _wait(works: list[tuple[Any, Any]]) -> None:
+    for work, _ in works:
+        work.wait()
+
+
+def _parts(bucket: Bucket) -> list[np.ndarray]:
+    """The byte ranges a bucket's tensors lie in: its packed buffer (up to its last entry), then each
+    tensor that travels as the sender holds it (`Bucket.arrays`)."""
+    packed = [e for e in bucket.entries if e.source is None and e.array is None]
+    end = max((e.offset + e.nbytes for e in packed), default=0)
+    head = bucket.data[:end] if end else np.empty(0, dtype=np.uint8)
+    return [
+        np.ascontiguousarray(head),
+        *(np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in bucket.arrays),
+    ]
+
+
+def _on(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    return tensor if device == "cpu" else tensor.to(device)
+
+
+def _send_header(group: Any, header: dict | None, device: str) -> list[tuple[Any, Any]]:
+    """Start broadcasting a bucket's header: one `HEADER_BYTES` message (the pickled header's
+    length, then as much of it as fits; length 0 ends the stream), and the rest of a longer header
+    in a second one."""
+    data = b"" if header is None else pickle.dumps(header)
+    head = np.zeros(HEADER_BYTES, dtype=np.uint8)
+    head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
+    fits = min(len(data), HEADER_BYTES - 8)
+    head[8 : 8 + fits] = np.frombuffer(data[:fits], dtype=np.uint8)
+    tensor = _on(torch.from_numpy(head), device)
+    works = [(_broadcast(group, tensor), tensor)]
+    if len(data) > fits:
+        rest = _on(torch.frombuffer(bytearray(data[fits:]), dtype=torch.uint8), device)
+        works.append((_broadcast(group, rest), rest))
+    return works
+
+
+def _landed(work: Any, into: torch.Tensor, view: torch.Tensor) -> None:
+    """Wait for a broadcast into ``into``; then its bytes are in ``view`` (copied there from a GPU)."""
+    work.wait()
+    if into is not view:
+        view.copy_(into)
+
+
+@dataclass
+class StreamReceiver:
+    """A receiver's side of one sender's stream: its group and the two byte slabs it takes buckets
+    into (kept from sync to sync)."""
+
+    spec: GroupSpec
+    rank: int
+    group: Any = None
+    slabs: list[torch.Tensor] = field(default_factory=list)
+    _turn: int = 0
+
+    def join(self) -> None:
+        if self.group is None:
+            self.group = open_group(self.spec, self.rank)
+
+    def receive(self, on_bucket: Callable[[Bucket], Any]) -> Streamed:
+        """Take every bucket of the stream and hand it to ``on_bucket`` (a `WeightReceiver`'s
+        ``receive_bucket``, which copies what it keeps), until the sender ends it, pipelined: a
+        thread of this stream takes bucket ``i + 1`` into one slab while bucket ``i``, in the other,
+        is handed on; it takes a slab again only once the bucket in it was handed on."""
+        self.join()
+        out = Streamed()
+        arrived: queue.Queue = queue.Queue()
+        free = threading.Semaphore(2)  # slabs not holding a bucket that is still to be handed on
+        stop = threading.Event()
+
+        def take() -> None:
+            try:
+                posted = self._post_header()
+                while True:
+                    header = self._read_header(posted)
+                    if header is None:
+                        arrived.put(None)
+                        return
+                    free.acquire()
+                    if stop.is_set():
+                        return
+                    bucket, works = self._post_bucket(header)
+                    posted = self._post_header()  # the next header is on its way while these bytes arrive
+                    for work in works:
+                        work()
+                    arrived.put(bucket)
+            except BaseException as exc:  # raised in the receiving thread
+                arrived.put(exc)
+
+        thread = threading.Thread(target=take, name=f"weight-stream-take-{self.spec.key}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                bucket = arrived.get()
+                if bucket is None:
+                    return out
+                if isinstance(bucket, BaseException):
+                    raise bucket
+                on_bucket(bucket)
+                free.release()
+                out.bytes += bucket.nbytes
+                out.buckets += int(bucket.last)
+                out.largest = max(out.largest, bucket.nbytes)
+        finally:  # after an error the taker may be inside a broadcast: it ends with the group
+            stop.set()
+            free.release()  # a taker waiting for a slab sees the stop
+
+    def _post_bucket(self, header: dict) -> tuple[Bucket, list[Callable[[], None]]]:
+        """The bucket of ``header`` in the next slab, and the waits of its bytes' broadcasts (posted
+        at once here; the bucket is whole when every wait has returned)."""
+        device, sizes = self.spec.device, header["sizes"]
+        slab = self._slab(sum(aligned(s) for s in sizes))
+        views, works, offset = [], [], 0
+        for size in sizes:
+            view = slab[offset : offset + size]
+            if size:
+                into = view if device == "cpu" else torch.empty(size, dtype=torch.uint8, device=device)
+                works.append(functools.partial(_landed, _broadcast(self.group, into), into, view))
+            views.append(view.numpy())
+            offset += aligned(size)
+        bucket = Bucket(
+            header["entries"], views[0], index=header["index"], sender=header["sender"], part=header["part"],
+            last=header["last"], arrays=views[1:],
+        )  # fmt: skip
+        return bucket, works
+
+    def _post_header(self) -> tuple[Any, torch.Tensor]:
+        head = _on(torch.empty(HEADER_BYTES, dtype=torch.uint8), self.spec.device)
+        return _broadcast(self.group, head), head
+
+    def _read_header(self, posted: tuple[Any, torch.Tensor]) -> dict | None:
+        """The header whose broadcast was posted (`_post_header`); None: the stream ended."""
+        work, head = posted
+        work.wait()
+        head = head.cpu().numpy()
+        n = int.from_bytes(head[:8].tobytes(), "little")
+        if n == 0:
+            return None
+        data = head[8 : 8 + min(n, HEADER_BYTES - 8)].tobytes()
+        if n > len(data):
+            rest = _on(torch.empty(n - len(data), dtype=torch.uint8), self.spec.device)
+            _broadcast(self.group, rest).wait()
+            data += rest.cpu().numpy().tobytes()
+        return pickle.loads(data)
+
+    def _slab(self, nbytes: int) -> torch.Tensor:
+        """One of the two slabs, alternating, grown to ``nbytes`` when smaller (never shrunk)."""
+        while len(self.slabs) < 2:
+            self.slabs.append(torch.empty(0, dtype=torch.uint8))
+        i, self._turn = self._turn, 1 - self._turn
+        if self.slabs[i].numel() < nbytes:
+            self.slabs[i] = torch.empty(nbytes, dtype=torch.uint8)
+        return self.slabs[i]
+
+
+class StreamThreads:
+    """A receiving process's streams: each sender's stream is taken in a thread of its own (senders
+    stream at once and may wait on each other's collectives, so one receiver must not serve them one
+    after the other); buckets are handed on under one lock; `wait` joins them and raises the first
+    error. The group of each sender is kept from sync to sync (a new key replaces the sender's old
+    group)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.receivers: dict[str, StreamReceiver] = {}
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+
+    def start(self, stream: BroadcastStream, on_bucket: Callable[[Bucket], Any]) -> None:
+        spec = stream.spec
+        receiver = self.receivers.get(spec.key)
+        if receiver is None:
+            for key in [k for k, r in self.receivers.items() if r.spec.sender == spec.sender]:
+                del self.receivers[key]  # that sender made a new group
+            receiver = self.receivers[spec.key] = StreamReceiver(spec, stream.rank)
+
+        def locked(bucket: Bucket) -> Any:
+            with self.lock:
+                return on_bucket(bucket)
+
+        def run() -> None:
+            try:
+                receiver.receive(locked)
+            except BaseException as exc:  # handed to `wait`, in the process's own thread
+                self.errors.append(exc)
+
+        thread = threading.Thread(target=run, name=f"weight-stream-{spec.key}", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def wait(self, timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        for thread in self.threads:
+            thread.join(timeout_s)
+        alive = [t.name for t in self.threads if t.is_alive()]
+        self.threads = []
+        errors, self.errors = self.errors, []
+        if errors:
+            raise RuntimeError(f"a weight stream failed: {errors[0]}") from errors[0]
+        if alive:
+            raise RuntimeError(f"weight streams did not end within {timeout_s:.0f} s: {alive}")

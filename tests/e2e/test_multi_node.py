@@ -1,0 +1,68 @@
+"""Weights across nodes without Ray's object store: two Ray nodes of a local multi-node cluster
+(`ray.cluster_utils.Cluster`, the sbatch script's node roles as resources), the trainer group on
+one and the engine pool on the other. Each sending trainer rank broadcasts its buckets in a process
+group of its own with the engines (gloo), and the run is the run of the same recipe on one node,
+where the buckets travel through shared memory: every step's rollouts, rewards, mismatch and
+training metrics are equal, so the engines held bit-identical weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny_moe.yaml"
+TRANSPORT_KEYS = ("sync/transport", "sync/shared_memory", "sync/in_place_bytes")
+"""What differs by construction: how the buckets travelled."""
+
+
+def _train(tmp_path: Path, name: str, *overrides: str, env: dict | None = None) -> list[dict]:
+    cmd = [sys.executable, "-m", "launch.cli", "train", str(TINY), f"run.name={name}",
+           f"run.output_dir={tmp_path}", "logging.progress=false", "logging.tensorboard=false", *overrides]  # fmt: skip
+    out = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})}
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(record: dict) -> dict:
+    return {
+        k: v for k, v in record.items()
+        if not k.startswith("time/") and not k.endswith("seconds") and k not in TRANSPORT_KEYS
+    }  # fmt: skip
+
+
+def test_two_nodes_sync_through_a_process_group_as_one_node_does_through_shared_memory(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE
+
+    # two trainer ranks that both send (each expert-parallel rank its own experts), two engines
+    same = [
+        "run.steps=3", "parallel.trainer_world_size=2", "parallel.expert_model_parallel_size=2",
+        "rollout.num_engines=2",
+    ]  # fmt: skip
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {TRAINER_NODE: 1}})
+    try:
+        cluster.add_node(num_cpus=4, resources={ROLLOUT_NODE: 1})
+        cluster.wait_for_nodes()
+        nodes = ["cluster.nodes=2", "cluster.trainer_nodes=1", "cluster.rollout_nodes=1"]
+        apart = _train(tmp_path, "apart", *same, *nodes, env={"RAY_ADDRESS": cluster.address})
+    finally:
+        cluster.shutdown()
+    together = _train(tmp_path, "together", *same)
+    assert [r["step"] for r in apart] == [r["step"] for r in together] == [0, 1, 2]
+    for record in apart:
+        assert record["sync/transport"] == "process_group" and record["sync/shared_memory"] == 0
+        assert record["sync/senders"] == 2 and record["sync/bytes"] > 0
+    assert all(r["sync/transport"] == "shared_memory" for r in together)
+    for a, b in zip(apart, together, strict=True):
+        assert _comparable(a) == _comparable(b), f"step {a['step']} differs"

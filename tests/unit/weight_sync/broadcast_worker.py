@@ -1,0 +1,72 @@
+"""Processes of test_broadcast.py: one sender and its receivers of a broadcast stream (gloo)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from moe_rl.config.schema import QuantConfig
+from moe_rl.weight_sync import broadcast
+from moe_rl.weight_sync.broadcast import GroupSpec, StreamReceiver, open_group, send_stream
+from moe_rl.weight_sync.buckets import BucketPacker
+from moe_rl.weight_sync.receiver import decoded
+from moe_rl.weight_sync.wire import WireEncoder
+
+CAPACITY = 4096
+
+
+def weights() -> list[tuple[str, torch.Tensor]]:
+    """Weights of several sizes: small ones packed together, one larger than a bucket (row chunks)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a.weight": (16, 16), "b.weight": (8, 4), "big.weight": (128, 64), "norm.weight": (32,)}
+    return [(name, torch.randn(shape, generator=g)) for name, shape in shapes.items()]
+
+
+def quant(method: str) -> QuantConfig:
+    if method == "none":
+        return QuantConfig()
+    return QuantConfig(name="fp8_tensor", method="fp8", granularity="tensor")
+
+
+def groups(encoder: WireEncoder):
+    for name, tensor in weights():
+        yield from encoder.lazy_groups([(name, tensor)], CAPACITY)
+
+
+def run(rank: int, spec: GroupSpec, method: str, out: dict) -> Any:
+    """This member's part; its group."""
+    group = open_group(spec, rank) if rank == 0 else None
+    if rank == 0:
+        encoder = WireEncoder(quant(method), num_layers=1, quantized_wire=True)
+        sent = send_stream(group, BucketPacker(CAPACITY, buffers=2).pack(groups(encoder)), buffers=2)
+        out[rank] = {"buckets": sent.buckets, "bytes": sent.bytes}
+        return group
+    receiver = StreamReceiver(spec, rank)
+    got: dict[str, torch.Tensor] = {}
+    from moe_rl.weight_sync.wire import Rejoin
+
+    rejoin = Rejoin()
+
+    def on_bucket(bucket) -> None:
+        if rank == 2:  # a slow receiver: the stream's thread must not take a bucket into a slab in use
+            time.sleep(0.02)
+        for name, tensor in decoded(bucket, rejoin=rejoin):
+            got[name] = tensor.clone()
+
+    streamed = receiver.receive(on_bucket)
+    rejoin.finish()
+    out[rank] = {
+        "buckets": streamed.buckets, "largest": streamed.largest, "slabs": [int(s.numel()) for s in receiver.slabs],
+        "tensors": got,
+    }  # fmt: skip
+    return receiver.group
+
+
+def main(rank: int, spec: GroupSpec, method: str, folder: str, header_bytes: int) -> None:
+    broadcast.HEADER_BYTES = header_bytes  # small: every header also travels in a second message
+    out: dict = {}
+    group = run(rank, spec, method, out)
+    torch.save(out[rank], f"{folder}/rank{rank}.pt")
+    group.barrier().wait()  # no member leaves (closing its connections) while another still works

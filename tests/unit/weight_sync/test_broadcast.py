@@ -1,0 +1,52 @@
+"""The process-group transport between processes (gloo): a sender broadcasts its buckets, every
+receiver rebuilds them and decodes exactly what a receiver of the same buckets handed over in one
+process decodes, into two slabs of at most the largest bucket each."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from moe_rl.weight_sync.broadcast import HEADER_BYTES, GroupSpec
+from moe_rl.weight_sync.buckets import SLACK, BucketPacker
+from moe_rl.weight_sync.receiver import decoded
+from moe_rl.weight_sync.wire import Rejoin, WireEncoder
+from tests.unit.weight_sync.broadcast_worker import CAPACITY, groups, main, quant, weights
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _in_one_process(method: str) -> dict[str, torch.Tensor]:
+    encoder = WireEncoder(quant(method), num_layers=1, quantized_wire=True)
+    rejoin, got = Rejoin(), {}
+    for bucket in BucketPacker(CAPACITY).pack(groups(encoder)):
+        for name, tensor in decoded(bucket, rejoin=rejoin):
+            got[name] = tensor.clone()
+    return got
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method, header_bytes", [("none", HEADER_BYTES), ("fp8", 64)])
+def test_two_receivers_decode_what_one_process_decodes(method, header_bytes, tmp_path):
+    """The sender packs ahead into two buffers; one receiver lands slowly (its stream's thread waits
+    for a free slab); with ``header_bytes`` 64 every header travels in two messages."""
+    spec = GroupSpec("127.0.0.1", _free_port(), 3, f"test/{method}/", sender=0)
+    mp.start_processes(main, args=(spec, method, str(tmp_path), header_bytes), nprocs=3, start_method="spawn")
+    sent = torch.load(tmp_path / "rank0.pt")
+    want = _in_one_process(method)
+    assert set(want) == {name for name, _ in weights()}  # the large weight rejoined from its row chunks
+    for rank in (1, 2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["buckets"] == sent["buckets"] > 2
+        assert set(got["tensors"]) == set(want)
+        for name, tensor in want.items():
+            assert torch.equal(got["tensors"][name], tensor), name
+        # two slabs, each the size of the largest bucket (a per-tensor FP8 weight is one bucket of its own)
+        assert len(got["slabs"]) == 2 and max(got["slabs"]) <= max(got["largest"], CAPACITY) + SLACK
