@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 RAY_TIMEOUT_S = 1800.0
 FAULTS_ENV = "MOE_RL_FAULTS"
 """Fault injection for tests of the restart rule: ``die_in_generate=R@K`` makes the first process
-of engine replica R exit (as a crash would) inside its K-th ``generate`` call; the replica
-restarted after it runs normally."""
+of engine replica R exit (as a crash would) inside its K-th ``generate`` call, ``die_in_sync=R@K``
+as it lands the K-th bucket it receives (over all syncs); the replica restarted after it runs
+normally."""
 
 
 def _setup_process(config: RecipeConfig, threads: int, name: str) -> None:
@@ -177,6 +178,7 @@ class EngineActor(EngineHost):
     ):  # fmt: skip
         _setup_process(config, threads, f"engine{replica}")
         super().__init__(config, model_path, replica, restarts, env_factory)
+        self._landed = 0  # buckets landed (`FAULTS_ENV`)
 
     def pid(self) -> int:
         return os.getpid()
@@ -186,21 +188,27 @@ class EngineActor(EngineHost):
         """``(batch, status)``: the driver waits on the small status, the batch goes on by reference."""
         self._generates += 1
         if self.restarts == 0:
-            _maybe_fail(self.replica, self._generates)
+            _maybe_fail("die_in_generate", self.replica, self._generates)
         return super().generate(prompts, sampling, group_ids)
+
+    def _land(self, bucket, into):
+        self._landed += 1
+        if self.restarts == 0:
+            _maybe_fail("die_in_sync", self.replica, self._landed)
+        return super()._land(bucket, into)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
 
-def _maybe_fail(replica: int, call: int) -> None:
+def _maybe_fail(fault: str, replica: int, call: int) -> None:
     spec = os.environ.get(FAULTS_ENV, "")
     for item in filter(None, spec.split(",")):
         kind, _, where = item.partition("=")
         target, _, at = where.partition("@")
-        if kind == "die_in_generate" and int(target) == replica and int(at) == call:
+        if kind == fault and int(target) == replica and int(at) == call:
             log.error(
-                "fault injection (%s=%s): engine replica %d exits in generate", FAULTS_ENV, spec, replica
+                "fault injection (%s=%s): engine replica %d exits (%s)", FAULTS_ENV, spec, replica, fault
             )
             os._exit(1)
 

@@ -4,6 +4,7 @@ Imports no Ray."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,10 +51,13 @@ class EngineHost:
         from moe_rl.weight_sync.broadcast import BroadcastStream
 
         if isinstance(bucket, BroadcastStream):
-            self._streams.start(bucket, self._target(into).receive_bucket)
+            self._streams.start(bucket, functools.partial(self._land, into=into))
             return {"bytes": 0.0}
         with self._streams.lock:
-            return self._target(into).receive_bucket(bucket)
+            return self._land(bucket, into)
+
+    def _land(self, bucket, into: SyncTarget) -> dict[str, float]:
+        return self._target(into).receive_bucket(bucket)
 
     def finish_weight_update(self, version: int, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:
         self._streams.wait()  # every sender's stream has ended (or its error is raised here)

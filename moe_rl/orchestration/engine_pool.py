@@ -32,6 +32,7 @@ from moe_rl.orchestration.batches import Generation, Replica, dispatch, replica_
 from moe_rl.orchestration.placement import PLACEMENT_TIMEOUT_S, Placement
 from moe_rl.rewards.tasks import Prompt
 from moe_rl.rollout.engine import SamplingSpec
+from moe_rl.weight_sync.broadcast import StreamBroken
 from moe_rl.weight_sync.receiver import SyncTarget
 
 log = logging.getLogger("moe_rl.driver")
@@ -56,6 +57,11 @@ class EnginePool:
         self.regenerated_prompts = 0
         self.on_restart: Callable[[list[Replica]], None] = lambda replicas: None
         """Brings restarted replicas to the current weights (set by the sync coordinator)."""
+        self.on_cut_off: Callable[[list[Replica], int, SyncTarget], None] = lambda replicas, version, target: (
+            None
+        )
+        """Syncs live replicas whose weight stream broke again (set by the sync coordinator)."""
+        self._cut_offs = 0  # nested syncs of cut-off replicas under way
 
     @property
     def restarts(self) -> int:
@@ -140,9 +146,10 @@ class EnginePool:
 
     def finish(self, version: int, replicas: list[Replica], dead: set[int], target: SyncTarget) -> dict:
         """Each replica that took the whole sync takes ``version``; the ones that died on the way
-        are restarted. What the last replica reported when it finished."""
+        are restarted; live ones whose weight stream broke (a process of the stream's group died:
+        `StreamBroken`) take the sync again. What the last replica reported when it finished."""
         finished: dict = {}
-        dead = set(dead)
+        dead, cut_off = set(dead), []
         for replica in replicas:
             if replica.index in dead:
                 continue
@@ -152,10 +159,33 @@ class EnginePool:
                 )
             except ray.exceptions.RayActorError:
                 dead.add(replica.index)
+            except StreamBroken as exc:  # Ray's error of the engine's task: its cause, without the traceback
+                cut_off.append((replica, getattr(exc, "cause", None) or exc))
         for replica in replicas:
             if replica.index in dead:
                 self._restart(replica, RuntimeError("the process died during a weight sync"))
+        if cut_off:
+            self._sync_cut_off(cut_off, version, target)
         return finished
+
+    def _sync_cut_off(
+        self, cut_off: list[tuple[Replica, Exception]], version: int, target: SyncTarget
+    ) -> None:
+        names = ", ".join(str(replica.index) for replica, _ in cut_off)
+        error = cut_off[-1][1]
+        if self._cut_offs >= MAX_ENGINE_RESTARTS:
+            raise RuntimeError(
+                f"the weight stream to engine replicas {names} broke {self._cut_offs + 1} times in a row; "
+                f"last error: {error}"
+            ) from error
+        log.warning(
+            "engine replicas %s lost part of the weight stream (%s); syncing them again", names, error
+        )
+        self._cut_offs += 1
+        try:
+            self.on_cut_off([replica for replica, _ in cut_off], version, target)
+        finally:
+            self._cut_offs -= 1
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[Prompt], spec: SamplingSpec, group_ids: list[int]) -> Generation:

@@ -113,7 +113,7 @@ class LocalEngines:
         self.replicas = [Replica(0, actor=self.host)]
         self.quantized_wire = self.host.capabilities().quantized_wire
         self.regenerated_prompts = self.restarts = 0
-        self.on_restart = lambda replicas: None
+        self.on_restart = self.on_cut_off = lambda *args: None  # one process: nothing dies apart
 
     def spawn(self) -> None:
         return None

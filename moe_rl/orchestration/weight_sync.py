@@ -39,6 +39,7 @@ class WeightReceivers(Protocol):
     replicas: list
     quantized_wire: bool
     on_restart: Any
+    on_cut_off: Any
 
     def begin(self, version: int, replicas: list, target: SyncTarget) -> list: ...
 
@@ -54,6 +55,7 @@ class WeightSync:
         """The policy version the engines hold."""
         self._in_progress: int | None = None
         engines.on_restart = self._bring_up
+        engines.on_cut_off = self._sync_again
 
     def run(
         self, version: int, target: SyncTarget = SyncTarget.ENGINE, replicas: list | None = None
@@ -83,6 +85,11 @@ class WeightSync:
             return report
         finally:
             self._in_progress = outer
+
+    def _sync_again(self, replicas: list, version: int, target: SyncTarget) -> None:
+        """Replicas that lost part of a sync's stream (they live, their weights are partly new) take
+        the whole sync again."""
+        self._sync(replicas, version, target)
 
     def _bring_up(self, replicas: list) -> None:
         """A restarted replica gets the weights of the sync in progress, or the current ones."""

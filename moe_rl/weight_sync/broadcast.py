@@ -36,7 +36,11 @@ HEADER_BYTES = 1 << 16
 """A bucket's header travels in one message of this size (a longer header: the rest in a second)."""
 
 GROUP_TIMEOUT_S = 1800.0
-"""How long a member waits for the others (the group's rendezvous, each broadcast)."""
+"""How long a member waits for a broadcast of the group."""
+
+JOIN_TIMEOUT_S = 300.0
+"""How long a member waits for the others to form the group (they are asked at once; one that
+never comes, as a process that died, fails the group then)."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,9 @@ def open_group(spec: GroupSpec, rank: int) -> Any:
     """This member's side of the group of ``spec`` (collective: every member calls it)."""
     from torch.distributed import PrefixStore, TCPStore
 
+    joining = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
-    store = PrefixStore(spec.key, TCPStore(spec.host, spec.port, spec.size, rank == 0, timeout=timeout))
+    store = PrefixStore(spec.key, TCPStore(spec.host, spec.port, spec.size, rank == 0, timeout=joining))
     if spec.device == "cuda":
         from torch.distributed import ProcessGroupNCCL
 
@@ -94,6 +99,14 @@ class Streamed:
     bytes: int = 0
     buckets: int = 0
     largest: int = 0
+    broken: str | None = None
+    """Why the stream broke (a member's connection was lost: its process died); the others did
+    not get the rest of it."""
+
+
+class StreamBroken(RuntimeError):
+    """A receiver's stream broke before its end: the weights it holds are partly of the new version
+    (the engine is synced again, `moe_rl.orchestration.engine_pool.EnginePool.finish`)."""
 
 
 def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu", buffers: int = 1) -> Streamed:
@@ -101,31 +114,52 @@ def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu", buff
     many buffers the packer of ``buckets`` alternates (`BucketPacker`). With two the stream is
     pipelined: the broadcast of bucket ``i`` runs while bucket ``i + 1`` is packed, and bucket
     ``i - 1``'s has ended before then, so the packer reuses a buffer only when every receiver has its
-    bytes. With one, each broadcast ends before the next bucket is packed."""
+    bytes. With one, each broadcast ends before the next bucket is packed.
+
+    When a member's connection breaks (its process died) the stream stops (`Streamed.broken`), but
+    the rest of ``buckets`` is still packed: packing joins the trainer ranks' gathers, which the
+    other ranks wait on."""
     out = Streamed()
     before: list[tuple[Any, Any]] = []  # the works of the previous bucket, and what they read
-    for bucket in buckets:  # packing this bucket reused the buffer of the one before the previous
-        parts = _parts(bucket)
-        header = {
-            "entries": bucket.entries, "index": bucket.index, "sender": bucket.sender, "part": bucket.part,
-            "last": bucket.last, "sizes": [len(p) for p in parts],
-        }  # fmt: skip
-        now = _send_header(group, header, device)
-        for part in parts:
-            if len(part):
-                tensor = _on(torch.from_numpy(part), device)
-                now.append((_broadcast(group, tensor), tensor))
-        _wait(before)
-        before = now
-        if buffers < 2:
+    it = iter(buckets)
+    for bucket in it:  # packing this bucket reused the buffer of the one before the previous
+        try:
+            now = _send_bucket(group, bucket, device)
             _wait(before)
-            before = []
+            before = now
+            if buffers < 2:
+                _wait(before)
+                before = []
+        except RuntimeError as exc:  # the backend's error: a member's connection was lost
+            out.broken = str(exc)
+            before = now = []  # nothing of the broken group is kept (dropping it closes its connections)
+            for _ in it:
+                pass
+            return out
         out.bytes += bucket.nbytes
         out.buckets += int(bucket.last)
         out.largest = max(out.largest, bucket.nbytes)
-    _wait(before)
-    _wait(_send_header(group, None, device))
+    try:
+        _wait(before)
+        _wait(_send_header(group, None, device))
+    except RuntimeError as exc:
+        out.broken = str(exc)
     return out
+
+
+def _send_bucket(group: Any, bucket: Bucket, device: str) -> list[tuple[Any, Any]]:
+    """Start broadcasting ``bucket``: its header, then its bytes (the works, and what they read)."""
+    parts = _parts(bucket)
+    header = {
+        "entries": bucket.entries, "index": bucket.index, "sender": bucket.sender, "part": bucket.part,
+        "last": bucket.last, "sizes": [len(p) for p in parts],
+    }  # fmt: skip
+    works = _send_header(group, header, device)
+    for part in parts:
+        if len(part):
+            tensor = _on(torch.from_numpy(part), device)
+            works.append((_broadcast(group, tensor), tensor))
+    return works
 
 
 def _wait(works: list[tuple[Any, Any]]) -> None:
@@ -326,6 +360,6 @@ class StreamThreads:
         self.threads = []
         errors, self.errors = self.errors, []
         if errors:
-            raise RuntimeError(f"a weight stream failed: {errors[0]}") from errors[0]
+            raise StreamBroken(f"a weight stream broke: {errors[0]}") from errors[0]
         if alive:
-            raise RuntimeError(f"weight streams did not end within {timeout_s:.0f} s: {alive}")
+            raise StreamBroken(f"weight streams did not end within {timeout_s:.0f} s: {alive}")

@@ -19,6 +19,8 @@ Which one a sync uses is the sender's choice from where its receivers are (`Reac
 
 from __future__ import annotations
 
+import gc
+import logging
 import socket
 import uuid
 from abc import ABC, abstractmethod
@@ -29,6 +31,8 @@ from typing import Any
 
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
 from moe_rl.weight_sync.shm import SharedArena, SharedSlots
+
+log = logging.getLogger(__name__)
 
 
 class Reach(StrEnum):
@@ -172,13 +176,26 @@ class ProcessGroup(Transport):
         joined = [
             (i, receivers[i](BroadcastStream(self.spec, rank))) for rank, i in enumerate(order, start=1)
         ]
+        dead = _settle(joined, timeout_s)  # each receiver took the stream (it returns at once)
+        if (
+            dead
+        ):  # no stream: the others' break (a kept group closes; a new one fails to form) and are synced again
+            self.group = None
+            gc.collect()
+            for _ in buckets:  # packing still joins the trainer ranks' gathers
+                pass
+            return Published(dead=dead)
         if fresh:
             self.group = open_group(self.spec, 0)  # the members meet here (they connect to this store)
         streamed = send_stream(self.group, buckets, self.device, buffers=len(self.packer.buffers))
-        dead = _settle(joined, timeout_s)
-        if dead:
-            self.group = None  # the next sync makes a new group of the live receivers
-        return Published(bytes=streamed.bytes, buckets=streamed.buckets, largest=streamed.largest, dead=dead)
+        if streamed.broken:  # the next sync makes a new group of the live receivers
+            self.group = None
+            gc.collect()  # the broken group's connections close: its live receivers stop waiting
+            log.warning(
+                "the weight stream of trainer rank %d broke (%s); the engines cut off are synced again",
+                self.sender, streamed.broken.splitlines()[0][:300],
+            )  # fmt: skip
+        return Published(bytes=streamed.bytes, buckets=streamed.buckets, largest=streamed.largest)
 
     def close(self) -> None:
         self.group = None

@@ -3,7 +3,9 @@
 one and the engine pool on the other. Each sending trainer rank broadcasts its buckets in a process
 group of its own with the engines (gloo), and the run is the run of the same recipe on one node,
 where the buckets travel through shared memory: every step's rollouts, rewards, mismatch and
-training metrics are equal, so the engines held bit-identical weights."""
+training metrics are equal, so the engines held bit-identical weights. On the two nodes engine 1
+crashes as it lands a bucket of the second sync: it is restarted and brought to the weights, and
+an engine whose stream broke with it is synced again, so even then the runs are equal."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_moe.yaml"
-TRANSPORT_KEYS = ("sync/transport", "sync/shared_memory", "sync/in_place_bytes")
-"""What differs by construction: how the buckets travelled."""
+TRANSPORT_KEYS = ("sync/transport", "sync/shared_memory", "sync/in_place_bytes", "rollout/engine_restarts")
+"""What differs by construction: how the buckets travelled, the crash."""
 
 
 def _train(tmp_path: Path, name: str, *overrides: str, env: dict | None = None) -> list[dict]:
@@ -40,7 +42,7 @@ def _comparable(record: dict) -> dict:
     }  # fmt: skip
 
 
-def test_two_nodes_sync_through_a_process_group_as_one_node_does_through_shared_memory(tmp_path):
+def test_two_nodes_sync_through_a_process_group_as_one_node_does_through_shared_memory(tmp_path, monkeypatch):
     from ray.cluster_utils import Cluster
 
     from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE
@@ -50,10 +52,13 @@ def test_two_nodes_sync_through_a_process_group_as_one_node_does_through_shared_
         "run.steps=3", "parallel.trainer_world_size=2", "parallel.expert_model_parallel_size=2",
         "rollout.num_engines=2",
     ]  # fmt: skip
+    # the cluster's processes inherit the fault (two buckets per sync: one per sending rank)
+    monkeypatch.setenv("MOE_RL_FAULTS", "die_in_sync=1@4")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {TRAINER_NODE: 1}})
     try:
         cluster.add_node(num_cpus=4, resources={ROLLOUT_NODE: 1})
         cluster.wait_for_nodes()
+        monkeypatch.delenv("MOE_RL_FAULTS")
         nodes = ["cluster.nodes=2", "cluster.trainer_nodes=1", "cluster.rollout_nodes=1"]
         apart = _train(tmp_path, "apart", *same, *nodes, env={"RAY_ADDRESS": cluster.address})
     finally:
@@ -64,5 +69,6 @@ def test_two_nodes_sync_through_a_process_group_as_one_node_does_through_shared_
         assert record["sync/transport"] == "process_group" and record["sync/shared_memory"] == 0
         assert record["sync/senders"] == 2 and record["sync/bytes"] > 0
     assert all(r["sync/transport"] == "shared_memory" for r in together)
+    assert apart[-1]["rollout/engine_restarts"] == 1 and together[-1]["rollout/engine_restarts"] == 0
     for a, b in zip(apart, together, strict=True):
         assert _comparable(a) == _comparable(b), f"step {a['step']} differs"

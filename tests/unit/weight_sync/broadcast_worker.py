@@ -70,3 +70,43 @@ def main(rank: int, spec: GroupSpec, method: str, folder: str, header_bytes: int
     group = run(rank, spec, method, out)
     torch.save(out[rank], f"{folder}/rank{rank}.pt")
     group.barrier().wait()  # no member leaves (closing its connections) while another still works
+
+
+def main_broken(rank: int, spec: GroupSpec, folder: str) -> None:
+    """A stream whose receiver 2 dies at its third bucket: the sender still packs every bucket, and
+    receiver 1 (an engine's `StreamThreads`) learns the stream broke when it waits for its end."""
+    import os
+
+    from moe_rl.weight_sync.broadcast import BroadcastStream, StreamBroken, StreamThreads
+
+    tensors = [[(f"w{i}", torch.full((256, 1024), float(i)), {})] for i in range(40)]  # 1 MiB each
+    if rank == 0:
+        group = open_group(spec, 0)
+        packed = []
+
+        def counted(buckets):
+            for bucket in buckets:
+                packed.append(bucket.index)
+                yield bucket
+
+        sent = send_stream(group, counted(BucketPacker(1 << 20, buffers=2).pack(iter(tensors))), buffers=2)
+        torch.save({"broken": sent.broken, "packed": len(packed), "sent": sent.buckets}, f"{folder}/rank0.pt")
+        return
+    landed = []
+
+    def on_bucket(bucket) -> None:
+        landed.append(bucket.index)
+        if rank == 2 and len(landed) == 3:
+            os._exit(0)  # as a crash would
+
+    streams = StreamThreads()
+    streams.start(BroadcastStream(spec, rank), on_bucket)
+    start = time.perf_counter()
+    try:
+        streams.wait(timeout_s=60.0)
+        error = None
+    except StreamBroken as exc:
+        error = str(exc)
+    torch.save(
+        {"error": error, "seconds": time.perf_counter() - start, "landed": len(landed)}, f"{folder}/rank1.pt"
+    )

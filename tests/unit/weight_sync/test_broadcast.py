@@ -14,7 +14,7 @@ from moe_rl.weight_sync.broadcast import HEADER_BYTES, GroupSpec
 from moe_rl.weight_sync.buckets import SLACK, BucketPacker
 from moe_rl.weight_sync.receiver import decoded
 from moe_rl.weight_sync.wire import Rejoin, WireEncoder
-from tests.unit.weight_sync.broadcast_worker import CAPACITY, groups, main, quant, weights
+from tests.unit.weight_sync.broadcast_worker import CAPACITY, groups, main, main_broken, quant, weights
 
 
 def _free_port() -> int:
@@ -50,3 +50,19 @@ def test_two_receivers_decode_what_one_process_decodes(method, header_bytes, tmp
             assert torch.equal(got["tensors"][name], tensor), name
         # two slabs, each the size of the largest bucket (a per-tensor FP8 weight is one bucket of its own)
         assert len(got["slabs"]) == 2 and max(got["slabs"]) <= max(got["largest"], CAPACITY) + SLACK
+
+
+@pytest.mark.distributed
+def test_a_receiver_that_dies_breaks_the_stream_for_all_and_the_sender_still_packs_every_bucket(tmp_path):
+    spec = GroupSpec("127.0.0.1", _free_port(), 3, "test/broken/", sender=0)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=main_broken, args=(rank, spec, str(tmp_path))) for rank in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0]
+    sender, survivor = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert sender["broken"] and sender["packed"] == 40 > sender["sent"]  # the trainer ranks' gathers went on
+    assert survivor["error"] and "broke" in survivor["error"] and survivor["seconds"] < 30
+    assert 3 <= survivor["landed"] < 40
