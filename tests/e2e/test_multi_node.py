@@ -9,30 +9,14 @@ an engine whose stream broke with it is synced again, so even then the runs are 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.e2e.runs import train_tiny
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "recipes" / "tiny_moe.yaml"
 TRANSPORT_KEYS = ("sync/transport", "sync/shared_memory", "sync/in_place_bytes", "rollout/engine_restarts")
 """What differs by construction: how the buckets travelled, the crash."""
-
-
-def _train(tmp_path: Path, name: str, *overrides: str, env: dict | None = None) -> list[dict]:
-    cmd = [sys.executable, "-m", "launch.cli", "train", str(TINY), f"run.name={name}",
-           f"run.output_dir={tmp_path}", "logging.progress=false", "logging.tensorboard=false", *overrides]  # fmt: skip
-    out = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})}
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
 def _comparable(record: dict) -> dict:
@@ -60,10 +44,10 @@ def test_two_nodes_sync_through_a_process_group_as_one_node_does_through_shared_
         cluster.wait_for_nodes()
         monkeypatch.delenv("MOE_RL_FAULTS")
         nodes = ["cluster.nodes=2", "cluster.trainer_nodes=1", "cluster.rollout_nodes=1"]
-        apart = _train(tmp_path, "apart", *same, *nodes, env={"RAY_ADDRESS": cluster.address})
+        apart = train_tiny(tmp_path, "apart", *same, *nodes, env={"RAY_ADDRESS": cluster.address})
     finally:
         cluster.shutdown()
-    together = _train(tmp_path, "together", *same)
+    together = train_tiny(tmp_path, "together", *same)
     assert [r["step"] for r in apart] == [r["step"] for r in together] == [0, 1, 2]
     for record in apart:
         assert record["sync/transport"] == "process_group" and record["sync/shared_memory"] == 0

@@ -12,30 +12,14 @@ streamed in buckets.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.e2e.runs import TINY, train_tiny
+
 pytestmark = pytest.mark.e2e
-
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "recipes" / "tiny_moe.yaml"
-
-
-def _train(tmp_path: Path, name: str, *overrides: str, env: dict | None = None) -> list[dict]:
-    cmd = [sys.executable, "-m", "launch.cli", "train", str(TINY), f"run.name={name}",
-           f"run.output_dir={tmp_path}", "logging.progress=false", "logging.tensorboard=false", *overrides]  # fmt: skip
-    out = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})}
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
 
 
 def _model_weights(checkpoint: Path, config) -> dict[str, torch.Tensor]:
@@ -66,7 +50,7 @@ def test_dp2_first_step_equals_the_one_rank_run(tmp_path):
     local = LocalRun(config)
     start = {n: p.detach().clone() for n, p in local.trainer.model.named_parameters()}
     reference = local.step(0)
-    records = _train(tmp_path, "dp2", *same, "parallel.trainer_world_size=2")
+    records = train_tiny(tmp_path, "dp2", *same, "parallel.trainer_world_size=2")
     (step,) = records
     assert step["trainer/world_size"] == 2 and step["rollout/engines"] == 1
     assert step["reward/mean"] == reference["reward/mean"]  # same weights, same seed: same rollouts
@@ -86,7 +70,7 @@ def test_dp2_first_step_equals_the_one_rank_run(tmp_path):
 
 
 def test_dp2_with_two_engines_learns_through_a_replica_crash(tmp_path):
-    records = _train(
+    records = train_tiny(
         tmp_path, "pool", "parallel.trainer_world_size=2", "rollout.num_engines=2",
         env={"MOE_RL_FAULTS": "die_in_generate=1@3"},  # replica 1 exits inside its third generate
     )  # fmt: skip
@@ -112,7 +96,9 @@ def test_dp2_with_two_engines_learns_through_a_replica_crash(tmp_path):
     "layout", ["expert_model_parallel_size", "pipeline_model_parallel_size"], ids=["ep2", "pp2"]
 )
 def test_expert_and_pipeline_parallel_groups_run_r3_and_ksm(tmp_path, layout):
-    records = _train(tmp_path, layout, "run.steps=3", "parallel.trainer_world_size=2", f"parallel.{layout}=2")
+    records = train_tiny(
+        tmp_path, layout, "run.steps=3", "parallel.trainer_world_size=2", f"parallel.{layout}=2"
+    )
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:
         assert r["train/update_ok"] == 1.0 and r["train/grad_norm"] > 0
