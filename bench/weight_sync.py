@@ -701,6 +701,7 @@ def pg_worker(rank: int, size: int, port: int, quick: bool, capacities: list[int
     from moe_rl.device import copy_into
     from moe_rl.weight_sync.broadcast import GroupSpec, StreamReceiver, open_group, send_stream
     from moe_rl.weight_sync.receiver import decoded
+    from moe_rl.weight_sync.transport import ProcessGroup
     from moe_rl.weight_sync.wire import Rejoin, WireEncoder
 
     torch.set_num_threads(1 if rank == 0 else max(1, (os.cpu_count() or 2) // max(1, size - 1)))
@@ -714,6 +715,8 @@ def pg_worker(rank: int, size: int, port: int, quick: bool, capacities: list[int
         group = receiver.group
         state = {name: torch.empty_like(t).fill_(0) for g in groups for name, t in g}  # pre-touched
     flat = torch.zeros(nbytes, dtype=torch.uint8)  # the raw broadcast's buffer (the sender's: the bytes)
+    # the sender's packers, as the process-group transport makes them (kept from sync to sync)
+    packers = {c: ProcessGroup(c, host="127.0.0.1").packer for c in capacities} if rank == 0 else {}
 
     def sync(capacity: int, sample: bool = False) -> tuple[float, dict]:
         with PeakSampler() if sample else contextlib.nullcontext() as peak:
@@ -721,7 +724,7 @@ def pg_worker(rank: int, size: int, port: int, quick: bool, capacities: list[int
             if rank == 0:
                 encoder = WireEncoder(QuantConfig(), num_layers=1, quantized_wire=True)
                 lazy = (lg for g in groups for lg in encoder.lazy_groups(g, capacity))
-                send_stream(group, packer(capacity).pack(lazy), buffers=len(packer(capacity).buffers))
+                send_stream(group, packers[capacity].pack(lazy), buffers=len(packers[capacity].buffers))
             else:
                 rejoin = Rejoin()
 
@@ -757,22 +760,10 @@ def pg_worker(rank: int, size: int, port: int, quick: bool, capacities: list[int
             seconds, _ = sync(capacity)
             timed.append((seconds, raw()))
         if receiver is None:  # what each side holds from sync to sync: the packer's buffers, the slabs
-            held = sum(b.nbytes for b in packer(capacity).buffers)
+            held = sum(b.nbytes for b in packers[capacity].buffers)
         else:
             held = sum(int(t.numel()) for t in receiver.slabs)
         out.put((rank, capacity, nbytes, timed, memory["anon"], held))
-
-
-PACKERS: dict[int, object] = {}
-
-
-def packer(capacity: int):
-    """The sender's packer of ``capacity``, as the process-group transport makes it (kept)."""
-    from moe_rl.weight_sync.transport import ProcessGroup
-
-    if capacity not in PACKERS:
-        PACKERS[capacity] = ProcessGroup(capacity, host="127.0.0.1").packer
-    return PACKERS[capacity]
 
 
 def pg_rows(args: argparse.Namespace, repeat: int) -> None:

@@ -67,13 +67,25 @@ class BroadcastStream:
     rank: int
 
 
-def open_group(spec: GroupSpec, rank: int) -> Any:
-    """This member's side of the group of ``spec`` (collective: every member calls it)."""
+def open_store(host: str, size: int) -> Any:
+    """The TCP store a sender's group meets at, listening on a free port (``.port``) chosen as it
+    binds, so no other process can take the port between choosing and binding it."""
+    from torch.distributed import TCPStore
+
+    joining = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+    return TCPStore(host, 0, size, True, timeout=joining, wait_for_workers=False)
+
+
+def open_group(spec: GroupSpec, rank: int, store: Any = None) -> Any:
+    """This member's side of the group of ``spec`` (collective: every member calls it). The sender
+    (rank 0) passes the store it opened (`open_store`); the others connect to it."""
     from torch.distributed import PrefixStore, TCPStore
 
     joining = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
-    store = PrefixStore(spec.key, TCPStore(spec.host, spec.port, spec.size, rank == 0, timeout=joining))
+    if store is None:
+        store = TCPStore(spec.host, spec.port, spec.size, rank == 0, timeout=joining)
+    store = PrefixStore(spec.key, store)
     if spec.device == "cuda":
         from torch.distributed import ProcessGroupNCCL
 
@@ -105,8 +117,8 @@ class Streamed:
 
 
 class StreamBroken(RuntimeError):
-    """A receiver's stream broke before its end: the weights it holds are partly of the new version
-    (the engine is synced again, `moe_rl.orchestration.engine_pool.EnginePool.finish`)."""
+    """A receiver's stream broke before its end: the weights it holds are partly of the new version,
+    so it must take the whole sync again."""
 
 
 def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu", buffers: int = 1) -> Streamed:

@@ -29,7 +29,7 @@ class SyncReport:
     """What a receiver reported when it finished (numbers and the recipe's name)."""
     seconds: float = 0.0
     transports: set[str] = field(default_factory=set)
-    """How the senders' buckets travelled (`moe_rl.weight_sync.transport.Reach.transport`)."""
+    """How the senders' buckets travelled (`moe_rl.weight_sync.transport.Transport.name`)."""
     dead: set[int] = field(default_factory=set)
     """Receivers whose process died during the sync."""
 

@@ -182,7 +182,7 @@ class RankSender:
         return SyncReport(
             bytes=out.bytes, in_place=out.in_place, buckets=out.buckets, senders=1,
             shared_memory=transport.shared_memory, quant=encoder.report if encoder.active else None, dead=out.dead,
-            transports={transport.reach.transport},
+            transports={transport.name},
         )  # fmt: skip
 
     @functools.cached_property

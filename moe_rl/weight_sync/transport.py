@@ -42,13 +42,6 @@ class Reach(StrEnum):
     SAME_NODE = "same_node"
     OTHER_NODES = "other_nodes"
 
-    @property
-    def transport(self) -> str:
-        """The name of the transport buckets take to receivers this far (what a sync records)."""
-        return {"in_process": "in_process", "same_node": "shared_memory", "other_nodes": "process_group"}[
-            self.value
-        ]
-
 
 def reach_of(nodes: dict[int, str | None], here: str) -> tuple[Reach, set[int]]:
     """Where a sender's receivers are, from each one's node (None: its process is gone): on the
@@ -62,6 +55,8 @@ class Transport(ABC):
     """How buckets travel (see the module docstring)."""
 
     reach: Reach
+    name: str
+    """What a sync records as its transport (``sync/transport``)."""
 
     def __init__(self, capacity: int, sender: int = 0):
         self.capacity, self.sender = capacity, sender
@@ -102,6 +97,7 @@ class Transport(ABC):
 
 class InProcess(Transport):
     reach = Reach.IN_PROCESS
+    name = "in_process"
 
     def message(self, bucket: Bucket) -> Any:
         return bucket
@@ -109,6 +105,7 @@ class InProcess(Transport):
 
 class SharedMemory(Transport):
     reach = Reach.SAME_NODE
+    name = "shared_memory"
 
     def __init__(self, capacity: int, sender: int = 0, arena: SharedArena | None = None):
         """``arena``: a CPU trainer's parameters in shared memory (`moe_rl.weight_sync.sender.
@@ -140,6 +137,7 @@ class ProcessGroup(Transport):
     kept while the receivers are the same processes (``members``)."""
 
     reach = Reach.OTHER_NODES
+    name = "process_group"
 
     def __init__(self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu"):
         super().__init__(capacity, sender)
@@ -161,17 +159,22 @@ class ProcessGroup(Transport):
     ) -> Published:  # fmt: skip
         """Ask each receiver to join the stream (one call each: they take every bucket of it), then
         broadcast the buckets; the receivers whose process died on the way."""
-        from moe_rl.weight_sync.broadcast import BroadcastStream, GroupSpec, open_group, send_stream
+        from moe_rl.weight_sync.broadcast import (
+            BroadcastStream,
+            GroupSpec,
+            open_group,
+            open_store,
+            send_stream,
+        )
 
         order = sorted(receivers)
         members = tuple(members) or tuple(order)
         fresh = self.group is None or members != self.members
-        if fresh:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
+        store = None
+        if fresh:  # the store listens before any receiver is told where it is
+            store = open_store(self.host, len(order) + 1)
             key = f"moe-rl-sync/{self.sender}/{uuid.uuid4().hex}/"
-            self.spec = GroupSpec(self.host, port, len(order) + 1, key, self.device, self.sender)
+            self.spec = GroupSpec(self.host, store.port, len(order) + 1, key, self.device, self.sender)
             self.members, self.group = members, None
         joined = [
             (i, receivers[i](BroadcastStream(self.spec, rank))) for rank, i in enumerate(order, start=1)
@@ -186,7 +189,7 @@ class ProcessGroup(Transport):
                 pass
             return Published(dead=dead)
         if fresh:
-            self.group = open_group(self.spec, 0)  # the members meet here (they connect to this store)
+            self.group = open_group(self.spec, 0, store=store)  # the members meet here, at this store
         streamed = send_stream(self.group, buckets, self.device, buffers=len(self.packer.buffers))
         if streamed.broken:  # the next sync makes a new group of the live receivers
             self.group = None
