@@ -6,7 +6,9 @@ Imports nothing heavy.
 
 from __future__ import annotations
 
-from moe_rl.config.modes import QuantMethod
+from enum import StrEnum
+
+from moe_rl.config.modes import Engine, QuantMethod
 from moe_rl.config.schema import ParallelConfig, QuantConfig, RecipeConfig
 
 
@@ -80,3 +82,27 @@ def routing_trace_bytes(config: RecipeConfig, bytes_per_id: int = 2) -> int:
         * m.moe_router_topk
         * bytes_per_id
     )
+
+
+class WeightBackend(StrEnum):
+    """vLLM's weight-transfer backend a vLLM engine on CUDA takes its weights through."""
+
+    IPC = "ipc"
+    """From the engine's own process over CUDA IPC; that process receives the trainer's buckets
+    (shared memory from its node, the process-group transport from other nodes)."""
+    NCCL = "nccl"
+    """Straight from trainer rank 0's GPU by NCCL broadcast (`moe_rl.weight_sync.vllm_nccl`)."""
+
+
+def vllm_weight_backend(config: RecipeConfig) -> WeightBackend:
+    """How vLLM engines on CUDA take their weights: by vLLM's NCCL backend when they run on nodes of
+    their own (``cluster.rollout_nodes`` > 0) and the trainer has one pipeline stage (the backend has
+    one sender: rank 0, to which each expert-parallel rank's experts are gathered); else by IPC from
+    the engine's process. The engine and every trainer rank read it here, so both sides agree."""
+    if (
+        config.rollout.engine == Engine.VLLM
+        and config.cluster.rollout_nodes > 0
+        and config.parallel.pipeline_model_parallel_size == 1
+    ):
+        return WeightBackend.NCCL
+    return WeightBackend.IPC

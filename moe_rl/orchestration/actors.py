@@ -112,8 +112,10 @@ class TrainerRank:
     def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:
         """Send the tensors this rank owns to ``target`` of every engine, bucket by bucket
         (`moe_rl.weight_sync.sender.RankSender`): through shared memory when every engine runs on
-        this node, else broadcast in a process group of this rank and the engines. This rank's part of
-        the sync's report (with the indices of engines that died on the way)."""
+        this node, else broadcast in a process group of this rank and the engines; vLLM engines on
+        CUDA on nodes of their own take them by vLLM's NCCL backend instead
+        (`moe_rl.config.derived.vllm_weight_backend`). This rank's part of the sync's report (with the
+        indices of engines that died on the way)."""
         reach, dead = reach_of(self._nodes_of(engines), ray.get_runtime_context().get_node_id())
         receivers = {
             i: functools.partial(engine.receive_bucket.remote, into=target)
@@ -126,14 +128,26 @@ class TrainerRank:
             c = self.config
             self._sender = RankSender(
                 self.worker.model, c.quant, c.model.num_layers, c.rollout.sync_bucket_mb << 20, self.rank,
-                host=ray.util.get_node_ip_address(),
+                host=ray.util.get_node_ip_address(), vllm_workers=c.rollout.tensor_parallel_size,
             )  # fmt: skip
         members = tuple(
             engines[i]._actor_id.hex() for i in sorted(receivers)
         )  # a restarted engine: a new group
-        report = self._sender.send(receivers, reach, quantized_wire, RAY_TIMEOUT_S, members)
+        report = self._sender.send(
+            receivers, reach, quantized_wire, RAY_TIMEOUT_S, members, direct=self._direct(target)
+        )
         report.dead |= dead
         return report
+
+    def _direct(self, target: SyncTarget) -> bool:
+        """The engines take this sync by vLLM's NCCL backend (vLLM on CUDA, on nodes of their own)."""
+        from moe_rl.config.derived import WeightBackend, vllm_weight_backend
+
+        return (
+            SyncTarget(target) == SyncTarget.ENGINE
+            and vllm_weight_backend(self.config) == WeightBackend.NCCL
+            and next(self.worker.model.parameters()).device.type == "cuda"
+        )
 
     def release(self) -> None:
         """Remove this rank's shared weight-sync slots and arena file (before the actor is killed)."""

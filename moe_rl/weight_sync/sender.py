@@ -131,14 +131,16 @@ class RankSender:
 
     def __init__(
         self, model: torch.nn.Module, quant: QuantConfig, num_layers: int, capacity: int, rank: int = 0,
-        host: str | None = None,
+        host: str | None = None, vllm_workers: int = 1,
     ):  # fmt: skip
         """``host``: the address receivers on other nodes reach this rank at (its process group's
-        store; default: this machine's name resolved)."""
+        store; default: this machine's name resolved). ``vllm_workers``: each engine's vLLM workers,
+        for a sync by vLLM's NCCL backend (`send` with ``direct``)."""
         self.model, self.quant, self.num_layers = model, quant, num_layers
-        self.capacity, self.rank, self.host = capacity, rank, host
+        self.capacity, self.rank, self.host, self.vllm_workers = capacity, rank, host, vllm_workers
         self.transport: Transport | None = None
         self.arena: SharedArena | None = None
+        self.source: Any = None  # what vLLM's NCCL backend sends (`vllm_nccl.source`), kept
 
     def _transport_for(self, reach: Reach) -> Transport:
         """The transport of ``reach``, kept while the receivers stay where they are. A CPU rank whose
@@ -167,9 +169,14 @@ class RankSender:
         quantized_wire: bool,
         timeout_s: float,
         members: tuple = (),
+        direct: bool = False,
     ) -> SyncReport:
         """Stream this rank's tensors to ``receivers`` (each encoded by the quantization recipe when
-        the receivers take it on the wire); this rank's part of the sync's report."""
+        the receivers take it on the wire); this rank's part of the sync's report. ``direct``: the
+        receivers are vLLM engines on CUDA that take the weights by vLLM's NCCL backend
+        (`moe_rl.weight_sync.vllm_nccl`: rank 0 sends them all, in the engines' dtype)."""
+        if direct:
+            return self._send_direct(receivers, timeout_s, members)
         encoder = WireEncoder(self.quant, self.num_layers, quantized_wire=quantized_wire)
         transport = self._transport_for(reach)
         packer = transport.packer
@@ -183,6 +190,29 @@ class RankSender:
             bytes=out.bytes, in_place=out.in_place, buckets=out.buckets, senders=1,
             shared_memory=transport.shared_memory, quant=encoder.report if encoder.active else None, dead=out.dead,
             transports={transport.name},
+        )  # fmt: skip
+
+    def _send_direct(
+        self, receivers: dict[int, Callable[[Any], Any]], timeout_s: float, members: tuple
+    ) -> SyncReport:
+        from moe_rl.weight_sync import vllm_nccl
+
+        if not isinstance(self.transport, vllm_nccl.VLLMNccl):
+            if self.transport is not None:
+                self.transport.close()
+            self.transport = vllm_nccl.VLLMNccl(self.capacity, self.rank, self.host, self.vllm_workers)
+        if self.source is None:
+            device = next(self.model.parameters()).device
+            self.source = vllm_nccl.source(self.model, torch.bfloat16, device, select=sends)
+        if self.rank != 0:  # it joins the gathers (the metadata's pass at the first sync, then the send's)
+            self.source.metadata()
+            for _ in self.source:
+                raise AssertionError(f"trainer rank {self.rank} yielded a tensor for vLLM's NCCL transfer")
+            return SyncReport(senders=0, transports=set())
+        out = self.transport.send_source(self.source, receivers, timeout_s, members)
+        return SyncReport(
+            bytes=out.bytes, buckets=out.buckets, senders=1, shared_memory=False, dead=out.dead,
+            transports={self.transport.name},
         )  # fmt: skip
 
     @functools.cached_property

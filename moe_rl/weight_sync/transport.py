@@ -179,7 +179,7 @@ class ProcessGroup(Transport):
         joined = [
             (i, receivers[i](BroadcastStream(self.spec, rank))) for rank, i in enumerate(order, start=1)
         ]
-        dead = _settle(joined, timeout_s)  # each receiver took the stream (it returns at once)
+        dead = settle(joined, timeout_s)  # each receiver took the stream (it returns at once)
         if (
             dead
         ):  # no stream: the others' break (a kept group closes; a new one fails to form) and are synced again
@@ -253,14 +253,14 @@ def publish(
         size += bucket.nbytes
         if not bucket.last:
             continue
-        out.dead |= _settle(in_flight, timeout_s)
+        out.dead |= settle(in_flight, timeout_s)
         in_flight, current = current, []
         for i in out.dead:
             alive.pop(i, None)
         out.buckets += 1
         out.largest = max(out.largest, size)
         size = 0
-    out.dead |= _settle(in_flight + current, timeout_s)
+    out.dead |= settle(in_flight + current, timeout_s)
     return out
 
 
@@ -272,7 +272,7 @@ def _in_object_store(bucket: Bucket) -> Any:
     return ray.put(bucket)
 
 
-def _settle(flight: list[tuple[int, Any]], timeout_s: float) -> set[int]:
+def settle(flight: list[tuple[int, Any]], timeout_s: float) -> set[int]:
     """Wait for deliveries (Ray's object references; a delivery in this process is done already);
     the indices of receivers whose process died."""
     refs = [(i, ref) for i, ref in flight if type(ref).__name__ == "ObjectRef"]

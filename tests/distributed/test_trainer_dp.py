@@ -4,6 +4,9 @@ DP=2: two ranks take uneven shares of one global batch (one micro-batch vs three
 and globally normalized gradient equals the single-process gradient on the whole batch.
 EP=2 (+ DP=2 for dense parameters): Megatron's allgather token dispatcher over gloo; each rank
 holds half of the experts; every expert gradient equals the single-process one.
+In both layouts, what the trainer sends by vLLM's NCCL transfer (`weight_sync.vllm_nccl`, one
+sender): rank 0 sends every weight of the model (the other rank's experts gathered to it), in
+vLLM's bf16, as its metadata declares them; the other rank sends nothing.
 """
 
 from __future__ import annotations
@@ -40,9 +43,23 @@ def spawn(tmp_path, weights):
     def run(ep: int) -> list[dict[str, torch.Tensor]]:
         args = (2, free_port(), ep, weights, str(tmp_path))
         mp.spawn(trainer_dp_worker.rank_main, args=args, nprocs=2, join=True)
+        _check_sent_to_vllm([torch.load(tmp_path / f"sent.{rank}.pt") for rank in range(2)], weights)
         return [torch.load(tmp_path / f"grads.{rank}.pt") for rank in range(2)]
 
     return run
+
+
+def _check_sent_to_vllm(ranks: list[dict], weights: str) -> None:
+    from safetensors.torch import load_file
+
+    hf = load_file(str(Path(weights) / "model.safetensors"))
+    first, second = ranks
+    names = [name for name, _ in first["sent"]]
+    assert sorted(names) == sorted(hf) and len(set(names)) == len(names)
+    assert first["meta"] == [(name, t.dtype, tuple(t.shape)) for name, t in first["sent"]]
+    for name, tensor in first["sent"]:
+        assert torch.equal(tensor, hf[name].to(torch.bfloat16)), name
+    assert second == {"meta": [], "sent": []}
 
 
 def _compare(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:

@@ -51,7 +51,10 @@ def shard(batches, rank: int, world: int, even: bool):
     return [batches[0], batches[3]] if rank == 0 and even else ([batches[0]] if rank == 0 else batches[1:])
 
 
-def gradients(world: int, rank: int, ep: int, hf_path: str) -> dict[str, torch.Tensor]:
+def gradients(
+    world: int, rank: int, ep: int, hf_path: str, kept: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """The gradients of this rank's share (``kept``, when given, receives the worker's ``model``)."""
     from moe_rl.megatron.hf_weights import hf_names_for
     from moe_rl.trainer.worker import TrainerWorker
 
@@ -68,12 +71,27 @@ def gradients(world: int, rank: int, ep: int, hf_path: str) -> dict[str, torch.T
     for name, param in worker.model.named_parameters():
         key = "+".join(hf_names_for(worker.model, name).hf)
         grads[key] = param.main_grad.detach().clone()
+    if kept is not None:
+        kept["model"] = worker.model
     return grads
+
+
+def sent_to_vllm(model) -> dict:
+    """What this rank sends by vLLM's NCCL transfer (`moe_rl.weight_sync.vllm_nccl.TrainerSource`,
+    as a trainer rank builds it): its metadata, then its tensors (every rank iterates together)."""
+    from moe_rl.weight_sync.sender import sends
+    from moe_rl.weight_sync.vllm_nccl import source
+
+    weights = source(model, torch.bfloat16, "cpu", select=sends)
+    meta = [(m.name, m.dtype, m.shape) for m in weights.metadata()]
+    return {"meta": meta, "sent": [(name, tensor.clone()) for name, tensor in weights]}
 
 
 def rank_main(rank: int, world: int, port: int, ep: int, hf_path: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.save(gradients(world, rank, ep, hf_path), Path(out_dir) / f"grads.{rank}.pt")
+    kept: dict = {}
+    torch.save(gradients(world, rank, ep, hf_path, kept), Path(out_dir) / f"grads.{rank}.pt")
+    torch.save(sent_to_vllm(kept["model"]), Path(out_dir) / f"sent.{rank}.pt")
 
 
 def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tensor]:

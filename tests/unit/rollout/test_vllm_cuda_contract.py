@@ -80,7 +80,73 @@ def test_vllm_accepts_every_shipped_vllm_recipe_with_r3(recipe, tmp_path):
         cfg.model_config.quantization == "fp8_per_block"
         and cfg.model_config.max_model_len == config.rollout.max_model_len
     )
-    assert kwargs["return_sampling_mask"] and kwargs["weight_transfer_config"] == {"backend": "ipc"}
+    assert kwargs["return_sampling_mask"]
+    # engines on nodes of their own, one pipeline stage: weights straight from the trainer by NCCL
+    assert config.cluster.rollout_nodes > 0 and cfg.weight_transfer_config.backend == "nccl"
+
+
+def test_vllms_nccl_transfer_places_every_worker_of_every_engine_once(tmp_path):
+    """The trainer side of vLLM's NCCL transfer (`weight_sync.vllm_nccl`) for two engines of tensor
+    parallelism 2: vLLM's trainer init info; each engine's init info as the fan-out hands it, parsed
+    by vLLM's worker-side dataclass; each worker's rank as vLLM's workers compute it from their
+    parallel config: the sender is rank 0 and every worker of every engine holds one other rank."""
+    from dataclasses import asdict
+
+    from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo
+
+    from moe_rl.weight_sync.vllm_nccl import EngineFanOut, TransferCall, VLLMNccl
+
+    kwargs, _ = _kwargs(
+        "qwen3_30b_a3b.yaml", ["rollout.tensor_parallel_size=2", "rollout.num_engines=8"], H100, tmp_path
+    )
+    assert kwargs["weight_transfer_config"] == {"backend": "nccl"}
+    parallel = engine_config(kwargs).parallel_config
+    handed: dict[int, list[TransferCall]] = {0: [], 1: []}
+    fanout = EngineFanOut({i: handed[i].append for i in handed}, {0: 2, 1: 2}, timeout_s=1.0)
+    transport = VLLMNccl(64 << 20, host="10.0.0.1", workers=2)
+    trainer = transport.init_info(port=29500, world_size=fanout.world_size)
+    assert (trainer.world_size, trainer.packed_num_buffers, trainer.packed_buffer_size_bytes) == (
+        5,
+        2,
+        64 << 20,
+    )
+    # what vLLM's trainer engine hands the client (its `trainer_init`), then what each engine is handed
+    worker_info = NCCLWeightTransferInitInfo(
+        master_address=trainer.master_address, master_port=trainer.master_port, rank_offset=1,
+        world_size=trainer.world_size, packed=True, packed_buffer_size_bytes=trainer.packed_buffer_size_bytes,
+        packed_num_buffers=trainer.packed_num_buffers,
+    )  # fmt: skip
+    fanout.init_weight_transfer_engine(worker_init_payload(worker_info))
+    ranks = []
+    for engine in (0, 1):
+        (call,) = handed[engine]
+        assert call.method == "init_weight_transfer_engine"
+        info = NCCLWeightTransferInitInfo(**call.payload)
+        assert asdict(info) | {"rank_offset": 0} == asdict(worker_info) | {"rank_offset": 0}
+        for tp_rank in range(parallel.tensor_parallel_size):  # as `worker_init_process_group` computes it
+            ranks.append(parallel.data_parallel_index * parallel.world_size + tp_rank + info.rank_offset)
+    assert sorted(ranks) == [1, 2, 3, 4]
+    fanout.update_weights({"names": []})
+    assert [c.method for c in handed[1]] == ["init_weight_transfer_engine", "update_weights"]
+    with pytest.raises(ValueError, match="world_size=4 but the sender and the engines' workers are 5"):
+        fanout.init_payloads({"world_size": 4, "rank_offset": 1})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "backend"),
+    [
+        pytest.param([], "nccl", id="own-nodes"),
+        pytest.param(["cluster.rollout_nodes=0", "cluster.nodes=2"], "ipc", id="colocated"),
+        pytest.param(["parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=4"], "ipc",
+                     id="two-pipeline-stages"),
+    ],
+)  # fmt: skip
+def test_the_weight_backend_follows_where_engines_run_and_vllm_accepts_it(overrides, backend, tmp_path):
+    """vLLM's NCCL backend has one sender: engines on nodes of their own take it when the trainer has
+    one pipeline stage; otherwise the engine's process takes the buckets and hands them over by IPC."""
+    kwargs, _ = _kwargs("qwen3_30b_a3b.yaml", overrides, H100, tmp_path)
+    assert engine_config(kwargs).weight_transfer_config.backend == backend
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,11 @@ hands vLLM, load into vLLM's own model class, built on CPU.
 1. The trainer's Megatron model of the recipe (its CPU twin's shape) exports HF-named tensors
    (`iter_hf_weights`), in the engine's dtype (bf16, as on CUDA; `_to_engine_dtype`, which keeps
    the weights vLLM holds in float32 in float32).
-2. The source the engine hands vLLM's weight-transfer engines (`_TensorListSource`) describes them
-   (`ParamMeta`), and vLLM's NCCL update info is built from that the way vLLM's trainer engine
-   builds it (its dataclass checks itself).
+2. The trainer's source for vLLM's NCCL transfer (`moe_rl.weight_sync.vllm_nccl.source`, a vLLM
+   ``WeightSource``) describes them (`ParamMeta`) and yields them, checked against its own metadata
+   by vLLM's trainer engine (``_checked_iter``); vLLM's NCCL update info is built from that the way
+   vLLM's trainer engine builds it (its dataclass checks itself). The source the engine's process
+   hands vLLM's IPC transfer (`_TensorListSource`) describes the same tensors.
 3. vLLM's model class for the recipe's `config.json` is built on CPU, the tensors are materialized
    from the update info as vLLM's receiving side does (`getattr(torch, dtype_name)`, the shape)
    and loaded with the model's own `load_weights` (which checks every shape): every parameter of
@@ -36,17 +38,25 @@ def main(recipe: str) -> dict:
     from moe_rl.orchestration.preflight import load_checked
     from moe_rl.rollout.megatron_engine import WHOLE_MODEL
     from moe_rl.rollout.vllm_engine import _TensorListSource, _to_engine_dtype, engine_config, llm_kwargs
+    from moe_rl.weight_sync import vllm_nccl
 
     config = load_checked(recipe, ["run.device=cpu", "rollout.engine=megatron"], Machine(cuda=False))
     init_parallel(WHOLE_MODEL)
     model = build_gpt_model(config.model, WHOLE_MODEL, config.trainer, seed=0)
-    source = _TensorListSource()
-    source.tensors = list(_to_engine_dtype(iter_hf_weights(model), torch.bfloat16))
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerWeightTransferEngine,
+        NCCLWeightTransferUpdateInfo,
+    )
+
+    source = vllm_nccl.source(model, torch.bfloat16, "cpu")
+    meta = source.metadata()
+    values = {name: t.clone() for name, t in NCCLTrainerWeightTransferEngine._checked_iter(source, meta)}
+    ipc = _TensorListSource()
+    ipc.tensors = list(_to_engine_dtype(iter_hf_weights(model), torch.bfloat16))
+    if ipc.metadata() != meta:
+        raise AssertionError("the IPC and NCCL sources describe different tensors")
     torch.distributed.destroy_process_group()  # vLLM builds its own
 
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
-
-    meta = source.metadata()
     update = NCCLWeightTransferUpdateInfo(
         names=[m.name for m in meta],
         dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
@@ -71,7 +81,6 @@ def main(recipe: str) -> dict:
         initialize_model_parallel(1, 1)
         with set_default_torch_dtype(vllm_config.model_config.dtype):  # as vLLM's loader builds it
             vmodel = initialize_model(vllm_config)
-    values = dict(source.tensors)
     received = []
     for name, dtype_name, shape in zip(update.names, update.dtype_names, update.shapes, strict=True):
         tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))

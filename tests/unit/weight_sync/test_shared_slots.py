@@ -132,7 +132,7 @@ def test_publish_frees_a_slot_only_after_every_part_of_its_bucket_was_delivered(
     events: list = []
     monkeypatch.setattr(
         transport,
-        "_settle",
+        "settle",
         lambda flight, timeout: events.append(("settle", [ref for _, ref in flight])) or set(),
     )
     packer = BucketPacker(32, slots=slots, part_bytes=16)
