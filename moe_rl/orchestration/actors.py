@@ -111,16 +111,17 @@ class TrainerRank:
 
     def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:
         """Send the tensors this rank owns to ``target`` of every engine, bucket by bucket
-        (`moe_rl.weight_sync.sender.RankSender`): through shared memory when every engine runs on
-        this node, else broadcast in a process group of this rank and the engines; vLLM engines on
+        (`moe_rl.weight_sync.sender.RankSender`): through shared memory to the engines on this node,
+        broadcast in a process group of this rank and the engines on other nodes (both at once when
+        the engines are on both; `moe_rl.weight_sync.transport.reach_of`); vLLM engines on
         CUDA on nodes of their own take them by vLLM's NCCL backend instead
         (`moe_rl.config.derived.vllm_weight_backend`). This rank's part of the sync's report (with the
         indices of engines that died on the way)."""
-        reach, dead = reach_of(self._nodes_of(engines), ray.get_runtime_context().get_node_id())
+        where = reach_of(self._nodes_of(engines), ray.get_runtime_context().get_node_id())
         receivers = {
             i: functools.partial(engine.receive_bucket.remote, into=target)
             for i, engine in enumerate(engines)
-            if i not in dead
+            if i not in where.dead
         }
         if self._sender is None:
             from moe_rl.weight_sync.sender import RankSender
@@ -134,9 +135,10 @@ class TrainerRank:
             engines[i]._actor_id.hex() for i in sorted(receivers)
         )  # a restarted engine: a new group
         report = self._sender.send(
-            receivers, reach, quantized_wire, RAY_TIMEOUT_S, members, direct=self._direct(target)
-        )
-        report.dead |= dead
+            receivers, where.reach, quantized_wire, RAY_TIMEOUT_S, members, direct=self._direct(target),
+            local=where.local,
+        )  # fmt: skip
+        report.dead |= where.dead
         return report
 
     def _direct(self, target: SyncTarget) -> bool:

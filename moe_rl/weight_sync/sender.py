@@ -36,6 +36,7 @@ from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.shm import SharedArena, tensor_nbytes
 from moe_rl.weight_sync.transport import (
     InProcess,
+    Mixed,
     ProcessGroup,
     Reach,
     SharedMemory,
@@ -142,16 +143,18 @@ class RankSender:
         self.arena: SharedArena | None = None
         self.source: Any = None  # what vLLM's NCCL backend sends (`vllm_nccl.source`), kept
 
-    def _transport_for(self, reach: Reach) -> Transport:
-        """The transport of ``reach``, kept while the receivers stay where they are. A CPU rank whose
-        receivers share its node moves its parameters into a shared arena, once."""
+    def _transport_for(self, reach: Reach, local: frozenset[int] = frozenset()) -> Transport:
+        """The transport of ``reach``, kept while the receivers stay where they are (``local``: those
+        on this node, for a mixed reach). A CPU rank whose receivers share its node moves its
+        parameters into a shared arena, once."""
         if (
             reach is Reach.SAME_NODE
             and self.arena is None
             and next(self.model.parameters()).device.type == "cpu"
         ):
             self.arena = share_parameters(self.model, tag=str(self.rank), select=sends)
-        if self.transport is None or self.transport.reach is not reach:
+        moved = reach is Reach.MIXED and getattr(self.transport, "local", None) != local
+        if self.transport is None or self.transport.reach is not reach or moved:
             if self.transport is not None:
                 self.transport.close()
             device = next(self.model.parameters()).device.type
@@ -159,6 +162,7 @@ class RankSender:
                 Reach.IN_PROCESS: lambda: InProcess(self.capacity, self.rank),
                 Reach.SAME_NODE: lambda: SharedMemory(self.capacity, self.rank, self.arena),
                 Reach.OTHER_NODES: lambda: ProcessGroup(self.capacity, self.rank, self.host, device),
+                Reach.MIXED: lambda: Mixed(self.capacity, self.rank, self.host, device, local),
             }[reach]()
         return self.transport
 
@@ -170,15 +174,17 @@ class RankSender:
         timeout_s: float,
         members: tuple = (),
         direct: bool = False,
+        local: frozenset[int] = frozenset(),
     ) -> SyncReport:
         """Stream this rank's tensors to ``receivers`` (each encoded by the quantization recipe when
         the receivers take it on the wire); this rank's part of the sync's report. ``direct``: the
         receivers are vLLM engines on CUDA that take the weights by vLLM's NCCL backend
-        (`moe_rl.weight_sync.vllm_nccl`: rank 0 sends them all, in the engines' dtype)."""
+        (`moe_rl.weight_sync.vllm_nccl`: rank 0 sends them all, in the engines' dtype). ``local``:
+        the receivers on this rank's node (with a mixed ``reach``)."""
         if direct:
             return self._send_direct(receivers, timeout_s, members)
         encoder = WireEncoder(self.quant, self.num_layers, quantized_wire=quantized_wire)
-        transport = self._transport_for(reach)
+        transport = self._transport_for(reach, frozenset(local))
         packer = transport.packer
         buckets = stream_buckets(self.model, encoder, packer.capacity, self.rank, packer)
         if not self.owns_any:  # it still joins the gathers of what others send; nothing to deliver
@@ -189,7 +195,7 @@ class RankSender:
         return SyncReport(
             bytes=out.bytes, in_place=out.in_place, buckets=out.buckets, senders=1,
             shared_memory=transport.shared_memory, quant=encoder.report if encoder.active else None, dead=out.dead,
-            transports={transport.name},
+            transports=transport.names,
         )  # fmt: skip
 
     def _send_direct(

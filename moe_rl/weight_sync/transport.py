@@ -10,6 +10,8 @@ are reused) and turns each packed bucket into the message a receiver is handed:
 * `ProcessGroup`: receivers on other nodes. The sender and its receivers form a process group of
   their own (gloo on CPU, NCCL between GPUs) and the buckets are broadcast in it
   (`moe_rl.weight_sync.broadcast`): the bytes cross the network once, straight into each receiver;
+* `Mixed`: receivers on the sender's node and on others at once: each bucket is packed once into a
+  shared slot, read there by the near receivers and broadcast from there to the far ones;
 * `InProcess`: the receiver is in the sender's process (the one-process loop): the message is the
   bucket, valid until the next one is packed.
 
@@ -24,7 +26,7 @@ import logging
 import socket
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -41,14 +43,29 @@ class Reach(StrEnum):
     IN_PROCESS = "in_process"
     SAME_NODE = "same_node"
     OTHER_NODES = "other_nodes"
+    MIXED = "mixed"
+    """Some on the sender's node, the others on other nodes."""
 
 
-def reach_of(nodes: dict[int, str | None], here: str) -> tuple[Reach, set[int]]:
+@dataclass(frozen=True)
+class Where:
+    """Where a sender's receivers are (`reach_of`)."""
+
+    reach: Reach
+    dead: frozenset[int]
+    """Receivers whose process is gone."""
+    local: frozenset[int]
+    """Live receivers on the sender's node."""
+
+
+def reach_of(nodes: dict[int, str | None], here: str) -> Where:
     """Where a sender's receivers are, from each one's node (None: its process is gone): on the
-    sender's node when every live one is, else on other nodes; and the receivers that are gone."""
-    dead = {i for i, node in nodes.items() if node is None}
-    alive = [node for node in nodes.values() if node is not None]
-    return (Reach.SAME_NODE if all(node == here for node in alive) else Reach.OTHER_NODES), dead
+    sender's node when every live one is, on other nodes when none is, else mixed."""
+    dead = frozenset(i for i, node in nodes.items() if node is None)
+    local = frozenset(i for i, node in nodes.items() if node == here)
+    alive = len(nodes) - len(dead)
+    reach = Reach.SAME_NODE if len(local) == alive else Reach.MIXED if local else Reach.OTHER_NODES
+    return Where(reach, dead, local)
 
 
 class Transport(ABC):
@@ -57,6 +74,11 @@ class Transport(ABC):
     reach: Reach
     name: str
     """What a sync records as its transport (``sync/transport``)."""
+
+    @property
+    def names(self) -> set[str]:
+        """The transports a sync records (a transport made of others names each)."""
+        return {self.name}
 
     def __init__(self, capacity: int, sender: int = 0):
         self.capacity, self.sender = capacity, sender
@@ -205,6 +227,61 @@ class ProcessGroup(Transport):
         super().close()
 
 
+class Mixed(Transport):
+    """Receivers on the sender's node (``local``) and on other nodes at once: every bucket is packed
+    once, into a shared slot; the near receivers read it there (`SharedMemory`) and the far ones
+    take it by the process group's broadcast from that slot (`ProcessGroup`). A slot is reused once
+    its bucket was delivered both ways. Tensors are always written into the slots (no shared arena:
+    what the far receivers are sent must lie in the bucket)."""
+
+    reach = Reach.MIXED
+    name = "mixed"
+
+    def __init__(
+        self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu",
+        local: frozenset[int] = frozenset(),
+    ):  # fmt: skip
+        super().__init__(capacity, sender)
+        self.near = SharedMemory(capacity, sender)
+        self.far = ProcessGroup(capacity, sender, host, device)
+        self.local = frozenset(local)
+
+    @property
+    def names(self) -> set[str]:
+        return {self.near.name, self.far.name}
+
+    def _make_packer(self) -> BucketPacker:
+        return self.near.packer
+
+    def message(self, bucket: Bucket) -> Any:
+        return self.near.message(bucket)
+
+    @property
+    def shared_memory(self) -> bool:
+        return True
+
+    def send(
+        self, buckets: Iterable[Bucket], receivers: dict[int, Callable[[Any], Any]], timeout_s: float,
+        members: tuple = (),
+    ) -> Published:  # fmt: skip
+        """Hand each bucket to the near receivers, then broadcast it to the far ones."""
+        order = sorted(receivers)
+        near = {i: receivers[i] for i in order if i in self.local}
+        far = {i: receivers[i] for i in order if i not in self.local}
+        far_members = (
+            tuple(m for i, m in zip(order, members, strict=True) if i not in self.local) if members else ()
+        )
+        out = Published()
+        stream = handed(buckets, near, timeout_s, self.near, out)
+        out.dead |= self.far.send(stream, far, timeout_s, far_members).dead
+        return out
+
+    def close(self) -> None:
+        self.far.close()
+        self.near.close()
+        super().close()
+
+
 @dataclass
 class Published:
     """What one sender's stream delivered."""
@@ -238,7 +315,23 @@ def publish(
     ``transport`` turns each bucket into what receivers are handed (default: a bucket in a shared
     slot as itself, any other once into Ray's object store).
     """
-    out, alive = Published(), dict(receivers)
+    out = Published()
+    for _ in handed(buckets, receivers, timeout_s, transport, out):
+        pass
+    return out
+
+
+def handed(
+    buckets: Iterable[Bucket],
+    receivers: dict[int, Callable[[Any], Any]],
+    timeout_s: float,
+    transport: Transport | None,
+    out: Published,
+) -> Iterator[Bucket]:
+    """`publish`, bucket by bucket: each bucket (or part) is yielded once every receiver has been
+    handed it and the deliveries `publish` awaits before the next one is packed have landed; what
+    was delivered is counted into ``out`` as it goes (complete when the iteration ends)."""
+    alive = dict(receivers)
     in_flight: list[tuple[int, Any]] = []  # deliveries of the previous bucket
     current: list[tuple[int, Any]] = []  # deliveries of this bucket's parts so far
     size = 0
@@ -251,17 +344,16 @@ def publish(
         out.bytes += bucket.nbytes
         out.in_place += sum(entry.nbytes for entry in bucket.entries if entry.source is not None)
         size += bucket.nbytes
-        if not bucket.last:
-            continue
-        out.dead |= settle(in_flight, timeout_s)
-        in_flight, current = current, []
-        for i in out.dead:
-            alive.pop(i, None)
-        out.buckets += 1
-        out.largest = max(out.largest, size)
-        size = 0
+        if bucket.last:
+            out.dead |= settle(in_flight, timeout_s)
+            in_flight, current = current, []
+            for i in out.dead:
+                alive.pop(i, None)
+            out.buckets += 1
+            out.largest = max(out.largest, size)
+            size = 0
+        yield bucket
     out.dead |= settle(in_flight + current, timeout_s)
-    return out
 
 
 def _in_object_store(bucket: Bucket) -> Any:

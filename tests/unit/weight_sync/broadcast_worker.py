@@ -110,3 +110,22 @@ def main_broken(rank: int, spec: GroupSpec, folder: str) -> None:
     torch.save(
         {"error": error, "seconds": time.perf_counter() - start, "landed": len(landed)}, f"{folder}/rank1.pt"
     )
+
+
+def far_receiver(streams_in, folder: str) -> None:
+    """A receiver on another node of a mixed sync: it takes the stream the sender hands it."""
+    from moe_rl.weight_sync.broadcast import StreamThreads
+    from moe_rl.weight_sync.wire import Rejoin
+
+    rejoin, got = Rejoin(), {}
+
+    def on_bucket(bucket) -> None:
+        time.sleep(0.01)  # slow: the sender's slots must wait for the broadcast, not for this receiver
+        for name, tensor in decoded(bucket, rejoin=rejoin):
+            got[name] = tensor.clone()
+
+    streams = StreamThreads()
+    streams.start(streams_in.get(timeout=120), on_bucket)
+    streams.wait(timeout_s=120.0)
+    rejoin.finish()
+    torch.save(got, f"{folder}/far.pt")

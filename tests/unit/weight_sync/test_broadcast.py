@@ -66,3 +66,41 @@ def test_a_receiver_that_dies_breaks_the_stream_for_all_and_the_sender_still_pac
     assert sender["broken"] and sender["packed"] == 40 > sender["sent"]  # the trainer ranks' gathers went on
     assert survivor["error"] and "broke" in survivor["error"] and survivor["seconds"] < 30
     assert 3 <= survivor["landed"] < 40
+
+
+@pytest.mark.distributed
+def test_a_mixed_sync_hands_each_bucket_to_near_receivers_and_broadcasts_it_to_far_ones(tmp_path):
+    """`transport.Mixed`: one packing into the shared slots; the near receiver (here in the sender's
+    process) reads each bucket there, the far one (another process) takes the broadcast from the slot;
+    both decode exactly what one process decodes, and the report counts the buckets once."""
+    from moe_rl.weight_sync.transport import Mixed
+    from tests.unit.weight_sync.broadcast_worker import far_receiver
+
+    ctx = mp.get_context("spawn")
+    streams = ctx.Queue()
+    far = ctx.Process(target=far_receiver, args=(streams, str(tmp_path)))
+    far.start()
+    near: dict[str, torch.Tensor] = {}
+    rejoin = Rejoin()
+
+    def near_receiver(bucket):
+        assert bucket.slot is not None  # read where the sender wrote it
+        for name, tensor in decoded(bucket, rejoin=rejoin):
+            near[name] = tensor.clone()
+        return {"bytes": bucket.nbytes}
+
+    transport = Mixed(CAPACITY, host="127.0.0.1", local=frozenset({0}))
+    try:
+        encoder = WireEncoder(quant("fp8"), num_layers=1, quantized_wire=True)
+        out = transport.send(transport.packer.pack(groups(encoder)), {0: near_receiver, 1: streams.put}, 60.0)
+    finally:
+        far.join(120)
+        transport.close()
+    assert far.exitcode == 0
+    rejoin.finish()
+    want = _in_one_process("fp8")
+    got = torch.load(tmp_path / "far.pt")
+    assert set(near) == set(got) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(near[name], tensor) and torch.equal(got[name], tensor), name
+    assert out.buckets > 2 and not out.dead and transport.names == {"shared_memory", "process_group"}

@@ -9,7 +9,7 @@ from moe_rl.config.schema import QuantConfig
 from moe_rl.quant.recipes import QuantReport
 from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.sender import RankSender
-from moe_rl.weight_sync.transport import InProcess, ProcessGroup, Reach, SharedMemory, reach_of
+from moe_rl.weight_sync.transport import InProcess, Mixed, ProcessGroup, Reach, SharedMemory, Where, reach_of
 
 
 def _quant(num: int) -> QuantReport:
@@ -47,16 +47,23 @@ def test_one_sender_without_shared_memory_makes_the_sync_not_shared():
 
 
 def test_the_sender_picks_its_transport_from_where_the_receivers_are():
-    assert reach_of({0: "a", 1: "a"}, "a") == (Reach.SAME_NODE, set())
-    assert reach_of({0: "a", 1: "b"}, "a") == (Reach.OTHER_NODES, set())
-    assert reach_of({0: "a", 1: None}, "a") == (Reach.SAME_NODE, {1})  # a dead receiver: left out
+    assert reach_of({0: "a", 1: "a"}, "a") == Where(Reach.SAME_NODE, frozenset(), frozenset({0, 1}))
+    assert reach_of({0: "b", 1: "c"}, "a") == Where(Reach.OTHER_NODES, frozenset(), frozenset())
+    assert reach_of({0: "a", 1: None}, "a") == Where(
+        Reach.SAME_NODE, frozenset({1}), frozenset({0})
+    )  # dead: left out
+    assert reach_of({0: "a", 1: "b", 2: None}, "a") == Where(Reach.MIXED, frozenset({2}), frozenset({0}))
     sender = RankSender(torch.nn.Linear(4, 4), QuantConfig(), num_layers=1, capacity=1024, host="10.0.0.7")
-    kinds = {Reach.SAME_NODE: SharedMemory, Reach.OTHER_NODES: ProcessGroup, Reach.IN_PROCESS: InProcess}
+    kinds = {
+        Reach.SAME_NODE: SharedMemory, Reach.OTHER_NODES: ProcessGroup, Reach.IN_PROCESS: InProcess, Reach.MIXED: Mixed,
+    }  # fmt: skip
     try:
         for reach, kind in kinds.items():
-            transport = sender._transport_for(reach)
+            transport = sender._transport_for(reach, frozenset({0}))
             assert type(transport) is kind and transport.reach is reach
-            assert sender._transport_for(reach) is transport  # kept from sync to sync
+            assert sender._transport_for(reach, frozenset({0})) is transport  # kept from sync to sync
+        assert sender._transport_for(Reach.MIXED, frozenset({1})) is not transport  # an engine moved: new
+        assert sender.transport.names == {"shared_memory", "process_group"}
         assert sender._transport_for(Reach.OTHER_NODES).host == "10.0.0.7"  # the store other nodes reach
     finally:
         sender.close()
