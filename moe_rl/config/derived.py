@@ -84,6 +84,21 @@ def routing_trace_bytes(config: RecipeConfig, bytes_per_id: int = 2) -> int:
     )
 
 
+class PlacementMode(StrEnum):
+    """Where the rollout engines run relative to the trainer (`placement_mode`)."""
+
+    COLOCATED = "colocated"
+    """On the trainer's nodes: on a GPU cluster each GPU hosts one trainer rank and its share of an
+    engine, and each side gives its memory back while the other works."""
+    DISAGGREGATED = "disaggregated"
+    """On nodes of their own (``cluster.rollout_nodes``)."""
+
+
+def placement_mode(config: RecipeConfig) -> PlacementMode:
+    """Colocated when ``cluster.rollout_nodes`` is 0, else disaggregated."""
+    return PlacementMode.COLOCATED if config.cluster.rollout_nodes == 0 else PlacementMode.DISAGGREGATED
+
+
 class WeightBackend(StrEnum):
     """vLLM's weight-transfer backend a vLLM engine on CUDA takes its weights through."""
 
@@ -101,7 +116,7 @@ def vllm_weight_backend(config: RecipeConfig) -> WeightBackend:
     the engine's process. The engine and every trainer rank read it here, so both sides agree."""
     if (
         config.rollout.engine == Engine.VLLM
-        and config.cluster.rollout_nodes > 0
+        and placement_mode(config) == PlacementMode.DISAGGREGATED
         and config.parallel.pipeline_model_parallel_size == 1
     ):
         return WeightBackend.NCCL

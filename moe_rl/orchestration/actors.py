@@ -190,8 +190,12 @@ class EngineActor(EngineHost):
 
     def __init__(
         self, config: RecipeConfig, model_path: str | None, replica: int, threads: int, restarts: int = 0,
-        env_factory=None,
+        env_factory=None, visible_gpus: list[str] | None = None,
     ):  # fmt: skip
+        """``visible_gpus``: the GPUs a colocated engine computes on, its own first
+        (`moe_rl.orchestration.seats.Seats.visible_gpus`), set before anything touches CUDA."""
+        if visible_gpus:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
         _setup_process(config, threads, f"engine{replica}")
         super().__init__(config, model_path, replica, restarts, env_factory)
         self._landed = 0  # buckets landed (`FAULTS_ENV`)

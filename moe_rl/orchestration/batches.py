@@ -96,7 +96,6 @@ def merge(batches: Sequence[TrajectoryBatch], plan: Dispatch) -> TrajectoryBatch
 class Replica:
     index: int
     actor: Any = None
-    pg: Any = None
     restarts: int = 0
 
 

@@ -21,15 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from moe_rl.config.derived import max_response_tokens
+from moe_rl.config.derived import PlacementMode, max_response_tokens
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, EngineActor
 from moe_rl.orchestration.batches import Generation, Replica, dispatch, replica_spec
-from moe_rl.orchestration.placement import PLACEMENT_TIMEOUT_S, Placement
+from moe_rl.orchestration.seats import Seats
 from moe_rl.rewards.tasks import Prompt
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.weight_sync.broadcast import StreamBroken
@@ -44,14 +42,15 @@ class EnginePool:
     """Engine replicas (see the module docstring)."""
 
     def __init__(
-        self, config: RecipeConfig, placement: Placement, env_factory=None,
+        self, config: RecipeConfig, seats: Seats, env_factory=None,
         start_folder: Callable[[], str] | None = None,
     ):  # fmt: skip
-        """``env_factory``: the environment maker the preflight built (multi-turn).
+        """``seats``: where replicas sit (colocated on GPUs: in the trainer's bundles, which must be
+        reserved first). ``env_factory``: the environment maker the preflight built (multi-turn).
         ``start_folder``: gives the Hugging Face folder replicas that start from one (vLLM) load."""
-        self.config, self.placement = config, placement
+        self.config, self.seats, self.placement = config, seats, seats.placement
         self.env_factory, self.start_folder = env_factory, start_folder
-        self.replicas = [Replica(r) for r in range(placement.engines)]
+        self.replicas = [Replica(r) for r in range(seats.placement.engines)]
         self.quantized_wire = False
         self._hf_folder: str | None = None
         self.regenerated_prompts = 0
@@ -95,18 +94,16 @@ class EnginePool:
                     raise ValueError("rollout.engine=vllm starts from a Hugging Face folder; none was given")
                 self._hf_folder = self.start_folder()
             model_path = self._hf_folder
-        colocated = self.config.cluster.rollout_nodes == 0
-        replica.pg = placement_group([self.placement.engine_bundle(colocated)], strategy="PACK")
-        if not ray.get(replica.pg.ready(), timeout=PLACEMENT_TIMEOUT_S):
-            raise RuntimeError(f"no room for engine replica {replica.index}")
+        colocated = self.placement.mode == PlacementMode.COLOCATED
+        options = self.seats.engine_options(replica.index, colocated)
         threads = self.placement.threads("engine", os.cpu_count() or 1)
         replica.actor = (
             ray.remote(EngineActor)
-            .options(
-                num_cpus=0, num_gpus=self.placement.engine_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(replica.pg, placement_group_bundle_index=0),
+            .options(**options)
+            .remote(
+                self.config, model_path, replica.index, threads, replica.restarts, self.env_factory,
+                self.seats.visible_gpus(replica.index),
             )
-            .remote(self.config, model_path, replica.index, threads, replica.restarts, self.env_factory)
         )  # fmt: skip
 
     def _restart(self, replica: Replica, error: Exception) -> None:
@@ -123,9 +120,8 @@ class EnginePool:
     def _kill(self, replica: Replica) -> None:
         if replica.actor is not None:
             ray.kill(replica.actor)
-        if replica.pg is not None:
-            remove_placement_group(replica.pg)
-        replica.actor = replica.pg = None
+        self.seats.release_engine(replica.index)
+        replica.actor = None
 
     def shutdown(self) -> None:
         for replica in self.replicas:

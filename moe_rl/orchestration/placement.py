@@ -4,14 +4,20 @@ From the recipe (``parallel.trainer_world_size``, ``rollout.num_engines``,
 ``rollout.tensor_parallel_size``, ``cluster.*``) and the device ``run.device`` resolves to:
 
 * a CPU run: every rank and engine is a process on the machine(s), no GPU;
-* a CUDA run on a cluster (``cluster.gpus_per_node > 0``): one GPU per trainer rank on the trainer
-  nodes, ``rollout.tensor_parallel_size`` GPUs per engine on the rollout nodes (or on the trainer
-  nodes, colocated, when ``cluster.rollout_nodes = 0``);
+* a CUDA run on a cluster (``cluster.gpus_per_node > 0``), disaggregated (`config.derived.
+  PlacementMode`): one GPU per trainer rank on the trainer nodes, ``rollout.tensor_parallel_size``
+  GPUs per engine on the rollout nodes;
+* a CUDA run on a cluster, colocated (``cluster.rollout_nodes = 0``): each GPU of the trainer nodes
+  hosts one trainer rank and its share of one engine, whose tensor parallelism spans GPUs of one
+  node. Each GPU is one Ray bundle that reserves it whole; the rank and the engine declare a share
+  of it (`COLOCATED_TRAINER_GPU`, `COLOCATED_ENGINE_GPU`), and an engine sees the GPUs of its span
+  (`moe_rl.orchestration.seats`);
 * a CUDA run on one machine (``gpus_per_node = 0``): trainer and engine share its GPU (one rank,
   one engine).
 
-Ray places the trainer ranks as one placement group (one bundle per rank, packed) and each engine
-as a placement group of its own. Under Slurm each node is started with a custom resource naming its
+Ray places the trainer ranks as one placement group (one bundle per rank, packed; colocated on GPUs,
+one group per node of one bundle per GPU) and each disaggregated engine as a placement group of its
+own (a colocated one sits in the bundle of its first GPU). Under Slurm each node is started with a custom resource naming its
 role (`TRAINER_NODE` / `ROLLOUT_NODE`, see ``slurm/ray_job.sbatch``); bundles ask for a sliver of
 it, which pins them to nodes of that role.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_rl.config.derived import PlacementMode, placement_mode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import COPY_TUNABLES, DeviceKind, Machine, resolve_device
 from moe_rl.rules import Rule, first_broken
@@ -32,6 +39,10 @@ PLACEMENT_TIMEOUT_S = 600.0
 """How long Ray may take to find room for a placement group."""
 SHARED_GPU = 0.5
 """GPU share of the trainer and of the engine when both run on one machine's GPU."""
+COLOCATED_TRAINER_GPU = 0.5
+COLOCATED_ENGINE_GPU = 0.5
+"""The shares of its GPU a colocated trainer rank and engine declare to Ray (the GPU's bundle reserves
+all of it; an engine of tensor parallelism t also uses the other t - 1 GPUs of its span)."""
 
 PROCESS_ENV = {"RAY_free_objects_period_milliseconds": "50", "GLIBC_TUNABLES": COPY_TUNABLES}
 """The environment every process of a run starts with (a local run sets what the user has not set
@@ -55,9 +66,18 @@ class Placement:
     """GPUs per engine replica."""
     node_roles: bool
     """Pin bundles to nodes by role (a multi-node Ray cluster started by the sbatch script)."""
+    mode: PlacementMode = PlacementMode.DISAGGREGATED
+    gpus_per_node: int = 0
+    engine_tp: int = 1
+    """GPUs of one engine (``rollout.tensor_parallel_size``)."""
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Colocated on a GPU cluster: each GPU hosts a trainer rank and a share of an engine."""
+        return self.mode == PlacementMode.COLOCATED and self.device == "cuda" and self.gpus_per_node > 0
 
     def trainer_bundle(self) -> dict[str, float]:
-        bundle = {"CPU": 1.0, "GPU": self.trainer_gpus}
+        bundle = {"CPU": 1.0, "GPU": 1.0 if self.shares_gpus else self.trainer_gpus}
         if self.node_roles:
             bundle[TRAINER_NODE] = NODE_SHARE
         return {k: v for k, v in bundle.items() if v}
@@ -81,9 +101,26 @@ def plan_placement(config: RecipeConfig, machine: Machine, node_roles: bool = Fa
     world, engines = config.parallel.trainer_world_size, config.rollout.num_engines
     if device == "cpu":
         return Placement(device, world, 0.0, engines, 0.0, node_roles)
-    if config.cluster.gpus_per_node == 0:
-        return Placement(device, world, SHARED_GPU, engines, SHARED_GPU, node_roles)
-    return Placement(device, world, 1.0, engines, float(config.rollout.tensor_parallel_size), node_roles)
+    mode, per_node, tp = (
+        placement_mode(config),
+        config.cluster.gpus_per_node,
+        config.rollout.tensor_parallel_size,
+    )
+    if per_node == 0:
+        return Placement(device, world, SHARED_GPU, engines, SHARED_GPU, node_roles, mode, 0, tp)
+    if mode == PlacementMode.COLOCATED:
+        return Placement(
+            device,
+            world,
+            COLOCATED_TRAINER_GPU,
+            engines,
+            COLOCATED_ENGINE_GPU,
+            node_roles,
+            mode,
+            per_node,
+            tp,
+        )
+    return Placement(device, world, 1.0, engines, float(tp), node_roles, mode, per_node, tp)
 
 
 def placement_rules(config: RecipeConfig, machine: Machine | None = None) -> list[Rule]:
@@ -106,6 +143,15 @@ def placement_rules(config: RecipeConfig, machine: Machine | None = None) -> lis
     engine_gpus = (c.rollout_nodes or c.trainer_nodes) * node
     where = "cluster.rollout_nodes" if c.rollout_nodes else "the trainer nodes (colocated)"
     wanted = r.num_engines * tp
+    if placement_mode(config) == PlacementMode.COLOCATED:
+        rules += [
+            Rule("colocated engine within a node", node % tp == 0,
+                 f"rollout.tensor_parallel_size={tp}, cluster.gpus_per_node={node}: a colocated engine spans "
+                 "GPUs of one node (its tensor parallelism must divide the node's GPUs)"),
+            Rule("colocated GPUs all generate", wanted >= trainer_gpus,
+                 f"rollout.num_engines x tensor_parallel_size = {r.num_engines} x {tp} = {wanted} of the "
+                 f"{trainer_gpus} trainer GPUs: the others sit idle while the engines generate", fatal=False),
+        ]  # fmt: skip
     return [
         *rules,
         Rule("trainer GPUs = world", p.trainer_world_size == trainer_gpus,

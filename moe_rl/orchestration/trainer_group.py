@@ -1,7 +1,7 @@
 """The trainer group: ``parallel.trainer_world_size`` rank actors forming one Megatron world.
 
-The ranks are placed as one Ray placement group (`placement`: one bundle per rank, a GPU each on
-GPU nodes). Rank 0 publishes an address and a free port; every rank joins the torch.distributed
+The ranks are seated by `moe_rl.orchestration.seats.Seats` (one bundle per rank, a GPU each on GPU
+nodes; colocated on GPUs, shared with an engine). Rank 0 publishes an address and a free port; every rank joins the torch.distributed
 world there (NCCL on CUDA, gloo on CPU) and Megatron's parallel state follows the recipe
 (TP / PP / EP / ETP / CP, data parallelism the rest). The driver calls one verb on every rank at
 once and reads rank 0's answer: metrics are reduced inside the group (over data-parallel ranks,
@@ -17,13 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, TrainerRank
 from moe_rl.orchestration.batches import OldLogp, RankPart
-from moe_rl.orchestration.placement import PLACEMENT_TIMEOUT_S, Placement
+from moe_rl.orchestration.seats import Seats
 from moe_rl.weight_sync.receiver import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 
@@ -33,23 +31,19 @@ log = logging.getLogger("moe_rl.driver")
 class TrainerGroup:
     """Rank actors of one Megatron world (see the module docstring)."""
 
-    def __init__(self, config: RecipeConfig, placement: Placement):
-        """Place and start the rank actors; `form` waits for them to form the world (meanwhile
-        the caller may start other actors: engines build their models while ranks build theirs)."""
-        self.config = config
+    def __init__(self, config: RecipeConfig, seats: Seats):
+        """Seat and start the rank actors; `form` waits for them to form the world (meanwhile
+        the caller may start other actors: engines build their models while ranks build theirs).
+        The group releases ``seats`` when it shuts down (after the engines)."""
+        self.config, self.seats = config, seats
+        placement = seats.placement
         world = placement.trainer_ranks
-        self.pg = placement_group([placement.trainer_bundle()] * world, strategy="PACK")
-        if not ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S):
-            raise RuntimeError(f"no room for {world} trainer ranks of {placement.trainer_bundle()}")
+        seats.reserve_trainer()
         threads = placement.threads("trainer", os.cpu_count() or 1)
         actor = ray.remote(TrainerRank)
         self.ranks = [
-            actor.options(
-                num_cpus=0, num_gpus=placement.trainer_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(config, i, world, threads)
-            for i in range(world)
-        ]  # fmt: skip
+            actor.options(**seats.trainer_options(i)).remote(config, i, world, threads) for i in range(world)
+        ]
         self.layout: list[dict[str, int]] = []
         self.dp_size = 0
         self._handles = 0
@@ -116,4 +110,4 @@ class TrainerGroup:
             ray.get([rank.release.remote() for rank in self.ranks], timeout=30)
         for rank in self.ranks:
             ray.kill(rank)
-        remove_placement_group(self.pg)
+        self.seats.release()

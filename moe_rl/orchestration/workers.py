@@ -21,6 +21,7 @@ from pathlib import Path
 
 import ray
 
+from moe_rl.config.derived import PlacementMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import Machine
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
@@ -28,6 +29,7 @@ from moe_rl.orchestration.batches import Prepared
 from moe_rl.orchestration.engine_pool import EnginePool
 from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
 from moe_rl.orchestration.preflight import RunInputs
+from moe_rl.orchestration.seats import Seats
 from moe_rl.orchestration.stages import Workers
 from moe_rl.orchestration.trainer_group import TrainerGroup
 
@@ -71,15 +73,17 @@ def ray_workers(config: RecipeConfig, run_dir: Path, inputs: RunInputs) -> Worke
     """Place and start the trainer group, the reward worker and the engine pool on the Ray cluster
     (engines build their models while the trainer ranks build theirs)."""
     placement = plan_placement(config, Machine.detect(), node_roles=_node_roles())
+    colocated = placement.mode == PlacementMode.COLOCATED
     log.info(
-        "placement on %s: %d trainer rank(s) %s, %d engine(s) %s, nodes by role: %s", placement.device,
-        placement.trainer_ranks, placement.trainer_bundle(), placement.engines,
-        placement.engine_bundle(config.cluster.rollout_nodes == 0), "yes" if placement.node_roles else "no",
+        "placement on %s, %s: %d trainer rank(s) %s, %d engine(s) %s, nodes by role: %s", placement.device,
+        placement.mode, placement.trainer_ranks, placement.trainer_bundle(), placement.engines,
+        placement.engine_bundle(colocated), "yes" if placement.node_roles else "no",
     )  # fmt: skip
-    trainer = TrainerGroup(config, placement)
+    seats = Seats(placement)
+    trainer = TrainerGroup(config, seats)
     rewarder = RayRewarder(config, inputs.scorer)
     start_folder = lambda: trainer.save_hf(str(Path(run_dir) / "hf_start"))  # noqa: E731 (vLLM loads it)
-    engines = EnginePool(config, placement, inputs.env_factory, start_folder)
+    engines = EnginePool(config, seats, inputs.env_factory, start_folder)
     engines.spawn()  # engines build their models while the trainer ranks build theirs
     trainer.form()
     return Workers(trainer, engines, rewarder)

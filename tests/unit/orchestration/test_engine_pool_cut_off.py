@@ -12,6 +12,7 @@ import ray
 from moe_rl.config.loader import load_recipe
 from moe_rl.orchestration.engine_pool import MAX_ENGINE_RESTARTS, EnginePool
 from moe_rl.orchestration.placement import Placement
+from moe_rl.orchestration.seats import Seats
 from moe_rl.weight_sync.broadcast import StreamBroken
 from moe_rl.weight_sync.receiver import SyncTarget
 
@@ -44,7 +45,7 @@ def local_ray():
 
 
 def _pool(breaks: list[int]) -> tuple[EnginePool, list]:
-    pool = EnginePool(load_recipe(TINY), Placement("cpu", 1, 0.0, len(breaks), 0.0, False))
+    pool = EnginePool(load_recipe(TINY), Seats(Placement("cpu", 1, 0.0, len(breaks), 0.0, False)))
     for replica, n in zip(pool.replicas, breaks, strict=True):
         replica.actor = Finisher.remote(n)
     again: list = []
