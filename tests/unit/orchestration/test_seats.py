@@ -68,7 +68,8 @@ def test_a_colocated_layout_seats_each_rank_and_engine_share_on_the_same_gpus():
         for first in (0, 4):
             node = rank_at[first][0]
             assert all(rank_at[r][0] == node for r in range(first, first + 4))
-            assert sorted(gpu for r in range(first, first + 4) for gpu in rank_at[r][1]) == ["0", "1", "2", "3"]
+            gpus = sorted(gpu for r in range(first, first + 4) for gpu in rank_at[r][1])
+            assert gpus == ["0", "1", "2", "3"]
         for j, (node, gpus, visible) in enumerate(engine_at):
             span = [rank_at[2 * j][1][0], rank_at[2 * j + 1][1][0]]
             assert node == rank_at[2 * j][0] == rank_at[2 * j + 1][0]  # an engine spans GPUs of one node
