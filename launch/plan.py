@@ -33,7 +33,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe
-from moe_rl.config.derived import data_parallel_size, expert_data_parallel_size, longest_sequence
+from moe_rl.config.derived import (
+    PlacementMode,
+    data_parallel_size,
+    expert_data_parallel_size,
+    longest_sequence,
+    placement_mode,
+    releases_memory,
+)
 from moe_rl.config.modes import Attention, Family, Granularity, Precision, QuantMethod
 from moe_rl.config.schema import ModelConfig, QuantConfig
 from moe_rl.orchestration.preflight import preflight
@@ -374,11 +381,71 @@ def constraint_checks(config: RecipeConfig) -> list[Rule]:
     return rows + list(sections["placement"].rules)
 
 
+@dataclass(frozen=True)
+class ColocatedMemory:
+    """One GPU that hosts a trainer rank and its share of an engine, in each phase."""
+
+    releases: bool
+    """Colocated phases give memory back (`cluster.release_memory`)."""
+    trainer_generating: float
+    """What the trainer keeps on the GPU while the engine generates."""
+    engine_generating: float
+    """What the engine takes to generate (``rollout.gpu_memory_utilization`` of the GPU)."""
+    trainer_training: float
+    engine_training: float
+    """What the engine keeps while the trainer works (asleep: nothing of its weights or KV cache)."""
+
+    @property
+    def generate(self) -> float:
+        return self.trainer_generating + self.engine_generating
+
+    @property
+    def train(self) -> float:
+        return self.trainer_training + self.engine_training
+
+    @property
+    def peak(self) -> float:
+        return max(self.generate, self.train)
+
+
+def colocated_memory(config: RecipeConfig, trainer: TrainerMemory, rollout: RolloutMemory) -> ColocatedMemory:
+    """The colocated phases on one GPU: while the engine generates the trainer keeps its weights
+    (nothing with `cluster.offload_params`) once its optimizer state and gradients are released, and
+    everything when they are not; while the trainer works a sleeping engine keeps nothing."""
+    releases = releases_memory(config, "cuda")
+    kept = 0.0 if config.cluster.offload_params else trainer.weights
+    generating = kept if releases else trainer.static
+    return ColocatedMemory(
+        releases,
+        generating,
+        rollout.budget_per_gpu,
+        trainer.total,
+        0.0 if releases else rollout.budget_per_gpu,
+    )
+
+
 def memory_checks(config: RecipeConfig, trainer: TrainerMemory, rollout: RolloutMemory) -> list[Rule]:
-    """Budget checks against `cluster.gpu_memory_gib` (GPU recipes only)."""
+    """Budget checks against `cluster.gpu_memory_gib` (GPU recipes only); colocated, each phase's
+    sum on one GPU."""
     cap = config.cluster.gpu_memory_gib * GIB
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    colocated = []
+    if placement_mode(config) == PlacementMode.COLOCATED:
+        c = colocated_memory(config, trainer, rollout)
+        how = f"cluster.release_memory={config.cluster.release_memory}" + (
+            ", memory released between phases" if c.releases else ", nothing released between phases"
+        )
+        colocated = [
+            Rule("colocated generation fits", c.generate <= cap,
+                 f"trainer {gib(c.trainer_generating)} + engine {gib(c.engine_generating)} = {gib(c.generate)} of "
+                 f"{gib(cap)} per GPU ({how}); lower rollout.gpu_memory_utilization, set cluster.offload_params=true, "
+                 "or place the engines on nodes of their own"),
+            Rule("colocated training fits", c.train <= cap,
+                 f"trainer {gib(c.trainer_training)} + engine {gib(c.engine_training)} = {gib(c.train)} of "
+                 f"{gib(cap)} per GPU ({how})", fatal=False),
+        ]  # fmt: skip
     return [
+        *colocated,
         Rule(
             "trainer states fit",
             trainer.static <= cap,
@@ -507,6 +574,28 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
         ("  KV cache budget / GPU", _gib(r.kv_per_gpu)),
         ("  KV bytes / token / GPU", f"{r.kv_per_token:,.0f} B ({m.attention})"),
         ("  KV tokens / engine", f"{r.kv_tokens:,} ({seqs:,} full-length sequences)"),
+        *_colocated_rows(plan),
+    ]
+
+
+def _colocated_rows(plan: Plan) -> list[tuple[str, str]]:
+    """Colocated on GPUs: what one GPU holds in each phase."""
+    cfg = plan.config
+    if placement_mode(cfg) != PlacementMode.COLOCATED or cfg.cluster.gpus_per_node == 0:
+        return []
+    c = colocated_memory(cfg, plan.trainer, plan.rollout)
+    cap = f"{cfg.cluster.gpu_memory_gib:g} GiB"
+    released = "memory released between phases" if c.releases else "nothing released between phases"
+    return [
+        (f"colocated GPU ({released})", f"peak {_gib(c.peak)} of {cap}"),
+        (
+            "  generation: trainer + engine",
+            f"{_gib(c.trainer_generating)} + {_gib(c.engine_generating)} = {_gib(c.generate)}",
+        ),
+        (
+            "  training: trainer + engine",
+            f"{_gib(c.trainer_training)} + {_gib(c.engine_training)} = {_gib(c.train)}",
+        ),
     ]
 
 

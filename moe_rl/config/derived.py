@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from moe_rl.config.modes import Engine, QuantMethod
+from moe_rl.config.modes import Engine, QuantMethod, ReleaseMemory, RunMode
 from moe_rl.config.schema import ParallelConfig, QuantConfig, RecipeConfig
 
 
@@ -97,6 +97,16 @@ class PlacementMode(StrEnum):
 def placement_mode(config: RecipeConfig) -> PlacementMode:
     """Colocated when ``cluster.rollout_nodes`` is 0, else disaggregated."""
     return PlacementMode.COLOCATED if config.cluster.rollout_nodes == 0 else PlacementMode.DISAGGREGATED
+
+
+def releases_memory(config: RecipeConfig, device: str) -> bool:
+    """Whether colocated phases give memory back (``cluster.release_memory``) on ``device``: `on` when
+    colocated; `auto` when colocated on CUDA in a synchronous run (an asynchronous one generates while
+    it trains: the two phases hold their memory at once)."""
+    mode = config.cluster.release_memory
+    if mode == ReleaseMemory.OFF or placement_mode(config) != PlacementMode.COLOCATED:
+        return False
+    return mode == ReleaseMemory.ON or (device == "cuda" and config.run.mode == RunMode.SYNC)
 
 
 class WeightBackend(StrEnum):

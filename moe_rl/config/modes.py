@@ -68,6 +68,16 @@ class Engine(StrEnum):
     VLLM = "vllm"
 
 
+class ReleaseMemory(StrEnum):
+    """``cluster.release_memory``: whether colocated phases give memory back to each other."""
+
+    AUTO = "auto"
+    """On when the engines are colocated with the trainer on GPUs (synchronous runs)."""
+    ON = "on"
+    """On wherever the engines are colocated (on CPU the same phases run, for tests)."""
+    OFF = "off"
+
+
 class QuantMethod(StrEnum):
     """``quant.method``: the number format of the rollout weights."""
 
@@ -134,6 +144,7 @@ CHOICES: dict[str, type[StrEnum]] = {
     "model.moe_router_score_function": ScoreFunction,
     "model.rope_scaling_type": RopeScaling,
     "rollout.engine": Engine,
+    "cluster.release_memory": ReleaseMemory,
     "quant.method": QuantMethod,
     "quant.granularity": Granularity,
     "algo.objective": Objective,

@@ -32,6 +32,7 @@ from moe_rl.config.modes import (
     LrDecay,
     Precision,
     QuantMethod,
+    ReleaseMemory,
     ReplayMode,
     RopeScaling,
     RunMode,
@@ -492,6 +493,18 @@ class ClusterConfig:
     gpu_memory_gib: float = 80.0
     """Memory of one GPU in GiB (H100: 80, H200: 141); `moe-rl plan` budgets trainer and rollout
     memory against it."""
+    release_memory: ReleaseMemory = ReleaseMemory.AUTO
+    """Colocated phases give memory back (`auto`, `on`, `off`): before each generation every trainer
+    rank moves its optimizer state and gradient buffers (and its parameters, with
+    `cluster.offload_params`) to host memory and takes them back after it; the engines sleep while
+    the trainer works (`cluster.engine_sleep_level`). `auto`: on when colocated on GPUs in a
+    synchronous run; `on`: also on CPU (the same phases, for tests)."""
+    offload_params: bool = False
+    """With memory released: the trainer's parameters leave device memory during generation too."""
+    engine_sleep_level: int = 1
+    """With memory released, how a sleeping engine gives its memory back: 1 keeps its weights in host
+    memory; 2 drops them, and the next weight sync (which comes before every generation) restores
+    them."""
     signal_grace_s: int = 120
     """Seconds before the time limit at which Slurm signals the job (`--signal=B:USR1@N`): the
     driver saves a checkpoint and, with `requeue`, the job requeues itself."""

@@ -151,6 +151,12 @@ class TrainerRank:
             and next(self.worker.model.parameters()).device.type == "cuda"
         )
 
+    def release_memory(self, params: bool) -> dict[str, float]:
+        return self.worker.release_memory(params)
+
+    def restore_memory(self) -> dict[str, float]:
+        return self.worker.restore_memory()
+
     def release(self) -> None:
         """Remove this rank's shared weight-sync slots and arena file (before the actor is killed)."""
         if self._sender is not None:

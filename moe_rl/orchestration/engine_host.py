@@ -70,6 +70,13 @@ class EngineHost:
         self._streams.wait()  # every sender's stream has ended (or its error is raised here)
         return self._target(into).finish_weight_update(version)
 
+    def sleep(self, level: int) -> dict[str, float]:
+        """The engine gives its memory back while the trainer works (colocated; `cluster.release_memory`)."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> dict[str, float]:
+        return self.engine.wake_up()
+
     def policy_version(self) -> int:
         return self.engine.policy_version
 

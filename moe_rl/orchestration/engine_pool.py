@@ -221,6 +221,27 @@ class EnginePool:
                     ) from exc
         return [gen.refs[r][0] for r in sorted(gen.refs)]
 
+    # ------------------------------------------------------------------ memory between phases
+    def sleep(self) -> dict[str, float]:
+        """Every replica gives its memory back while the trainer works (colocated,
+        `cluster.release_memory`); the most one keeps resident."""
+        return self._each("sleep", self.config.cluster.engine_sleep_level)
+
+    def wake_up(self) -> dict[str, float]:
+        """Every replica takes its memory again before it generates; the most one holds."""
+        return self._each("wake_up")
+
+    def _each(self, method: str, *args: Any) -> dict[str, float]:
+        answers = []
+        for replica in self.replicas:
+            try:
+                answers.append(ray.get(getattr(replica.actor, method).remote(*args), timeout=RAY_TIMEOUT_S))
+            except ray.exceptions.RayActorError as exc:
+                self._restart(replica, exc)  # a new process, awake, with the current weights
+                if method == "sleep":
+                    answers.append(ray.get(replica.actor.sleep.remote(*args), timeout=RAY_TIMEOUT_S))
+        return {"resident_bytes": max((a.get("resident_bytes", 0.0) for a in answers), default=0.0)}
+
     def probe(self, prompts) -> dict[str, float | str]:
         """The mismatch probe on replica 0, whose reference model the last reference sync filled:
         the engine is measured against it."""

@@ -85,6 +85,12 @@ class LocalTrainer:
         }
         return self.sender.send(receivers, Reach.IN_PROCESS, quantized_wire, SYNC_TIMEOUT_S)
 
+    def release_memory(self, params: bool) -> dict[str, float]:
+        return self.worker.release_memory(params)
+
+    def restore_memory(self) -> dict[str, float]:
+        return self.worker.restore_memory()
+
     def save_hf(self, directory: str) -> str:
         from moe_rl.megatron.hf_weights import save_hf_checkpoint
         from moe_rl.megatron.model import model_config_to_hf_config
@@ -144,6 +150,12 @@ class LocalEngines:
 
     def probe(self, prompts) -> dict[str, float | str]:
         return self.host.probe(prompts)
+
+    def sleep(self) -> dict[str, float]:
+        return self.host.sleep(self.config.cluster.engine_sleep_level)
+
+    def wake_up(self) -> dict[str, float]:
+        return self.host.wake_up()
 
     def shutdown(self) -> None:
         return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_rl.config.derived import PlacementMode, placement_mode
+from moe_rl.config.modes import ReleaseMemory, RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import COPY_TUNABLES, DeviceKind, Machine, resolve_device
 from moe_rl.rules import Rule, first_broken
@@ -128,8 +129,22 @@ def placement_rules(config: RecipeConfig, machine: Machine | None = None) -> lis
     cluster the recipe describes)."""
     c, r, p = config.cluster, config.rollout, config.parallel
     nodes = c.trainer_nodes + c.rollout_nodes
-    rules = [Rule("nodes = trainer + rollout", c.nodes == nodes,
-                  f"cluster.nodes={c.nodes}, cluster.trainer_nodes + cluster.rollout_nodes = {nodes}")]  # fmt: skip
+    release = c.release_memory
+    rules = [
+        Rule("nodes = trainer + rollout", c.nodes == nodes,
+             f"cluster.nodes={c.nodes}, cluster.trainer_nodes + cluster.rollout_nodes = {nodes}"),
+        Rule("memory released where shared", release != ReleaseMemory.ON or not c.rollout_nodes,
+             f"cluster.release_memory={release}, cluster.rollout_nodes={c.rollout_nodes}: only engines on the "
+             "trainer's nodes (cluster.rollout_nodes=0) share its memory; engines on nodes of their own have "
+             "none to give back (cluster.release_memory=off)"),
+        Rule("memory released in a synchronous run", release != ReleaseMemory.ON or config.run.mode == RunMode.SYNC,
+             f"cluster.release_memory={release} with run.mode={config.run.mode}: memory is given back only in "
+             "a synchronous run (asynchronous, the next batch generates while the trainer trains); use "
+             "run.mode=sync or cluster.release_memory=off"),
+        Rule("engine sleep level", c.engine_sleep_level in (1, 2),
+             f"cluster.engine_sleep_level={c.engine_sleep_level}: 1 (a sleeping engine keeps its weights in host "
+             "memory) or 2 (it drops them; the next weight sync restores them)"),
+    ]  # fmt: skip
     if c.gpus_per_node == 0:
         on_gpu = machine is not None and resolve_device(config.run.device, machine) == "cuda"
         alone = p.trainer_world_size == 1 and r.num_engines == 1

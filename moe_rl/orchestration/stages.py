@@ -22,10 +22,13 @@ from typing import Any
 import torch
 
 from moe_rl import run_dir
+from moe_rl.config.derived import releases_memory
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
+from moe_rl.device import Machine, resolve_device
 from moe_rl.diagnostics.budget import staleness_metrics
 from moe_rl.envs.rollout import env_metrics
+from moe_rl.offload import GIB
 from moe_rl.orchestration.batches import (
     Generation,
     OldLogp,
@@ -99,6 +102,8 @@ class Stages:
         self.num_stale_rejected = 0
         self._pending_state: dict = {}
         self._probe_source = None
+        self.releases = releases_memory(config, resolve_device(config.run.device, Machine.detect()))
+        """Colocated phases give memory back (`cluster.release_memory`)."""
 
     # ------------------------------------------------------------------ start / resume
     def start(self) -> int:
@@ -143,6 +148,7 @@ class Stages:
         reward worker; reject batches that are too stale and generate again."""
         t0 = time.perf_counter()
         regenerated = self.engines.regenerated_prompts
+        memory = self._release_before_generation() if self.releases else {}
         while True:
             pending = pending if pending is not None and pending.step == step else self.launch_rollout(step)
             refs = self.engines.collect(pending.generation)
@@ -156,6 +162,8 @@ class Stages:
             self.num_stale_rejected += summary.num_samples
             log.warning("rejected a stale batch: %s", summary.stale)
             pending = None
+        if self.releases:
+            memory.update(self._restore_after_generation())
         rollout = Rollout(shards, summary)
         metrics = {
             "time/rollout_s": time.perf_counter() - t0 - reward_s,
@@ -169,8 +177,28 @@ class Stages:
             "trainer/world_size": self.trainer.world_size,
             **env_metrics([status.get("env", {}) for status in pending.generation.statuses.values()]),
             **summary.metrics,
+            **memory,
         }
         return rollout, metrics
+
+    def _release_before_generation(self) -> dict[str, float]:
+        """Colocated: the trainer's optimizer state and gradients (and parameters, with
+        `cluster.offload_params`) leave device memory; the engines take theirs again."""
+        released = self.trainer.release_memory(self.config.cluster.offload_params)
+        awake = self.engines.wake_up()
+        return {
+            "memory/trainer_released_gib": released["released_bytes"] / GIB,
+            "memory/trainer_generate_gib": released["resident_bytes"] / GIB,
+            "memory/engine_generate_gib": awake["resident_bytes"] / GIB,
+            "memory/trainer_releases": 1,
+        }
+
+    def _restore_after_generation(self) -> dict[str, float]:
+        """Colocated: the engines give their memory back (`cluster.engine_sleep_level`); the trainer
+        takes what it released."""
+        asleep = self.engines.sleep()
+        self.trainer.restore_memory()
+        return {"memory/engine_asleep_gib": asleep["resident_bytes"] / GIB, "memory/engine_sleeps": 1}
 
     def reward(self, rollout: Rollout, metrics: dict[str, Any]) -> Rollout:
         """The verifiable rewards the reward worker gave the batch."""

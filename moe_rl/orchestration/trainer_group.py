@@ -96,6 +96,15 @@ class TrainerGroup:
         """A Hugging Face folder of the current weights (collective)."""
         return self._all("save_hf", directory)[0]
 
+    def release_memory(self, params: bool) -> dict[str, float]:
+        """Every rank moves what generation does not need out of device memory (colocated); the most
+        a rank released and the most one keeps resident."""
+        return _most(self._all("release_memory", params))
+
+    def restore_memory(self) -> dict[str, float]:
+        """Every rank takes back what `release_memory` moved out; the most one holds."""
+        return _most(self._all("restore_memory"))
+
     def save_checkpoint(self, directory: str) -> None:
         self._all("save_checkpoint", directory)
 
@@ -111,3 +120,8 @@ class TrainerGroup:
         for rank in self.ranks:
             ray.kill(rank)
         self.seats.release()
+
+
+def _most(answers: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's largest value over the ranks' answers."""
+    return {key: max(a[key] for a in answers) for key in answers[0]}

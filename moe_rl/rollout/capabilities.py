@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from moe_rl.config.derived import longest_sequence, response_limit_key
+from moe_rl.config.derived import longest_sequence, releases_memory, response_limit_key
 from moe_rl.config.modes import Attention, Engine, Granularity, QuantMethod, ReplayMode
 from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.device import Machine, resolve_device
@@ -40,6 +40,7 @@ _TABLE: dict[tuple[str, str], EngineCapabilities] = {
         quant_methods=("none",),
         fake_quant=False,
         weight_transfer="reload",
+        sleeps=False,
     ),
     ("vllm", "cuda"): EngineCapabilities(
         engine="vllm",
@@ -159,6 +160,11 @@ def _capable(config: RecipeConfig, machine: Machine) -> tuple[EngineCapabilities
             f"alternatives: {_alternatives('sampling_mask', engine, device)}, or keep_sampling_mask=false"
         )
     _check_quant(config.quant, caps, where, machine)
+    if releases_memory(config, device) and not caps.sleeps:
+        raise ValueError(
+            f"{where} has no sleep mode, needed by cluster.release_memory={config.cluster.release_memory} "
+            "(colocated phases give memory back); use rollout.engine=megatron or cluster.release_memory=off"
+        )
     if engine == Engine.VLLM:
         heads, tp = config.model.num_attention_heads, config.rollout.tensor_parallel_size
         if heads % tp:

@@ -96,6 +96,8 @@ class EngineCapabilities:
     weight_transfer: str
     """How weights reach it: ``reload`` (vLLM in-place reload through a worker extension),
     ``ipc`` / ``nccl`` (vLLM's weight-transfer API), ``shared`` (the trainer's own model)."""
+    sleeps: bool = True
+    """Gives its memory back while the trainer works, and takes it again (``sleep`` / ``wake_up``)."""
     quantized_wire: bool = False
     """Takes a recipe's quantized bytes (FP8 / INT8 data + scales, `moe_rl.weight_sync.wire`) and
     computes with their dequantized values; otherwise it is sent the weights as they are and

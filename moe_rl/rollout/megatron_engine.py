@@ -53,6 +53,7 @@ from moe_rl.megatron.decoding import (
     kv_cache_unsupported,
     pack_sequences,
 )
+from moe_rl.offload import Offload, resident_bytes
 from moe_rl.quant.recipes import (
     QuantReport,
     WeightQuantizer,
@@ -149,6 +150,8 @@ class MegatronEngine:
         self.last_quant_report: QuantReport | None = None
         self._awq_pending: dict[str, torch.Tensor] | None = None
         self._calibration: list[list[int]] = []
+        self._asleep: Offload | None = None  # the weights' storages while asleep (`sleep`)
+        self._dropped = False  # asleep at level 2 and not synced since
 
     def _check_decoding(self, decoding: Decoding | None) -> Decoding:
         """The decoding to use: ``decoding`` if this model supports it, the KV cache if None and it can."""
@@ -180,13 +183,43 @@ class MegatronEngine:
     def shutdown(self) -> None:
         self.model = None
 
+    # ------------------------------------------------------------------------ memory between phases
+    def sleep(self, level: int = 1) -> dict[str, float]:
+        """Give the weights' memory back while the trainer works (`moe_rl.offload`): level 1 keeps
+        them in host memory, level 2 drops them (the next weight sync writes every one). The KV cache
+        lives only during a generate call. Returns what stays resident."""
+        if self._asleep is not None:
+            raise RuntimeError("the Megatron engine is asleep already")
+        self._asleep = Offload("engine")
+        self._asleep.add(self.model.parameters())
+        self._asleep.release(keep=level == 1)
+        self._dropped = level == 2
+        return {"resident_bytes": float(self.resident_bytes())}
+
+    def wake_up(self) -> dict[str, float]:
+        """Take the weights' memory again (level 1: with the weights; level 2: a sync must follow)."""
+        if self._asleep is not None:
+            self._asleep.restore()
+            self._asleep = None
+        return {"resident_bytes": float(self.resident_bytes())}
+
+    def resident_bytes(self) -> int:
+        """Memory the engine holds on its device: on CUDA what torch has allocated; on CPU the bytes of
+        its parameters and buffers as they are now."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return resident_bytes([*self.model.parameters(), *self.model.buffers()])
+
     # ------------------------------------------------------------------------ weights
     def begin_weight_update(self, version: int) -> None:
-        """Start a sync of policy ``version``: buckets follow (`receive_bucket`), then `finish`."""
+        """Start a sync of policy ``version``: buckets follow (`receive_bucket`), then `finish`. An
+        engine asleep takes its memory again first."""
         if int(version) < self.version:
             raise ValueError(
                 f"weight version {version} is older than the engine's policy version {self.version}"
             )
+        self.wake_up()
+        self._dropped = False  # every weight arrives, or the sync fails
         self._incoming = int(version)
         self._receiver.begin()
         self._rx_report = QuantReport(self.config.quant.name)
@@ -359,6 +392,11 @@ class MegatronEngine:
             vocab_size=model.vocab_size,
         )
         groups = expand_group_ids(group_ids, len(checked), sampling.n)
+        if self._asleep is not None or self._dropped:
+            raise RuntimeError(
+                "the Megatron engine is asleep" if self._asleep is not None
+                else "the Megatron engine dropped its weights (sleep level 2): a weight sync must come first"
+            )  # fmt: skip
         if self._awq_pending is not None:
             self._apply_awq(self._calibration or [list(p) for p in checked])
         if sampling.seed is not None:

@@ -57,7 +57,7 @@ import torch
 from vllm import SamplingParams
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from moe_rl.config.derived import WeightBackend, routing_trace_bytes, vllm_weight_backend
+from moe_rl.config.derived import WeightBackend, releases_memory, routing_trace_bytes, vllm_weight_backend
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
@@ -98,6 +98,7 @@ class VLLMEngine:
         enable_prefix_caching: bool = False,
         routing_store_bytes: int | None = None,
         weight_backend: WeightBackend = WeightBackend.IPC,
+        sleep_mode: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """See `llm_kwargs` for what the settings become in vLLM (``routing_store_bytes``: the size
@@ -128,7 +129,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             return_routing=return_routing, return_sampling_mask=return_sampling_mask,
             enable_prefix_caching=enable_prefix_caching, routing_store_bytes=routing_store_bytes,
-            weight_backend=weight_backend, engine_kwargs=engine_kwargs,
+            weight_backend=weight_backend, sleep_mode=sleep_mode, engine_kwargs=engine_kwargs,
         )  # fmt: skip
         self.weight_backend = WeightBackend(weight_backend) if self.device == "cuda" else None
         self.prefix_caching = kwargs["enable_prefix_caching"]  # emptied at every weight update
@@ -138,6 +139,7 @@ class VLLMEngine:
         self._layers: dict[str, set[str]] | None = None
         self._incoming: int | None = None
         self._transferred = False  # this sync's weights came by vLLM's NCCL transfer (`transfer`)
+        self._asleep = False
         self._version = int(initial_version)
         self._llm.llm_engine.set_weight_version(str(self._version))
 
@@ -196,6 +198,7 @@ class VLLMEngine:
         (vLLM's in-place reload takes whole layers), so at most one layer waits here."""
         if int(version) < self._version:
             raise ValueError(f"version={version} is older than the engine's policy_version={self._version}")
+        self.wake_up()
         if self._layers is None:
             self._layers = _layer_groups(_checkpoint_names(self.model_path))
         self._incoming, self._pending, self._reloaded = int(version), {}, set()
@@ -273,6 +276,19 @@ class VLLMEngine:
         else:
             client.finish_weight_update()  # vLLM's layerwise reload ends; the version comes at finish
             self._transferred = True
+
+    def sleep(self, level: int = 1) -> dict[str, float]:
+        """vLLM's sleep mode: level 1 moves the weights to host memory and drops the KV cache, level 2
+        drops both (the next weight sync restores the weights)."""
+        self._require_alive().sleep(level=level)
+        self._asleep = True
+        return {}
+
+    def wake_up(self) -> dict[str, float]:
+        if self._asleep:
+            self._require_alive().wake_up()
+            self._asleep = False
+        return {}
 
     def _weights_changed(self) -> None:
         """Cached prefix blocks hold keys and values of the old weights: drop them."""
@@ -397,6 +413,7 @@ def recipe_settings(config: RecipeConfig, caps: EngineCapabilities) -> dict[str,
         # the routed experts of this engine's share of a rollout batch (prompts are spread over engines)
         "routing_store_bytes": -(-routing_trace_bytes(config) // r.num_engines) if routing else None,
         "weight_backend": vllm_weight_backend(config),
+        "sleep_mode": releases_memory(config, caps.device),
     }
 
 
@@ -420,14 +437,16 @@ def llm_kwargs(
     enable_prefix_caching: bool = False,
     routing_store_bytes: int | None = None,
     weight_backend: WeightBackend = WeightBackend.IPC,
+    sleep_mode: bool = False,
     engine_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments of an engine: what `VLLMEngine` starts vLLM with, and what
     the contract tests hand to vLLM's own configuration checks (`engine_config`).
 
     On CUDA: vLLM's weight-transfer backend ``weight_backend`` (IPC from the engine's process, or
-    NCCL straight from the trainer: `config.derived.vllm_weight_backend`); online quantization of the recipe
-    (`capabilities.vllm_quantization`); sampling masks when asked; and routed experts (R3) as
+    NCCL straight from the trainer: `config.derived.vllm_weight_backend`); vLLM's sleep mode when
+    colocated phases give memory back (``sleep_mode``, `config.derived.releases_memory`); online
+    quantization of the recipe (`capabilities.vllm_quantization`); sampling masks when asked; and routed experts (R3) as
     vLLM's auxiliary output, which requires prefix caching (`VllmConfig._verify_aux_output_
     compatibility`): it is turned on, so a cached prefix still returns its routing from the store,
     whose size (``aux_output_config.max_bytes``) is ``routing_store_bytes`` (at least
@@ -440,6 +459,8 @@ def llm_kwargs(
     cuda: dict[str, Any] = {}
     if device == "cuda":
         cuda["weight_transfer_config"] = {"backend": str(WeightBackend(weight_backend))}
+        if sleep_mode:
+            cuda["enable_sleep_mode"] = True
         if return_routing:
             cuda["enable_return_routed_experts"] = True
             enable_prefix_caching = True  # vLLM keeps the routing of cached prefixes only with it

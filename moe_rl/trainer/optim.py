@@ -168,6 +168,20 @@ class TorchAdamW:
         return state_dict
 
 
+def optimizer_state_tensors(optimizer) -> list[Tensor]:
+    """Every tensor of an optimizer's state (each part of a chained one): the moments and, under mixed
+    precision, the float32 main copies of the parameters."""
+    out: list[Tensor] = []
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(part, "optimizer", part)
+        for state in inner.state.values():
+            out += [value for value in state.values() if torch.is_tensor(value)]
+        for attr in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            for group in getattr(part, attr, None) or []:
+                out += [t for t in group if t is not None]
+    return out
+
+
 def build_optimizer(
     model_chunks: list[torch.nn.Module], trainer: TrainerConfig, use_distributed: bool = False
 ):

@@ -49,11 +49,12 @@ from moe_rl.megatron.hf_weights import iter_hf_weights, load_hf_checkpoint
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.parallel import init_parallel
 from moe_rl.megatron.replay import RoutingReplay
+from moe_rl.offload import GIB, Offload, resident_bytes
 from moe_rl.trainer import checkpoint, passes, pipeline, update
 from moe_rl.trainer.batch import PreparedBatch, TrainerBatch, TrainMicroBatch, regroup
 from moe_rl.trainer.logprobs import PassOptions
 from moe_rl.trainer.loss import TrainerLoss
-from moe_rl.trainer.optim import build_optimizer, build_scheduler
+from moe_rl.trainer.optim import build_optimizer, build_scheduler, optimizer_state_tensors
 from moe_rl.trainer.reference import ReferencePolicy
 from moe_rl.trainer.rules import check_trainer
 
@@ -98,6 +99,7 @@ class TrainerWorker:
         )
         self._shape = passes.shape_zero_variance(config.algo.zero_variance_alpha)
         self.step = 0
+        self._offload: Offload | None = None  # what `release_memory` moved out
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -138,7 +140,39 @@ class TrainerWorker:
         """One optimizer step per mini-batch of a prepared batch; metrics averaged over the steps."""
         per_step = [self.train_step(mini) for mini in prepared.mini_batches]
         keys = {k for m in per_step for k in m}
-        return {k: sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step) for k in keys}
+        out = {k: sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step) for k in keys}
+        out["memory/trainer_train_gib"] = self.resident_bytes() / GIB  # what the train phase leaves resident
+        return out
+
+    # ------------------------------------------------------------------ memory between phases
+    def release_memory(self, params: bool = False) -> dict[str, float]:
+        """Before a colocated generation: the optimizer's state and the gradient buffers (and the
+        parameters, with ``params``) leave device memory (`moe_rl.offload`) until `restore_memory`."""
+        if self._offload is not None:
+            raise RuntimeError("trainer memory released twice without a restore")
+        self._offload = Offload("trainer")
+        self._offload.add(optimizer_state_tensors(self.optimizer))
+        self._offload.add(buffer.grad_data for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers)
+        if params:
+            self._offload.add(self.model.parameters())
+        freed = self._offload.release()
+        return {"released_bytes": float(freed), "resident_bytes": float(self.resident_bytes())}
+
+    def restore_memory(self) -> dict[str, float]:
+        """After a colocated generation: what `release_memory` moved out is back where it was."""
+        if self._offload is None:
+            raise RuntimeError("trainer memory restored without a release")
+        self._offload.restore()
+        self._offload = None
+        return {"resident_bytes": float(self.resident_bytes())}
+
+    def resident_bytes(self) -> int:
+        """Memory this rank holds on its device: on CUDA what torch has allocated; on CPU the bytes of
+        its parameters, gradient buffers and optimizer state as they are now."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        grads = [buffer.grad_data for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers]
+        return resident_bytes([*self.model.parameters(), *grads, *optimizer_state_tensors(self.optimizer)])
 
     # ------------------------------------------------------------------ π_old (and π_ref)
     def compute_old_logp(

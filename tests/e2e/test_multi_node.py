@@ -5,7 +5,12 @@ group of its own with the engines (gloo), and the run is the run of the same rec
 where the buckets travel through shared memory: every step's rollouts, rewards, mismatch and
 training metrics are equal, so the engines held bit-identical weights. On the two nodes engine 1
 crashes as it lands a bucket of the second sync: it is restarted and brought to the weights, and
-an engine whose stream broke with it is synced again, so even then the runs are equal."""
+an engine whose stream broke with it is synced again, so even then the runs are equal.
+
+The one-node run is colocated with its memory released between phases (`cluster.release_memory=on`,
+engines sleeping at level 2): each step the trainer ranks move their optimizer state and gradient
+buffers out once and back once, the engines drop their weights and the next sync restores them, and
+the steps are still those of the two-node run."""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ TRANSPORT_KEYS = ("sync/transport", "sync/shared_memory", "sync/in_place_bytes",
 def _comparable(record: dict) -> dict:
     return {
         k: v for k, v in record.items()
-        if not k.startswith("time/") and not k.endswith("seconds") and k not in TRANSPORT_KEYS
+        if not k.startswith(("time/", "memory/")) and not k.endswith("seconds") and k not in TRANSPORT_KEYS
     }  # fmt: skip
 
 
@@ -47,12 +52,19 @@ def test_two_nodes_sync_through_a_process_group_as_one_node_does_through_shared_
         apart = train_tiny(tmp_path, "apart", *same, *nodes, env={"RAY_ADDRESS": cluster.address})
     finally:
         cluster.shutdown()
-    together = train_tiny(tmp_path, "together", *same)
+    released = ["cluster.release_memory=on", "cluster.engine_sleep_level=2"]
+    together = train_tiny(tmp_path, "together", *same, *released)
     assert [r["step"] for r in apart] == [r["step"] for r in together] == [0, 1, 2]
     for record in apart:
         assert record["sync/transport"] == "process_group" and record["sync/shared_memory"] == 0
         assert record["sync/senders"] == 2 and record["sync/bytes"] > 0
     assert all(r["sync/transport"] == "shared_memory" for r in together)
+    for record in together:  # each phase once per step; what stays resident while the other side works
+        assert record["memory/trainer_releases"] == record["memory/engine_sleeps"] == 1
+        assert record["memory/trainer_generate_gib"] < record["memory/trainer_train_gib"]
+        assert record["memory/engine_asleep_gib"] <= 0.1 * record["memory/engine_generate_gib"]
+    assert together[-1]["memory/trainer_released_gib"] > together[0]["memory/trainer_released_gib"]  # + Adam
+    assert not any(k.startswith("memory/trainer_releases") for k in apart[0])
     assert apart[-1]["rollout/engine_restarts"] == 1 and together[-1]["rollout/engine_restarts"] == 0
     for a, b in zip(apart, together, strict=True):
         assert _comparable(a) == _comparable(b), f"step {a['step']} differs"

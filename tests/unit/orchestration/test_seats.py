@@ -93,3 +93,22 @@ def test_colocated_layouts_that_cannot_share_every_gpu_are_named(overrides, rule
     broken = [r for r in placement_rules(config) if not r.ok]
     assert [r.name for r in broken] == [rule]
     assert broken[0].fatal == (rule == "colocated engine within a node")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["cluster.release_memory=on", "cluster.nodes=2", "cluster.rollout_nodes=1"],
+         "cluster.release_memory=on, cluster.rollout_nodes=1: only engines on the"),
+        (["cluster.release_memory=on", "run.mode=async"], "cluster.release_memory=on with run.mode=async: memory is given back only"),
+        (["cluster.engine_sleep_level=3"], "cluster.engine_sleep_level=3: 1"),
+        (["cluster.release_memory=on"], "has no sleep mode, needed by cluster.release_memory=on"),
+    ],
+)  # fmt: skip
+def test_memory_release_that_cannot_work_is_refused_before_anything_starts(overrides, message):
+    from moe_rl.errors import ConfigError
+    from moe_rl.orchestration.preflight import load_checked
+
+    recipe = TINY.with_name("tiny_moe_vllm.yaml") if "sleep mode" in message else TINY
+    with pytest.raises(ConfigError, match=message):
+        load_checked(recipe, overrides, Machine(cuda=False))

