@@ -24,7 +24,12 @@ wheels=(
   "typing_extensions>=4.16"
   "math-verify"
   "latex2sympy2_extended"
+  "jsonschema"
+  "jsonschema-specifications"
+  "referencing"
+  "rpds-py"
 )
+ray_version="2.60.0" # as the cpu and gpu extras pin it
 
 python=python3
 command -v "$python" >/dev/null || python=python
@@ -38,6 +43,21 @@ before="$(find "$dest" -maxdepth 1 -type f -name '*.whl' | sort)"
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
   -d "$dest" "${wheels[@]}"
+
+# Ray, pruned to what moe-rl runs (its Java, RLlib, Serve, Data, Tune, Train, AIR and workflow parts
+# removed: ~25 MB instead of the 79 MB wheel), as one archive gpu_check.sh unpacks next to the wheels.
+if [ ! -f "$dest/ray-pruned.tar.xz" ]; then
+  ray_tmp="$(mktemp -d)"
+  "$python" -m pip download --quiet --no-deps --only-binary=:all: \
+    --python-version "$py_version" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$ray_tmp" "ray==$ray_version"
+  mkdir "$ray_tmp/site"
+  "$python" -m zipfile -e "$ray_tmp"/ray-*.whl "$ray_tmp/site"
+  (cd "$ray_tmp/site/ray" && rm -rf jars rllib serve data tune train air workflow util/dask)
+  tar -C "$ray_tmp/site" -cf - . | xz -9 >"$dest/ray-pruned.tar.xz"
+  rm -rf "$ray_tmp"
+fi
+echo "ray $ray_version, pruned: $(du -h "$dest/ray-pruned.tar.xz" | cut -f1) in $dest/ray-pruned.tar.xz"
 
 after="$(find "$dest" -maxdepth 1 -type f -name '*.whl' | sort)"
 new="$(comm -13 <(printf '%s\n' "$before") <(printf '%s\n' "$after") | sed '/^$/d')"

@@ -15,6 +15,10 @@
 #             the Megatron engine and the bucket weight sync (python -m moe_rl.orchestration.local)
 #   bench     bench/fp8_quant.py, bench/trainer_step.py --size mid, bench/algo_stack.py,
 #             bench/engine_length.py (--device cuda)
+#   colocated (not in the default list) the real Ray loop, trainer rank and Megatron engine as two
+#             processes on the one GPU, with memory given back between phases and without; memory
+#             per phase and the two runs compared (scripts/colocated_check.py). Needs Ray: the
+#             pruned package scripts/fetch_gpu_wheels.sh writes (WHEEL_DIR/ray-pruned.tar.xz)
 #
 # Settings (environment):
 #   GPU_CHECK_OUT            log folder (default gpu_check_logs)
@@ -33,6 +37,8 @@
 #   GPU_CHECK_DIAGNOSE_ARGS  extra diagnose arguments (e.g. "--prompts 8")
 #   GPU_CHECK_BENCH_ARGS     extra arguments appended to every bench command (all four must accept them)
 #   GPU_CHECK_RL_STEPS       RL steps of the rl tier (default 8)
+#   GPU_CHECK_COLOCATED_STEPS  RL steps of each run of the colocated tier (default 4)
+#   GPU_CHECK_SLEEP_LEVEL    the engine's sleep level in the colocated tier (default 1)
 #   GPU_CHECK_SKIP_INSTALL=1 use the current environment, install nothing (no WHEEL_DIR needed)
 #   GPU_CHECK_ALLOW_CPU=1    run without CUDA, only to smoke-test this script on a CPU machine:
 #                            tiers run on the CPU (diagnose run.device=cpu, benches --device cpu,
@@ -54,9 +60,9 @@ command -v "$python" >/dev/null || python=python
 
 for tier in $tiers; do
   case "$tier" in
-    gpu | unit | diagnose | rl | bench) ;;
+    gpu | unit | diagnose | rl | bench | colocated) ;;
     *)
-      echo "gpu_check: unknown tier '$tier' in GPU_CHECK_TIERS (known: gpu unit diagnose rl bench)" >&2
+      echo "gpu_check: unknown tier '$tier' in GPU_CHECK_TIERS (known: gpu unit diagnose rl bench colocated)" >&2
       exit 2
       ;;
   esac
@@ -119,12 +125,15 @@ else
     echo "gpu_check: installing the wheels failed (log: $out/install.log)" >&2
     exit 2
   fi
+  if [ -f "$wheel_dir/ray-pruned.tar.xz" ]; then # Ray without its unused parts (docs/gpu.md)
+    xz -dc "$wheel_dir/ray-pruned.tar.xz" | tar -C "$tmp/site" -xf -
+  fi
   export PYTHONPATH="$tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH}"
 fi
 env_probe='
 import importlib
 for name in ("megatron.core", "modelopt", "omegaconf", "pydantic", "math_verify", "transformers",
-             "safetensors", "pyarrow", "moe_rl", "launch.cli"):
+             "safetensors", "pyarrow", "ray", "moe_rl", "launch.cli"):
     try:
         mod = importlib.import_module(name)
         version = getattr(mod, "__version__", "")
@@ -229,6 +238,11 @@ for tier in $tiers; do
         "run.steps=${GPU_CHECK_RL_STEPS:-8}"
       ran+=(rl)
       ;;
+    colocated)
+      run_step colocated "$python" scripts/colocated_check.py "$out/colocated" --device "$dev" \
+        --steps "${GPU_CHECK_COLOCATED_STEPS:-4}" --level "${GPU_CHECK_SLEEP_LEVEL:-1}"
+      ran+=(colocated)
+      ;;
     bench)
       for b in fp8_quant trainer_step algo_stack engine_length; do
         args=(--device "$dev")
@@ -309,6 +323,11 @@ for line in open(sys.argv[1]):
               f"grad_norm {r.get('train/grad_norm', 0):.3f} sync {r.get('sync/bytes', 0) / 1e6:.2f} MB "
               f"{r.get('time/step_s', 0):.2f} s")
 PY
+fi
+if [ -f "$out/colocated.status" ]; then
+  echo
+  echo "--- colocated: memory per phase, the runs with and without memory given back compared ---"
+  sed -n '/^step  trainer/,$p' "$out/colocated.log" || true
 fi
 # the target lines of every bench, what trainer_step measured, algo_stack's size and ratio table
 bench_re='target|^fp8 block quant|^(tiny|mid) MoE|^memory:|^stack bench:|^ *(case|whole step|loss math|ESPO entropy)|^engine_length'

@@ -240,7 +240,8 @@ class EnginePool:
                 self._restart(replica, exc)  # a new process, awake, with the current weights
                 if method == "sleep":
                     answers.append(ray.get(replica.actor.sleep.remote(*args), timeout=RAY_TIMEOUT_S))
-        return {"resident_bytes": max((a.get("resident_bytes", 0.0) for a in answers), default=0.0)}
+        keys = {key for answer in answers for key in answer}
+        return {key: max(a.get(key, 0.0) for a in answers) for key in keys}
 
     def probe(self, prompts) -> dict[str, float | str]:
         """The mismatch probe on replica 0, whose reference model the last reference sync filled:

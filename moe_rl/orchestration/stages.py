@@ -185,11 +185,10 @@ class Stages:
         """Colocated: the trainer's optimizer state and gradients (and parameters, with
         `cluster.offload_params`) leave device memory; the engines take theirs again."""
         released = self.trainer.release_memory(self.config.cluster.offload_params)
-        awake = self.engines.wake_up()
+        self.engines.wake_up()
         return {
             "memory/trainer_released_gib": released["released_bytes"] / GIB,
             "memory/trainer_generate_gib": released["resident_bytes"] / GIB,
-            "memory/engine_generate_gib": awake["resident_bytes"] / GIB,
             "memory/trainer_releases": 1,
         }
 
@@ -198,7 +197,11 @@ class Stages:
         takes what it released."""
         asleep = self.engines.sleep()
         self.trainer.restore_memory()
-        return {"memory/engine_asleep_gib": asleep["resident_bytes"] / GIB, "memory/engine_sleeps": 1}
+        return {
+            "memory/engine_generate_gib": asleep.get("peak_bytes", 0.0) / GIB,  # its generation's footprint
+            "memory/engine_asleep_gib": asleep.get("resident_bytes", 0.0) / GIB,
+            "memory/engine_sleeps": 1,
+        }
 
     def reward(self, rollout: Rollout, metrics: dict[str, Any]) -> Rollout:
         """The verifiable rewards the reward worker gave the batch."""

@@ -187,21 +187,31 @@ class MegatronEngine:
     def sleep(self, level: int = 1) -> dict[str, float]:
         """Give the weights' memory back while the trainer works (`moe_rl.offload`): level 1 keeps
         them in host memory, level 2 drops them (the next weight sync writes every one). The KV cache
-        lives only during a generate call. Returns what stays resident."""
+        lives only during a generate call. Returns the most it held since it woke (its generation
+        footprint: weights and KV cache) and what stays resident."""
         if self._asleep is not None:
             raise RuntimeError("the Megatron engine is asleep already")
+        peak = self.peak_bytes()
         self._asleep = Offload("engine")
         self._asleep.add(self.model.parameters())
         self._asleep.release(keep=level == 1)
         self._dropped = level == 2
-        return {"resident_bytes": float(self.resident_bytes())}
+        return {"peak_bytes": float(peak), "resident_bytes": float(self.resident_bytes())}
 
     def wake_up(self) -> dict[str, float]:
         """Take the weights' memory again (level 1: with the weights; level 2: a sync must follow)."""
         if self._asleep is not None:
             self._asleep.restore()
             self._asleep = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the generation's footprint from here
         return {"resident_bytes": float(self.resident_bytes())}
+
+    def peak_bytes(self) -> int:
+        """The most it held since it last woke (CUDA); on CPU what it holds now."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return self.resident_bytes()
 
     def resident_bytes(self) -> int:
         """Memory the engine holds on its device: on CUDA what torch has allocated; on CPU the bytes of

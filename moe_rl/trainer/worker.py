@@ -142,6 +142,8 @@ class TrainerWorker:
         keys = {k for m in per_step for k in m}
         out = {k: sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step) for k in keys}
         out["memory/trainer_train_gib"] = self.resident_bytes() / GIB  # what the train phase leaves resident
+        if self.device.type == "cuda":  # the most since the step's generation (or the start)
+            out["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
         return out
 
     # ------------------------------------------------------------------ memory between phases
@@ -164,6 +166,10 @@ class TrainerWorker:
             raise RuntimeError("trainer memory restored without a release")
         self._offload.restore()
         self._offload = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(
+                self.device
+            )  # the old log-prob and train passes' peak from here
         return {"resident_bytes": float(self.resident_bytes())}
 
     def resident_bytes(self) -> int:
