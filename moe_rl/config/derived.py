@@ -113,10 +113,11 @@ class WeightBackend(StrEnum):
     """vLLM's weight-transfer backend a vLLM engine on CUDA takes its weights through."""
 
     IPC = "ipc"
-    """From the engine's own process over CUDA IPC; that process receives the trainer's buckets
-    (shared memory from its node, the process-group transport from other nodes)."""
+    """Over CUDA IPC, from GPUs of the engine's node: the trainer ranks' own (colocated, one pipeline
+    stage: `moe_rl.weight_sync.vllm_transfer`), or else the engine's process, which receives the
+    trainer's buckets (shared memory from its node, the process-group transport from other nodes)."""
     NCCL = "nccl"
-    """Straight from trainer rank 0's GPU by NCCL broadcast (`moe_rl.weight_sync.vllm_nccl`)."""
+    """Straight from trainer rank 0's GPU by NCCL broadcast (`moe_rl.weight_sync.vllm_transfer`)."""
 
 
 def vllm_weight_backend(config: RecipeConfig) -> WeightBackend:
@@ -131,3 +132,11 @@ def vllm_weight_backend(config: RecipeConfig) -> WeightBackend:
     ):
         return WeightBackend.NCCL
     return WeightBackend.IPC
+
+
+def vllm_weights_direct(config: RecipeConfig) -> bool:
+    """vLLM engines take their weights straight from the trainer ranks through vLLM's trainer-side
+    transfer (`vllm_weight_backend`: NCCL from other nodes, IPC colocated), not as buckets into the
+    engine's process: when the trainer has one pipeline stage (each sending rank sees the whole
+    model)."""
+    return config.rollout.engine == Engine.VLLM and config.parallel.pipeline_model_parallel_size == 1

@@ -114,8 +114,8 @@ class TrainerRank:
         (`moe_rl.weight_sync.sender.RankSender`): through shared memory to the engines on this node,
         broadcast in a process group of this rank and the engines on other nodes (both at once when
         the engines are on both; `moe_rl.weight_sync.transport.reach_of`); vLLM engines on
-        CUDA on nodes of their own take them by vLLM's NCCL backend instead
-        (`moe_rl.config.derived.vllm_weight_backend`). This rank's part of the sync's report (with the
+        CUDA take them straight from the trainer ranks by vLLM's own transfer instead (NCCL from
+        other nodes, CUDA IPC colocated: `moe_rl.config.derived.vllm_weights_direct`). This rank's part of the sync's report (with the
         indices of engines that died on the way)."""
         where = reach_of(self._nodes_of(engines), ray.get_runtime_context().get_node_id())
         receivers = {
@@ -141,15 +141,18 @@ class TrainerRank:
         report.dead |= where.dead
         return report
 
-    def _direct(self, target: SyncTarget) -> bool:
-        """The engines take this sync by vLLM's NCCL backend (vLLM on CUDA, on nodes of their own)."""
-        from moe_rl.config.derived import WeightBackend, vllm_weight_backend
+    def _direct(self, target: SyncTarget):
+        """The vLLM backend by which the engines take this sync straight from the trainer ranks (vLLM
+        on CUDA, one pipeline stage: `moe_rl.config.derived.vllm_weights_direct`); None: buckets."""
+        from moe_rl.config.derived import vllm_weight_backend, vllm_weights_direct
 
-        return (
+        if (
             SyncTarget(target) == SyncTarget.ENGINE
-            and vllm_weight_backend(self.config) == WeightBackend.NCCL
+            and vllm_weights_direct(self.config)
             and next(self.worker.model.parameters()).device.type == "cuda"
-        )
+        ):
+            return vllm_weight_backend(self.config)
+        return None
 
     def release_memory(self, params: bool) -> dict[str, float]:
         return self.worker.release_memory(params)

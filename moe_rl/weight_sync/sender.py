@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.config.derived import WeightBackend
 from moe_rl.config.schema import QuantConfig
 from moe_rl.weight_sync import shm
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
@@ -141,7 +142,7 @@ class RankSender:
         self.capacity, self.rank, self.host, self.vllm_workers = capacity, rank, host, vllm_workers
         self.transport: Transport | None = None
         self.arena: SharedArena | None = None
-        self.source: Any = None  # what vLLM's NCCL backend sends (`vllm_nccl.source`), kept
+        self.source: Any = None  # what vLLM's NCCL backend sends (`vllm_transfer.source`), kept
 
     def _transport_for(self, reach: Reach, local: frozenset[int] = frozenset()) -> Transport:
         """The transport of ``reach``, kept while the receivers stay where they are (``local``: those
@@ -173,16 +174,16 @@ class RankSender:
         quantized_wire: bool,
         timeout_s: float,
         members: tuple = (),
-        direct: bool = False,
+        direct: WeightBackend | None = None,
         local: frozenset[int] = frozenset(),
     ) -> SyncReport:
         """Stream this rank's tensors to ``receivers`` (each encoded by the quantization recipe when
         the receivers take it on the wire); this rank's part of the sync's report. ``direct``: the
-        receivers are vLLM engines on CUDA that take the weights by vLLM's NCCL backend
-        (`moe_rl.weight_sync.vllm_nccl`: rank 0 sends them all, in the engines' dtype). ``local``:
+        receivers are vLLM engines on CUDA that take the weights straight from the trainer ranks by
+        this vLLM backend (`moe_rl.weight_sync.vllm_transfer`, in the engines' dtype). ``local``:
         the receivers on this rank's node (with a mixed ``reach``)."""
-        if direct:
-            return self._send_direct(receivers, timeout_s, members)
+        if direct is not None:
+            return self._send_direct(WeightBackend(direct), receivers, timeout_s, members)
         encoder = WireEncoder(self.quant, self.num_layers, quantized_wire=quantized_wire)
         transport = self._transport_for(reach, frozenset(local))
         packer = transport.packer
@@ -199,23 +200,36 @@ class RankSender:
         )  # fmt: skip
 
     def _send_direct(
-        self, receivers: dict[int, Callable[[Any], Any]], timeout_s: float, members: tuple
+        self,
+        backend: WeightBackend,
+        receivers: dict[int, Callable[[Any], Any]],
+        timeout_s: float,
+        members: tuple,
     ) -> SyncReport:
-        from moe_rl.weight_sync import vllm_nccl
+        from moe_rl.weight_sync import vllm_transfer
 
-        if not isinstance(self.transport, vllm_nccl.VLLMNccl):
+        kind = vllm_transfer.VLLMNccl if backend == WeightBackend.NCCL else vllm_transfer.VLLMIpc
+        if not isinstance(self.transport, kind):
             if self.transport is not None:
                 self.transport.close()
-            self.transport = vllm_nccl.VLLMNccl(self.capacity, self.rank, self.host, self.vllm_workers)
-        if self.source is None:
+            if kind is vllm_transfer.VLLMNccl:
+                self.transport = kind(self.capacity, self.rank, self.host, self.vllm_workers)
+            else:
+                self.transport = kind(self.capacity, self.rank)
+        if self.source is None or self.source.every_rank != kind.every_rank:
             device = next(self.model.parameters()).device
-            self.source = vllm_nccl.source(self.model, torch.bfloat16, device, select=sends)
-        if self.rank != 0:  # it joins the gathers (the metadata's pass at the first sync, then the send's)
+            select = None if kind.every_rank else sends  # IPC: every rank shares the whole model
+            self.source = vllm_transfer.source(self.model, torch.bfloat16, device, select, kind.every_rank)
+        if (
+            self.rank != 0 and not kind.every_rank
+        ):  # it joins the gathers (at the first sync also the metadata's)
             self.source.metadata()
             for _ in self.source:
                 raise AssertionError(f"trainer rank {self.rank} yielded a tensor for vLLM's NCCL transfer")
             return SyncReport(senders=0, transports=set())
-        out = self.transport.send_source(self.source, receivers, timeout_s, members)
+        out = self.transport.send_source(self.source, receivers if self.rank == 0 else {}, timeout_s, members)
+        if self.rank != 0:  # it shared its GPU's copy; rank 0 reports the sync
+            return SyncReport(senders=0, transports=set())
         return SyncReport(
             bytes=out.bytes, buckets=out.buckets, senders=1, shared_memory=False, dead=out.dead,
             transports={self.transport.name},

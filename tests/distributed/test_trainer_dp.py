@@ -4,9 +4,10 @@ DP=2: two ranks take uneven shares of one global batch (one micro-batch vs three
 and globally normalized gradient equals the single-process gradient on the whole batch.
 EP=2 (+ DP=2 for dense parameters): Megatron's allgather token dispatcher over gloo; each rank
 holds half of the experts; every expert gradient equals the single-process one.
-In both layouts, what the trainer sends by vLLM's NCCL transfer (`weight_sync.vllm_nccl`, one
+In both layouts, what the trainer sends by vLLM's NCCL transfer (`weight_sync.vllm_transfer`, one
 sender): rank 0 sends every weight of the model (the other rank's experts gathered to it), in
-vLLM's bf16, as its metadata declares them; the other rank sends nothing.
+vLLM's bf16, as its metadata declares them; the other rank sends nothing. By vLLM's IPC transfer
+(colocated) every rank holds the whole model, in the same order.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def _check_sent_to_vllm(ranks: list[dict], weights: str) -> None:
     assert first["meta"] == [(name, t.dtype, tuple(t.shape)) for name, t in first["sent"]]
     for name, tensor in first["sent"]:
         assert torch.equal(tensor, hf[name].to(torch.bfloat16)), name
-    assert second == {"meta": [], "sent": []}
+    assert second["meta"] == second["sent"] == []
+    for rank in ranks:  # vLLM's IPC transfer: each rank's GPU holds the whole model, experts gathered
+        assert [name for name, _ in rank["shared"]] == names
+        assert all(torch.equal(t, hf[name].to(torch.bfloat16)) for name, t in rank["shared"])
 
 
 def _compare(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:

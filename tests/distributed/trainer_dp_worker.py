@@ -77,14 +77,19 @@ def gradients(
 
 
 def sent_to_vllm(model) -> dict:
-    """What this rank sends by vLLM's NCCL transfer (`moe_rl.weight_sync.vllm_nccl.TrainerSource`,
-    as a trainer rank builds it): its metadata, then its tensors (every rank iterates together)."""
+    """What this rank sends by vLLM's NCCL transfer (`moe_rl.weight_sync.vllm_transfer.TrainerSource`,
+    as a trainer rank builds it): its metadata, then its tensors (every rank iterates together); and
+    what it shares by vLLM's IPC transfer (every rank the whole model)."""
     from moe_rl.weight_sync.sender import sends
-    from moe_rl.weight_sync.vllm_nccl import source
+    from moe_rl.weight_sync.vllm_transfer import source
 
     weights = source(model, torch.bfloat16, "cpu", select=sends)
     meta = [(m.name, m.dtype, m.shape) for m in weights.metadata()]
-    return {"meta": meta, "sent": [(name, tensor.clone()) for name, tensor in weights]}
+    everywhere = source(model, torch.bfloat16, "cpu", every_rank=True)  # as for vLLM's IPC transfer
+    return {
+        "meta": meta, "sent": [(name, tensor.clone()) for name, tensor in weights],
+        "shared": [(name, tensor.clone()) for name, tensor in everywhere],
+    }  # fmt: skip
 
 
 def rank_main(rank: int, world: int, port: int, ep: int, hf_path: str, out_dir: str) -> None:

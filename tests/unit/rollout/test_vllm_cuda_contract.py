@@ -89,7 +89,7 @@ def test_vllm_accepts_every_shipped_vllm_recipe_with_r3(recipe, tmp_path):
 
 
 def test_vllms_nccl_transfer_places_every_worker_of_every_engine_once(tmp_path):
-    """The trainer side of vLLM's NCCL transfer (`weight_sync.vllm_nccl`) for two engines of tensor
+    """The trainer side of vLLM's NCCL transfer (`weight_sync.vllm_transfer`) for two engines of tensor
     parallelism 2: vLLM's trainer init info; each engine's init info as the fan-out hands it, parsed
     by vLLM's worker-side dataclass; each worker's rank as vLLM's workers compute it from their
     parallel config: the sender is rank 0 and every worker of every engine holds one other rank."""
@@ -98,7 +98,7 @@ def test_vllms_nccl_transfer_places_every_worker_of_every_engine_once(tmp_path):
     from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo
 
-    from moe_rl.weight_sync.vllm_nccl import EngineFanOut, TransferCall, VLLMNccl
+    from moe_rl.weight_sync.vllm_transfer import EngineFanOut, TransferCall, VLLMNccl
 
     kwargs, _ = _kwargs(
         "qwen3_30b_a3b.yaml", ["rollout.tensor_parallel_size=2", "rollout.num_engines=8"], H100, tmp_path
@@ -134,6 +134,32 @@ def test_vllms_nccl_transfer_places_every_worker_of_every_engine_once(tmp_path):
     assert [c.method for c in handed[1]] == ["init_weight_transfer_engine", "update_weights"]
     with pytest.raises(ValueError, match="world_size=4 but the sender and the engines' workers are 5"):
         fanout.init_payloads({"world_size": 4, "rank_offset": 1})
+
+
+def test_vllms_ipc_transfer_hands_every_colocated_engine_the_trainers_init_info():
+    """The trainer side of vLLM's CUDA IPC transfer for colocated engines: vLLM's trainer init info
+    of rank 0, and what each engine is handed, parsed by vLLM's worker-side dataclass as vLLM's
+    trainer engine sends it (``{"packed": ...}``: no group, no rank offset)."""
+    from dataclasses import asdict
+
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+
+    from moe_rl.weight_sync.vllm_transfer import EngineFanOut, VLLMIpc
+
+    trainer = VLLMIpc(64 << 20).init_info()
+    assert (trainer.rank, trainer.is_sender, trainer.packed, trainer.packed_buffer_size_bytes) == (
+        0,
+        True,
+        True,
+        64 << 20,
+    )
+    assert VLLMIpc(64 << 20, sender=3).init_info().is_sender is False  # the others only share handles
+    handed: dict[int, list] = {0: [], 1: [], 2: []}
+    fanout = EngineFanOut({i: handed[i].append for i in handed}, dict.fromkeys(handed, 1), timeout_s=1.0)
+    fanout.init_weight_transfer_engine({"packed": trainer.packed})  # what vLLM's trainer_init sends
+    for calls in handed.values():
+        (call,) = calls
+        assert asdict(IPCWeightTransferInitInfo(**call.payload)) == {"packed": True}
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ hands vLLM, load into vLLM's own model class, built on CPU.
 1. The trainer's Megatron model of the recipe (its CPU twin's shape) exports HF-named tensors
    (`iter_hf_weights`), in the engine's dtype (bf16, as on CUDA; `_to_engine_dtype`, which keeps
    the weights vLLM holds in float32 in float32).
-2. The trainer's source for vLLM's NCCL transfer (`moe_rl.weight_sync.vllm_nccl.source`, a vLLM
+2. The trainer's source for vLLM's NCCL transfer (`moe_rl.weight_sync.vllm_transfer.source`, a vLLM
    ``WeightSource``) describes them (`ParamMeta`) and yields them, checked against its own metadata
    by vLLM's trainer engine (``_checked_iter``); vLLM's NCCL update info is built from that the way
    vLLM's trainer engine builds it (its dataclass checks itself). The source the engine's process
@@ -38,7 +38,7 @@ def main(recipe: str) -> dict:
     from moe_rl.orchestration.preflight import load_checked
     from moe_rl.rollout.megatron_engine import WHOLE_MODEL
     from moe_rl.rollout.vllm_engine import _TensorListSource, _to_engine_dtype, engine_config, llm_kwargs
-    from moe_rl.weight_sync import vllm_nccl
+    from moe_rl.weight_sync import vllm_transfer
 
     config = load_checked(recipe, ["run.device=cpu", "rollout.engine=megatron"], Machine(cuda=False))
     init_parallel(WHOLE_MODEL)
@@ -48,7 +48,7 @@ def main(recipe: str) -> dict:
         NCCLWeightTransferUpdateInfo,
     )
 
-    source = vllm_nccl.source(model, torch.bfloat16, "cpu")
+    source = vllm_transfer.source(model, torch.bfloat16, "cpu")
     meta = source.metadata()
     values = {name: t.clone() for name, t in NCCLTrainerWeightTransferEngine._checked_iter(source, meta)}
     ipc = _TensorListSource()

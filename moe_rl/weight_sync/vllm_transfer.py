@@ -1,26 +1,33 @@
-"""Weights from the trainer's GPUs straight into vLLM engines on other nodes, through vLLM's own
-NCCL weight-transfer backend (``weight_transfer_config={"backend": "nccl"}``).
+"""Weights from the trainer's GPUs straight into vLLM engines, through vLLM's own weight-transfer
+backends, their trainer sides used as vLLM ships them:
 
-vLLM's dense NCCL backend has one sender: NCCL rank 0 of a group that holds it and the engines'
-workers. Its trainer side, vLLM's ``NCCLTrainerWeightTransferEngine``, is used as it is, fed by:
+* NCCL (`VLLMNccl`; engines on nodes of their own): vLLM's ``NCCLTrainerWeightTransferEngine``. The
+  backend has one sender, NCCL rank 0 of a group that holds it and every worker of every engine of
+  the sync; trainer rank 0 sends the whole model.
+* CUDA IPC (`VLLMIpc`; engines colocated on the trainer's GPUs): vLLM's
+  ``IPCTrainerWeightTransferEngine``. Every trainer rank materializes the whole model on its GPU in
+  vLLM's packed buffers and shares them by IPC handle; rank 0 merges the handles of every GPU and
+  hands them to the engines, whose workers map the buffer of their own GPU. Nothing goes through
+  host memory.
+
+Both are fed by:
 
 * `TrainerSource`, vLLM's ``WeightSource`` over the trainer's Megatron model: the Hugging Face-
   named tensors in the engine's dtype (`engine_dtype`), tensor-parallel shards gathered, and, with
-  expert parallelism, each expert gathered from the expert-parallel rank that holds it to trainer
-  rank 0, which sends everything. Every rank iterates it together (the gathers are collectives);
-  its ``metadata()`` is learnt by one pass at the first sync and kept.
-* `EngineFanOut`, vLLM's ``VLLMWeightSyncClient`` over every engine of the sync at once: each
-  engine's workers join the one group at their own rank offset, so one broadcast reaches them all.
-  Each of vLLM's control-plane calls travels to an engine as a `TransferCall`, which the engine
-  process hands to vLLM (`moe_rl.rollout.vllm_engine.VLLMEngine.transfer`).
+  expert parallelism, each expert all-gathered over the expert-parallel group as it is sent. Rank 0
+  yields every tensor (NCCL), or every rank does (IPC). Every rank iterates it together (the
+  gathers are collectives); its ``metadata()`` is learnt by one pass at the first sync and kept.
+  Both need one pipeline stage (every sending rank sees the whole model).
+* `EngineFanOut`, vLLM's ``VLLMWeightSyncClient`` over every engine of the sync at once (NCCL: each
+  engine's workers at their own rank offset in the one group). Each of vLLM's control-plane calls
+  travels to an engine as a `TransferCall`, which the engine process hands to vLLM
+  (`moe_rl.rollout.vllm_engine.VLLMEngine.transfer`).
 
-`VLLMNccl` is the transport a sending rank holds (`moe_rl.weight_sync.transport`): it opens the
-group at the first sync and again when the engines change, and runs vLLM's round trip
-(``start_weight_update``, ``update_weights`` concurrent with the broadcast, ``finish_weight_update``).
-The engine takes the policy version when the sync's coordinator finishes it, as with buckets.
-
-The bytes travel only on CUDA: the data plane is NCCL. On CPU the configuration, the metadata and
-the tensors' order are checked against vLLM's own classes (``tests/unit/rollout``).
+The transport runs vLLM's round trip (``start_weight_update``, ``update_weights``,
+``finish_weight_update``); the engine takes the policy version when the sync's coordinator finishes
+it, as with buckets. The bytes travel only on CUDA; on CPU the configuration, the init and update
+infos, the metadata and the tensors' order are checked against vLLM's own classes
+(``tests/unit/rollout``, ``tests/distributed``).
 """
 
 from __future__ import annotations
@@ -98,8 +105,11 @@ class EngineFanOut:
         return 1 + sum(self.workers[i] for i in self.order)
 
     def init_payloads(self, init_info: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """Each engine's init info: vLLM's, with the engine's workers placed after those of the
-        engines before it (vLLM places one engine's workers at ``rank_offset`` and on)."""
+        """Each engine's init info: vLLM's; for a group (NCCL), with the engine's workers placed
+        after those of the engines before it (vLLM places one engine's workers at ``rank_offset``
+        and on)."""
+        if "rank_offset" not in init_info:  # no group to place workers in (IPC)
+            return {i: dict(init_info) for i in self.order}
         if init_info["world_size"] != self.world_size:
             raise ValueError(
                 f"world_size={init_info['world_size']} but the sender and the engines' workers are {self.world_size}"
@@ -135,17 +145,18 @@ _EXPERT = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
 class TrainerSource:
     """vLLM's ``WeightSource`` over a trainer rank's Megatron model (see the module docstring).
 
-    Trainer rank 0 yields every tensor of the model; the others yield nothing but take part in the
-    gathers. Needs one pipeline stage (vLLM's NCCL backend has one sender). Built by `source`, which
-    makes it a subclass of vLLM's ``WeightSource``."""
+    Trainer rank 0 yields every tensor of the model, and the others nothing but take part in the
+    gathers; with ``every_rank`` each rank yields every tensor. Needs one pipeline stage. Built by
+    `source`, which makes it a subclass of vLLM's ``WeightSource``."""
 
     def __init__(
         self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str,
-        select: Callable[[str], bool] | None = None,
+        select: Callable[[str], bool] | None = None, every_rank: bool = False,
     ):  # fmt: skip
         """``select(megatron_name)``: whether this rank sends the tensor (`moe_rl.weight_sync.sender.
         sends`; every rank by default)."""
         self.model, self.dtype, self.device, self.select = model, dtype, torch.device(device), select
+        self.every_rank = every_rank
         self._metadata: list | None = None
         self.bytes = 0
         """Bytes the last pass yielded."""
@@ -164,11 +175,13 @@ class TrainerSource:
         from moe_rl.megatron.hf_weights import iter_hf_weight_groups
 
         if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("vLLM's NCCL weight transfer has one sender: it needs one pipeline stage")
+            raise ValueError(
+                "vLLM's weight transfer sends the whole model from a rank: it needs one pipeline stage"
+            )
         ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
         group = ps.get_expert_model_parallel_group() if ep > 1 else None
         local = _num_experts(self.model) // ep
-        root = not dist.is_initialized() or dist.get_rank() == 0
+        root = self.every_rank or not dist.is_initialized() or dist.get_rank() == 0
         self.bytes = 0
         for _, pieces in iter_hf_weight_groups(self.model, select=self.select, copy=False):
             for name, piece in pieces:
@@ -203,19 +216,22 @@ def _peer_expert(name: str, rank: int, local: int) -> str:
 
 def source(
     model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str,
-    select: Callable[[str], bool] | None = None,
+    select: Callable[[str], bool] | None = None, every_rank: bool = False,
 ) -> Any:  # fmt: skip
     """A `TrainerSource` that is a vLLM ``WeightSource`` (vLLM is imported here, not at import)."""
     from vllm.distributed.weight_transfer.base import WeightSource
 
     cls = type("VLLMTrainerSource", (TrainerSource, WeightSource), {})
-    return cls(model, dtype, device, select)
+    return cls(model, dtype, device, select, every_rank)
 
 
 class VLLMNccl(Transport):
-    """vLLM's NCCL weight transfer from this trainer rank to vLLM engines (see the module
-    docstring). The group is opened at the first sync and kept while the engines are the same
+    """vLLM's NCCL weight transfer from trainer rank 0 to vLLM engines on other nodes (see the
+    module docstring). The group is opened at the first sync and kept while the engines are the same
     processes (``members``)."""
+
+    every_rank = False
+    """Only rank 0 yields the tensors (`TrainerSource`)."""
 
     reach = Reach.OTHER_NODES
     name = "vllm_nccl"
@@ -278,3 +294,56 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+class VLLMIpc(Transport):
+    """vLLM's CUDA IPC weight transfer from the trainer ranks to vLLM engines on their GPUs (see the
+    module docstring). Every rank runs it (it all-gathers the IPC handles over the trainer's group);
+    rank 0 drives the engines."""
+
+    reach = Reach.SAME_NODE
+    name = "vllm_ipc"
+    every_rank = True
+    """Every rank yields the whole model on its GPU (`TrainerSource`)."""
+
+    def __init__(self, capacity: int, sender: int = 0):
+        """``capacity``: bytes of vLLM's packed IPC buffer (one, reused chunk after chunk)."""
+        super().__init__(capacity, sender)
+        self.engine: Any = None
+        self.members: tuple = ()
+
+    def message(self, bucket: Any) -> Any:
+        raise NotImplementedError("vLLM's IPC transfer sends a source's tensors (`send_source`)")
+
+    def init_info(self) -> Any:
+        """vLLM's trainer init info of this rank."""
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        return IPCTrainerInitInfo(rank=self.sender, packed=True, packed_buffer_size_bytes=self.capacity)
+
+    def send_source(
+        self, weights: Any, receivers: dict[int, Callable[[Any], Any]], timeout_s: float, members: tuple = ()
+    ) -> Published:
+        """Send every tensor of ``weights`` (a `source` of every rank) to the engines ``receivers``
+        hands calls to (rank 0's; the other ranks pass none)."""
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerWeightTransferEngine
+
+        members = tuple(members) or tuple(sorted(receivers))
+        try:
+            if self.engine is None or members != self.members:
+                client = EngineFanOut(receivers, dict.fromkeys(receivers, 1), timeout_s)
+                self.engine = None
+                self.engine = IPCTrainerWeightTransferEngine.trainer_init(
+                    self.init_info(), client=client, source=weights
+                )
+                self.members = members
+            self.engine.send_weights()
+        except EngineLost as e:
+            self.close()
+            return Published(dead=e.dead)
+        chunks = -(-weights.bytes // self.capacity)
+        return Published(bytes=weights.bytes, buckets=chunks, largest=min(weights.bytes, self.capacity))
+
+    def close(self) -> None:
+        self.engine, self.members = None, ()
+        super().close()
