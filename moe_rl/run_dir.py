@@ -1,8 +1,12 @@
 """A run directory belongs to one run: its lock, its checkpoints and what proves them complete.
 
-* **Ownership.** `RunLock` holds an exclusive ``flock`` on ``<run_dir>/run.lock`` for the run's
+* **Ownership.** `RunLock` holds an exclusive ``flock`` on the run directory itself for the run's
   life; the operating system releases it when the process ends, however it ends, so a lock left by
-  a dead process is never in the way (it is reported, from the owner it names, and taken over).
+  a dead process is never in the way (it is reported, from the owner ``run.lock`` names, and taken
+  over). ``run.lock`` only says who holds the run: deleting or replacing it takes nothing away, and
+  the owner writes it again. Before each metrics line and each checkpoint the owner checks that the
+  directory is still the one it locked (`ensure_owned`), so a run whose directory was moved or
+  replaced stops rather than write into another run's.
   `claim` refuses a directory that already holds a run unless the user resumes it or asks to start
   over (``--force-new``).
 * **Checkpoints that prove themselves.** A checkpoint ``checkpoints/step_NNNNNN/`` is complete only
@@ -16,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -45,42 +50,85 @@ class RunDirInUse(ConfigError):
     """Another live process holds the run directory."""
 
 
+class RunDirLost(ConfigError):
+    """The run directory this process locked was moved or replaced while it ran."""
+
+
+_HELD: dict[Path, RunLock] = {}
+"""The run directories this process holds, by resolved path (`ensure_owned`)."""
+
+
 class RunLock:
     """An exclusive lock on a run directory for this process's life (see the module docstring)."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK
-        self._file = None
+        self.dir = Path(run_dir)
+        self.path = self.dir / LOCK
+        self._fd: int | None = None
+        self._identity: tuple[int, int] | None = None
+        self.owner = ""
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")  # noqa: SIM115 (held open for the run's life)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            owner = f.read().strip() or "another process"
-            f.close()
+            os.close(fd)
+            owner = self._written() or "another process (its run.lock was removed)"
             raise RunDirInUse(
-                f"run directory {self.path.parent} is in use by {owner}; wait for that run to end, stop it, "
+                f"run directory {self.dir} is in use by {owner}; wait for that run to end, stop it, "
                 "or choose another run.name"
             ) from None
-        f.seek(0)
-        previous = f.read().strip()
+        previous = self._written()
         if previous:
             log.warning("run directory %s: the previous run (%s) ended without releasing it; taking it over",
-                        self.path.parent, previous)  # fmt: skip
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        f.flush()
-        self._file = f
+                        self.dir, previous)  # fmt: skip
+        stat = os.fstat(fd)
+        self._fd, self._identity = fd, (stat.st_dev, stat.st_ino)
+        self.owner = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        self._write(self.owner)
+        _HELD[self.dir.resolve()] = self
+
+    def _written(self) -> str:
+        try:
+            return self.path.read_text().strip()
+        except (FileNotFoundError, IsADirectoryError):
+            return ""
+
+    def _write(self, text: str) -> None:
+        tmp = self.path.with_name(f".{LOCK}.{os.getpid()}")
+        tmp.write_text(f"{text}\n" if text else "")
+        os.replace(tmp, self.path)
+
+    def check(self) -> None:
+        """Raise `RunDirLost` if the directory is no longer the one locked; write ``run.lock`` again
+        if it was removed or replaced."""
+        if self._fd is None:
+            return
+        try:
+            stat = os.stat(self.dir)
+            same = (stat.st_dev, stat.st_ino) == self._identity
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise RunDirLost(
+                f"run directory {self.dir} was moved or replaced while this run held it; the run stops so "
+                "that it never writes into another run's directory"
+            )
+        if self._written() != self.owner:
+            log.warning("run directory %s: run.lock was removed or changed; this run (%s) still holds the "
+                        "directory and wrote it again", self.dir, self.owner)  # fmt: skip
+            self._write(self.owner)
 
     def release(self) -> None:
-        if self._file is not None:
-            self._file.truncate(0)  # a clean end: nothing to report next time
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            _HELD.pop(self.dir.resolve(), None)
+            with contextlib.suppress(OSError):  # a clean end: nothing to report next time
+                if self._written() == self.owner:
+                    self._write("")
+            os.close(self._fd)  # the flock goes with it
+            self._fd = None
 
     def __enter__(self) -> RunLock:
         self.acquire()
@@ -88,6 +136,13 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def ensure_owned(run_dir: Path) -> None:
+    """Before a write into ``run_dir``: if this process holds it (`RunLock`), check it still does."""
+    lock = _HELD.get(Path(run_dir).resolve())
+    if lock is not None:
+        lock.check()
 
 
 def holds_a_run(run_dir: Path) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_rl.run_dir import METRICS, read_records
+from moe_rl.run_dir import METRICS, ensure_owned, read_records
 
 log = logging.getLogger("moe_rl.metrics")
 
@@ -52,7 +52,8 @@ class MetricsSink:
         run_name: str = "",
         config: Mapping[str, Any] | None = None,
     ):
-        self.path = Path(run_dir) / METRICS
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -71,6 +72,7 @@ class MetricsSink:
         temporary file and renamed, so an interruption leaves the old file whole."""
         if not self.path.exists():
             return
+        ensure_owned(self.run_dir)
         kept = [json.dumps(record) for record in read_records(self.path) if record["step"] < step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(f"{line}\n" for line in kept))
@@ -83,6 +85,7 @@ class MetricsSink:
             if scalar is None:
                 raise ValueError(f"metric {key!r} is not a scalar: {type(value).__name__}")
             record[key] = scalar
+        ensure_owned(self.run_dir)  # this run still holds its directory
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}

@@ -324,6 +324,7 @@ class Stages:
         sealed by a manifest written last (`run_dir.write_manifest`)."""
         if self.step_done < 0:
             return
+        run_dir.ensure_owned(self.run_dir)  # this run still holds its directory
         step = self.step_done
         name = f"step_{step:06d}"
         folder = self.run_dir / "checkpoints"

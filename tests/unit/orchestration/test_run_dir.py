@@ -52,6 +52,37 @@ def test_a_live_owner_is_refused_and_a_dead_one_reported(tmp_path, caplog):
         rd.RunLock(tmp_path).acquire()
 
 
+def test_deleting_or_replacing_run_lock_takes_nothing_from_its_owner(tmp_path, caplog):
+    """The directory itself is locked: with ``run.lock`` deleted, or replaced by another file, a
+    second run is still refused, and the owner's next metrics write puts its note back. A directory
+    moved away and replaced under its name stops the owner's next write with one line."""
+    owner = _holder(tmp_path)
+    try:
+        (tmp_path / rd.LOCK).unlink()
+        with pytest.raises(rd.RunDirInUse, match=r"in use by another process \(its run.lock was removed\)"):
+            rd.RunLock(tmp_path).acquire()
+        (tmp_path / rd.LOCK).write_text("pid 1 on elsewhere\n")
+        with pytest.raises(
+            rd.RunDirInUse, match="in use by pid 1 on elsewhere"
+        ):  # the note lies; the lock holds
+            rd.RunLock(tmp_path).acquire()
+    finally:
+        owner.kill()
+        owner.wait()
+    run = tmp_path / "run"
+    with rd.RunLock(run) as lock:
+        sink = MetricsSink(run, tensorboard=False)
+        (run / rd.LOCK).unlink()
+        with caplog.at_level(logging.WARNING):
+            sink.log(0, {"reward/mean": 0.5})
+        assert (run / rd.LOCK).read_text().strip() == lock.owner and "wrote it again" in caplog.text
+        run.rename(tmp_path / "moved")
+        run.mkdir()  # another directory under the run's name
+        with pytest.raises(rd.RunDirLost, match=f"run directory {run} was moved or replaced"):
+            sink.log(1, {"reward/mean": 0.6})
+    assert read_metrics(tmp_path / "moved")[0]["step"] == 0 and not (run / "metrics.jsonl").exists()
+
+
 def test_a_directory_holding_a_run_is_refused_unless_started_over(tmp_path):
     rd.claim(tmp_path, force_new=False)  # empty: fine
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
