@@ -47,6 +47,9 @@ def train(
         config = load_recipe(recipe, overrides)
         run_dir = Path(config.run.output_dir) / config.run.name
     check_machine(config)  # before the run directory is touched
+    from moe_rl.orchestration.preflight import build_inputs
+
+    inputs = build_inputs(config)  # every input read and checked once, before the run directory
     with RunLock(run_dir):
         if not resume:
             claim(run_dir, force_new)
@@ -54,9 +57,6 @@ def train(
         if log_level:
             config = replace(config, logging=replace(config.logging, level=log_level.upper()))
         log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
-        from moe_rl.orchestration.preflight import build_inputs
-
-        inputs = build_inputs(config)  # read and checked once, then handed to the run
         return _run(config, run_dir, resume is not None, inputs)
 
 

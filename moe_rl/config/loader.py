@@ -39,9 +39,28 @@ from moe_rl.config.validate import check_values
 from moe_rl.errors import ConfigError
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping gives one key twice (YAML would keep the last silently)."""
+
+    def __init__(self, key: str, line: int, first: int):
+        super().__init__(f"line {line}: `{key}` is given twice (first at line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
 class _YamlLoader(yaml.SafeLoader):
     """YAML with 1.2 booleans: only true/false are booleans, so `off`, `on`, `yes`, `no` stay
-    strings (`algo.routing_replay: off`)."""
+    strings (`algo.routing_replay: off`); a key given twice in one mapping is an error, not the
+    last one silently winning (a second `rollout:` section would replace the whole first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKey(str(key), line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _BOOL = "tag:yaml.org,2002:bool"
@@ -81,6 +100,8 @@ def _read_yaml(path: Path) -> dict[str, Any] | None:
     """The mapping in a YAML file; None when the file holds nothing (empty, or only comments)."""
     try:
         data = parse_yaml(_read_text(path))
+    except DuplicateKey as exc:
+        raise ConfigError(f"{path} {exc}; give each key once") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if data is not None and not isinstance(data, dict):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moe_rl.algo.modes import Advantage, Aggregation, Objective
+from moe_rl.algo.modes import Aggregation, Objective
 from moe_rl.config.derived import longest_sequence, response_limit_key
 from moe_rl.config.modes import CHOICES as MODES
 from moe_rl.config.modes import Attention, ReplayMode, RopeScaling, RunMode
@@ -269,8 +269,10 @@ def _check_batches(config: RecipeConfig) -> None:
         f"rollout.batch_size={r.batch_size} must be divisible by rollout.group_size={r.group_size}",
     )
     _require(
-        config.algo.advantage != Advantage.RLOO or r.group_size >= 2,
-        f"algo.advantage=rloo needs rollout.group_size >= 2 (got {r.group_size})",
+        r.group_size >= 2,
+        f"rollout.group_size={r.group_size}: algo.advantage={config.algo.advantage} compares each response "
+        "with the others of its group, so a group of one has advantage 0 and trains nothing; use "
+        "rollout.group_size >= 2",
     )
     longest, response = longest_sequence(config), response_limit_key(config)
     _require(
@@ -337,6 +339,12 @@ def _check_schedule(config: RecipeConfig) -> None:
     _require(
         t.min_lr <= t.lr,
         f"trainer.min_lr={t.min_lr} must be <= trainer.lr={t.lr} (the schedule decays to it)",
+    )
+    _require(
+        config.run.mode != RunMode.ASYNC or config.run.max_staleness >= 1,
+        f"run.mode=async with run.max_staleness={config.run.max_staleness}: every batch is generated one "
+        "policy version behind, so each would be rejected as stale and none trained on; use "
+        "run.max_staleness >= 1 or run.mode=sync",
     )
 
 

@@ -51,6 +51,8 @@ log = logging.getLogger("moe_rl.driver")
 OFFLINE_STEP = 20_000_000
 PROBE_SEED_OFFSET = 7919
 EVAL_STEP = 10_000_000
+FLAT_REWARD_STEPS = 5
+"""Steps in a row without reward variance in any group after which a run warns (once per stretch)."""
 
 
 @dataclass
@@ -102,6 +104,7 @@ class Stages:
         self.num_stale_rejected = 0
         self._pending_state: dict = {}
         self._probe_source = None
+        self._flat_steps = 0  # steps in a row whose groups' rewards had no variance
         self.releases = releases_memory(config, resolve_device(config.run.device, Machine.detect()))
         """Colocated phases give memory back (`cluster.release_memory`)."""
 
@@ -216,9 +219,20 @@ class Stages:
         return rollout
 
     def advantages(self, rollout: Rollout, metrics: dict[str, Any]) -> torch.Tensor:
-        """Per-sample advantages; for DGO the sample weights exp(r/β)/mean_group exp(r/β)."""
+        """Per-sample advantages; for DGO the sample weights exp(r/β)/mean_group exp(r/β). Warns once
+        when no group's rewards have varied for `FLAT_REWARD_STEPS` steps in a row."""
         adv, found = step_advantages(self.config, rollout.summary.rewards, rollout.summary.group_ids)
         metrics.update(found)
+        flat = found.get("advantage/zero_variance_group_share", 0.0) >= 1.0
+        self._flat_steps = self._flat_steps + 1 if flat else 0
+        if self._flat_steps == FLAT_REWARD_STEPS:
+            rewards = rollout.summary.rewards
+            log.warning(
+                "no group's rewards have varied for %d steps in a row (reward/mean %.3f, min %.3f, max %.3f): "
+                "every advantage is 0 and the policy learns nothing; check the reward function and the "
+                "task's difficulty, or turn on algo.zero_variance_shaping", FLAT_REWARD_STEPS,
+                float(rewards.mean()), float(rewards.min()), float(rewards.max()),
+            )  # fmt: skip
         return adv
 
     def old_logp(self, rollout: Rollout, advantages: torch.Tensor, metrics: dict[str, Any]) -> OldLogp:

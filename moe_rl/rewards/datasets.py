@@ -13,6 +13,7 @@ fails is an error naming the tokenizer. The rules on the keys alone live in
 from __future__ import annotations
 
 import json
+import os
 import random
 import reprlib
 from collections.abc import Mapping, Sequence
@@ -141,11 +142,27 @@ def read_records(
     a string or a number; a missing column, a null, a list or an unreadable line is a
     ``ValueError`` naming the file, the row and the column.
     """
+    return [
+        (prompt, answer)
+        for _, prompt, answer in located_records(path, prompt_key, answer_key, prompt_template)
+    ]
+
+
+def located_records(
+    path: Path, prompt_key: str, answer_key: str, prompt_template: str | None = None
+) -> list[tuple[str, str, str]]:
+    """``(where, prompt, answer)`` of every record (`read_records`; ``where`` is ``line N`` or ``row N``)."""
     if prompt_template is None:
         keys = {prompt_key: "data.prompt_key"}
     else:
         keys = dict.fromkeys(prompt_template_fields(prompt_template), "data.prompt_template")
     keys.setdefault(answer_key, "data.answer_key")
+    if path.is_dir():
+        raise DatasetError(f"data.task=file:{path}: is a folder; expected a .jsonl or .parquet file")
+    if not path.exists():
+        raise DatasetError(f"data.task=file:{path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise DatasetError(f"data.task=file:{path}: cannot be read (permission denied)")
     if path.suffix == ".parquet":
         rows = _parquet_rows(path, keys)
     elif path.suffix in (".jsonl", ".json"):
@@ -154,6 +171,7 @@ def read_records(
         raise DatasetError(f"data.task=file:{path}: expected a .jsonl or .parquet file")
     records = [
         (
+            where,
             _text(path, where, row, prompt_key, _PROMPT_TYPES)
             if prompt_template is None
             else _fill(path, where, row, prompt_template),
@@ -273,14 +291,23 @@ class PromptSource:
         self.rng = random.Random(seed)
         kind, _, name = task.partition(":")
         self.synthetic = get_task(name) if kind == "synthetic" else None
-        self.records: list[tuple[str, str]] = []
+        self.records: list[tuple[tuple[int, ...], str]] = []
+        """Every record of a file task: its prompt's token ids and its answer."""
         if kind == "file":
             if tokenizer is None:
                 raise DatasetError(f"data.task={task}: text prompts need a tokenizer")
-            self.records = read_records(Path(name), prompt_key, answer_key, prompt_template)
+            path = Path(name)
+            located = located_records(path, prompt_key, answer_key, prompt_template)
             if chat is not None:
                 _check_chat_template(tokenizer)
-                tokenizer.encode_prompt(self.records[0][0], chat)  # a template that fails, fails now
+            for where, text, answer in located:  # every prompt tokenized and measured now, not mid-run
+                ids = tuple(tokenizer.encode_prompt(text, chat))
+                if len(ids) > max_prompt_len:
+                    raise DatasetError(
+                        f"{path}: {where}: the prompt has {len(ids)} tokens > data.max_prompt_len="
+                        f"{max_prompt_len} ({text[:40]!r}...); raise data.max_prompt_len or drop the record"
+                    )
+                self.records.append((ids, answer))
         elif kind != "synthetic":
             raise DatasetError(f"data.task={task!r}: expected `synthetic:<task>` or `file:<path>`")
         self.tokenizer, self.chat = tokenizer, chat
@@ -291,13 +318,8 @@ class PromptSource:
         if not self._order:
             self._order = list(range(len(self.records)))
             self.rng.shuffle(self._order)
-        text, answer = self.records[self._order.pop()]
-        ids = self.tokenizer.encode_prompt(text, self.chat)
-        if len(ids) > self.max_prompt_len:
-            raise DatasetError(
-                f"prompt {text[:40]!r}... has {len(ids)} tokens > data.max_prompt_len={self.max_prompt_len}"
-            )
-        return Prompt(tuple(ids), answer, "file")
+        ids, answer = self.records[self._order.pop()]
+        return Prompt(ids, answer, "file")
 
     def next_batch(self, n: int) -> list[Prompt]:
         if self.synthetic is not None:

@@ -94,6 +94,10 @@ BAD = [
     ("run.name=a\\b", f"run.name='a\\\\b' {NAME}"),
     ("run.name=x%j%N", "run.name='x%j%N' must not contain `%`: sbatch and srun expand %j, %N, ..."),
     ("run.name='a\tb'", "run.name='a\\tb' contains a control character"),
+    (
+        "rollout.group_size=1",
+        "rollout.group_size=1: algo.advantage=grpo compares each response with the others",
+    ),
 ]
 
 
@@ -156,6 +160,33 @@ def test_a_recipe_that_is_not_utf8_is_named_with_the_offset(tmp_path):
     assert (
         str(info.value) == f"{bad.resolve()}: not UTF-8 text (byte 0xe9 at offset {offset}); save it as UTF-8"
     )
+
+
+def test_an_async_run_that_would_reject_every_batch_is_refused():
+    with pytest.raises(
+        ConfigError, match="run.mode=async with run.max_staleness=0: every batch is generated"
+    ):
+        load_checked(TINY, ["run.mode=async", "run.max_staleness=0"])
+
+
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):
+    """YAML keeps the last of two equal keys silently: a second `rollout:` section would replace the
+    whole first one. Refused, naming the file, the key and both lines, top-level or nested."""
+    root = _recipes(tmp_path)
+    twice = root / "twice.yaml"
+    twice.write_text(
+        "defaults: [tiny_moe]\nrollout:\n  quant: fp8_block128\nrun:\n  steps: 2\nrollout:\n  batch_size: 32\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_checked(twice)
+    assert (
+        str(info.value)
+        == f"{twice.resolve()} line 6: `rollout` is given twice (first at line 2); give each key once"
+    )
+    nested = root / "nested.yaml"
+    nested.write_text("defaults: [tiny_moe]\nrun:\n  steps: 2\n  seed: 1\n  steps: 3\n")
+    with pytest.raises(ConfigError, match="line 5: `steps` is given twice \\(first at line 3\\)"):
+        load_checked(nested)
 
 
 @pytest.mark.parametrize(

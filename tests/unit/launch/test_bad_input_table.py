@@ -104,14 +104,21 @@ def _jsonl(path: Path, lines: list[bytes]) -> Path:
          "c.parquet: row 0, column 'prompt': got [1, 2] (list); expected a string"),
         (lambda p: _parquet(p / "d.parquet", {"prompt": ["1+1=", "2+2="], "answer": ["2", None]}),
          "d.parquet: row 1, column 'answer': got None (null); expected a string or a number"),
+        (lambda p: _jsonl(p / "e.jsonl", [b'{"prompt": "1+1=", "answer": "2"}'] * 50
+                          + [json.dumps({"prompt": "9" * 200, "answer": "1"}).encode()]),
+         "e.jsonl: line 51: the prompt has 202 tokens > data.max_prompt_len=16"),
+        (lambda p: p / "missing.jsonl", "missing.jsonl: no such file"),
+        (lambda p: (p / "x.jsonl").mkdir() or p / "x.jsonl", "x.jsonl: is a folder; expected a .jsonl or .parquet"),
     ],
-    ids=["jsonl-not-utf8", "jsonl-no-answer", "parquet-list-prompt", "parquet-null-answer"],
+    ids=["jsonl-not-utf8", "jsonl-no-answer", "parquet-list-prompt", "parquet-null-answer", "prompt-too-long",
+         "missing-file", "folder-named-jsonl"],
 )  # fmt: skip
 def test_a_bad_prompt_dataset_is_refused_before_the_run_starts(tmp_path, caplog, monkeypatch, make, expected):
     path = make(tmp_path)
     line = _train(tmp_path, caplog, monkeypatch, f"data.task=file:{path}", "data.reward=exact_match",
                   "model.vocab_size=320")  # fmt: skip
     assert expected in line and str(path.parent) in line, line
+    assert not (tmp_path / "runs").exists()  # refused before the run directory was made
 
 
 def _parquet(path: Path, columns: dict) -> Path:
