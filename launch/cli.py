@@ -7,11 +7,12 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from moe_rl.config import ConfigError
 from moe_rl.errors import UserError
 from moe_rl.log import setup_logging
-from moe_rl.orchestration.preflight import load_checked
+from moe_rl.orchestration.preflight import SKIP_PATHS, load_checked
 
 log = logging.getLogger("moe_rl.cli")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -20,6 +21,14 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny_moe.yaml")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.lr=2e-6")
+
+
+def _add_paths_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        SKIP_PATHS, dest="check_paths", action="store_false",
+        help="do not check that the dataset, stored trajectories and model checkpoint exist here "
+        "(they exist only on the cluster)",
+    )  # fmt: skip
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -44,7 +53,10 @@ def _build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the resolved recipe as YAML")
     _add_recipe_args(show)
     check = config_sub.add_parser("check", help="load and validate recipes; print OK or the error")
-    check.add_argument("recipes", nargs="+", help="recipe YAML files")
+    check.add_argument(
+        "recipes", nargs="+", help="recipe YAML files, then section.key=value overrides for all"
+    )
+    _add_paths_flag(check)
     config_sub.add_parser(
         "docs", help="print the recipe reference (every key, type, default, meaning) as markdown"
     )
@@ -70,6 +82,7 @@ def _add_slurm_parsers(sub: argparse._SubParsersAction) -> None:
         "--requeue", action="store_true", default=None, help="requeue on preemption and resume"
     )
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch script and command only")
+    _add_paths_flag(submit)
     submit.add_argument(
         "--command",
         dest="driver_command",
@@ -80,6 +93,7 @@ def _add_slurm_parsers(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="parameters, memory per GPU and parallel constraints of a recipe")
     _add_recipe_args(plan)
     plan.add_argument("--nodes", type=int, help="plan for this many nodes in all")
+    _add_paths_flag(plan)
 
     for name, text in (
         ("status", "state of a submitted run's Slurm job"),
@@ -149,9 +163,11 @@ def _config_command(args: argparse.Namespace) -> int:
         sys.stdout.write(render_recipe_docs())
         return 0
     failed = 0
-    for recipe in args.recipes:
+    recipes = [r for r in args.recipes if "=" not in r or Path(r).is_file()]
+    overrides = [r for r in args.recipes if r not in recipes]  # `section.key=value`, for every recipe
+    for recipe in recipes:
         try:
-            load_checked(recipe)
+            load_checked(recipe, overrides, paths=args.check_paths)
             sys.stdout.write(f"OK    {recipe}\n")
         except ConfigError as exc:
             failed += 1
@@ -172,7 +188,10 @@ def _submit_command(args: argparse.Namespace) -> int:
 
     slurm = SlurmArgs(args.nodes, args.gpus_per_node, args.partition, args.time, args.account, args.requeue)
     try:
-        return submit(args.recipe, args.overrides, slurm, dry_run=args.dry_run, command=args.driver_command)
+        return submit(
+            args.recipe, args.overrides, slurm, dry_run=args.dry_run, command=args.driver_command,
+            paths=args.check_paths,
+        )  # fmt: skip
     except RuntimeError as exc:
         log.error("%s", exc)
         return 1
@@ -181,7 +200,7 @@ def _submit_command(args: argparse.Namespace) -> int:
 def _plan_command(args: argparse.Namespace) -> int:
     from launch.plan import plan_command
 
-    return plan_command(args.recipe, args.overrides, nodes=args.nodes)
+    return plan_command(args.recipe, args.overrides, nodes=args.nodes, paths=args.check_paths)
 
 
 def _slurm_command(args: argparse.Namespace) -> int:

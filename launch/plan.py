@@ -358,17 +358,17 @@ def routing_trace_bytes_per_token(m: ModelConfig) -> int:
     return (m.num_layers - m.first_k_dense_layers) * m.moe_router_topk * width
 
 
-def constraint_checks(config: RecipeConfig) -> list[Rule]:
+def constraint_checks(config: RecipeConfig, paths: bool = True) -> list[Rule]:
     """The rules of every component that runs the recipe (`moe_rl.orchestration.preflight`),
     against the machine the recipe describes: the recipe's own consistency and the engine's
     capabilities as one row each (with the engine's warnings), the rewards', the trainer's and
     placement's rules one by one with their numbers."""
-    sections = {section.component: section for section in preflight(config)}
+    sections = {section.component: section for section in preflight(config, paths=paths)}
     recipe = sections["recipe"]
     if recipe.broken is not None:
         return [Rule("recipe", False, recipe.error() or "")]
     rows = [Rule("recipe", True, "consistent (moe_rl.config.validate)")]
-    rows += [*sections["reward"].rules, *sections["trainer"].rules]
+    rows += [*sections["inputs"].rules, *sections["reward"].rules, *sections["trainer"].rules]
     engine = sections["engine"]
     rows.append(
         Rule(
@@ -490,11 +490,11 @@ class Plan:
         return not self.failures
 
 
-def make_plan(config: RecipeConfig) -> Plan:
+def make_plan(config: RecipeConfig, paths: bool = True) -> Plan:
     counts = count_params(config.model)
     trainer = trainer_memory(config, counts)
     rollout = rollout_memory(config, counts)
-    checks = constraint_checks(config)
+    checks = constraint_checks(config, paths)
     if config.cluster.gpus_per_node > 0:
         checks += memory_checks(config, trainer, rollout)
     return Plan(config, counts, trainer, rollout, checks)
@@ -656,13 +656,15 @@ def render(plan: Plan, console) -> None:
         console.print("[bold red]FAIL: " + "; ".join(f"{c.name} ({c.detail})" for c in plan.failures))
 
 
-def plan_command(recipe: str, overrides: Sequence[str] = (), nodes: int | None = None) -> int:
+def plan_command(
+    recipe: str, overrides: Sequence[str] = (), nodes: int | None = None, paths: bool = True
+) -> int:
     """`moe-rl plan`: print the plan of `recipe`; exit code 1 when a constraint fails."""
     from rich.console import Console
 
     config = load_recipe(recipe, overrides)
     if nodes is not None:
         config = load_recipe(recipe, [*overrides, *node_overrides(config, nodes, None)])
-    plan = make_plan(config)
+    plan = make_plan(config, paths)
     render(plan, Console(highlight=False, width=140))
     return 0 if plan.ok else 1

@@ -61,11 +61,12 @@ def cluster_overrides(config: RecipeConfig, args: SlurmArgs) -> list[str]:
     return out
 
 
-def resolve(recipe: str, overrides: Sequence[str], args: SlurmArgs) -> RecipeConfig:
+def resolve(recipe: str, overrides: Sequence[str], args: SlurmArgs, paths: bool = True) -> RecipeConfig:
     """Load, resize and validate the recipe, apply the string flags (partition, account, time)
-    as given, and make the run directory an absolute path."""
+    as given, and make the run directory an absolute path. ``paths``: check the input paths here
+    (the job's nodes are expected to see them where this machine does)."""
     base = load_recipe(recipe, overrides)
-    config = load_checked(recipe, [*overrides, *cluster_overrides(base, args)])
+    config = load_checked(recipe, [*overrides, *cluster_overrides(base, args)], paths=paths)
     strings = {k: getattr(args, k) for k in ("partition", "time", "account") if getattr(args, k) is not None}
     output_dir = str(Path(config.run.output_dir).expanduser().resolve())
     config = replace(
@@ -217,10 +218,11 @@ def call_sbatch(script: Path) -> str:
 
 
 def submit(
-    recipe: str, overrides: Sequence[str], args: SlurmArgs, dry_run: bool = False, command: str | None = None
-) -> int:
+    recipe: str, overrides: Sequence[str], args: SlurmArgs, dry_run: bool = False, command: str | None = None,
+    paths: bool = True,
+) -> int:  # fmt: skip
     """`moe-rl submit`: returns the exit code; prints the script and command with `dry_run`."""
-    config = resolve(recipe, overrides, args)
+    config = resolve(recipe, overrides, args, paths)
     run_dir = run_dir_of(config)
     script = render_script(config, Path.cwd(), command)
     placement = "".join(f"#   {line}\n" for line in placement_lines(config))

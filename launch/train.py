@@ -18,14 +18,14 @@ LOG_FILE = "logs/train.log"
 """The driver's log in the run directory: every message, and the full traceback of an error."""
 
 
-def check_machine(config: RecipeConfig, machine=None) -> None:
+def check_machine(config: RecipeConfig, machine=None, paths: bool = True) -> None:
     """Every component's rules (`moe_rl.orchestration.preflight.check`), against the machine the
     run runs on (default: this one, seen as `machine_here` sees it, which hides the GPUs from a
     run.device=cpu run before torch looks for CUDA): a refusal is a `ConfigError` like any other
     bad recipe."""
     from moe_rl.orchestration.preflight import check
 
-    check(config, machine or (lambda: machine_here(config.run.device)))
+    check(config, machine or (lambda: machine_here(config.run.device)), paths)
 
 
 def train(

@@ -67,7 +67,7 @@ class Placement:
     """GPUs per engine replica."""
     node_roles: bool
     """Pin bundles to nodes by role (a multi-node Ray cluster started by the sbatch script)."""
-    mode: PlacementMode = PlacementMode.DISAGGREGATED
+    mode: PlacementMode
     gpus_per_node: int = 0
     engine_tp: int = 1
     """GPUs of one engine (``rollout.tensor_parallel_size``)."""
@@ -100,13 +100,13 @@ def plan_placement(config: RecipeConfig, machine: Machine, node_roles: bool = Fa
     """The `Placement` of a recipe on ``machine`` (see the module docstring)."""
     device = resolve_device(config.run.device, machine)
     world, engines = config.parallel.trainer_world_size, config.rollout.num_engines
-    if device == "cpu":
-        return Placement(device, world, 0.0, engines, 0.0, node_roles)
     mode, per_node, tp = (
         placement_mode(config),
         config.cluster.gpus_per_node,
         config.rollout.tensor_parallel_size,
     )
+    if device == "cpu":
+        return Placement(device, world, 0.0, engines, 0.0, node_roles, mode, per_node, tp)
     if per_node == 0:
         return Placement(device, world, SHARED_GPU, engines, SHARED_GPU, node_roles, mode, 0, tp)
     if mode == PlacementMode.COLOCATED:

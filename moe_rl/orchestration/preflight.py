@@ -4,6 +4,9 @@ Each rule lives with the component that enforces it at run time and is returned 
 
 * ``recipe``: the recipe's own consistency (values, model, batches, algorithm, data, ...) —
   `moe_rl.config.validate.recipe_rules`;
+* ``inputs``: the files a run reads exist, as this machine sees them (the dataset, stored
+  trajectories, the model checkpoint) — `input_rules`; ``paths=False`` (``--skip-path-checks``)
+  leaves them to the machines that run the job;
 * ``reward``: the synthetic task against the model — `moe_rl.rewards.registry.reward_rules`;
 * ``trainer``: parallel layout, batch packing, routing replay, objectives —
   `moe_rl.trainer.rules.trainer_rules`;
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +57,7 @@ MachineSpec = Machine | Callable[[], Machine] | None
 when a rule needs it (detecting CUDA imports torch, which a recipe refused for its own
 inconsistency should not wait for); or None for `target_machine`."""
 
-COMPONENTS = ("recipe", "reward", "trainer", "engine", "placement")
+COMPONENTS = ("recipe", "inputs", "reward", "trainer", "engine", "placement")
 """The components asked, in order. The ones after ``recipe`` assume a consistent recipe."""
 
 NOT_CHECKED = "not checked: the recipe itself is invalid"
@@ -91,7 +95,7 @@ class Section:
         rule = self.broken
         if rule is None:
             return None
-        if self.component in ("recipe", "reward"):
+        if self.component in ("recipe", "inputs", "reward"):
             return rule.detail
         if self.component == "engine":
             return f"engine: {rule.detail}"
@@ -108,9 +112,78 @@ def _machine(config: RecipeConfig, machine: MachineSpec) -> Callable[[], Machine
     return the_machine
 
 
-def _components(config: RecipeConfig, machine: Callable[[], Machine]) -> dict[str, Callable[[], list[Rule]]]:
+SKIP_PATHS = "--skip-path-checks"
+"""The command-line flag that leaves the input paths to the machines that run the job."""
+
+
+def input_rules(config: RecipeConfig, paths: bool = True) -> list[Rule]:
+    """The files a run reads, as this machine sees them (relative paths from where the command
+    runs): the dataset of `data.task`, the stored trajectories of `data.trajectories`, the model
+    checkpoint of `model.hf_path` (a folder with ``config.json`` and ``*.safetensors``); a real
+    dataset without `model.hf_path` is warned about (the model would start from random weights).
+    ``paths=False``: none is looked at (they exist only where the job runs)."""
+    if not paths:
+        return [
+            Rule(
+                "input paths",
+                True,
+                f"not checked ({SKIP_PATHS}): they are left to the machines the job runs on",
+            )
+        ]
+    here = f"as seen from {Path.cwd()}; {SKIP_PATHS} if it exists only where the job runs"
+    rules = []
+    kind, _, name = config.data.task.partition(":")
+    if kind == "file":
+        rules.append(_path_rule("dataset exists", f"data.task=file:{name}", Path(name), "file", here))
+    if config.data.trajectories is not None:
+        trajectories = config.data.trajectories
+        rules.append(
+            _path_rule(
+                "stored trajectories exist",
+                f"data.trajectories={trajectories}",
+                Path(trajectories),
+                "any",
+                here,
+            )
+        )
+    hf_path = config.model.hf_path
+    if hf_path is None:
+        rules.append(Rule(
+            "model weights given", kind != "file",
+            f"model.hf_path is null with data.task={config.data.task}: the model starts from random weights; "
+            "set model.hf_path to the checkpoint to train", fatal=False,
+        ))  # fmt: skip
+    else:
+        folder = Path(hf_path)
+        rule = _path_rule("model checkpoint exists", f"model.hf_path={hf_path}", folder, "folder", here)
+        if rule.ok and not (folder / "config.json").is_file():
+            rule = Rule(rule.name, False, f"model.hf_path={hf_path}: no config.json in the folder ({here})")
+        elif rule.ok and not any(folder.glob("*.safetensors")):
+            rule = Rule(
+                rule.name, False, f"model.hf_path={hf_path}: no *.safetensors weights in the folder ({here})"
+            )
+        rules.append(rule)
+    return rules or [Rule("input paths", True, "the recipe reads no files")]
+
+
+def _path_rule(name: str, key: str, path: Path, kind: str, here: str) -> Rule:
+    if not path.exists():
+        return Rule(name, False, f"{key}: no such {'file or folder' if kind == 'any' else kind} ({here})")
+    if kind == "file" and path.is_dir():
+        return Rule(name, False, f"{key}: is a folder, not a file ({here})")
+    if kind == "folder" and not path.is_dir():
+        return Rule(name, False, f"{key}: is a file, not a folder ({here})")
+    if not os.access(path, os.R_OK):
+        return Rule(name, False, f"{key}: cannot be read (permission denied)")
+    return Rule(name, True, f"{key}: found")
+
+
+def _components(
+    config: RecipeConfig, machine: Callable[[], Machine], paths: bool = True
+) -> dict[str, Callable[[], list[Rule]]]:
     return {
         "recipe": lambda: recipe_rules(config),
+        "inputs": lambda: input_rules(config, paths),
         "reward": lambda: reward_rules(config),
         "trainer": lambda: trainer_rules(config),
         "engine": lambda: engine_rules(config, machine()),
@@ -119,14 +192,15 @@ def _components(config: RecipeConfig, machine: Callable[[], Machine]) -> dict[st
 
 
 def preflight(
-    config: RecipeConfig, machine: MachineSpec = None, stop_at_first: bool = False
+    config: RecipeConfig, machine: MachineSpec = None, stop_at_first: bool = False, paths: bool = True
 ) -> list[Section]:
     """Every component's rules on ``config`` against ``machine`` (default: `target_machine`), in
     `COMPONENTS` order. A recipe that is not consistent in itself gets only its ``recipe`` section
     (the others assume it is). ``stop_at_first``: stop after the first section that refuses it, so
-    a machine given as a function is not detected for a recipe refused before a rule needs it."""
+    a machine given as a function is not detected for a recipe refused before a rule needs it.
+    ``paths``: check the input paths (`input_rules`)."""
     sections: list[Section] = []
-    for component, rules in _components(config, _machine(config, machine)).items():
+    for component, rules in _components(config, _machine(config, machine), paths).items():
         section = Section(component, tuple(rules()))
         sections.append(section)
         if section.broken is not None and (stop_at_first or component == "recipe"):
@@ -134,17 +208,17 @@ def preflight(
     return sections
 
 
-def findings(config: RecipeConfig, machine: MachineSpec = None) -> dict[str, str | None]:
+def findings(config: RecipeConfig, machine: MachineSpec = None, paths: bool = True) -> dict[str, str | None]:
     """Per component, its refusal of ``config`` (None: accepted; `NOT_CHECKED` after a recipe that
     is not consistent in itself)."""
-    found = {section.component: section.error() for section in preflight(config, machine)}
+    found = {section.component: section.error() for section in preflight(config, machine, paths=paths)}
     return {component: found.get(component, NOT_CHECKED) for component in COMPONENTS}
 
 
-def check(config: RecipeConfig, machine: MachineSpec = None) -> None:
+def check(config: RecipeConfig, machine: MachineSpec = None, paths: bool = True) -> None:
     """Enforce every component's rules: raise `ConfigError` with the first refusal (the components
     after it are not asked); log the warnings of those asked."""
-    for section in preflight(config, machine, stop_at_first=True):
+    for section in preflight(config, machine, stop_at_first=True, paths=paths):
         error = section.error()
         if error is not None:
             raise ConfigError(error)
@@ -153,11 +227,11 @@ def check(config: RecipeConfig, machine: MachineSpec = None) -> None:
 
 
 def load_checked(
-    recipe: str | Path, overrides: Sequence[str] = (), machine: MachineSpec = None
+    recipe: str | Path, overrides: Sequence[str] = (), machine: MachineSpec = None, paths: bool = True
 ) -> RecipeConfig:
     """`load_recipe`, then `check`: a recipe every component accepts."""
     config = load_recipe(recipe, overrides)
-    check(config, machine)
+    check(config, machine, paths)
     return config
 
 

@@ -107,8 +107,8 @@ def _jsonl(path: Path, lines: list[bytes]) -> Path:
         (lambda p: _jsonl(p / "e.jsonl", [b'{"prompt": "1+1=", "answer": "2"}'] * 50
                           + [json.dumps({"prompt": "9" * 200, "answer": "1"}).encode()]),
          "e.jsonl: line 51: the prompt has 202 tokens > data.max_prompt_len=16"),
-        (lambda p: p / "missing.jsonl", "missing.jsonl: no such file"),
-        (lambda p: (p / "x.jsonl").mkdir() or p / "x.jsonl", "x.jsonl: is a folder; expected a .jsonl or .parquet"),
+        (lambda p: p / "missing.jsonl", "missing.jsonl: no such file (as seen from"),
+        (lambda p: (p / "x.jsonl").mkdir() or p / "x.jsonl", "x.jsonl: is a folder, not a file (as seen from"),
     ],
     ids=["jsonl-not-utf8", "jsonl-no-answer", "parquet-list-prompt", "parquet-null-answer", "prompt-too-long",
          "missing-file", "folder-named-jsonl"],

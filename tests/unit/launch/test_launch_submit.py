@@ -104,7 +104,7 @@ def test_gpu_and_requeue_options():
     cpu = sbatch_options(resolve(TINY, [], CPU), Path("/w"))
     assert not any("--gpus-per-node" in line for line in cpu)
     assert "#SBATCH --no-requeue" in cpu
-    gpu = sbatch_options(resolve(KIMI, [], SlurmArgs(nodes=64)), Path("/w"))
+    gpu = sbatch_options(resolve(KIMI, [], SlurmArgs(nodes=64), paths=False), Path("/w"))
     assert "#SBATCH --gpus-per-node=8" in gpu and "#SBATCH --nodes=64" in gpu
     assert "#SBATCH --requeue" in gpu and "#SBATCH --signal=B:USR1@300" in gpu
 
@@ -123,7 +123,7 @@ def test_gpu_and_requeue_options():
 def test_bad_submissions_fail_before_sbatch(overrides, args, expected):
     recipe = TINY if args.gpus_per_node == 0 else KIMI
     with pytest.raises(ConfigError) as info:
-        resolve(recipe, overrides, args)
+        resolve(recipe, overrides, args, paths=False)
     assert expected in str(info.value)
 
 
@@ -136,8 +136,19 @@ def test_control_characters_are_refused(tmp_path):
         resolve(str(recipes / "bad.yaml"), [], CPU)
 
 
+def test_dry_run_refuses_a_recipe_whose_dataset_is_not_here(tmp_path):
+    """As the job would see it (the submitting machine shares the cluster's filesystem), unless told
+    the paths exist only there."""
+    with pytest.raises(
+        ConfigError, match=r"data.task=file:data/dapo_math_17k.jsonl: no such file .*--skip-path-checks"
+    ):
+        submit(KIMI, [f"run.output_dir={tmp_path / 'runs'}"], SlurmArgs(nodes=64), dry_run=True)
+
+
 def test_dry_run_prints_script_and_writes_nothing(tmp_path, capsys):
-    code = submit(KIMI, [f"run.output_dir={tmp_path / 'runs'}"], SlurmArgs(nodes=64), dry_run=True)
+    code = submit(
+        KIMI, [f"run.output_dir={tmp_path / 'runs'}"], SlurmArgs(nodes=64), dry_run=True, paths=False
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=64" in out
@@ -146,7 +157,7 @@ def test_dry_run_prints_script_and_writes_nothing(tmp_path, capsys):
 
 
 def test_dry_run_script_passes_bash_syntax_check(tmp_path):
-    script = render_script(resolve(KIMI, [], SlurmArgs(nodes=64)), tmp_path)
+    script = render_script(resolve(KIMI, [], SlurmArgs(nodes=64), paths=False), tmp_path)
     (tmp_path / "job.sbatch").write_text(script)
     subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], check=True)
 

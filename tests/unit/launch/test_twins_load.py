@@ -28,7 +28,7 @@ def test_large_recipe_is_composed_of_pieces(name):
 
 @pytest.mark.parametrize("name", LARGE)
 def test_large_recipe_runs_the_stability_stack_with_fp8_rollouts(name):
-    c = load_checked(RECIPES / f"{name}.yaml")
+    c = load_checked(RECIPES / f"{name}.yaml", paths=False)
     assert (c.run.device, c.rollout.engine, c.cluster.gpus_per_node) == ("cuda", "vllm", 8)
     assert c.rollout.quant == "fp8_block128" and (c.quant.method, c.quant.granularity) == ("fp8", "block")
     a = c.algo
@@ -40,9 +40,9 @@ def test_large_recipe_runs_the_stability_stack_with_fp8_rollouts(name):
 @pytest.mark.parametrize("name", LARGE)
 @pytest.mark.parametrize("quant", ["bf16", "fp8_tensor", "nvfp4"])
 def test_quant_switch_is_one_override(name, quant):
-    c = load_checked(RECIPES / f"{name}.yaml", [f"rollout.quant={quant}"])
+    c = load_checked(RECIPES / f"{name}.yaml", [f"rollout.quant={quant}"], paths=False)
     assert c.quant.name == quant
-    plan = make_plan(c)
+    plan = make_plan(c, paths=False)
     if quant == "bf16" and name in ("deepseek_v3", "kimi_k2"):  # bf16 weights outgrow TP-16 engines
         assert {f.name for f in plan.failures} == {"rollout weights fit", "KV cache holds a sequence"}
     else:
@@ -54,7 +54,7 @@ def test_a_quant_recipe_the_engine_cannot_run_is_refused_at_load(name):
     with pytest.raises(
         ConfigError, match=r"engine: rollout.engine=vllm on cuda .*int4_awq.*rollout.engine=megatron"
     ):
-        load_checked(RECIPES / f"{name}.yaml", ["rollout.quant=int4_awq"])
+        load_checked(RECIPES / f"{name}.yaml", ["rollout.quant=int4_awq"], paths=False)
 
 
 def _fields(m, names: str) -> tuple:
@@ -62,7 +62,7 @@ def _fields(m, names: str) -> tuple:
 
 
 def test_published_architecture_numbers():
-    ds = load_checked(RECIPES / "deepseek_v3.yaml").model
+    ds = load_checked(RECIPES / "deepseek_v3.yaml", paths=False).model
     assert _fields(ds, "num_layers hidden_size num_attention_heads vocab_size") == (61, 7168, 128, 129280)
     assert _fields(ds, "num_experts moe_router_topk moe_ffn_hidden_size num_shared_experts") == (
         256,
@@ -72,7 +72,7 @@ def test_published_architecture_numbers():
     )
     assert _fields(ds, "moe_router_num_groups moe_router_group_topk first_k_dense_layers") == (8, 4, 3)
     assert _fields(ds, "q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim") == (1536, 512, 128, 64)
-    k2 = load_checked(RECIPES / "kimi_k2.yaml").model
+    k2 = load_checked(RECIPES / "kimi_k2.yaml", paths=False).model
     assert _fields(k2, "num_experts moe_router_topk moe_router_num_groups num_attention_heads") == (
         384,
         8,
@@ -80,10 +80,10 @@ def test_published_architecture_numbers():
         64,
     )
     assert _fields(k2, "first_k_dense_layers vocab_size moe_router_topk_scaling_factor") == (1, 163840, 2.827)
-    q = load_checked(RECIPES / "qwen3_235b_a22b.yaml").model
+    q = load_checked(RECIPES / "qwen3_235b_a22b.yaml", paths=False).model
     assert _fields(q, "num_layers hidden_size num_attention_heads num_key_value_heads") == (94, 4096, 64, 4)
     assert _fields(q, "num_experts moe_router_topk moe_ffn_hidden_size") == (128, 8, 1536)
-    q = load_checked(RECIPES / "qwen3_30b_a3b.yaml").model
+    q = load_checked(RECIPES / "qwen3_30b_a3b.yaml", paths=False).model
     assert _fields(q, "num_layers hidden_size num_attention_heads moe_ffn_hidden_size") == (48, 2048, 32, 768)
 
 
@@ -106,8 +106,8 @@ def _structure(m) -> dict:
 
 @pytest.mark.parametrize("name", LARGE)
 def test_twin_has_the_layer_types_of_its_recipe_at_toy_size(name):
-    big = load_checked(RECIPES / f"{name}.yaml").model
-    twin = load_checked(RECIPES / "twins" / f"{name}.yaml").model
+    big = load_checked(RECIPES / f"{name}.yaml", paths=False).model
+    twin = load_checked(RECIPES / "twins" / f"{name}.yaml", paths=False).model
     assert _structure(twin) == _structure(big)
     assert 32 <= twin.hidden_size <= 64 and twin.vocab_size <= 256
     assert twin.num_layers < big.num_layers and twin.num_experts < big.num_experts
@@ -116,7 +116,7 @@ def test_twin_has_the_layer_types_of_its_recipe_at_toy_size(name):
 
 @pytest.mark.parametrize("name", LARGE)
 def test_twin_runs_r3_ksm_espo_anywhere(name):
-    c = load_checked(RECIPES / "twins" / f"{name}.yaml")
+    c = load_checked(RECIPES / "twins" / f"{name}.yaml", paths=False)
     assert (c.run.device, c.rollout.engine, c.run.steps) == ("auto", "megatron", 2)
     assert (c.algo.routing_replay, c.algo.objective) == ("r3", "espo")
     assert c.algo.corrections.keep_sampling_mask

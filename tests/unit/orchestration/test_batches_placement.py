@@ -99,10 +99,11 @@ def test_placement_follows_the_device_and_the_cluster():
     tiny = load_checked(TINY, ["parallel.trainer_world_size=2", "rollout.num_engines=2"])
     cpu = plan_placement(tiny, Machine(cuda=False))
     assert (cpu.device, cpu.trainer_ranks, cpu.trainer_gpus, cpu.engines) == ("cpu", 2, 0.0, 2)
+    assert cpu.mode == "colocated"  # cluster.rollout_nodes=0: engines on the trainer's nodes, on CPU too
     assert cpu.trainer_bundle() == {"CPU": 1.0} and cpu.threads("trainer", 8) == 4
     one_gpu = plan_placement(load_checked(TINY), Machine(cuda=True))
     assert one_gpu.trainer_gpus == one_gpu.engine_gpus == SHARED_GPU
-    kimi = plan_placement(load_checked(KIMI), Machine(cuda=True), node_roles=True)
+    kimi = plan_placement(load_checked(KIMI, paths=False), Machine(cuda=True), node_roles=True)
     assert kimi.trainer_bundle() == {"CPU": 1.0, "GPU": 1.0, "moe_rl_trainer_node": 0.001}
     assert kimi.engine_bundle(colocated=False) == {"CPU": 1.0, "GPU": 16.0, "moe_rl_rollout_node": 0.001}
 
@@ -117,7 +118,7 @@ def test_placement_rules_name_what_does_not_fit():
     check_placement(two_ranks, Machine(cuda=False))
     with pytest.raises(ValueError, match="one machine's GPU"):
         check_placement(two_ranks, Machine(cuda=True))
-    lines = placement_lines(load_checked(KIMI))
+    lines = placement_lines(load_checked(KIMI, paths=False))
     assert lines == [
         "trainer: 384 ranks on 48 node(s) (nodes 0..47), 8 per node, 1 GPU each",
         "rollout: 8 engine(s) on 16 node(s) (nodes 48..63), 16 GPUs each, spanning 2 nodes",

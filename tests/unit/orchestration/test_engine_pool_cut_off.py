@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from moe_rl.config.derived import PlacementMode
 from moe_rl.config.loader import load_recipe
 from moe_rl.orchestration.engine_pool import MAX_ENGINE_RESTARTS, EnginePool
 from moe_rl.orchestration.placement import Placement
@@ -45,7 +46,9 @@ def local_ray():
 
 
 def _pool(breaks: list[int]) -> tuple[EnginePool, list]:
-    pool = EnginePool(load_recipe(TINY), Seats(Placement("cpu", 1, 0.0, len(breaks), 0.0, False)))
+    pool = EnginePool(
+        load_recipe(TINY), Seats(Placement("cpu", 1, 0.0, len(breaks), 0.0, False, PlacementMode.COLOCATED))
+    )
     for replica, n in zip(pool.replicas, breaks, strict=True):
         replica.actor = Finisher.remote(n)
     again: list = []

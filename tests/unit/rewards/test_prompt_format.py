@@ -79,11 +79,22 @@ def test_chat_template_renders_system_prompt_and_passes_kwargs(
 
 def test_recipe_keys_reach_the_prompt_source(tmp_path: Path, chat_folder: Path) -> None:
     data = _jsonl(tmp_path / "q.jsonl", QUESTIONS[:1])
-    config = load_checked(TINY, [
-        f"data.task=file:{data}", "data.reward=math", f"model.hf_path={chat_folder}", "model.vocab_size=128",
-        f"model.eos_token_id={IM_END}", "data.max_prompt_len=100", 'data.prompt_template="Solve: {question}"',
-        "data.chat_template=true", "data.system_prompt=Be brief.", "data.chat_template_kwargs.enable_thinking=false",
-    ])  # fmt: skip
+    config = load_checked(
+        TINY,
+        [
+            f"data.task=file:{data}",
+            "data.reward=math",
+            f"model.hf_path={chat_folder}",
+            "model.vocab_size=128",
+            f"model.eos_token_id={IM_END}",
+            "data.max_prompt_len=100",
+            'data.prompt_template="Solve: {question}"',
+            "data.chat_template=true",
+            "data.system_prompt=Be brief.",
+            "data.chat_template_kwargs.enable_thinking=false",
+        ],
+        paths=False,
+    )  # fmt: skip  (the folder holds a tokenizer only, no weights)
     (prompt,) = build_prompt_source(config).next_batch(1)
     text = chat_text("Solve: 17+25", system="Be brief.", thinking_off=True)
     assert HFTokenizer(chat_folder).hf.decode(list(prompt.ids)) == text
@@ -197,10 +208,13 @@ def test_the_math_example_passes_config_check_and_plan(capsys: pytest.CaptureFix
     from launch.cli import main
 
     example = "recipes/examples/math_qwen3_moe.yaml"
-    assert main(["config", "check", str(REPO / example)]) == 0
-    assert main(["plan", str(REPO / example)]) == 0
+    # its dataset and checkpoint are the user's: absent here, so named, unless left to the cluster
+    assert main(["config", "check", str(REPO / example)]) == 1
+    assert "data.task=file:data/math_train.jsonl: no such file" in capsys.readouterr().out
+    assert main(["config", "check", str(REPO / example), "--skip-path-checks"]) == 0
+    assert main(["plan", str(REPO / example), "--skip-path-checks"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS")
-    d = load_checked(REPO / example).data
+    d = load_checked(REPO / example, paths=False).data
     assert (d.task.startswith("file:"), d.reward, d.chat_template) == (True, "math", True)
     assert d.chat_template_kwargs == {"enable_thinking": False}
     assert d.prompt_template.format(question="6*7") == (
