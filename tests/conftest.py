@@ -7,7 +7,10 @@
   other variant is skipped with the reason. So ``pytest -m gpu`` is the GPU tier, and on a CPU
   machine the suite runs as before.
 * CI rule: in CI (CI=true), a skipped test marked `slurm` or `e2e` is a failure, so those tiers can
-  never silently stop running — unless it is a ``gpu`` test on a machine without CUDA.
+  never silently stop running — unless it is a ``gpu`` test on a machine without CUDA. A file or
+  folder skipped whole at collection (a module-level ``pytest.importorskip`` whose library failed to
+  install, a conftest that skips its folder) fails the run too, named at the end: otherwise its
+  tests would vanish from the count without a skip to see.
 """
 
 from __future__ import annotations
@@ -60,6 +63,27 @@ def _gpus_visible_again():
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+_SKIPPED_AT_COLLECTION: list[str] = []
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped and _in_ci():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _SKIPPED_AT_COLLECTION.append(f"{report.nodeid}: {reason.removeprefix('Skipped: ')}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not _SKIPPED_AT_COLLECTION:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("=", "skipped whole at collection: not allowed in CI", red=True)
+        for line in _SKIPPED_AT_COLLECTION:
+            reporter.write_line(line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

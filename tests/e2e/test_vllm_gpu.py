@@ -18,7 +18,7 @@ from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.tiny_hf import load_state_dict, make_tiny_qwen3_moe
 from moe_rl.rollout.vllm_engine import VLLMEngine
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e]  # on a GPU machine its skip is a failure like any e2e test
 
 VOCAB = 128
 PROMPTS = [[1, 2, 3, 4], [5, 6]]

@@ -77,7 +77,9 @@ def test_replay_sets_the_routing_map_on_a_softmax_router(device):
 
 def test_router_gets_gradients_under_replay(device):
     """R3: replayed ids, gate weights from the trainer's own router logits -> router gradients,
-    identical to the natural forward's when the natural routing is replayed."""
+    identical to the natural forward's when the natural routing is replayed; and when another
+    routing is replayed (every token to experts 0 and 1), the gradients follow it: experts 2 and 3,
+    which the natural routing uses, get none, and the routers' gradients change."""
     model = build_gpt_model(tiny_qwen(), seed=3).train()
     replay = RoutingReplay(model)
     tokens, positions = _inputs(device, 2)
@@ -92,6 +94,18 @@ def test_router_gets_gradients_under_replay(device):
             assert param.grad.abs().sum() > 0, name
         atol = 1e-7 if device.type == "cpu" else 1e-6
         torch.testing.assert_close(param.grad, natural[name], atol=atol, rtol=1e-5)
+    model.zero_grad()
+    forced = torch.tensor([0, 1], device=device).expand_as(trace).clone()
+    assert not torch.equal(forced.sort(-1).values, trace.sort(-1).values)
+    with replay.replay(forced):
+        _forward(model, tokens, positions).square().mean().backward()
+    unused = [n for n in natural if ".local_experts.2." in n or ".local_experts.3." in n]
+    assert unused and all(natural[n].abs().sum() > 0 for n in unused)  # the natural routing used them
+    for name, param in model.named_parameters():
+        if name in unused:
+            assert param.grad is None or param.grad.abs().sum() == 0, name
+        if "router" in name:
+            assert param.grad.abs().sum() > 0 and not torch.allclose(param.grad, natural[name]), name
 
 
 def test_replay_backward_with_activation_recompute_pops_in_forward_order(device):
@@ -140,12 +154,24 @@ def test_r2_local_trace_replays(device):
 
 
 def test_padding_rows_are_filled(device):
+    """A trace shorter than the packed rows: its rows are replayed as they are, and the rows past
+    its end (padding) replay experts ``0..k-1``."""
     model = build_gpt_model(tiny_qwen(), seed=6).eval()
     replay = RoutingReplay(model)
     tokens, positions = _inputs(device, 4)
     _, trace = _record(model, replay, tokens, positions)
+    maps = []
+    hooks = [r.register_forward_hook(lambda m, a, o: maps.append(o[1])) for _, r in replay.routers]
     with torch.no_grad(), replay.replay(trace[:-3], num_tokens=SEQ):
         _forward(model, tokens, positions)
+    for h in hooks:
+        h.remove()
+    k = trace.shape[-1]
+    padding = torch.arange(k, device=device).expand(3, k)
+    for layer, routing_map in enumerate(maps):
+        want = torch.zeros(SEQ, 4, dtype=torch.bool, device=device)
+        want.scatter_(1, torch.cat([trace[:-3, layer], padding]), True)
+        assert torch.equal(routing_map, want), layer
 
 
 def test_bad_traces_name_field_and_sample():
