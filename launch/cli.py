@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_rl.config import ConfigError
-from moe_rl.errors import UserError
+from moe_rl.errors import UserError, user_error_of
 from moe_rl.log import setup_logging
 from moe_rl.orchestration.preflight import SKIP_PATHS, load_checked
 
@@ -276,6 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except UserError as exc:  # a recipe, dataset row, stored trajectory or reward function: one line
         log.error("%s", exc)
+        return 2
+    except OSError as exc:  # a full disk, a read-only or forbidden path: one line, naming it
+        fault = user_error_of(exc)
+        if fault is None:
+            raise
+        log.error("%s", fault)
         return 2
 
 

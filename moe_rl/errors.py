@@ -5,6 +5,8 @@ it was raised: in the driver or, through Ray, in a worker."""
 
 from __future__ import annotations
 
+import errno
+
 
 class UserError(ValueError):
     """Bad input from the user; the message says what, where, and what would be valid."""
@@ -23,13 +25,39 @@ class EnvError(UserError):
     something that is not a valid `moe_rl.envs.StepResult`."""
 
 
+class EnvironmentFault(UserError):
+    """The machine refused a file operation: a full disk, a read-only file system, a path it may not
+    write or read. Said as such, with the path."""
+
+
+FAULTS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+"""The operating system's refusals that are the machine's state, not a bug: said in one line."""
+
+
+def fault_of(exc: OSError) -> EnvironmentFault | None:
+    """``exc`` as one line naming the path and the cause, when it is one of `FAULTS`."""
+    cause = FAULTS.get(exc.errno)
+    if cause is None:
+        return None
+    return EnvironmentFault(f"{exc.filename or 'a file'}: {cause}")
+
+
 def user_error_of(exc: BaseException) -> UserError | None:
     """The `UserError` behind ``exc``: itself, or the cause Ray wrapped it in (a task's error
-    reaches the driver as a ``RayTaskError`` whose ``cause`` is the worker's exception)."""
+    reaches the driver as a ``RayTaskError`` whose ``cause`` is the worker's exception); an
+    operating-system refusal of `FAULTS` becomes an `EnvironmentFault`."""
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, UserError) and type(exc).__module__.split(".")[0] != "ray":
             return exc
+        if isinstance(exc, OSError) and fault_of(exc) is not None:
+            return fault_of(exc)
         exc = getattr(exc, "cause", None) or exc.__cause__
         seen += 1
     return None

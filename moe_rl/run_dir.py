@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_rl.errors import ConfigError
+from moe_rl.errors import ConfigError, EnvironmentFault, UserError
 
 log = logging.getLogger("moe_rl.run_dir")
 
@@ -136,6 +136,25 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+FULL_BYTES = 64 << 20
+"""Free bytes under which a failed write is taken for a full disk (`disk_full`)."""
+
+
+def disk_full(path: Path, writing: str) -> UserError | None:
+    """After a write under ``path`` failed: a one-line `EnvironmentFault` when its device is full
+    (libraries may report it in their own words, e.g. "unexpected pos" from a zip writer)."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return None
+    if free >= FULL_BYTES:
+        return None
+    return EnvironmentFault(
+        f"{path}: no space left on the device ({free / 2**20:.0f} MiB free) while writing {writing}; what "
+        "the run wrote before stays intact (a resume skips an unsealed checkpoint)"
+    )
 
 
 def ensure_owned(run_dir: Path) -> None:

@@ -347,7 +347,13 @@ class Stages:
             return
         (ckpt / run_dir.MANIFEST).unlink(missing_ok=True)  # not complete until sealed again
         ckpt.mkdir(parents=True, exist_ok=True)
-        self.trainer.save_checkpoint(str(ckpt / "trainer"))
+        try:
+            self.trainer.save_checkpoint(str(ckpt / "trainer"))
+        except Exception as exc:
+            full = run_dir.disk_full(ckpt, f"checkpoint {name}")
+            if full is not None:
+                raise full from exc
+            raise
         source = self._pending_state.get(step + 1, self.source.state())
         state = {
             "step": step,

@@ -51,7 +51,7 @@ def _train(tmp_path: Path, caplog, monkeypatch, *overrides: str, recipe: str = T
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started despite bad input"))
     caplog.clear()
     with caplog.at_level(logging.ERROR):
-        code = main(["train", recipe, f"run.output_dir={tmp_path / 'runs'}", *overrides])
+        code = main(["train", recipe, f"run.output_dir={tmp_path / 'runs'}", *overrides])  # a later one wins
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert code == 2 and len(errors) == 1, (code, errors)
     assert "Traceback" not in errors[0]
@@ -133,3 +133,11 @@ def test_a_reward_function_that_cannot_be_loaded_is_refused_before_the_run_start
     line = _train(tmp_path, caplog, monkeypatch, f"data.task=file:{data}", "data.reward=no_such_module:score",
                   "model.vocab_size=320")  # fmt: skip
     assert line.startswith("data.reward='no_such_module:score': cannot import no_such_module"), line
+
+
+def test_an_output_folder_the_machine_refuses_is_one_line(tmp_path, caplog, monkeypatch):
+    """A run directory where the file system forbids writing (sysfs): said as such, with the path."""
+    line = _train(tmp_path, caplog, monkeypatch, "run.output_dir=/sys/moe_rl_runs")
+    assert line.startswith("/sys/moe_rl_runs: ") and line.endswith(
+        ("operation not permitted", "permission denied")
+    ), line

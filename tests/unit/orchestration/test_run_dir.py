@@ -188,3 +188,26 @@ def test_train_refuses_a_taken_run_name_before_anything_starts(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert both.returncode == 2 and "give one of them" in both.stderr
+
+
+def test_a_full_disk_is_said_as_such_and_an_os_refusal_names_its_path(tmp_path, monkeypatch):
+    """Libraries report a full disk in their own words ("unexpected pos 704 vs 598"): after a failed
+    write the run looks at the device and says "no space left"; the operating system's refusals
+    (ENOSPC, EROFS, EACCES, ...) become one line with the path."""
+    import errno
+    import shutil
+
+    from moe_rl.errors import EnvironmentFault, user_error_of
+
+    assert rd.disk_full(tmp_path, "checkpoint step_000003") is None  # room left: not the disk
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=3 << 20))
+    full = rd.disk_full(tmp_path, "checkpoint step_000003")
+    assert isinstance(full, EnvironmentFault)
+    assert str(full).startswith(
+        f"{tmp_path}: no space left on the device (3 MiB free) while writing checkpoint"
+    )
+    wrapped = RuntimeError("a task failed")
+    wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system", "/data/runs/x")
+    assert str(user_error_of(wrapped)) == "/data/runs/x: the file system is read-only"
+    assert user_error_of(OSError(errno.EBADF, "Bad file descriptor")) is None  # a bug, not the machine
