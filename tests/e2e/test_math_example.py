@@ -48,7 +48,7 @@ def _model_folder(folder: Path) -> Path:
     """A random-init Qwen3-MoE checkpoint of the twin's shape, with the chat tokenizer beside it."""
     from moe_rl.rollout.tiny_hf import make_tiny_qwen3_moe, qwen3_moe_kwargs
 
-    model = load_checked(EXAMPLE, CPU_TWIN).model
+    model = load_checked(EXAMPLE, CPU_TWIN, paths=False).model  # the folder is made from it
     make_tiny_qwen3_moe(folder, seed=0, eos_token_id=IM_END, **qwen3_moe_kwargs(model))
     return write_chat_tokenizer(folder)
 
