@@ -29,6 +29,7 @@ activation recompute only each layer's input is kept.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -638,8 +639,18 @@ def _checks_table(plan: Plan):
         table.add_column(name)
     for c in plan.checks:
         mark = "[green]ok" if c.ok else ("[red]FAIL" if c.fatal else "[yellow]warn")
-        table.add_row(c.name, mark, c.detail)
+        table.add_row(c.name, mark, shown_detail(c))
     return table
+
+
+ADVICE = re.compile(r";|\buse\b|\bset\b|\bturn\b|\braise\b|\blower\b|\bneeds?\b")
+
+
+def shown_detail(rule: Rule) -> str:
+    """What a row says: a rule that holds shows its values, not the advice its refusal would give
+    ("…: DGO trains on sample weights, not advantages; turn one of them off")."""
+    values, sep, rest = rule.detail.partition(": ")
+    return values if rule.ok and sep and ADVICE.search(rest) else rule.detail
 
 
 def render(plan: Plan, console) -> None:

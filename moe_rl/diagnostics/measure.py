@@ -55,6 +55,9 @@ class MeasureParams:
         default_factory=lambda: {"divergence": "k1", "aggregation": "seq_mean", "low": 0.999, "high": 1.001}
     )
     opsm_delta: float = 0.1
+    off: frozenset[str] = frozenset()
+    """The corrections the recipe leaves off (``icepop``, ``mis``, ``opsm``): their shares are said
+    as what they would mask, not as what the run masks."""
 
     @classmethod
     def from_config(cls, config) -> MeasureParams:
@@ -74,6 +77,8 @@ class MeasureParams:
             rejection={"divergence": rej.divergence, "aggregation": rej.aggregation,
                        "low": rej.low, "high": rej.high},
             opsm_delta=c.opsm.delta,
+            off=frozenset(name for name, on in (("icepop", c.icepop.enabled), ("mis", rej.enabled),
+                                                ("opsm", c.opsm.enabled)) if not on),
         )  # fmt: skip
 
 
@@ -226,6 +231,11 @@ def correction_shares(
             logp, rollout_logp, advantages[seq_ids], mask, seq_ids, num_seqs=num_seqs, delta=params.opsm_delta
         )
         out["opsm_masked_seq_frac"] = float(opsm.metrics["opsm_masked_seq_frac"])
+    for key, value in out.items():
+        name = key.split("_", 1)[0]
+        if name in params.off and not isinstance(value, NotAvailable):
+            label = {"icepop": "IcePop", "mis": "MIS", "opsm": "OPSM"}[name]
+            out[key] = NotAvailable(f"{label} is off in the recipe (it would mask {value:.1%})")
     return out
 
 

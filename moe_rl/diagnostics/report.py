@@ -85,14 +85,22 @@ def _lines(ax, records: Records, specs, scale: float = 1.0) -> int:
     return drawn
 
 
-def _finish(ax, xlabel: str, ylabel: str, title: str | None = None) -> None:
+def _finish(ax, xlabel: str, ylabel: str, title: str | None = None, outside: bool = False) -> None:
+    """Labels, grid, whole-number steps and the legend (``outside``: right of the axes, so it hides
+    no band)."""
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # RL steps: no 0.5
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        if outside:
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        else:
+            ax.legend(fontsize=8)
 
 
 def draw_reward(fig, records: Records) -> None:
@@ -115,16 +123,17 @@ def draw_mismatch(fig, records: Records) -> None:
         if kind == "kl":
             ax.set_yscale("symlog", linthresh=1e-6)
             ax.axhline(verdicts.KL_K3_NEGLIGIBLE, color="gray", ls=":", lw=1, label="k3 negligible (1e-4)")
-            _finish(ax, "RL step", "nats per token", "KL(engine ‖ trainer π_old)")
+            # k1 and k2 are per-token estimators of the KL: their batch mean can fall below 0
+            _finish(ax, "RL step", "nats per token (estimates: k1 can be < 0)", "KL(engine ‖ trainer π_old)")
         elif kind == "chi2":
             ax.set_yscale("symlog", linthresh=1e-4)
             ax.axhline(verdicts.CHI2_MODERATE, color="orange", ls=":", lw=1, label="moderate (0.3)")
             ax.axhline(verdicts.CHI2_HIGH, color="red", ls=":", lw=1, label="blow-up (1.0)")
-            _finish(ax, "RL step", "χ² = E[ρ²] − 1 (dimensionless)", "χ² divergence")
+            _finish(ax, "RL step", "E[ρ²] − 1 (a sample estimate: can be < 0)", "χ² divergence")
         else:
             ax.axhline(verdicts.ESS_LOW, color="red", ls=":", lw=1, label="low (0.5)")
             ax.set_ylim(0, 1.05)
-            _finish(ax, "RL step", "ESS / samples (fraction)", "effective sample size")
+            _finish(ax, "RL step", "ESS / samples (1.0: engine and trainer agree)", "effective sample size")
 
 
 def draw_masked(fig, records: Records) -> None:
@@ -149,7 +158,7 @@ def draw_timings(fig, records: Records) -> None:
     other = [max(0.0, 100 - sum(col)) for col in zip(*shares)]
     left.stackplot(steps, *shares, other, labels=[label for _, label in STAGES] + ["other"], alpha=0.85)
     left.set_ylim(0, 100)
-    _finish(left, "RL step", "share of step wall time (%)", "stage shares")
+    _finish(left, "RL step", "share of step wall time (%)", "stage shares", outside=True)
     right.bar(steps, [r["time/step_s"] for r in rows], color="gray")
     _finish(right, "RL step", "step wall time (s)", "step time")
 
@@ -321,7 +330,7 @@ def markdown(run_dir: Path, records: Records, drawn: Mapping[str, Path | NotAvai
         where = drawn[plot.name]
         out.append(f"![{plot.title}]({plot.name})" if isinstance(where, Path) else f"- {plot.title}: {where}")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out).rstrip("\n") + "\n"  # one final newline
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:

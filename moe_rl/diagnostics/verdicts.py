@@ -55,6 +55,8 @@ CLIP_FRAC_HIGH = 0.2
 """Survey Cause E: ``pg_clipfrac > 0.2`` and rising."""
 LENGTH_SURGE, LENGTH_WINDOW = 1.2, 100
 """Survey Cause F: response length up more than 20 % within 100 steps."""
+LENGTH_SURGE_MIN_TOKENS = 16
+"""*Ours*: a surge of fewer tokens than this is noise on a short task (7.4 vs 6.1 is 21 %)."""
 
 LEVELS = ("ok", "note", "warn", "act")
 
@@ -310,7 +312,11 @@ def rule_length_surge(records: Sequence[Mapping[str, Any]]) -> Verdict | None:
     ]
     for i, (step, length) in enumerate(series):
         earlier = [v for s, v in series[:i] if step - s <= LENGTH_WINDOW and v > 0]
-        if earlier and length / min(earlier) > LENGTH_SURGE:
+        if (
+            earlier
+            and length / min(earlier) > LENGTH_SURGE
+            and length - min(earlier) >= LENGTH_SURGE_MIN_TOKENS
+        ):
             return Verdict(
                 "warn", "cause_f_length",
                 f"response length {length:.1f} at step {step} is > {LENGTH_SURGE - 1:.0%} above "

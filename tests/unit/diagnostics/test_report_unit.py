@@ -40,6 +40,7 @@ def test_plots_and_markdown(tmp_path):
         height, width = image.imread(path).shape[:2]
         assert path.stat().st_size > 10_000 and width >= 800 and height >= 400, path
     md = (run / "report" / "report.md").read_text()
+    assert md.endswith("\n") and not md.endswith("\n\n")  # one final newline
     assert "![Reward](reward.png)" in md and "| `old/kl_k3` | 0.0002 |" in md
     assert "IS variance blow-up" in md  # χ² token 1.5 > 1 → Cause D
     assert "no config.yaml" in md

@@ -120,13 +120,15 @@ def test_zero_update_verdicts_compare_r3_within_the_configured_ksm_choice():
 def test_run_verdicts_on_records_clip_and_length_trends():
     records = [
         {"step": i, "old/kl_k3": 1e-6, "old/kl_k1": 1e-5, "train/clip_frac": 0.1 + 0.05 * i,
-         "response/length_mean": 10 + 2 * i, "quant/recipe": "fp8"}
+         "response/length_mean": 100 + 20 * i, "quant/recipe": "fp8"}
         for i in range(4)
     ]  # fmt: skip
     found = codes(v.run_verdicts(records, None))
     assert found == ["negligible", "cause_e_clip", "cause_f_length"]
     flat = [{**r, "train/clip_frac": 0.1, "response/length_mean": 10} for r in records]
     assert codes(v.run_verdicts(flat, None)) == ["negligible"]
+    short = [{**r, "response/length_mean": length} for r, length in zip(flat, (6.1, 6.5, 7.0, 7.4))]
+    assert codes(v.run_verdicts(short, None)) == ["negligible"]  # +21 % of 6 tokens: noise, not a surge
 
 
 def test_run_verdicts_routing_only_when_r3_is_off():

@@ -233,3 +233,18 @@ def test_plan_imports_no_heavy_library():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "heavy:"
+
+
+def test_a_row_that_holds_shows_its_values_not_the_advice_of_its_refusal():
+    from launch.plan import shown_detail
+    from moe_rl.rules import Rule
+
+    detail = "algo.zero_variance_shaping=False with algo.objective=espo: DGO trains on weights; turn one off"
+    assert (
+        shown_detail(Rule("shaping", True, detail))
+        == "algo.zero_variance_shaping=False with algo.objective=espo"
+    )
+    assert shown_detail(Rule("shaping", False, detail)) == detail  # refused: the advice is what helps
+    assert shown_detail(
+        Rule("KV cache", True, "425617 tokens per engine, longest sequence 10240")
+    ).startswith("425617")
