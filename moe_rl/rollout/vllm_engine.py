@@ -250,7 +250,7 @@ class VLLMEngine:
         missing = [] if self._transferred else sorted(set(self._layers) - self._reloaded)
         if missing:
             raise ValueError(f"weight sync incomplete: layers {missing[:3]} did not arrive whole")
-        if self.device != "cuda":
+        if self.device != "cuda" or self._transferred:  # (buckets over IPC label it as they send)
             self._llm.llm_engine.set_weight_version(str(int(version)))
         self._version, self._incoming = int(version), None
         self._weights_changed()
