@@ -179,6 +179,31 @@ def _check_run_name(name: str) -> None:
     )
 
 
+_SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def check_slurm_time(text: str) -> None:
+    """``cluster.time`` in a form sbatch reads: ``minutes``, ``minutes:seconds``,
+    ``hours:minutes:seconds``, ``days-hours``, ``days-hours:minutes``, ``days-hours:minutes:seconds``;
+    every field after the first within its clock range, and more than nothing."""
+    where = f"cluster.time={text!r}"
+    if text.strip().upper() in ("UNLIMITED", "INFINITE"):
+        return
+    match = _SLURM_TIME.fullmatch(text.strip())
+    _require(
+        match is not None,
+        f"{where} is not a Slurm time limit; use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS "
+        "(e.g. 24:00:00)",
+    )
+    days, *clock = match.groups()
+    fields = [int(f) for f in clock if f is not None]
+    # D-HH[:MM[:SS]]; or MM, MM:SS, HH:MM:SS, whose first field is free
+    limits = (24, 60, 60) if days is not None else {1: (), 2: (None, 60), 3: (None, 60, 60)}[len(fields)]
+    for value, limit in zip(fields, limits, strict=False):
+        _require(limit is None or value < limit, f"{where}: {value} is not below {limit} in its place")
+    _require(any(fields) or bool(days and int(days)), f"{where} is no time at all")
+
+
 def check_values(config: RecipeConfig) -> None:
     """Each field on its own: finite floats, choices, ranges, the run name. `load_recipe` runs
     these on every recipe it loads, so no later computation divides by
@@ -187,6 +212,7 @@ def check_values(config: RecipeConfig) -> None:
     _check_choices(config)
     _check_ranges(config)
     _check_run_name(config.run.name)
+    check_slurm_time(config.cluster.time)
 
 
 def _check_model(config: RecipeConfig) -> None:

@@ -94,6 +94,9 @@ BAD = [
     ("run.name=a\\b", f"run.name='a\\\\b' {NAME}"),
     ("run.name=x%j%N", "run.name='x%j%N' must not contain `%`: sbatch and srun expand %j, %N, ..."),
     ("run.name='a\tb'", "run.name='a\\tb' contains a control character"),
+    ("cluster.time=99:99:99", "cluster.time='99:99:99': 99 is not below 60 in its place"),
+    ("cluster.time=2-25", "cluster.time='2-25': 25 is not below 24 in its place"),
+    ("cluster.time=soon", "cluster.time='soon' is not a Slurm time limit; use minutes, MM:SS, HH:MM:SS"),
     (
         "rollout.group_size=1",
         "rollout.group_size=1: algo.advantage=grpo compares each response with the others",
