@@ -154,7 +154,7 @@ class TrainerWorker:
             raise RuntimeError("trainer memory released twice without a restore")
         self._offload = Offload("trainer")
         self._offload.add(optimizer_state_tensors(self.optimizer))
-        self._offload.add(buffer.grad_data for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers)
+        self._offload.add(self._grad_buffers())
         if params:
             self._offload.add(self.model.parameters())
         freed = self._offload.release()
@@ -177,8 +177,13 @@ class TrainerWorker:
         its parameters, gradient buffers and optimizer state as they are now."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        grads = [buffer.grad_data for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers]
-        return resident_bytes([*self.model.parameters(), *grads, *optimizer_state_tensors(self.optimizer)])
+        return resident_bytes(
+            [*self.model.parameters(), *self._grad_buffers(), *optimizer_state_tensors(self.optimizer)]
+        )
+
+    def _grad_buffers(self) -> list[Tensor]:
+        """Megatron's gradient buffers (dense and expert-parallel): every ``main_grad`` views one."""
+        return [buffer.grad_data for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers]
 
     # ------------------------------------------------------------------ π_old (and π_ref)
     def compute_old_logp(
