@@ -52,6 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved recipe as YAML")
     _add_recipe_args(show)
+    _add_paths_flag(show)
     check = config_sub.add_parser("check", help="load and validate recipes; print OK or the error")
     check.add_argument(
         "recipes", nargs="+", help="recipe YAML files, then section.key=value overrides for all"
@@ -94,6 +95,14 @@ def _add_slurm_parsers(sub: argparse._SubParsersAction) -> None:
     _add_recipe_args(plan)
     plan.add_argument("--nodes", type=int, help="plan for this many nodes in all")
     _add_paths_flag(plan)
+
+    make_model = sub.add_parser(
+        "make-model",
+        help="a random-init checkpoint of a recipe's model (and a chat tokenizer) at model.hf_path",
+    )
+    _add_recipe_args(make_model)
+    make_model.add_argument("--out", metavar="DIR", help="write here instead of the recipe's model.hf_path")
+    make_model.add_argument("--force", action="store_true", help="write into a folder that is not empty")
 
     for name, text in (
         ("status", "state of a submitted run's Slurm job"),
@@ -155,7 +164,7 @@ def _config_command(args: argparse.Namespace) -> int:
     from moe_rl.config import to_yaml
 
     if args.config_command == "show":
-        sys.stdout.write(to_yaml(load_checked(args.recipe, args.overrides)))
+        sys.stdout.write(to_yaml(load_checked(args.recipe, args.overrides, paths=args.check_paths)))
         return 0
     if args.config_command == "docs":
         from moe_rl.config.docs import render_recipe_docs
@@ -203,6 +212,12 @@ def _plan_command(args: argparse.Namespace) -> int:
     return plan_command(args.recipe, args.overrides, nodes=args.nodes, paths=args.check_paths)
 
 
+def _make_model_command(args: argparse.Namespace) -> int:
+    from launch.make_model import make_model_command
+
+    return make_model_command(args.recipe, args.overrides, args.out, args.force)
+
+
 def _slurm_command(args: argparse.Namespace) -> int:
     from launch import slurm_cmds
 
@@ -246,6 +261,7 @@ COMMANDS = {
     "train": _train_command,
     "submit": _submit_command,
     "plan": _plan_command,
+    "make-model": _make_model_command,
     "status": _slurm_command,
     "logs": _slurm_command,
     "cancel": _slurm_command,

@@ -271,7 +271,7 @@ class RewardActor:
 
 def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
     """Join the Ray cluster of a Slurm job (RAY_ADDRESS) or start a local one sized for the run's
-    processes; returns whether this call started Ray (then the caller shuts it down). With
+    processes (never one another run started on this machine); returns whether this call started Ray (then the caller shuts it down). With
     ``log_dir`` every actor logs into it (`moe_rl.log.setup_actor_logging`); Ray still forwards
     what an actor prints to stderr (the project's warnings and errors, a crash) to this terminal."""
     if ray.is_initialized():
@@ -285,5 +285,8 @@ def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
         return True
     os.environ.update(logs)  # the local cluster's workers inherit the driver's environment
     processes = config.parallel.trainer_world_size + config.rollout.num_engines + 1
-    ray.init(num_cpus=max(processes, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
+    # "local": a new cluster of this run's own, even when another (`ray start`) runs on this machine
+    ray.init(
+        address="local", num_cpus=max(processes, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True
+    )
     return True

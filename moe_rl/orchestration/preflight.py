@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.config.loader import load_recipe
-from moe_rl.config.modes import RunMode
+from moe_rl.config.modes import Attention, Family, RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.validate import recipe_rules
 from moe_rl.device import Machine, RunDevice
@@ -156,7 +156,17 @@ def input_rules(config: RecipeConfig, paths: bool = True) -> list[Rule]:
     else:
         folder = Path(hf_path)
         rule = _path_rule("model checkpoint exists", f"model.hf_path={hf_path}", folder, "folder", here)
-        if rule.ok and not (folder / "config.json").is_file():
+        if (
+            not folder.exists()
+            and config.model.family == Family.QWEN3_MOE
+            and config.model.attention == Attention.GQA
+        ):
+            rule = Rule(
+                rule.name,
+                False,
+                f"{rule.detail}; `moe-rl make-model` writes a random-init one there to try the recipe",
+            )
+        elif rule.ok and not (folder / "config.json").is_file():
             rule = Rule(rule.name, False, f"model.hf_path={hf_path}: no config.json in the folder ({here})")
         elif rule.ok and not any(folder.glob("*.safetensors")):
             rule = Rule(

@@ -1,11 +1,12 @@
-"""The math example (`recipes/examples/math_qwen3_moe.yaml`) for 3 RL steps through `moe-rl train`
-on its CPU twin: the recipe as shipped, with a toy Qwen3-MoE checkpoint and a character-level chat
-tokenizer made in the test (`model.hf_path`), `tests/data/arithmetic.jsonl` as the prompt file and
-a one-process layout. The whole data path runs: prompt template, chat template with
-`enable_thinking: false`, Megatron-engine rollouts, the math-verify reward on decoded responses."""
+"""The math example's CPU recipe (`recipes/examples/math_cpu.yaml`: `math_qwen3_moe.yaml` at toy
+size on this machine) for 3 RL steps, run the way its header tells a user: `moe-rl make-model` writes
+the random-init checkpoint and the character-level chat tokenizer, then `moe-rl train`. The whole
+data path runs: prompt template, chat template with `enable_thinking: false`, Megatron-engine
+rollouts, the math-verify reward on decoded responses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -18,57 +19,43 @@ from moe_rl.data.shards import read_trajectories
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rewards.datasets import HFTokenizer
 from moe_rl.rewards.functions import math_answer
-from tests.unit.rewards.chat_tokenizer import IM_END, chat_text, write_chat_tokenizer
+from moe_rl.rollout.tiny_tokenizer import IM_END, chat_text
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = "recipes/examples/math_qwen3_moe.yaml"
-DATA = REPO / "tests" / "data" / "arithmetic.jsonl"
-
-CPU_TWIN = [
-    # Qwen3-MoE layer types at toy size, over the test tokenizer's vocabulary (<|im_end|> ends a turn)
-    "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
-    "model.num_key_value_heads=2", "model.head_dim=16", "model.ffn_hidden_size=128",
-    "model.moe_ffn_hidden_size=32", "model.num_experts=8", "model.moe_router_topk=2",
-    "model.max_position_embeddings=256", f"model.eos_token_id={IM_END}",
-    # one trainer process and one Megatron engine on this machine
-    "run.device=auto", "parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=1",
-    "parallel.sequence_parallel=false", "parallel.use_distributed_optimizer=false",
-    "parallel.trainer_world_size=1", "cluster.nodes=1", "cluster.trainer_nodes=1", "cluster.rollout_nodes=0",
-    "cluster.gpus_per_node=0", "rollout.engine=megatron", "rollout.num_engines=1", "rollout.batch_size=16",
-    "rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.max_model_len=256",
-    "trainer.precision=fp32", "trainer.recompute_activations=false", "trainer.max_tokens_per_microbatch=2048",
-    # the shipped arithmetic problems; chat-rendered prompts are ~110 characters = tokens
-    f"data.task=file:{DATA}", "data.max_prompt_len=128",
-]  # fmt: skip
+EXAMPLE = "recipes/examples/math_cpu.yaml"
+DATA = REPO / "recipes" / "examples" / "arithmetic.jsonl"
 
 
-def _model_folder(folder: Path) -> Path:
-    """A random-init Qwen3-MoE checkpoint of the twin's shape, with the chat tokenizer beside it."""
-    from moe_rl.rollout.tiny_hf import make_tiny_qwen3_moe, qwen3_moe_kwargs
-
-    model = load_checked(EXAMPLE, CPU_TWIN, paths=False).model  # the folder is made from it
-    make_tiny_qwen3_moe(folder, seed=0, eos_token_id=IM_END, **qwen3_moe_kwargs(model))
-    return write_chat_tokenizer(folder)
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
 
 
 def test_math_example_runs_three_steps_on_chat_formatted_prompts(tmp_path: Path) -> None:
-    folder = _model_folder(tmp_path / "model")
-    args = [*CPU_TWIN, f"model.hf_path={folder}", "run.steps=3", "run.name=math", f"run.output_dir={tmp_path}",
+    folder = tmp_path / "model"
+    made = _cli("make-model", EXAMPLE, f"model.hf_path={folder}")
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
+    ]  # fmt: skip
+    args = [f"model.hf_path={folder}", "run.steps=3", "run.name=math", f"run.output_dir={tmp_path}",
             "logging.progress=false", "logging.dump_trajectories=true"]  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "train", EXAMPLE, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    out = _cli("train", EXAMPLE, *args)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = tmp_path / "math"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(math.isfinite(r["reward/mean"]) and 0.0 <= r["reward/mean"] <= 1.0 for r in records)
 
-    # every prompt the engine saw is the example's template in the chat template, thinking block off
     config = load_checked(run_dir / "config.yaml")
+    assert config.algo == load_checked("recipes/examples/math_qwen3_moe.yaml", paths=False).algo
+    # the CPU recipe is the example's data path, only the prompt file and its length bound differ
+    shipped = load_checked("recipes/examples/math_qwen3_moe.yaml", paths=False).data
+    assert config.data == dataclasses.replace(shipped, task=f"file:{DATA.relative_to(REPO)}", max_prompt_len=128)
+    # every prompt the engine saw is the example's template in the chat template, thinking block off
     assert config.data.chat_template and config.data.chat_template_kwargs == {"enable_thinking": False}
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
     rendered = {

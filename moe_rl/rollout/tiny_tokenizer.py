@@ -4,6 +4,7 @@ One token per printable ASCII character (and newline) after six special tokens, 
 chat template (`<|im_start|>role\\n...<|im_end|>\\n` turns; `enable_thinking=false` writes an empty
 thinking block after the assistant's opening). `write_chat_tokenizer` saves `tokenizer.json` and a
 `tokenizer_config.json` carrying the template, the folder layout `transformers.AutoTokenizer` loads.
+`moe-rl make-model` writes it beside a toy checkpoint, so a chat-formatted recipe runs on a CPU.
 """
 
 from __future__ import annotations
