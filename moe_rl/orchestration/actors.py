@@ -287,6 +287,9 @@ def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
     processes = config.parallel.trainer_world_size + config.rollout.num_engines + 1
     # "local": a new cluster of this run's own, even when another (`ray start`) runs on this machine
     ray.init(
-        address="local", num_cpus=max(processes, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True
+        address="local",
+        num_cpus=max(processes, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=True,
     )
     return True

@@ -54,7 +54,9 @@ def test_math_example_runs_three_steps_on_chat_formatted_prompts(tmp_path: Path)
     assert config.algo == load_checked("recipes/examples/math_qwen3_moe.yaml", paths=False).algo
     # the CPU recipe is the example's data path, only the prompt file and its length bound differ
     shipped = load_checked("recipes/examples/math_qwen3_moe.yaml", paths=False).data
-    assert config.data == dataclasses.replace(shipped, task=f"file:{DATA.relative_to(REPO)}", max_prompt_len=128)
+    assert config.data == dataclasses.replace(
+        shipped, task=f"file:{DATA.relative_to(REPO)}", max_prompt_len=128
+    )
     # every prompt the engine saw is the example's template in the chat template, thinking block off
     assert config.data.chat_template and config.data.chat_template_kwargs == {"enable_thinking": False}
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
