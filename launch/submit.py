@@ -76,6 +76,28 @@ def resolve(recipe: str, overrides: Sequence[str], args: SlurmArgs, paths: bool 
     return config
 
 
+FLAG_FIELDS = (
+    "cluster.nodes", "cluster.trainer_nodes", "cluster.gpus_per_node", "parallel.trainer_world_size",
+    "cluster.partition", "cluster.time", "cluster.account", "cluster.requeue",
+)  # fmt: skip
+"""The recipe values the submit flags set (`--nodes` moves the trainer's nodes and world size too)."""
+
+
+def flag_changes(base: RecipeConfig, config: RecipeConfig) -> list[str]:
+    """Each recipe value the flags changed, as `key: recipe → flags` (the recipe with its overrides
+    against what is submitted): a flag never replaces a recipe's value unsaid."""
+
+    def value(c: RecipeConfig, key: str):
+        section, field = key.split(".")
+        return getattr(getattr(c, section), field)
+
+    return [
+        f"{key}: {value(base, key)} → {value(config, key)}"
+        for key in FLAG_FIELDS
+        if value(base, key) != value(config, key)
+    ]
+
+
 MANAGED_OPTIONS = ("-o", "--output", "-e", "--error")
 """sbatch options `moe-rl submit` sets itself: the job's log goes where `moe-rl logs` reads it."""
 
@@ -226,9 +248,11 @@ def submit(
     run_dir = run_dir_of(config)
     script = render_script(config, Path.cwd(), command)
     placement = "".join(f"#   {line}\n" for line in placement_lines(config))
+    changed = flag_changes(load_recipe(recipe, overrides), config)
+    flags = "# the flags change the recipe:\n" + "".join(f"#   {line}\n" for line in changed) if changed else ""
     if dry_run:
         sys.stdout.write(script)
-        sys.stdout.write(f"\n# placement:\n{placement}")
+        sys.stdout.write(f"\n{flags}# placement:\n{placement}")
         sys.stdout.write(
             f"# would write {run_dir / CONFIG_NAME} and run: sbatch --parsable "
             f"{q_path(run_dir / SCRIPT_NAME)}\n"
@@ -248,7 +272,7 @@ def submit(
     job_id = call_sbatch(write_run_dir(config, script))
     (run_dir / JOB_ID_FILE).write_text(job_id + "\n")
     sys.stdout.write(
-        f"submitted job {job_id}: {run_dir}\n{placement}"
+        f"submitted job {job_id}: {run_dir}\n{flags}{placement}"
         f"  moe-rl status {q_path(run_dir)}    moe-rl logs {q_path(run_dir)}\n"
     )
     return 0

@@ -19,6 +19,7 @@ from moe_rl.orchestration.placement import PROCESS_ENV
 REPO = Path(__file__).resolve().parents[3]
 TINY = str(REPO / "recipes" / "tiny_moe.yaml")
 KIMI = str(REPO / "recipes" / "kimi_k2.yaml")
+QWEN = str(REPO / "recipes" / "qwen3_30b_a3b.yaml")
 CPU = SlurmArgs(nodes=1, gpus_per_node=0)
 EVIL = "x; touch PWNED1; $(touch PWNED2) `touch PWNED3` 'q\" * ~"
 
@@ -154,6 +155,25 @@ def test_dry_run_prints_script_and_writes_nothing(tmp_path, capsys):
     assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=64" in out
     assert f"sbatch --parsable {tmp_path / 'runs' / 'kimi_k2' / 'job.sbatch'}" in out
     assert not (tmp_path / "runs").exists()
+
+
+def test_flags_that_change_the_recipe_are_said(tmp_path, capsys):
+    """A flag equal to the recipe's value is no change; each one that differs is listed, with the
+    values it moved with it (the trainer's nodes and world size)."""
+    args = SlurmArgs(nodes=6, time="80:00:00", partition="batch")
+    code = submit(QWEN, [f"run.output_dir={tmp_path / 'runs'}"], args, dry_run=True, paths=False)
+    out = capsys.readouterr().out
+    assert code == 0
+    said = out[out.index("# the flags change the recipe:\n") :].split("# placement:")[0].splitlines()[1:]
+    assert said == [
+        "#   cluster.nodes: 4 → 6",
+        "#   cluster.trainer_nodes: 2 → 4",
+        "#   parallel.trainer_world_size: 16 → 32",
+        "#   cluster.partition: None → batch",
+        "#   cluster.time: 24:00:00 → 80:00:00",
+    ]
+    submit(QWEN, [f"run.output_dir={tmp_path / 'runs'}"], SlurmArgs(nodes=4, gpus_per_node=8), dry_run=True, paths=False)
+    assert "the flags change" not in capsys.readouterr().out
 
 
 def test_dry_run_script_passes_bash_syntax_check(tmp_path):
