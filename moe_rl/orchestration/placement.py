@@ -148,10 +148,11 @@ def placement_rules(config: RecipeConfig, machine: Machine | None = None) -> lis
     if c.gpus_per_node == 0:
         on_gpu = machine is not None and resolve_device(config.run.device, machine) == "cuda"
         alone = p.trainer_world_size == 1 and r.num_engines == 1
-        rules.append(Rule("one GPU: one rank and one engine", not on_gpu or alone,
-                          f"parallel.trainer_world_size={p.trainer_world_size}, rollout.num_engines={r.num_engines} "
-                          "on one machine's GPU (cluster.gpus_per_node=0): one trainer rank and one engine share "
-                          "it; set cluster.gpus_per_node for more"))  # fmt: skip
+        rules.append(Rule("GPUs per node given", not on_gpu or alone,
+                          f"cluster.gpus_per_node=0 with run.device={config.run.device} on GPUs: without a GPU count "
+                          "the run gets one GPU, for one trainer rank and one engine, but the recipe has "
+                          f"parallel.trainer_world_size={p.trainer_world_size} and rollout.num_engines={r.num_engines}; "
+                          "set cluster.gpus_per_node to each node's GPUs (0 is for CPU nodes)"))  # fmt: skip
         return rules
     trainer_gpus = c.trainer_nodes * c.gpus_per_node
     tp, node = r.tensor_parallel_size, c.gpus_per_node

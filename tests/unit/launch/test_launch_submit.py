@@ -176,6 +176,17 @@ def test_flags_that_change_the_recipe_are_said(tmp_path, capsys):
     assert "the flags change" not in capsys.readouterr().out
 
 
+def test_gpu_recipe_on_zero_gpus_per_node_says_what_is_missing(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        submit(QWEN, [f"run.output_dir={tmp_path}"], SlurmArgs(gpus_per_node=0), dry_run=True, paths=False)
+    assert str(caught.value) == (
+        "placement: GPUs per node given: cluster.gpus_per_node=0 with run.device=cuda on GPUs: without a GPU "
+        "count the run gets one GPU, for one trainer rank and one engine, but the recipe has "
+        "parallel.trainer_world_size=16 and rollout.num_engines=16; set cluster.gpus_per_node to each node's "
+        "GPUs (0 is for CPU nodes)"
+    )
+
+
 def test_dry_run_script_passes_bash_syntax_check(tmp_path):
     script = render_script(resolve(KIMI, [], SlurmArgs(nodes=64), paths=False), tmp_path)
     (tmp_path / "job.sbatch").write_text(script)

@@ -116,7 +116,7 @@ def test_placement_rules_name_what_does_not_fit():
         check_placement(load_recipe(KIMI, ["rollout.num_engines=9"]))
     two_ranks = load_recipe(TINY, ["parallel.trainer_world_size=2"])
     check_placement(two_ranks, Machine(cuda=False))
-    with pytest.raises(ValueError, match="one machine's GPU"):
+    with pytest.raises(ValueError, match="without a GPU count the run gets one GPU"):
         check_placement(two_ranks, Machine(cuda=True))
     lines = placement_lines(load_checked(KIMI, paths=False))
     assert lines == [
