@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from moe_rl.config import ConfigError, RecipeConfig, load_recipe
 from moe_rl.config.loader import recipes_root
 from moe_rl.device import machine_here
 from moe_rl.diagnostics.results import NotAvailable
+from moe_rl.log import libraries_to_file
 from moe_rl.orchestration.preflight import MachineSpec, load_checked
 
 log = logging.getLogger("moe_rl.diagnose")
@@ -74,13 +77,14 @@ def diagnose_command(
     run_device = load_recipe(recipe, overrides).run.device
     configs = resolve(recipe, overrides, quants, functools.cache(lambda: machine_here(run_device)))
     log.info("recipe %s resolved for %s; loading the trainer model", recipe, ", ".join(configs))
-    from moe_rl.diagnostics.render import render, write_budget_png, write_json
-    from moe_rl.diagnostics.zero_update import diagnose
+    with libraries_to_file(Path(tempfile.gettempdir()) / f"moe-rl-diagnose-{os.getpid()}.log"):
+        from moe_rl.diagnostics.render import render, write_budget_png, write_json
+        from moe_rl.diagnostics.zero_update import diagnose
 
-    report = diagnose(configs, num_prompts, recipe)
-    render(report)
-    if json_out:
-        log.info("wrote %s", write_json(report, json_out))
-    if budget_png:
-        log.info("wrote %s", write_budget_png(report, budget_png))
+        report = diagnose(configs, num_prompts, recipe)
+        render(report)
+        if json_out:
+            log.info("wrote %s", write_json(report, json_out))
+        if budget_png:
+            log.info("wrote %s", write_budget_png(report, budget_png))
     return 0

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 from moe_rl import run_dir as rd
 from moe_rl.config import RecipeConfig, load_recipe
 from moe_rl.errors import UserError
+from moe_rl.log import libraries_to_file
 
 log = logging.getLogger("moe_rl.export")
 
@@ -62,13 +65,22 @@ def export_command(
     max_shard_bytes = parse_size(shard_size)
     check_out(out_dir, run, force)
     log.info("exporting %s (step %d of run %s)", ckpt.path, ckpt.step, config.run.name)
-    tokenizer = _write_folder(config, ckpt.path / "trainer", out_dir.resolve(), max_shard_bytes)
+    with libraries_to_file(_library_log(run)):
+        tokenizer = _write_folder(config, ckpt.path / "trainer", out_dir.resolve(), max_shard_bytes)
     log.info("wrote %s: %s", out_dir, ", ".join(sorted(p.name for p in out_dir.iterdir())))
     load = f"AutoModelForCausalLM.from_pretrained({str(out_dir)!r}) or `vllm serve {out_dir}`"
     if not tokenizer:
         load += " (no tokenizer files: prompts are token ids; vLLM needs skip_tokenizer_init=True)"
     log.info("exported step %d of %s to %s; load it with %s", ckpt.step, run, out_dir, load)
     return 0
+
+
+def _library_log(run: Path) -> Path:
+    """The run's `logs/export.log`, or a file in the temporary folder when the run is not writable."""
+    logs = run / "logs"
+    if os.access(logs if logs.is_dir() else run, os.W_OK):
+        return logs / "export.log"
+    return Path(tempfile.gettempdir()) / f"moe-rl-export-{os.getpid()}.log"
 
 
 def _write_folder(config: RecipeConfig, trainer_dir: Path, target: Path, max_shard_bytes: int) -> list[str]:

@@ -249,7 +249,9 @@ def submit(
     script = render_script(config, Path.cwd(), command)
     placement = "".join(f"#   {line}\n" for line in placement_lines(config))
     changed = flag_changes(load_recipe(recipe, overrides), config)
-    flags = "# the flags change the recipe:\n" + "".join(f"#   {line}\n" for line in changed) if changed else ""
+    flags = (
+        "# the flags change the recipe:\n" + "".join(f"#   {line}\n" for line in changed) if changed else ""
+    )
     if dry_run:
         sys.stdout.write(script)
         sys.stdout.write(f"\n{flags}# placement:\n{placement}")

@@ -7,10 +7,12 @@ and `logs/<actor>.log` for each Ray actor, unless `logging.verbose` or level DEB
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -126,6 +128,30 @@ def route_library_logs() -> None:
             logger = logging.getLogger(name)
             logger.handlers.clear()
             logger.propagate = True
+
+
+@contextlib.contextmanager
+def libraries_to_file(path: Path) -> Iterator[Path]:
+    """For a one-shot command (`export`, `diagnose`), while it works: the terminal keeps the
+    project's messages, and library messages and Python warnings go to ``path`` (made on the first
+    message), unless the level is DEBUG, which shows them on the terminal too. At the end, whatever
+    happened, the file is named when there is one, and the logging is as it was."""
+    root, trace = logging.getLogger(), logging.getLogger("moe_rl.trace")
+    level, handlers, trace_state = root.level, list(root.handlers), (trace.propagate, list(trace.handlers))
+    setup_logging(level, quiet=not shows_libraries(level, False))
+    log_to_file(path)
+    route_library_logs()
+    try:
+        yield path
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+            handler.close()
+        trace.propagate, trace.handlers = trace_state
+        setup_logging(level)
+        logging.captureWarnings(False)
+        if path.is_file():
+            logging.getLogger("moe_rl.log").info("library messages and warnings: %s", path)
 
 
 def quiet_vllm(path: Path, level: str | int) -> None:

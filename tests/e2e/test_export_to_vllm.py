@@ -80,6 +80,13 @@ def test_export_of_a_trainer_checkpoint_generates_the_trainers_greedy_tokens_in_
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"exported step 0 of {run} to {out}; load it with" in done.stderr
+    # the terminal has the project's lines only; Megatron's and torch's warnings are in the run's logs/
+    assert [line for line in done.stderr.splitlines() if " moe_rl." not in line] == [], done.stderr
+    assert f"library messages and warnings: {run / 'logs' / 'export.log'}" in done.stderr
+    assert (
+        "UserWarning: Transformer Engine and Apex are not installed"
+        in (run / "logs" / "export.log").read_text()
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and sorted(p.name for p in out.iterdir()) == sorted(

@@ -172,7 +172,13 @@ def test_flags_that_change_the_recipe_are_said(tmp_path, capsys):
         "#   cluster.partition: None → batch",
         "#   cluster.time: 24:00:00 → 80:00:00",
     ]
-    submit(QWEN, [f"run.output_dir={tmp_path / 'runs'}"], SlurmArgs(nodes=4, gpus_per_node=8), dry_run=True, paths=False)
+    submit(
+        QWEN,
+        [f"run.output_dir={tmp_path / 'runs'}"],
+        SlurmArgs(nodes=4, gpus_per_node=8),
+        dry_run=True,
+        paths=False,
+    )
     assert "the flags change" not in capsys.readouterr().out
 
 
