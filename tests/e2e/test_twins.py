@@ -45,7 +45,11 @@ def test_twin_runs_two_rl_steps_with_the_stack(twin, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "twin" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
-        assert 0.0 <= r["old/routing_agreement"] <= 1.0  # R3 replay ran (trainer-natural vs replayed)
+        # the trainer routers' own choice against the engine's fp8 routing (which R3 replays): fp8
+        # rounding flips some routes, most stay. Measured over the four twins, seeds 1, 2 and the
+        # default, both steps: agreement 0.900..0.997, overlap (shared experts) 0.975..0.999
+        agreement, overlap = r["old/routing_agreement"], r["old/routing_overlap"]
+        assert 0.85 <= agreement < 1.0 and agreement <= overlap and overlap >= 0.95, (agreement, overlap)
         assert r["quant/rel_err"] > 0 and r["quant/num_quantized"] > 0
         # two steps of a toy may see only zero-variance groups (all advantages 0): a zero gradient
         # is legitimate, a non-finite one or an empty loss is not
