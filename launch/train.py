@@ -7,25 +7,29 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from moe_rl.device import machine_here
 from moe_rl.errors import UserError, user_error_of
 from moe_rl.run_dir import RunLock, claim
 
+if TYPE_CHECKING:
+    from moe_rl.orchestration.preflight import RunInputs
+
 log = logging.getLogger("moe_rl.train")
 LOG_FILE = "logs/train.log"
 """The driver's log in the run directory: every message, and the full traceback of an error."""
 
 
-def check_machine(config: RecipeConfig, machine=None, paths: bool = True) -> None:
+def check_machine(config: RecipeConfig, machine=None, paths: bool = True) -> RunInputs | None:
     """Every component's rules (`moe_rl.orchestration.preflight.check`), against the machine the
     run runs on (default: this one, seen as `machine_here` sees it, which hides the GPUs from a
     run.device=cpu run before torch looks for CUDA): a refusal is a `ConfigError` like any other
     bad recipe."""
     from moe_rl.orchestration.preflight import check
 
-    check(config, machine or (lambda: machine_here(config.run.device)), paths)
+    return check(config, machine or (lambda: machine_here(config.run.device)), paths)
 
 
 def train(
@@ -46,10 +50,12 @@ def train(
     else:
         config = load_recipe(recipe, overrides)
         run_dir = Path(config.run.output_dir) / config.run.name
-    check_machine(config)  # before the run directory is touched
-    from moe_rl.orchestration.preflight import build_inputs
+    # every rule and every input read and checked once, before the run directory is touched
+    inputs = check_machine(config)
+    if inputs is None:  # nothing a user gave (a synthetic task): built here
+        from moe_rl.orchestration.preflight import build_inputs
 
-    inputs = build_inputs(config)  # every input read and checked once, before the run directory
+        inputs = build_inputs(config)
     with RunLock(run_dir):
         if not resume:
             claim(run_dir, force_new)

@@ -43,7 +43,7 @@ from moe_rl.config.modes import Attention, Family, RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.validate import recipe_rules
 from moe_rl.device import Machine, RunDevice
-from moe_rl.errors import ConfigError
+from moe_rl.errors import ConfigError, UserError, user_error_of
 from moe_rl.orchestration.placement import placement_rules
 from moe_rl.rewards.registry import reward_rules
 from moe_rl.rollout.capabilities import engine_rules
@@ -116,18 +116,20 @@ SKIP_PATHS = "--skip-path-checks"
 """The command-line flag that leaves the input paths to the machines that run the job."""
 
 
-def input_rules(config: RecipeConfig, paths: bool = True) -> list[Rule]:
+def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs] | None = None) -> list[Rule]:
     """The files a run reads, as this machine sees them (relative paths from where the command
     runs): the dataset of `data.task`, the stored trajectories of `data.trajectories`, the model
     checkpoint of `model.hf_path` (a folder with ``config.json`` and ``*.safetensors``); a real
     dataset without `model.hf_path` is warned about (the model would start from random weights).
+    When they are there, what a user gave is read as the run will read it (`_read_rule`).
     ``paths=False``: none is looked at (they exist only where the job runs)."""
     if not paths:
         return [
             Rule(
                 "input paths",
                 True,
-                f"not checked ({SKIP_PATHS}): they are left to the machines the job runs on",
+                f"not checked ({SKIP_PATHS}): the files, and the code a recipe names, are left to the "
+                "machines the job runs on",
             )
         ]
     here = f"as seen from {Path.cwd()}; {SKIP_PATHS} if it exists only where the job runs"
@@ -173,7 +175,46 @@ def input_rules(config: RecipeConfig, paths: bool = True) -> list[Rule]:
                 rule.name, False, f"model.hf_path={hf_path}: no *.safetensors weights in the folder ({here})"
             )
         rules.append(rule)
+    if reads_user_inputs(config) and not any(rule.broken for rule in rules):
+        rules.append(_read_rule(config, built))
     return rules or [Rule("input paths", True, "the recipe reads no files")]
+
+
+def reads_user_inputs(config: RecipeConfig) -> bool:
+    """Whether the run reads what a user gave: a dataset file, stored trajectories, a reward
+    function or an environment of their own (`env.kwargs` of a built-in one count too)."""
+    kind = config.data.task.partition(":")[0]
+    reward = ":" in config.data.reward
+    return kind == "file" or config.data.trajectories is not None or reward or config.env.name is not None
+
+
+def _read_rule(config: RecipeConfig, built: list[RunInputs] | None) -> Rule:
+    """Read the inputs as the run will (`build_inputs`): every dataset row tokenized and measured,
+    every stored trajectory validated, the reward function imported, one environment built. The
+    inputs read are kept in ``built`` for the run that asked."""
+    try:
+        inputs = build_inputs(config)
+    except UserError as exc:
+        return Rule("inputs read", False, str(exc))
+    except OSError as exc:
+        fault = user_error_of(exc)
+        if fault is None:
+            raise
+        return Rule("inputs read", False, str(fault))
+    if built is not None:
+        built.append(inputs)
+    read = []
+    if config.data.task.startswith("file:"):
+        read.append(
+            f"every prompt of {config.data.task} within data.max_prompt_len={config.data.max_prompt_len}"
+        )
+    if config.data.trajectories is not None:
+        read.append(f"the stored trajectories of {config.data.trajectories}")
+    if config.env.name is not None:
+        read.append(f"env.name={config.env.name} built with env.kwargs")
+    elif ":" in config.data.reward:
+        read.append(f"data.reward={config.data.reward} imported")
+    return Rule("inputs read", True, "; ".join(read))
 
 
 def _path_rule(name: str, key: str, path: Path, kind: str, here: str) -> Rule:
@@ -189,11 +230,11 @@ def _path_rule(name: str, key: str, path: Path, kind: str, here: str) -> Rule:
 
 
 def _components(
-    config: RecipeConfig, machine: Callable[[], Machine], paths: bool = True
+    config: RecipeConfig, machine: Callable[[], Machine], paths: bool = True, built: list | None = None
 ) -> dict[str, Callable[[], list[Rule]]]:
     return {
         "recipe": lambda: recipe_rules(config),
-        "inputs": lambda: input_rules(config, paths),
+        "inputs": lambda: input_rules(config, paths, built),
         "reward": lambda: reward_rules(config),
         "trainer": lambda: trainer_rules(config),
         "engine": lambda: engine_rules(config, machine()),
@@ -202,15 +243,20 @@ def _components(
 
 
 def preflight(
-    config: RecipeConfig, machine: MachineSpec = None, stop_at_first: bool = False, paths: bool = True
+    config: RecipeConfig,
+    machine: MachineSpec = None,
+    stop_at_first: bool = False,
+    paths: bool = True,
+    built: list[RunInputs] | None = None,
 ) -> list[Section]:
     """Every component's rules on ``config`` against ``machine`` (default: `target_machine`), in
     `COMPONENTS` order. A recipe that is not consistent in itself gets only its ``recipe`` section
     (the others assume it is). ``stop_at_first``: stop after the first section that refuses it, so
     a machine given as a function is not detected for a recipe refused before a rule needs it.
-    ``paths``: check the input paths (`input_rules`)."""
+    ``paths``: check the input paths and read what they hold (`input_rules`); the inputs read go
+    into ``built``."""
     sections: list[Section] = []
-    for component, rules in _components(config, _machine(config, machine), paths).items():
+    for component, rules in _components(config, _machine(config, machine), paths, built).items():
         section = Section(component, tuple(rules()))
         sections.append(section)
         if section.broken is not None and (stop_at_first or component == "recipe"):
@@ -225,15 +271,19 @@ def findings(config: RecipeConfig, machine: MachineSpec = None, paths: bool = Tr
     return {component: found.get(component, NOT_CHECKED) for component in COMPONENTS}
 
 
-def check(config: RecipeConfig, machine: MachineSpec = None, paths: bool = True) -> None:
+def check(config: RecipeConfig, machine: MachineSpec = None, paths: bool = True) -> RunInputs | None:
     """Enforce every component's rules: raise `ConfigError` with the first refusal (the components
-    after it are not asked); log the warnings of those asked."""
-    for section in preflight(config, machine, stop_at_first=True, paths=paths):
+    after it are not asked); log the warnings of those asked. Returns the inputs the check read
+    (None when the recipe reads nothing a user gave, or ``paths`` is off): a run uses them as they
+    are rather than reading them twice."""
+    built: list[RunInputs] = []
+    for section in preflight(config, machine, stop_at_first=True, paths=paths, built=built):
         error = section.error()
         if error is not None:
             raise ConfigError(error)
         for rule in section.warnings:
             log.warning("%s", rule.detail)
+    return built[0] if built else None
 
 
 def load_checked(

@@ -77,6 +77,32 @@ def test_a_shipped_recipe_whose_dataset_is_absent_is_refused_by_every_entry_poin
         load_checked(RECIPES / recipe)
 
 
+USER_INPUTS = [
+    (["data.reward=no_such_module:score"], "data.reward='no_such_module:score': cannot import no_such_module"),
+    (["env.name=no_such_module:Env"], "env.name='no_such_module:Env': cannot import no_such_module"),
+    (["env.name=calculator", "data.task=synthetic:tool_multiply", "model.vocab_size=32", "env.kwargs={bonus: 1}"],
+     "env.name=calculator: moe_rl.envs.calculator.CalculatorEnv(**env.kwargs) failed with env.kwargs={'bonus': 1}"),
+    (["data.task=file:recipes/examples/arithmetic.jsonl", "model.vocab_size=300", "data.prompt_template='Q: {question} = {result}'"],
+     "recipes/examples/arithmetic.jsonl: line 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"), USER_INPUTS, ids=["reward", "env", "env-kwargs", "template"]
+)
+def test_what_a_user_gave_is_read_by_every_entry_point(overrides, expected):
+    """The code and data a recipe names are read in the one preflight: a reward function or an
+    environment that does not import or build, a dataset row the template cannot fill, are refused
+    by plan, config check, submit and train alike, with the same line; --skip-path-checks leaves
+    them to the cluster."""
+    verdicts = _verdicts("tiny_moe.yaml", overrides, paths=True)
+    assert not any(verdicts.values()), verdicts
+    with pytest.raises(ConfigError) as caught:
+        load_checked(RECIPES / "tiny_moe.yaml", overrides)
+    assert str(caught.value).startswith(expected), str(caught.value)
+    assert all(_verdicts("tiny_moe.yaml", overrides, paths=False).values())
+
+
 def test_the_cli_refuses_a_broken_recipe_before_anything_heavy():
     code = (
         "import sys; from launch.cli import main; "
