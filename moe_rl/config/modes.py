@@ -127,6 +127,20 @@ class Dispatcher(StrEnum):
     ALLGATHER = "allgather"
 
 
+class ExpertGemm(StrEnum):
+    """``trainer.expert_gemm``: how a MoE layer's local experts multiply."""
+
+    AUTO = "auto"
+    """transformer-engine's grouped GEMM where transformer-engine is installed, torch's otherwise."""
+    TE = "te"
+    """transformer-engine's grouped GEMM (``TEGroupedMLP``); needs transformer-engine."""
+    TORCH = "torch"
+    """Torch's grouped matrix multiply over all local experts (CUDA, bf16, Hopper or newer); an
+    exact per-expert loop elsewhere. Keeps the per-expert weights of ``sequential``."""
+    SEQUENTIAL = "sequential"
+    """Megatron's ``SequentialMLP``: one expert module after another."""
+
+
 class LogLevel(StrEnum):
     """``logging.level``."""
 

@@ -26,6 +26,7 @@ from moe_rl.config.modes import (
     Attention,
     Dispatcher,
     Engine,
+    ExpertGemm,
     Family,
     Granularity,
     LogLevel,
@@ -410,6 +411,11 @@ class TrainerConfig:
     """Fused router kernels (GPU). Incompatible with routing replay."""
     moe_token_dispatcher_type: Dispatcher = Dispatcher.ALLTOALL
     """Megatron token dispatcher: `alltoall` or `allgather`."""
+    expert_gemm: ExpertGemm = ExpertGemm.AUTO
+    """How the local experts of a MoE layer multiply: `auto` (transformer-engine's grouped GEMM
+    where it is installed, torch's otherwise), `te`, `torch` (torch's grouped matrix multiply on
+    CUDA bf16 Hopper+, an exact per-expert loop elsewhere; the weights stay per expert) or
+    `sequential` (Megatron's one-expert-at-a-time `SequentialMLP`)."""
     vcpo_lr_scaling: bool = False
     """VCPO: scale the learning rate by sqrt(ESS / ESS_ref)."""
 

@@ -67,7 +67,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from moe_rl.config.modes import Dispatcher
+from moe_rl.config.modes import Dispatcher, ExpertGemm
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,20 @@ def transformer_engine_importable() -> bool:
 def te_available() -> bool:
     """Whether Megatron's transformer-engine layer specs can be used: CUDA and transformer-engine."""
     return cuda_available() and transformer_engine_importable()
+
+
+def expert_gemm(requested: ExpertGemm) -> ExpertGemm:
+    """The expert products this process runs for ``trainer.expert_gemm``: ``auto`` is
+    transformer-engine's grouped GEMM where `te_available`, torch's otherwise; ``te`` where it is
+    not available is refused, naming the key."""
+    if requested == ExpertGemm.AUTO:
+        return ExpertGemm.TE if te_available() else ExpertGemm.TORCH
+    if requested == ExpertGemm.TE and not te_available():
+        raise ValueError(
+            "trainer.expert_gemm=te: transformer-engine's grouped GEMM needs CUDA and transformer-engine, "
+            "which this process does not have; use auto or torch"
+        )
+    return requested
 
 
 def token_dispatcher(requested: Dispatcher) -> str:

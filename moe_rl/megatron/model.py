@@ -29,12 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moe_rl.config.modes import Attention, Family, RopeScaling, ScoreFunction
+from moe_rl.config.modes import Attention, ExpertGemm, Family, RopeScaling, ScoreFunction
 from moe_rl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from moe_rl.config.validate import check_rope_scaling
 from moe_rl.megatron.attention import SDPACoreAttention
 from moe_rl.megatron.compat import (
     cuda_available,
+    expert_gemm,
     require_process_setup,
     te_available,
     token_dispatcher,
@@ -104,7 +105,7 @@ def _moe_kwargs(model: ModelConfig, trainer: TrainerConfig) -> dict[str, Any]:
             model.num_shared_experts * model.moe_ffn_hidden_size if model.num_shared_experts else None
         ),
         "moe_token_dispatcher_type": dispatcher,
-        "moe_grouped_gemm": te_available(),
+        "moe_grouped_gemm": expert_gemm(trainer.expert_gemm) == ExpertGemm.TE,
         "moe_router_fusion": trainer.moe_router_fusion,
         "moe_permute_fusion": False,
         "moe_enable_routing_replay": True,
@@ -222,15 +223,23 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def _layer_spec(config, use_te: bool, vp_stage: int | None = None):
+def _layer_spec(config, use_te: bool, vp_stage: int | None = None, gemm: ExpertGemm = ExpertGemm.SEQUENTIAL):
+    """Megatron's decoder block spec; without transformer-engine, SDPA attention; with
+    ``gemm=torch``, the MoE layers' ``SequentialMLP`` becomes `GroupedExperts` (same parameters)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from moe_rl.megatron.grouped_experts import GroupedExperts
 
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
     )
-    if not use_te:
-        for layer in block.layer_specs:
+    for layer in block.layer_specs:
+        if not use_te:
             layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
+        if gemm == ExpertGemm.TORCH and experts is not None and experts.module is SequentialMLP:
+            experts.module = GroupedExperts
     return block
 
 
@@ -249,6 +258,7 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     require_process_setup()
+    trainer = trainer or TrainerConfig()
     config = transformer_config(model, parallel, trainer)
     use_te = te_available()
     torch.manual_seed(seed)
@@ -258,7 +268,7 @@ def build_gpt_model(
         model_parallel_cuda_manual_seed(seed)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(config, use_te, vp_stage),
+        transformer_layer_spec=_layer_spec(config, use_te, vp_stage, expert_gemm(trainer.expert_gemm)),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

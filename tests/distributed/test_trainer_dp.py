@@ -3,7 +3,9 @@
 DP=2: two ranks take uneven shares of one global batch (one micro-batch vs three); the summed
 and globally normalized gradient equals the single-process gradient on the whole batch.
 EP=2 (+ DP=2 for dense parameters): Megatron's allgather token dispatcher over gloo; each rank
-holds half of the experts; every expert gradient equals the single-process one.
+holds half of the experts; every expert gradient equals the single-process one. The layouts run
+the experts as grouped products (`trainer.expert_gemm=torch`), the reference as Megatron's
+`SequentialMLP`.
 In both layouts, what the trainer sends by vLLM's NCCL transfer (`weight_sync.vllm_transfer`, one
 sender): rank 0 sends every weight of the model (the other rank's experts gathered to it), in
 vLLM's bf16, as its metadata declares them; the other rank sends nothing. By vLLM's IPC transfer
@@ -35,8 +37,9 @@ def weights(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(weights):
-    """DP=1 gradients on the whole global batch, in this process."""
-    return trainer_dp_worker.gradients(world=1, rank=0, ep=1, hf_path=weights)
+    """DP=1 gradients on the whole global batch, in this process, through Megatron's own
+    `SequentialMLP` (the layouts below run `GroupedExperts`, the CPU default)."""
+    return trainer_dp_worker.gradients(world=1, rank=0, ep=1, hf_path=weights, gemm="sequential")
 
 
 @pytest.fixture

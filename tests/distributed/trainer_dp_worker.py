@@ -52,14 +52,20 @@ def shard(batches, rank: int, world: int, even: bool):
 
 
 def gradients(
-    world: int, rank: int, ep: int, hf_path: str, kept: dict | None = None
+    world: int, rank: int, ep: int, hf_path: str, kept: dict | None = None, gemm: str = "torch"
 ) -> dict[str, torch.Tensor]:
-    """The gradients of this rank's share (``kept``, when given, receives the worker's ``model``)."""
+    """The gradients of this rank's share (``kept``, when given, receives the worker's ``model``),
+    its experts multiplied as ``trainer.expert_gemm=gemm`` says."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from moe_rl.megatron.grouped_experts import GroupedExperts
     from moe_rl.megatron.hf_weights import hf_names_for
     from moe_rl.trainer.worker import TrainerWorker
 
-    config = recipe(world, ep, hf_path)
+    config = recipe(world, ep, hf_path, 1, f"trainer.expert_gemm={gemm}")
     worker = TrainerWorker(config)
+    kinds = {type(m) for m in worker.model.modules() if isinstance(m, SequentialMLP)}
+    assert kinds == {GroupedExperts if gemm == "torch" else SequentialMLP}, kinds
     batches = global_batch(config)
     if ep > 1:
         mine = [batches[0], batches[3]] if rank == 0 else [batches[1], batches[2]]
