@@ -8,6 +8,9 @@ interleaved in one process so machine drift hits all of them alike. One step =
 * ``r3``:     ``base`` + R3 routing replay in both passes (Megatron RouterReplay).
 * ``stack``:  ``r3`` + keep-sampling-mask + IcePop + OPSM + ESPO (full-vocabulary entropy of
   π_old) + diagnostics (mismatch metrics, routing agreement).
+* ``seq``:    ``base`` with Megatron's ``SequentialMLP`` experts (``trainer.expert_gemm=sequential``),
+  against which the grouped experts every other worker runs (the default, ``auto``: torch's
+  grouped matrix product without transformer-engine) are measured.
 * ``stack+``: ``stack`` as on a later mini-batch of the same rollout batch: the weights moved
   since the old-logp pass, so the update pass recomputes the routing agreement (on the first
   mini-batch it reuses the old-logp pass's, which is exact: same weights, same ids).
@@ -19,6 +22,13 @@ Sizes (``--size``):
 * ``mid``:  4 layers, hidden 1024, 64 experts top-8 (expert width 512), 16 heads with 4 KV heads
   (GQA, head_dim 64), vocab 32,768, bf16; 64 responses of up to 128 prompt + 384 response tokens
   (about 16k tokens per step), micro-batches of at most 8,192 tokens.
+* ``large``: 8 layers, hidden 4096, 16 experts top-4 (width 1024), 32 heads with 8 KV heads of
+  128, vocab 32,768, bf16, the same responses; about 2.4 B parameters, so run it with two
+  workers (``--variants seq,base``).
+
+Throughput: each worker's model FLOPs per step (`moe_rl.config.flops`: the π_old forward and the
+training forward and backward) over its median step time, as TFLOP/s and as MFU against a square
+matrix product measured on the same device at the start of the run.
 
 Devices (``--device``, default cuda when available):
 
@@ -28,12 +38,13 @@ Devices (``--device``, default cuda when available):
 * ``cuda``: wall time per step between two ``torch.cuda.Event`` records, synchronized after
   each step (the GPU is not shared, so wall time is the cost).
 
-Printed: per-step times, the paired ratios ``r3/base − 1`` (target ≤ +3 %) and
+Printed: per-step times, TFLOP/s and MFU, the paired ratios ``r3/base − 1`` (target ≤ +3 %) and
 ``1 − r3/stack``, the share of the step spent in corrections + KSM + ESPO + diagnostics (target
 ≤ 5 %), plus the stack worker's own phase timers. Not a test: numbers depend on the machine.
 
     python bench/trainer_step.py [--quick]                       # tiny MoE on the CPU
     python bench/trainer_step.py --device cuda --size mid        # mid-size MoE on one GPU
+    python bench/trainer_step.py --device cuda --size large --variants seq,base
 """
 
 from __future__ import annotations
@@ -85,6 +96,24 @@ SIZES = {
         "trainer.precision=bf16",
         "trainer.max_tokens_per_microbatch=8192",
     ],
+}
+SIZES["large"] = [
+    *SIZES["mid"],
+    "model.hidden_size=4096",
+    "model.num_layers=8",
+    "model.num_attention_heads=32",
+    "model.num_key_value_heads=8",
+    "model.head_dim=128",
+    "model.moe_ffn_hidden_size=1024",
+    "model.num_experts=16",
+    "model.moe_router_topk=4",
+]
+VARIANTS = {
+    "seq": [*BASE, "trainer.expert_gemm=sequential"],
+    "base": BASE,
+    "r3": R3,
+    "stack": STACK,
+    "stack+": STACK,
 }
 
 
@@ -152,6 +181,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=None, help="responses per step (default: recipe)")
     parser.add_argument("--reps", type=int, default=None, help="timed steps per worker")
     parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"workers to time, from {','.join(VARIANTS)} (base needed)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="cpu only: torch intra-op threads (1: steadier on a busy box)"
     )
     return parser.parse_args()
@@ -174,13 +208,18 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from moe_rl.orchestration.preflight import load_checked
+    from moe_rl.trainer.perf import matmul_tflops
     from moe_rl.trainer.worker import TrainerWorker
 
     recipe = ROOT / "recipes" / "tiny_moe.yaml"
     common = [*SIZES[size], f"run.device={device}"]
-    variants = (("base", BASE), ("r3", R3), ("stack", STACK), ("stack+", STACK))
-    configs = {name: load_checked(recipe, [*common, *overrides]) for name, overrides in variants}
-    samples = args.samples or (16 if args.quick else configs["stack"].rollout.batch_size)
+    names = args.variants.split(",")
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown or "base" not in names:
+        raise SystemExit(f"--variants {args.variants}: choose from {', '.join(VARIANTS)}, base included")
+    configs = {name: load_checked(recipe, [*common, *VARIANTS[name]]) for name in VARIANTS if name in names}
+    peak = matmul_tflops(torch.device(device), _dtype(configs["base"]))
+    samples = args.samples or (16 if args.quick else configs["base"].rollout.batch_size)
     reps = args.reps or (5 if args.quick else 40)
     workers = {
         name: TrainerWorker(cfg, total_steps=10_000, diagnostics=name.startswith("stack"))
@@ -199,7 +238,13 @@ def main() -> None:
             times[name].append(
                 one_step(workers[name], batches[name], cuda, later_mini_batch=name == "stack+")
             )
-    report(times, workers["stack"], samples, batches["stack"], size, configs["stack"], cuda)
+    report(times, workers, samples, batches, size, configs["base"], cuda, peak)
+
+
+def _dtype(config):
+    import torch
+
+    return torch.bfloat16 if config.trainer.precision == "bf16" else torch.float32
 
 
 def paired(times: dict[str, list[tuple[float, float]]], name: str, ref: str, index: int) -> float:
@@ -209,10 +254,17 @@ def paired(times: dict[str, list[tuple[float, float]]], name: str, ref: str, ind
     return statistics.median(a[index] / b[index] for a, b in zip(times[name], times[ref], strict=True))
 
 
-def report(times, stack, samples: int, batches, size: str, config, cuda: bool) -> None:
+def report(times, workers, samples: int, all_batches, size: str, config, cuda: bool, peak: float) -> None:
     import torch
 
+    from moe_rl.config.flops import model_flops
+    from moe_rl.trainer.perf import sequence_lengths
+
+    batches = all_batches["base"]
     tokens = sum(mb.micro.num_tokens for mb in batches)
+    lengths = sequence_lengths(mb.micro.cu_seqlens for mb in batches)
+    flops = model_flops(config.model)
+    step_flops = flops.forward(lengths) + flops.forward_backward(lengths)  # π_old, then the update
     m = config.model
     what = (
         f"{size} MoE ({m.num_layers} layers, hidden {m.hidden_size}, {m.num_experts} experts top-"
@@ -224,7 +276,15 @@ def report(times, stack, samples: int, batches, size: str, config, cuda: bool) -
         where = f"on cpu, CPU time of this process, torch threads {torch.get_num_threads()}"
     print(f"{what}, {samples} responses ({tokens} tokens, {len(batches)} micro-batches) per step, "
           f"{len(times['base'])} timed steps each, {where}")  # fmt: skip
+    print(f"model FLOPs per step {step_flops:.3e} ({flops.forward(lengths) / tokens:.3e} "
+          f"per token and forward); matrix product on this device: {peak:.2f} TFLOP/s")  # fmt: skip
     index = 0 if cuda else 1
+    for name in times:
+        median = statistics.median(t[0] for t in times[name])  # wall
+        rate = step_flops / median / 1e12
+        print(
+            f"  {name:6s} {rate:8.3f} TFLOP/s   MFU {rate / peak:6.2%}   (wall median {median * 1e3:.1f} ms)"
+        )
     for name in times:
         if cuda:
             wall = [w for w, _ in times[name]]
@@ -234,20 +294,24 @@ def report(times, stack, samples: int, batches, size: str, config, cuda: bool) -
             cpu = [c for _, c in times[name]]
             print(f"  {name:6s} CPU min {min(cpu) * 1e3:7.1f} ms   CPU median {statistics.median(cpu) * 1e3:7.1f} ms"
                   f"   wall min {min(w for w, _ in times[name]) * 1e3:7.1f} ms")  # fmt: skip
-    print(
-        f"R3 replay overhead    r3/base - 1        = {paired(times, 'r3', 'base', index) - 1:+.2%}  "
-        "(target <= +3%)"
-    )
+    if "seq" in times:
+        print(f"grouped experts       seq/base           = {paired(times, 'seq', 'base', index):.2f}x")
+    if "r3" in times:
+        print(
+            f"R3 replay overhead    r3/base - 1        = {paired(times, 'r3', 'base', index) - 1:+.2%}  "
+            "(target <= +3%)"
+        )
     for name in ("stack", "stack+"):
-        share = 1 - 1 / paired(times, name, "r3", index)
-        print(f"{name:6s} share          1 - r3/{name:6s}    = {share:+.2%}  (target <= 5%)")
+        if name in times and "r3" in times:
+            share = 1 - 1 / paired(times, name, "r3", index)
+            print(f"{name:6s} share          1 - r3/{name:6s}    = {share:+.2%}  (target <= 5%)")
     if cuda:
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        print(f"peak GPU memory allocated (all four workers): {peak:.1f} GiB")
-    phases = stack.step_time_breakdown()
-    total = sum(w for w, _ in times["stack"])
+        print(f"peak GPU memory allocated (all workers): {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    timed = "stack" if "stack" in times else "base"
+    phases = workers[timed].step_time_breakdown()
+    total = sum(w for w, _ in times[timed])
     note = " (host timers: on cuda they see kernel launches, not the kernels)" if cuda else ""
-    print(f"stack worker phase timers (wall, share of its timed steps){note}:")
+    print(f"{timed} worker phase timers (wall, share of its timed steps){note}:")
     for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"  {phase:12s} {seconds / total:6.1%}")
 

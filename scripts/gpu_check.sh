@@ -255,6 +255,12 @@ for tier in $tiers; do
         fi
         if [ -f "bench/$b.py" ]; then
           run_step "bench_$b" "$python" "bench/$b.py" "${args[@]}"
+          if [ "$b" = trainer_step ] && [ "$dev" = cuda ] && [ -z "${GPU_CHECK_BENCH_ARGS+set}" ]; then
+            # grouped against sequential experts on the larger model: two workers fit one GPU
+            run_step bench_trainer_step_large "$python" bench/trainer_step.py --device cuda --size large \
+              --variants seq,base --reps "${GPU_CHECK_TRAINER_REPS:-20}"
+            ran+=(bench_trainer_step_large)
+          fi
         else
           printf '$ %s\nbench/%s.py does not exist in this checkout\n' "bench/$b.py" "$b" >"$out/bench_$b.log"
           echo "127 0" >"$out/bench_$b.status"
@@ -330,7 +336,7 @@ if [ -f "$out/colocated.status" ]; then
   sed -n '/^step  trainer/,$p' "$out/colocated.log" || true
 fi
 # the target lines of every bench, what trainer_step measured, algo_stack's size and ratio table
-bench_re='target|^fp8 block quant|^(tiny|mid) MoE|^memory:|^stack bench:|^ *(case|whole step|loss math|ESPO entropy)|^engine_length'
+bench_re='target|TFLOP/s|seq/base|^fp8 block quant|^(tiny|mid|large) MoE|^memory:|^stack bench:|^ *(case|whole step|loss math|ESPO entropy)|^engine_length'
 bench_lines=""
 for name in "${ran[@]}"; do
   if [[ "$name" == bench_* ]]; then

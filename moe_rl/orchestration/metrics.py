@@ -25,6 +25,7 @@ SUMMARY_KEYS = (
     ("train/icepop_masked_frac", "icepop {:.2%}"),
     ("old/routing_agreement", "route {:.3f}"),
     ("train/grad_norm", "gnorm {:.3f}"),
+    ("perf/mfu", "mfu {:.1%}"),
     ("time/step_s", "{:.1f}s"),
 )
 

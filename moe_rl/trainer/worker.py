@@ -34,6 +34,7 @@ refused.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -55,6 +56,7 @@ from moe_rl.trainer.batch import PreparedBatch, TrainerBatch, TrainMicroBatch, r
 from moe_rl.trainer.logprobs import PassOptions
 from moe_rl.trainer.loss import TrainerLoss
 from moe_rl.trainer.optim import build_optimizer, build_scheduler, optimizer_state_tensors
+from moe_rl.trainer.perf import RankPerf, sequence_lengths, synchronize
 from moe_rl.trainer.reference import ReferencePolicy
 from moe_rl.trainer.rules import check_trainer
 
@@ -100,6 +102,7 @@ class TrainerWorker:
         self._shape = passes.shape_zero_variance(config.algo.zero_variance_alpha)
         self.step = 0
         self._offload: Offload | None = None  # what `release_memory` moved out
+        self.perf = RankPerf.of(config, self.device, next(self.model.parameters()).dtype)
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -132,15 +135,29 @@ class TrainerWorker:
                 f"algo.zero_variance_shaping={self.config.algo.zero_variance_shaping} but zero-variance signs "
                 f"were {'not ' if batch.zvp_signs is None else ''}given"
             )
+        t0 = time.perf_counter()
         packed = batch.mini_batches(self.config.trainer.max_tokens_per_microbatch)
-        prepared, metrics = self.compute_old_logp([mb for mini in packed for mb in mini])
+        flat = [mb for mini in packed for mb in mini]
+        prepared, metrics = self.compute_old_logp(flat)
+        synchronize(self.device)
+        lengths = sequence_lengths(mb.micro.cu_seqlens for mb in flat)
+        forwards = 1 + (self.reference is not None)  # π_old, and π_ref with a KL penalty
+        metrics["perf/old_logp_tflop"] = self.perf.tflop(lengths, forwards)
+        metrics["perf/old_logp_s"] = time.perf_counter() - t0
         return PreparedBatch(regroup(prepared, [len(mini) for mini in packed]), metrics)
 
     def train(self, prepared: PreparedBatch) -> dict[str, float]:
-        """One optimizer step per mini-batch of a prepared batch; metrics averaged over the steps."""
+        """One optimizer step per mini-batch of a prepared batch; metrics averaged over the steps,
+        with the rank's model FLOP rate over this batch's π_old and training passes (`RankPerf`)."""
+        t0 = time.perf_counter()
         per_step = [self.train_step(mini) for mini in prepared.mini_batches]
+        synchronize(self.device)
+        seconds = time.perf_counter() - t0 + prepared.metrics.get("perf/old_logp_s", 0.0)
+        lengths = sequence_lengths(mb.micro.cu_seqlens for mini in prepared.mini_batches for mb in mini)
+        tflop = self.perf.tflop(lengths, training=True) + prepared.metrics.get("perf/old_logp_tflop", 0.0)
         keys = {k for m in per_step for k in m}
         out = {k: sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step) for k in keys}
+        out |= self.perf.metrics(tflop, seconds)
         out["memory/trainer_train_gib"] = self.resident_bytes() / GIB  # what the train phase leaves resident
         if self.device.type == "cuda":  # the most since the step's generation (or the start)
             out["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB

@@ -109,3 +109,30 @@ def test_r3_without_routing_names_the_samples(stack_worker):
     mbs = _batches(stack_worker.config, seed=3, routing=False)
     with pytest.raises(ValueError, match=r"routing_replay=r3 but samples \["):
         stack_worker.compute_old_logp(mbs)
+
+
+def test_a_step_reports_its_model_flop_rate():
+    """The π_old pass counts the model FLOPs of the rank's sequences (prompt + response, as the
+    trajectories give them) with `moe_rl.config.flops`; the update reports the rate over both
+    passes and the MFU against the matrix product the rank measured on its device."""
+    from moe_rl.config.flops import model_flops
+    from moe_rl.data.synthetic import random_batch
+    from moe_rl.trainer.batch import TrainerBatch
+
+    config = tiny_recipe("algo.routing_replay=off", "trainer.num_mini_batches=2")
+    worker = TrainerWorker(config)
+    m, t = config.model, config.trainer
+    batch = random_batch(
+        4, 12, max_prompt_len=6, max_response_len=6, vocab_size=m.vocab_size, sampling_mask=True
+    )
+    advantages = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    prepared = worker.old_logp(TrainerBatch.whole(batch, advantages, t.max_tokens_per_microbatch, 2))
+    lengths = batch.sequence_lengths().tolist()
+    forward = model_flops(m).forward(lengths) / 1e12
+    assert prepared.metrics["perf/old_logp_tflop"] == pytest.approx(forward, rel=1e-12)
+    assert prepared.metrics["perf/old_logp_s"] > 0
+    out = worker.train(prepared)
+    assert out["perf/peak_tflops"] > 0 and out["perf/tflops"] > 0
+    assert out["perf/mfu"] == pytest.approx(out["perf/tflops"] / out["perf/peak_tflops"])
+    # four forwards' worth (π_old, then forward + backward) over at least the two passes' time
+    assert out["perf/tflops"] <= 4 * forward / prepared.metrics["perf/old_logp_s"]
