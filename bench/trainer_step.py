@@ -186,6 +186,10 @@ def parse_args() -> argparse.Namespace:
         help=f"workers to time, from {','.join(VARIANTS)} (base needed)",
     )
     parser.add_argument(
+        "--profile", metavar="DIR", help="after timing, profile 3 steps of each worker with torch.profiler "
+        "(a Chrome trace per worker in DIR, the top operators by host time printed)"
+    )  # fmt: skip
+    parser.add_argument(
         "--threads", type=int, default=1, help="cpu only: torch intra-op threads (1: steadier on a busy box)"
     )
     return parser.parse_args()
@@ -239,6 +243,33 @@ def main() -> None:
                 one_step(workers[name], batches[name], cuda, later_mini_batch=name == "stack+")
             )
     report(times, workers, samples, batches, size, configs["base"], cuda, peak)
+    if args.profile:
+        for name in ("seq", "base"):
+            if name in workers:
+                profile(workers[name], batches[name], cuda, Path(args.profile) / f"{size}_{name}.json")
+
+
+def profile(worker, batches, cuda: bool, trace: Path, steps: int = 3) -> None:
+    """Where a step's host time goes: ``steps`` steps under torch.profiler, the operators with the
+    most host (self CPU) time, and the kernels launched per step (a launch-bound step launches many
+    small ones)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            one_step(worker, batches, cuda)
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    events = prof.key_averages()
+    print(f"profile of {trace.stem} ({steps} steps; trace {trace}):")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15))
+    if cuda:
+        launches = sum(
+            e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+        )
+        print(f"kernel launches per step: {launches / steps:.0f}")
 
 
 def _dtype(config):

@@ -258,7 +258,7 @@ for tier in $tiers; do
           if [ "$b" = trainer_step ] && [ "$dev" = cuda ] && [ -z "${GPU_CHECK_BENCH_ARGS+set}" ]; then
             # grouped against sequential experts on the larger model: two workers fit one GPU
             run_step bench_trainer_step_large "$python" bench/trainer_step.py --device cuda --size large \
-              --variants seq,base --reps "${GPU_CHECK_TRAINER_REPS:-20}"
+              --variants seq,base --reps "${GPU_CHECK_TRAINER_REPS:-20}" --profile "${TMPDIR:-/tmp}/moe_rl_profile"
             ran+=(bench_trainer_step_large)
           fi
         else
