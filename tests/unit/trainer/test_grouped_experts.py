@@ -74,6 +74,24 @@ def test_grouped_experts_equal_sequential_mlp(family, device):
     assert kernels == {expected}
 
 
+def test_grouped_experts_in_bf16(device):
+    """bf16, as a GPU trains: on CUDA with compute capability 9.0+ the products are
+    `torch._grouped_mm`'s (within bf16 rounding of SequentialMLP's), elsewhere the exact loop."""
+    config, models = tiny_qwen(), {}
+    for gemm in (ExpertGemm.SEQUENTIAL, ExpertGemm.TORCH):
+        trainer = TrainerConfig(expert_gemm=gemm, precision="bf16")
+        models[gemm] = build_gpt_model(config, trainer=trainer, seed=5)
+    logits, grads = _step(models[ExpertGemm.SEQUENTIAL], device)
+    got_logits, got_grads = _step(models[ExpertGemm.TORCH], device)
+    grouped = grouped_mm_runs(device, torch.bfloat16, 32, 32, 16)
+    assert {m.kernel for m in _experts(models[ExpertGemm.TORCH])} == {"grouped_mm" if grouped else "loop"}
+    if not grouped:
+        assert_same(got_logits, logits, device)
+    torch.testing.assert_close(got_logits.float(), logits.float(), rtol=2e-2, atol=2e-2)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name].float(), grad.float(), rtol=5e-2, atol=5e-2, msg=name)
+
+
 def test_grouped_experts_follow_a_replayed_routing(device):
     """R3: both replay the same foreign routing (every token to experts 0 and 1) and agree; the
     replayed routing is really used (experts 2 and 3 get no gradient)."""
