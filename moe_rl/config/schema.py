@@ -368,6 +368,13 @@ class AlgoConfig:
     """RL-ZVP advantage shaping for groups with equal rewards."""
     zero_variance_alpha: float = 0.1
     """RL-ZVP scale."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0, no gradient) are
+    dropped and the batch is refilled from further prompts, for at most
+    `algo.dynamic_sampling_rounds` generation rounds a step. A batch still short after them keeps
+    as many dropped groups as it lacks (logged: `sampling/flat_kept_groups`)."""
+    dynamic_sampling_rounds: int = 4
+    """Most generation rounds a step with `algo.dynamic_sampling` (the first one included)."""
     kl: KLConfig = field(default_factory=KLConfig)
     """KL penalty."""
     corrections: CorrectionsConfig = field(default_factory=CorrectionsConfig)

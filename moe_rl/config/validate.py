@@ -79,7 +79,8 @@ RANGES: dict[str, Bound] = {
     **_each(UNIT_FROM_ZERO, "algo.clip_eps_low", "algo.gspo_eps_low"),
     **_each(NON_NEGATIVE, "algo.clip_eps_high", "algo.gspo_eps_high", "algo.espo_alpha"),
     "algo.espo_rho": Bound(lambda v: 0 < v < 1, "in (0, 1)"),
-    **_each(POSITIVE, "algo.espo_num_groups", "algo.dgo_beta", "algo.corrections.tis.cap"),
+    **_each(POSITIVE, "algo.espo_num_groups", "algo.dgo_beta", "algo.corrections.tis.cap",
+            "algo.dynamic_sampling_rounds"),
     "algo.kl.coef": NON_NEGATIVE,
     **_each(POSITIVE, "trainer.lr", "trainer.num_mini_batches", "trainer.max_tokens_per_microbatch",
             "trainer.logprob_chunk_size", "trainer.adam_eps"),
@@ -299,6 +300,11 @@ def _check_batches(config: RecipeConfig) -> None:
         f"rollout.group_size={r.group_size}: algo.advantage={config.algo.advantage} compares each response "
         "with the others of its group, so a group of one has advantage 0 and trains nothing; use "
         "rollout.group_size >= 2",
+    )
+    _require(
+        not config.algo.dynamic_sampling or config.run.mode != RunMode.OFFLINE,
+        "algo.dynamic_sampling=true with run.mode=offline: an offline run trains on stored batches and "
+        "generates none to refill them; turn dynamic sampling off",
     )
     longest, response = longest_sequence(config), response_limit_key(config)
     _require(

@@ -253,10 +253,13 @@ class RewardActor:
         self.rewarder = Rewarder(config, scorer)
 
     @ray.method(num_returns=2)
-    def prepare(self, batch_refs: Sequence[Any], plan, prompts, version: int, dp_size: int):
+    def prepare(
+        self, batch_refs: Sequence[Any], plan, prompts, version: int, dp_size: int, round_: int = 0,
+        group_ids: Sequence[int] = (),
+    ):  # fmt: skip
         """``(shard refs, summary)`` of the replicas' batches (fetched by reference)."""
         parts = ray.get(list(batch_refs), timeout=RAY_TIMEOUT_S)
-        shards, summary = self.rewarder.prepare(parts, plan, prompts, version, dp_size)
+        shards, summary = self.rewarder.prepare(parts, plan, prompts, version, dp_size, round_, group_ids)
         return [ray.put(shard) for shard in shards], summary
 
     @ray.method(num_returns=2)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -156,6 +157,9 @@ class Prepared:
     min_version: int
     stale: str | None = None
     """Why the batch is too stale to train on (then there are no shards)."""
+    more: int = 0
+    """Dynamic sampling: prompts to generate in another round before the batch is full (then there
+    are no shards)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -204,12 +208,17 @@ def prepare(
     return batch, summary
 
 
-def step_spec(config: RecipeConfig, step: int) -> SamplingSpec:
-    """The sampling of step ``step``: the recipe's, seeded by run and step, stopping at EOS."""
+ROUND_SEED_STRIDE = 1_000_003
+"""Seed distance between a step's generation rounds (dynamic sampling), beyond any step count."""
+
+
+def step_spec(config: RecipeConfig, step: int, round_: int = 0) -> SamplingSpec:
+    """The sampling of step ``step`` (its generation round ``round_``): the recipe's, seeded by run,
+    step and round, stopping at EOS."""
     eos = config.model.eos_token_id
     return replace(
         SamplingSpec.from_rollout(config.rollout),
-        seed=config.run.seed * 100_003 + step,
+        seed=config.run.seed * 100_003 + step + ROUND_SEED_STRIDE * round_,
         stop_token_ids=() if eos is None else (eos,),
     )
 
@@ -256,6 +265,66 @@ def step_zero_variance(config: RecipeConfig, rewards: Tensor, group_ids: Tensor)
     return zero_variance_signs(rewards, group_ids)
 
 
+class GroupPool:
+    """Dynamic sampling (DAPO) over the generation rounds of one step: the groups whose rewards
+    differ are kept, in the order they came; groups whose rewards are all equal are set aside. The
+    batch is full once ``target`` groups are kept; after the last round a short batch takes as many
+    set-aside groups as it lacks, and groups kept beyond ``target`` are dropped."""
+
+    def __init__(self, target: int, group_size: int):
+        self.target, self.group_size = target, group_size
+        self.kept: list[TrajectoryBatch] = []
+        self.flat: list[TrajectoryBatch] = []
+        self.num_kept = self.generated = self.rounds = 0
+
+    def add(self, batch: TrajectoryBatch) -> None:
+        """A scored round (rewards set, groups contiguous in prompt order)."""
+        n = self.group_size
+        rewards = batch.rewards.view(-1, n)
+        varied = (rewards.amax(1) != rewards.amin(1)).tolist()
+        keep = [g * n + k for g, v in enumerate(varied) if v for k in range(n)]
+        drop = [g * n + k for g, v in enumerate(varied) if not v for k in range(n)]
+        if keep:
+            self.kept.append(batch.select(keep))
+        if drop:
+            self.flat.append(batch.select(drop))
+        self.num_kept += sum(varied)
+        self.generated += len(varied)
+        self.rounds += 1
+
+    def prompts_wanted(self) -> int:
+        """Prompts to draw for the next round: the groups still missing over the share of groups
+        kept so far (all of a batch while none was), at most a batch's worth, at least the missing."""
+        missing = self.target - self.num_kept
+        if missing <= 0:
+            return 0
+        if self.num_kept == 0:
+            return self.target
+        return min(self.target, max(missing, math.ceil(missing * self.generated / self.num_kept)))
+
+    def take(self, group_ids: Tensor) -> tuple[TrajectoryBatch, dict[str, float]]:
+        """The step's batch of ``target`` groups, numbered ``group_ids`` (one per group), and what
+        dynamic sampling did."""
+        n = self.group_size
+        kept = (
+            TrajectoryBatch.concat(self.kept).slice(0, min(self.num_kept, self.target) * n)
+            if self.kept
+            else None
+        )
+        short = max(0, self.target - self.num_kept)
+        filled = TrajectoryBatch.concat(self.flat).slice(0, short * n) if short else None
+        batch = TrajectoryBatch.concat([b for b in (kept, filled) if b is not None])
+        batch = batch.replace(group_ids=group_ids.repeat_interleave(n))
+        metrics = {
+            "sampling/rounds": self.rounds,
+            "sampling/generated_groups": self.generated,
+            "sampling/dropped_group_share": 1.0 - self.num_kept / self.generated,
+            "sampling/flat_kept_groups": short,
+            "sampling/surplus_groups": max(0, self.num_kept - self.target),
+        }
+        return batch, metrics
+
+
 class Rewarder:
     """The reward worker's work, wherever it runs (a Ray actor of its own, `moe_rl.orchestration.
     actors.RewardActor`, or the one-process loop): merge the replicas' batches in prompt order,
@@ -267,14 +336,34 @@ class Rewarder:
         self.config = config
         self.scorer = scorer if scorer is not None else step_scorer(config)
         self._last: TrajectoryBatch | None = None
+        self._pool: GroupPool | None = None
 
     def prepare(
-        self, parts: Sequence[TrajectoryBatch], plan: Dispatch, prompts: Sequence, version: int, dp_size: int
-    ) -> tuple[list[TrajectoryBatch], Prepared]:
-        """``(shards, summary)`` of the replicas' batches; the summary is all the driver reads."""
+        self, parts: Sequence[TrajectoryBatch], plan: Dispatch, prompts: Sequence, version: int, dp_size: int,
+        round_: int = 0, group_ids: Sequence[int] = (),
+    ) -> tuple[list[TrajectoryBatch], Prepared]:  # fmt: skip
+        """``(shards, summary)`` of the replicas' batches; the summary is all the driver reads.
+        With `algo.dynamic_sampling`, ``round_`` is the step's generation round (0 starts the
+        step's pool) and ``group_ids`` the numbers of the step's groups; a batch not yet full
+        answers with no shards and the prompts to generate next (`Prepared.more`)."""
         batch = merge(parts, plan)
         rewards = step_rewards(self.scorer, batch, prompts, plan.group_size)
-        return self._shard(batch, rewards, version, dp_size, engine_metrics(parts))
+        algo = self.config.algo
+        if not algo.dynamic_sampling:
+            return self._shard(batch, rewards, version, dp_size, engine_metrics(parts))
+        r = self.config.rollout
+        if round_ == 0 or self._pool is None:
+            self._pool = GroupPool(r.batch_size // r.group_size, r.group_size)
+        self._pool.add(batch.replace(rewards=torch.tensor(list(rewards), dtype=torch.float32, device="cpu")))
+        more = self._pool.prompts_wanted()
+        if more and round_ + 1 < algo.dynamic_sampling_rounds:
+            empty = torch.zeros(0)
+            return [], Prepared(0, empty, empty.long(), None, batch.min_policy_version(), more=more)
+        batch, sampled = self._pool.take(torch.as_tensor(list(group_ids), dtype=torch.int64))
+        self._pool = None
+        return self._shard(
+            batch, batch.rewards.tolist(), version, dp_size, {**engine_metrics(parts), **sampled}
+        )
 
     def prepare_stored(
         self, batch: TrajectoryBatch, version: int, dp_size: int

@@ -79,6 +79,8 @@ class PendingRollout:
     generation: Generation
     prompts: list[Prompt]
     source_state: dict
+    round_: int = 0
+    """The step's generation round (dynamic sampling generates more than one)."""
 
 
 @dataclass
@@ -137,19 +139,25 @@ class Stages:
         return self.step_done + 1
 
     # ------------------------------------------------------------------ stages
-    def launch_rollout(self, step: int) -> PendingRollout:
-        """Draw the step's prompts and start generating them on the engine pool."""
+    def launch_rollout(self, step: int, round_: int = 0, num_prompts: int | None = None) -> PendingRollout:
+        """Draw the step's prompts (``num_prompts`` of them in a later round of dynamic sampling)
+        and start generating them on the engine pool."""
         state = self.source.state()
-        prompts = self.source.next_batch(self.config.rollout.batch_size // self.config.rollout.group_size)
-        group_ids = [step * len(prompts) + i for i in range(len(prompts))]
-        generation = self.engines.generate(prompts, step_spec(self.config, step), group_ids)
-        self._pending_state[step] = state
-        return PendingRollout(step, generation, prompts, state)
+        prompts = self.source.next_batch(num_prompts or self._groups)
+        group_ids = [step * self._groups + i for i in range(len(prompts))]  # unique within a round
+        generation = self.engines.generate(prompts, step_spec(self.config, step, round_), group_ids)
+        if round_ == 0:
+            self._pending_state[step] = state
+        return PendingRollout(step, generation, prompts, state, round_)
+
+    @property
+    def _groups(self) -> int:
+        return self.config.rollout.batch_size // self.config.rollout.group_size
 
     def rollout(self, step: int, pending: PendingRollout | None) -> tuple[Rollout, dict[str, Any]]:
         """Generate (or collect the generation started earlier); score, validate and shard it in the
         reward worker; reject batches that are too stale and generate again."""
-        t0 = time.perf_counter()
+        t0, reward_s = time.perf_counter(), 0.0
         regenerated = self.engines.regenerated_prompts
         memory = self._release_before_generation() if self.releases else {}
         while True:
@@ -157,9 +165,13 @@ class Stages:
             refs = self.engines.collect(pending.generation)
             t_reward = time.perf_counter()
             shards, summary = self.rewarder.prepare(
-                refs, pending.generation.plan, pending.prompts, self.version, self.trainer.dp_size
-            )
-            reward_s = time.perf_counter() - t_reward
+                refs, pending.generation.plan, pending.prompts, self.version, self.trainer.dp_size,
+                pending.round_, [step * self._groups + i for i in range(self._groups)],
+            )  # fmt: skip
+            reward_s += time.perf_counter() - t_reward
+            if summary.more:  # dynamic sampling: groups whose rewards all agree were dropped
+                pending = self.launch_rollout(step, pending.round_ + 1, summary.more)
+                continue
             if summary.stale is None:
                 break
             self.num_stale_rejected += summary.num_samples

@@ -17,6 +17,7 @@ batches themselves (`moe_rl.orchestration.local`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import ray
@@ -43,8 +44,13 @@ class RayRewarder:
     def __init__(self, config: RecipeConfig, scorer=None):
         self.actor = ray.remote(RewardActor).options(num_cpus=0).remote(config, scorer)
 
-    def prepare(self, batch_refs: list, plan, prompts, version: int, dp_size: int) -> tuple[list, Prepared]:
-        shards, summary = self.actor.prepare.remote(batch_refs, plan, prompts, version, dp_size)
+    def prepare(
+        self, batch_refs: list, plan, prompts, version: int, dp_size: int, round_: int = 0,
+        group_ids: Sequence[int] = (),
+    ) -> tuple[list, Prepared]:  # fmt: skip
+        shards, summary = self.actor.prepare.remote(
+            batch_refs, plan, prompts, version, dp_size, round_, group_ids
+        )
         return self._resolved(shards, summary)
 
     def prepare_stored(self, batch, version: int, dp_size: int) -> tuple[list, Prepared]:
