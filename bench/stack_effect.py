@@ -9,8 +9,10 @@ mismatch on CPU: each condition run with the stack off and on, over several seed
 The model and task are `recipes/bench/stack_effect.yaml`; each condition and arm is a list of
 overrides of it (`CONDITIONS`, `ARMS`; `--dry-run` prints them). "off" is the plain objective
 (PPO-clip, token-mean) without routing replay, keep-sampling-mask, IcePop, OPSM, TIS or
-rejection, so the trainer's log-probs are over the full vocabulary; "on" is the recipe's stack
-(R3, keep-sampling-mask, IcePop, OPSM, ESPO).
+rejection, so the trainer's log-probs are over the full vocabulary; "corrections" is the plain
+objective with the recipe's corrections (R3, keep-sampling-mask, IcePop, OPSM); "on" is the
+recipe's stack (those corrections and ESPO). The paired differences split the stack's effect into
+the corrections' (corrections − off) and the objective's (on − corrections).
 
 Every run is a subprocess. Sync conditions run the in-process loop (`python -m
 moe_rl.orchestration.local`: the trainer, engine and metrics of a one-rank `moe-rl train` without
@@ -100,7 +102,17 @@ STACK_OFF = (
     "algo.corrections.rejection.enabled=false",
     "trainer.compute_entropy=false",
 )
-ARMS = {"off": STACK_OFF, "on": ()}
+CORRECTIONS_ONLY = ("algo.objective=ppo_clip", "algo.aggregation=token_mean", "trainer.compute_entropy=false")
+"""The recipe's corrections (R3, keep-sampling-mask, IcePop, OPSM) under the plain objective."""
+ARMS = {"off": STACK_OFF, "corrections": CORRECTIONS_ONLY, "on": ()}
+COLORS = {"off": "tab:red", "corrections": "tab:green", "on": "tab:blue"}
+PAIRS = (
+    ("on", "off", "whole stack"),
+    ("corrections", "off", "corrections"),
+    ("on", "corrections", "objective"),
+)
+"""Paired differences: the whole stack; the corrections alone; the objective (ESPO against
+PPO-clip, both with the corrections)."""
 SERIES = (
     "reward/mean",
     "train/grad_norm",
@@ -409,17 +421,20 @@ def results_table(groups: dict, threshold: float) -> list[str]:
 
 
 def paired_table(groups: dict, threshold: float) -> list[str]:
-    """on − off of final reward and AUC, per seed run in both arms."""
-    lines = ["| condition | seeds | Δ final reward | Δ AUC |", "|---|---|---|---|"]
+    """Each pair of `PAIRS` (a − b) of final reward and AUC, per seed run in both arms."""
+    lines = ["| condition | effect | a − b | seeds | Δ final reward | Δ AUC |", "|---|---|---|---|---|---|"]
     for condition in dict.fromkeys(c for c, _ in groups):
         arms = {arm: {r["seed"]: run_metrics(r["series"], threshold) for r in groups.get((condition, arm), [])}
                 for arm in ARMS}  # fmt: skip
-        seeds = sorted(set(arms["on"]) & set(arms["off"]))
-        deltas = {k: [arms["on"][s][k] - arms["off"][s][k] for s in seeds] for k in ("final", "auc")}
-        lines.append(
-            f"| {condition} | {len(seeds)} | {mean_std(deltas['final'], '{:+.3f}')} | "
-            f"{mean_std(deltas['auc'], '{:+.3f}')} |"
-        )
+        for a, b, effect in PAIRS:
+            seeds = sorted(set(arms[a]) & set(arms[b]))
+            if not seeds:
+                continue
+            deltas = {k: [arms[a][s][k] - arms[b][s][k] for s in seeds] for k in ("final", "auc")}
+            lines.append(
+                f"| {condition} | {effect} | {a} − {b} | {len(seeds)} | {mean_std(deltas['final'], '{:+.3f}')} | "
+                f"{mean_std(deltas['auc'], '{:+.3f}')} |"
+            )
     return lines
 
 
@@ -490,6 +505,7 @@ def write_markdown(doc: Path, results: list[dict], threshold: float) -> None:
         *(f"| {c.name} | {c.what} | `{' '.join(c.overrides) or '(none)'}` |" for c in conditions),
         "",
         f"- **stack off**: `{' '.join(STACK_OFF)}`: {stacks.get('off', '–')}",
+        f"- **corrections only**: `{' '.join(CORRECTIONS_ONLY)}`: {stacks.get('corrections', '–')}",
         f"- **stack on**: the recipe's stability stack: {stacks.get('on', '–')}",
         "",
         "## Results",
@@ -553,10 +569,10 @@ def write_png(path: Path, results: list[dict], threshold: float) -> None:
     rows = math.ceil(len(conditions) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False, sharey=True)
     for ax, condition in zip(axes.flat, conditions):
-        for arm, color in (("off", "tab:red"), ("on", "tab:blue")):
+        for arm, color in COLORS.items():
             runs = groups.get((condition, arm), [])
             if runs:
-                plot_arm(ax, runs, f"stack {arm} ({plural(len(runs), 'seed')})", color)
+                plot_arm(ax, runs, f"{arm} ({plural(len(runs), 'seed')})", color)
         ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
         ax.set_title(condition)
         ax.set_xlabel("step")
