@@ -48,6 +48,20 @@ def _build_parser() -> argparse.ArgumentParser:
         help="start over in a run directory that holds a run (deletes its checkpoints and metrics)",
     )  # fmt: skip
 
+    sft = sub.add_parser(
+        "sft", help="supervised warm start: train a recipe's model on demonstrations (sft.demonstrations)"
+    )
+    _add_recipe_args(sft)
+    sft.add_argument("--resume", metavar="RUN_DIR", help="continue an SFT run from its last checkpoint")
+    sft.add_argument(
+        "--force-new", action="store_true", help="start over in a run directory that holds a run"
+    )
+    train.add_argument(
+        "--init-from",
+        metavar="RUN",
+        help="start from the weights of this run's newest checkpoint (e.g. an SFT run)",
+    )
+
     config = sub.add_parser("config", help="inspect recipes")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved recipe as YAML")
@@ -187,9 +201,12 @@ def _config_command(args: argparse.Namespace) -> int:
 def _train_command(args: argparse.Namespace) -> int:
     from launch.train import train
 
+    init = getattr(args, "init_from", None)
+    overrides = [*args.overrides, f"model.init_from={init}"] if init else args.overrides
     return train(
-        args.recipe, args.overrides, resume=args.resume, force_new=args.force_new, log_level=args.log_level
-    )
+        args.recipe, overrides, resume=args.resume, force_new=args.force_new, log_level=args.log_level,
+        sft=args.command == "sft",
+    )  # fmt: skip
 
 
 def _submit_command(args: argparse.Namespace) -> int:
@@ -259,6 +276,7 @@ def _ray_wait_command(args: argparse.Namespace) -> int:
 COMMANDS = {
     "config": _config_command,
     "train": _train_command,
+    "sft": _train_command,
     "submit": _submit_command,
     "plan": _plan_command,
     "make-model": _make_model_command,

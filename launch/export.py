@@ -192,6 +192,7 @@ def _write_weights(config: RecipeConfig, trainer_dir: Path, folder: Path, max_sh
     from moe_rl.megatron.hf_weights import save_hf_checkpoint
     from moe_rl.megatron.model import PRECISIONS, build_gpt_model, model_config_to_hf_config
     from moe_rl.megatron.parallel import init_parallel, teardown_parallel
+    from moe_rl.trainer.checkpoint import load_model_weights
 
     one_rank = ParallelConfig()  # dist_checkpointing reshards what any trainer layout wrote
     init_parallel(one_rank)
@@ -199,7 +200,7 @@ def _write_weights(config: RecipeConfig, trainer_dir: Path, folder: Path, max_sh
         log.info("building the %s model (one rank, %s)", config.model.family, config.trainer.precision)
         model = build_gpt_model(config.model, one_rank, config.trainer, seed=config.run.seed)
         log.info("loading the model weights of %s (not the optimizer state)", trainer_dir)
-        _load_model_weights(model, trainer_dir)
+        load_model_weights(model, trainer_dir)
         dtype = str(PRECISIONS[config.trainer.precision]).removeprefix("torch.")
         hf_config = model_config_to_hf_config(config.model, dtype)
         if config.model.eos_token_id is not None:
@@ -208,41 +209,6 @@ def _write_weights(config: RecipeConfig, trainer_dir: Path, folder: Path, max_sh
         save_hf_checkpoint(model, folder, hf_config, max_shard_bytes=max_shard_bytes)
     finally:
         teardown_parallel()
-
-
-def _load_model_weights(model, trainer_dir: Path) -> None:
-    """The policy's weights from a trainer checkpoint (the optimizer state and a reference policy's
-    ``reference.`` keys stay unread); a checkpoint that does not fit the recipe's model (a tensor it
-    lacks, another shape) is one error."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    misfit = f"checkpoint {trainer_dir} does not fit the model of the run's config.yaml"
-    absent = _absent_tensors(model, trainer_dir)
-    if absent:
-        raise UserError(f"{misfit}: it lacks {len(absent)} of the model's tensors, e.g. {absent[:3]}")
-    try:
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(trainer_dir))
-    except (CheckpointException, CheckpointingException) as exc:
-        causes = [f[0] for f in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
-        mismatch = next((c for c in causes if isinstance(c, CheckpointingException)), None)
-        if mismatch is None:
-            raise
-        raise UserError(f"{misfit}: {mismatch}") from exc
-    model.load_state_dict(state["model"])
-
-
-def _absent_tensors(model, trainer_dir: Path) -> list[str]:
-    """Keys of the model's tensors that the checkpoint does not hold."""
-    from megatron.core.dist_checkpointing import load_tensors_metadata
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    request = model.sharded_state_dict()
-    apply_factories(request)
-    wanted = {t.key for t in nested_values(request) if isinstance(t, ShardedTensor)}
-    return sorted(wanted - set(load_tensors_metadata(str(trainer_dir))))
 
 
 def _write_generation_config(config: RecipeConfig, folder: Path) -> None:

@@ -34,7 +34,7 @@ def check_machine(config: RecipeConfig, machine=None, paths: bool = True) -> Run
 
 def train(
     recipe: str, overrides: Sequence[str] = (), resume: str | None = None, force_new: bool = False,
-    log_level: str | None = None,
+    log_level: str | None = None, sft: bool = False,
 ) -> int:  # fmt: skip
     """Run the job of `recipe` (or continue the run directory `resume`); returns the exit code.
     The run directory is locked for the run's life; one that already holds a run is refused unless
@@ -48,6 +48,10 @@ def train(
             raise ConfigError(f"--resume {run_dir}: not a run directory (no config.yaml)")
         config = load_recipe(run_dir / "config.yaml", overrides)
     else:
+        if sft:  # `moe-rl sft`: the recipe as a supervised run on demonstrations
+            from moe_rl.orchestration.sft import sft_overrides
+
+            overrides = sft_overrides(recipe, overrides)
         config = load_recipe(recipe, overrides)
         run_dir = Path(config.run.output_dir) / config.run.name
     # every rule and every input read and checked once, before the run directory is touched

@@ -278,6 +278,28 @@ def newest_usable(run_dir: Path) -> Usable | None:
     return None
 
 
+def init_checkpoint(path: Path) -> Path:
+    """The trainer state a run starts from (`model.init_from`): ``path`` is one checkpoint folder
+    (complete and intact), or a run directory whose newest usable checkpoint is taken."""
+    key = f"model.init_from={path}"
+    if (path / "trainer").is_dir():
+        problem = verify(path)
+        if problem is not None:
+            raise UserError(f"{key}: the checkpoint is not usable: {problem}")
+        return path / "trainer"
+    if not (path / "checkpoints").is_dir():
+        raise UserError(
+            f"{key}: neither a run directory with checkpoints/ nor a checkpoint folder with trainer/"
+        )
+    try:
+        usable = newest_usable(path)
+    except ConfigError as exc:
+        raise UserError(f"{key}: {str(exc).split(': ', 1)[-1]}") from None
+    if usable is None:
+        raise UserError(f"{key}: the run has no checkpoint yet")
+    return usable.path / "trainer"
+
+
 def sealed(run_dir: Path) -> list[Path]:
     """The checkpoints of ``run_dir`` that were sealed (their manifest written), oldest first; not
     verified against it (`newest_usable` does that)."""

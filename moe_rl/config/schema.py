@@ -73,6 +73,10 @@ class ModelConfig:
     hf_path: str | None = None
     """Folder of a Hugging Face checkpoint to start from; null creates the model from this config
     with random weights (tiny recipes, tests)."""
+    init_from: str | None = None
+    """A run directory (its newest usable checkpoint) or one of its checkpoints (`.../checkpoints/
+    step_000099`) whose trainer weights the run starts from instead of `model.hf_path`'s, e.g. an
+    SFT run of `moe-rl sft` (`moe-rl train --init-from RUN`); the optimizer starts afresh."""
     vocab_size: int = 256
     """Vocabulary size."""
     hidden_size: int = 64
@@ -480,6 +484,16 @@ class EnvConfig:
 
 
 @dataclass
+class SFTConfig:
+    demonstrations: str | None = None
+    """What `moe-rl sft` trains on: `file:PATH` (JSONL of `prompt` / `response` text, or of
+    `prompt_ids` / `response_ids`) or `env` (made by `env.name`'s `demonstrate`, for the prompts
+    of `data.task`); null: `env` when the recipe has an environment. Set by `moe-rl sft` only."""
+    num_demonstrations: int = 1024
+    """`sft.demonstrations=env`: how many to make (one per prompt)."""
+
+
+@dataclass
 class ClusterConfig:
     nodes: int = 1
     """Slurm nodes."""
@@ -565,6 +579,8 @@ class RecipeConfig:
     """Prompts and rewards."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn environments (tool use)."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start (`moe-rl sft`)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Slurm and Ray placement."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

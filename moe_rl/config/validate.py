@@ -88,7 +88,7 @@ RANGES: dict[str, Bound] = {
             "trainer.grad_clip"),
     **_each(UNIT_FROM_ZERO, "trainer.adam_beta1", "trainer.adam_beta2"),
     **_each(POSITIVE, "data.max_prompt_len", "data.offline_batches"),
-    **_each(POSITIVE, "env.max_turns", "env.max_tokens"),
+    **_each(POSITIVE, "env.max_turns", "env.max_tokens", "sft.num_demonstrations"),
     **_each(POSITIVE, "cluster.nodes", "cluster.trainer_nodes", "cluster.ray_join_timeout_s",
             "cluster.gpu_memory_gib"),
     **_each(NON_NEGATIVE, "cluster.gpus_per_node", "cluster.rollout_nodes", "cluster.signal_grace_s"),
@@ -301,6 +301,13 @@ def _check_batches(config: RecipeConfig) -> None:
         "with the others of its group, so a group of one has advantage 0 and trains nothing; use "
         "rollout.group_size >= 2",
     )
+    sft = config.sft.demonstrations
+    _require(
+        sft is None or (config.run.mode == RunMode.OFFLINE and config.data.trajectories is None),
+        f"sft.demonstrations={sft}: demonstrations are what `moe-rl sft RECIPE` trains on (it sets the "
+        f"offline run they need); run.mode={config.run.mode} with data.trajectories={config.data.trajectories} "
+        "would not read them",
+    )
     _require(
         not config.algo.dynamic_sampling or config.run.mode != RunMode.OFFLINE,
         "algo.dynamic_sampling=true with run.mode=offline: an offline run trains on stored batches and "
@@ -445,8 +452,9 @@ def _check_env(config: RecipeConfig) -> None:
         f"data.reward={d.reward} with env.name={env.name}: the environment gives the rewards "
         "(leave data.reward unset)",
     )
-    _require(config.run.mode != RunMode.OFFLINE, f"run.mode=offline trains on stored trajectories: env.name={env.name} "
-             "generates online (remove env.name)")  # fmt: skip
+    _require(config.run.mode != RunMode.OFFLINE or config.sft.demonstrations is not None,
+             f"run.mode=offline trains on stored trajectories: env.name={env.name} generates online "
+             "(remove env.name; `moe-rl sft` trains on an environment's demonstrations)")  # fmt: skip
 
 
 _CHECKS: tuple[tuple[str, Callable[[RecipeConfig], None]], ...] = (

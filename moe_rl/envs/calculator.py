@@ -275,6 +275,24 @@ class CalculatorEnv(Environment):
         reward = answer_score(self.answer, turn, self.partial) + self.call_bonus * self.call_score
         return StepResult([], reward=reward, done=True)
 
+    def demonstrate(self, context: list[int]) -> list[int]:
+        """The turn a model that uses the tool well writes next in ``context`` (demonstrations for a
+        supervised warm start, `moe_rl.orchestration.sft`): first a call of the prompt's expression
+        (its body alone when ``context`` ends with an opened CALL), then, once the tool has
+        answered, its value as the answer. Reads only ``context``."""
+        if RESULT in context:
+            start = len(context) - 1 - context[::-1].index(RESULT)
+            end = context.index(END_RESULT, start) if END_RESULT in context[start:] else len(context)
+            return [*context[start + 1 : end], EOS]
+        prompt = context[: context.index(EOS) + 1] if EOS in context else context
+        expression = _prompt_expression(prompt)
+        if expression is None:
+            raise EnvError(
+                f"calculator: the prompt {prompt[:16]} holds no expression to demonstrate a call of"
+            )
+        body = [*expression, END_CALL]
+        return body if context and context[-1] == CALL else [CALL, *body]
+
     def _call(self, expression: list[int]) -> StepResult:
         if self.expression is not None:
             self.call_score = max(self.call_score, answer_score(self.expression, expression, self.partial))

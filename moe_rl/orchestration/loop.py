@@ -42,7 +42,8 @@ def online_loop(config: RecipeConfig, stages: Stages, start: int, stop: int | No
 
 
 def offline_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[dict]:
-    """DGO: generation decoupled from optimization; epochs over stored trajectories."""
+    """DGO: generation decoupled from optimization; epochs over stored trajectories (or, for
+    `moe-rl sft`, over demonstrations, each of weight 1: maximum likelihood)."""
     dataset = stages.offline_dataset()  # stored, or generated once
     for step in range(start, config.run.steps):
         t0 = time.perf_counter()
@@ -53,4 +54,6 @@ def offline_loop(config: RecipeConfig, stages: Stages, start: int) -> Iterator[d
         stages.sync_weights(version=step + 1, metrics=metrics)
         stages.evaluate(step, metrics)  # fresh rollouts: reward/mean
         metrics["time/step_s"] = time.perf_counter() - t0
+        if config.sft.demonstrations is not None:  # no sampling policy to compare the trainer with
+            metrics = {k: v for k, v in metrics.items() if not k.startswith(("old/", "offline/reward"))}
         yield {"step": step, **metrics}

@@ -177,7 +177,21 @@ def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs]
         rules.append(rule)
     if reads_user_inputs(config) and not any(rule.broken for rule in rules):
         rules.append(_read_rule(config, built))
+    if config.model.init_from is not None:
+        rules.append(_init_rule(config.model.init_from, here))
     return rules or [Rule("input paths", True, "the recipe reads no files")]
+
+
+def _init_rule(init_from: str, here: str) -> Rule:
+    """`model.init_from` names a checkpoint there is: a run directory with a usable one, or one
+    checkpoint folder with its trainer state."""
+    from moe_rl.run_dir import init_checkpoint
+
+    try:
+        found = init_checkpoint(Path(init_from))
+    except UserError as exc:
+        return Rule("starting checkpoint exists", False, f"{exc} ({here})")
+    return Rule("starting checkpoint exists", True, f"model.init_from={init_from}: {found}")
 
 
 def reads_user_inputs(config: RecipeConfig) -> bool:
@@ -185,7 +199,8 @@ def reads_user_inputs(config: RecipeConfig) -> bool:
     function or an environment of their own (`env.kwargs` of a built-in one count too)."""
     kind = config.data.task.partition(":")[0]
     reward = ":" in config.data.reward
-    return kind == "file" or config.data.trajectories is not None or reward or config.env.name is not None
+    given = config.data.trajectories, config.sft.demonstrations, config.env.name
+    return kind == "file" or reward or any(g is not None for g in given)
 
 
 def _read_rule(config: RecipeConfig, built: list[RunInputs] | None) -> Rule:
@@ -210,6 +225,8 @@ def _read_rule(config: RecipeConfig, built: list[RunInputs] | None) -> Rule:
         )
     if config.data.trajectories is not None:
         read.append(f"the stored trajectories of {config.data.trajectories}")
+    if inputs.offline_data is not None and config.sft.demonstrations is not None:
+        read.append(f"{inputs.offline_data.num_samples} demonstrations ({config.sft.demonstrations})")
     if config.env.name is not None:
         read.append(f"env.name={config.env.name} built with env.kwargs")
     elif ":" in config.data.reward:
@@ -319,6 +336,10 @@ def build_inputs(config: RecipeConfig) -> RunInputs:
         from moe_rl.orchestration.offline import read_offline
 
         offline = read_offline(config, Path(config.data.trajectories))
+    elif config.sft.demonstrations is not None:  # `moe-rl sft`: the demonstrations are the data
+        from moe_rl.orchestration.sft import build_demonstrations
+
+        offline = build_demonstrations(config)
     source = build_prompt_source(config)  # offline runs draw evaluation prompts from it
     if config.env.name:  # the environment gives the rewards: import it and build one
         from moe_rl.envs.registry import build_env_factory

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from moe_rl import run_dir
+from moe_rl.algo.modes import Objective
 from moe_rl.config.derived import releases_memory
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
@@ -235,7 +236,8 @@ class Stages:
         when no group's rewards have varied for `FLAT_REWARD_STEPS` steps in a row."""
         adv, found = step_advantages(self.config, rollout.summary.rewards, rollout.summary.group_ids)
         metrics.update(found)
-        flat = found.get("advantage/zero_variance_group_share", 0.0) >= 1.0
+        dgo = self.config.algo.objective == Objective.DGO  # sample weights, never all 0
+        flat = not dgo and found.get("advantage/zero_variance_group_share", 0.0) >= 1.0
         self._flat_steps = self._flat_steps + 1 if flat else 0
         if self._flat_steps == FLAT_REWARD_STEPS:
             rewards = rollout.summary.rewards

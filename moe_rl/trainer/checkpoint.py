@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moe_rl.errors import UserError
 from moe_rl.trainer.reference import saved_with_reference
 
 log = logging.getLogger("moe_rl.trainer.worker")
@@ -102,3 +103,39 @@ def load(worker, directory: str | Path) -> int:
     worker.step = int(state["step"])
     log.info("loaded checkpoint of step %d from %s", worker.step, directory)
     return worker.step
+
+
+def load_model_weights(model, trainer_dir: Path, whose: str = "the run's config.yaml") -> None:
+    """The policy's weights from a trainer checkpoint into ``model`` (the optimizer state and a
+    reference policy's ``reference.`` keys stay unread; Megatron's dist_checkpointing reshards what
+    any layout wrote); a checkpoint that does not fit the model (a tensor it lacks, another shape)
+    is one error naming ``whose`` model it is."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    misfit = f"checkpoint {trainer_dir} does not fit the model of {whose}"
+    absent = _absent_tensors(model, trainer_dir)
+    if absent:
+        raise UserError(f"{misfit}: it lacks {len(absent)} of the model's tensors, e.g. {absent[:3]}")
+    try:
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(trainer_dir))
+    except (CheckpointException, CheckpointingException) as exc:
+        causes = [f[0] for f in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
+        mismatch = next((c for c in causes if isinstance(c, CheckpointingException)), None)
+        if mismatch is None:
+            raise
+        raise UserError(f"{misfit}: {mismatch}") from exc
+    model.load_state_dict(state["model"])
+
+
+def _absent_tensors(model, trainer_dir: Path) -> list[str]:
+    """Keys of the model's tensors that the checkpoint does not hold."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    request = model.sharded_state_dict()
+    apply_factories(request)
+    wanted = {t.key for t in nested_values(request) if isinstance(t, ShardedTensor)}
+    return sorted(wanted - set(load_tensors_metadata(str(trainer_dir))))

@@ -51,6 +51,7 @@ from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.parallel import init_parallel
 from moe_rl.megatron.replay import RoutingReplay
 from moe_rl.offload import GIB, Offload, resident_bytes
+from moe_rl.run_dir import init_checkpoint
 from moe_rl.trainer import checkpoint, passes, pipeline, update
 from moe_rl.trainer.batch import PreparedBatch, TrainerBatch, TrainMicroBatch, regroup
 from moe_rl.trainer.logprobs import PassOptions
@@ -77,6 +78,12 @@ class TrainerWorker:
         self.model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
         if config.model.hf_path:
             load_hf_checkpoint(self.model, config.model.hf_path)
+        if config.model.init_from:  # e.g. an SFT run: its weights, the optimizer afresh
+            trainer_dir = init_checkpoint(Path(config.model.init_from))
+            checkpoint.load_model_weights(
+                self.model, trainer_dir, f"model.init_from={config.model.init_from}"
+            )
+            log.info("starting from the weights of %s", trainer_dir.parent)
         kl = config.algo.kl
         self.reference = ReferencePolicy.of_policy(self.model, config, self.device) if kl.coef > 0 else None
         self.ddp = self._wrap_ddp(self.model)
