@@ -179,6 +179,11 @@ def _from_file(config, path: Path) -> TrajectoryBatch:
             prompt, response = (_ids(record, key, at, vocab) for key in ("prompt_ids", "response_ids"))
         elif isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
             tokenizer = tokenizer or build_tokenizer(config)
+            if tokenizer is None:
+                raise UserError(
+                    f"{at}: text demonstrations need a tokenizer, and data.task={config.data.task} is made of "
+                    "token ids (no model.hf_path tokenizer); give prompt_ids / response_ids"
+                )
             prompt = tokenizer.encode(record["prompt"])
             response = tokenizer.encode(record["response"]) + ([eos] if eos is not None else [])
         else:

@@ -1,0 +1,58 @@
+"""`moe-rl sft` on the tool task, then `moe-rl train --init-from` the SFT run: the demonstrations
+(the calculator's call, then the result as the answer) teach the random model the task that RL
+from scratch does not learn, and the RL run starts from the SFT run's weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS = "recipes/tiny_moe_tools.yaml"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, "-m", "launch.cli", *args, "logging.progress=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_teaches_the_tool_task_and_rl_starts_from_it(tmp_path):
+    _cli(
+        "sft",
+        TOOLS,
+        "run.steps=40",
+        "sft.num_demonstrations=256",
+        f"run.output_dir={tmp_path}",
+        "run.name=sft",
+    )
+    sft = _records(tmp_path / "sft")
+    assert [r["step"] for r in sft] == list(range(40))
+    assert not any(k.startswith("old/") for r in sft for k in r)  # no sampling policy to compare with
+    # the negative log-likelihood of the demonstrations falls, the policy's own reward rises
+    assert sft[-1]["train/loss"] < 0.5 * sft[0]["train/loss"]
+    assert sft[0]["reward/mean"] < 0.1 and max(r["reward/mean"] for r in sft[-5:]) > 0.8
+    config = (tmp_path / "sft" / "config.yaml").read_text()
+    assert "mode: offline" in config and "demonstrations: env" in config
+
+    _cli(
+        "train", TOOLS, "--init-from", str(tmp_path / "sft"), "run.steps=2", "trainer.lr=5.0e-4",
+        f"run.output_dir={tmp_path}", "run.name=rl",
+    )  # fmt: skip
+    logs = "".join(p.read_text() for p in (tmp_path / "rl" / "logs").glob("*.log"))  # the trainer's
+    assert f"starting from the weights of {tmp_path / 'sft' / 'checkpoints' / 'step_000039'}" in logs
+    first = _records(tmp_path / "rl")[0]
+    assert first["reward/mean"] > 0.8  # the warm start's policy, not a random one (about 0.03)
