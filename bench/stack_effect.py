@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/stack_effect.py` from anywhere
 
 from moe_rl.config import ConfigError, RecipeConfig  # noqa: E402 (light: no torch, no Ray)
+from moe_rl.config.derived import CORRECTIONS_OFF  # noqa: E402
 from moe_rl.orchestration.preflight import load_checked  # noqa: E402
 
 log = logging.getLogger("stack_effect")
@@ -91,19 +92,10 @@ CONDITIONS = {
         ),
     )
 }
-STACK_OFF = (
-    "algo.objective=ppo_clip",
-    "algo.aggregation=token_mean",
-    "algo.routing_replay=off",
-    "algo.corrections.keep_sampling_mask=false",
-    "algo.corrections.icepop.enabled=false",
-    "algo.corrections.opsm.enabled=false",
-    "algo.corrections.tis.mode=off",
-    "algo.corrections.rejection.enabled=false",
-    "trainer.compute_entropy=false",
-)
 CORRECTIONS_ONLY = ("algo.objective=ppo_clip", "algo.aggregation=token_mean", "trainer.compute_entropy=false")
 """The recipe's corrections (R3, keep-sampling-mask, IcePop, OPSM) under the plain objective."""
+STACK_OFF = (*CORRECTIONS_ONLY, *CORRECTIONS_OFF)
+"""The plain objective without any correction."""
 ARMS = {"off": STACK_OFF, "corrections": CORRECTIONS_ONLY, "on": ()}
 COLORS = {"off": "tab:red", "corrections": "tab:green", "on": "tab:blue"}
 PAIRS = (

@@ -140,3 +140,16 @@ def vllm_weights_direct(config: RecipeConfig) -> bool:
     engine's process: when the trainer has one pipeline stage (each sending rank sees the whole
     model)."""
     return config.rollout.engine == Engine.VLLM and config.parallel.pipeline_model_parallel_size == 1
+
+
+CORRECTIONS_OFF = (
+    "algo.routing_replay=off",
+    "algo.corrections.keep_sampling_mask=false",
+    "algo.corrections.icepop.enabled=false",
+    "algo.corrections.opsm.enabled=false",
+    "algo.corrections.tis.mode=off",
+    "algo.corrections.rejection.enabled=false",
+)
+"""Recipe overrides that turn every training–inference correction off: routing replay,
+keep-sampling-mask, IcePop, OPSM, TIS and rejection (the plain arm of a comparison; a run with no
+sampling policy to correct for)."""

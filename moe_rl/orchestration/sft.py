@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.config.derived import CORRECTIONS_OFF
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.errors import ConfigError, UserError
 from moe_rl.rewards.tasks import Prompt
@@ -38,15 +39,10 @@ SFT_OVERRIDES = (
     "run.mode=offline",
     "algo.objective=dgo",
     "algo.aggregation=token_mean",
-    "algo.routing_replay=off",
+    *CORRECTIONS_OFF,
     "algo.zero_variance_shaping=false",
     "algo.dynamic_sampling=false",
     "algo.kl.coef=0",
-    "algo.corrections.keep_sampling_mask=false",
-    "algo.corrections.icepop.enabled=false",
-    "algo.corrections.opsm.enabled=false",
-    "algo.corrections.tis.mode=off",
-    "algo.corrections.rejection.enabled=false",
     "trainer.compute_entropy=false",
     "data.trajectories=null",
 )
