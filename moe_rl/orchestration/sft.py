@@ -15,7 +15,8 @@ Demonstrations (`sft.demonstrations`):
   (tokenized with the recipe's tokenizer; the response ends with ``model.eos_token_id`` when the
   recipe has one), or ``{"prompt_ids": [...], "response_ids": [...]}``;
 * ``env``: made by the recipe's environment (`env.name`) for `sft.num_demonstrations` prompts of
-  `data.task`: a scripted policy (`Demonstrator`) writes each model turn an environment's
+  `data.task` (drawn with a seed of their own, so the runs of the same seed evaluate and train
+  on other prompts): a scripted policy (`Demonstrator`) writes each model turn an environment's
   ``demonstrate`` gives, and the environment answers as in a rollout, so a demonstration has the
   layout of a multi-turn trajectory (environment tokens not trained on).
 """
@@ -70,6 +71,9 @@ def sft_overrides(recipe, overrides: Sequence[str]) -> list[str]:
 
 
 DEMONSTRATION = "demonstration"
+DEMONSTRATION_SEED_OFFSET = 104_723
+"""Seed offset of the prompts demonstrations are made for: a run of the same seed (its evaluation,
+an RL run started from the SFT run) draws other prompts."""
 """The engine and weight recipe a demonstration is labelled with (no engine sampled it)."""
 
 
@@ -144,6 +148,7 @@ def _from_env(config) -> TrajectoryBatch:
             "sft.demonstrations=file:PATH"
         )
     source = build_prompt_source(config)
+    source.rng.seed(config.run.seed + DEMONSTRATION_SEED_OFFSET)  # not the prompts a run draws
     prompts: list[Prompt] = source.next_batch(config.sft.num_demonstrations)
     limits = TurnLimits(env.max_turns, env.max_tokens, config.data.max_prompt_len)
     rollout = MultiTurnRollout(Demonstrator(demonstrate), make_env, limits, config.model.vocab_size, env.name)
