@@ -88,7 +88,7 @@ def run_sft(out: Path, seed: int, steps: int, demonstrations: int) -> Path:
     return run
 
 
-def run_arm(out: Path, arm: str, seed: int, steps: int) -> dict:
+def run_arm(out: Path, arm: str, seed: int, steps: int, jobs: int) -> dict:
     from_sft, overrides = ARMS[arm]
     init = [f"model.init_from={sft_dir(out, seed)}"] if from_sft else []
     args = [RECIPE, f"run.seed={seed}", f"run.steps={steps}", "logging.progress=false", *init, *overrides]
@@ -96,9 +96,8 @@ def run_arm(out: Path, arm: str, seed: int, steps: int) -> dict:
     metrics, log_path = out / "runs" / name / "metrics.jsonl", out / "logs" / f"{name}.log"
     metrics.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as err, metrics.open("w") as stdout:
-        code, wall, cpu = se.spawn(
-            [sys.executable, "-m", "moe_rl.orchestration.local", *args], stdout, err, {}
-        )
+        command = [sys.executable, "-m", "moe_rl.orchestration.local", *args]
+        code, wall, cpu = se.spawn(command, stdout, err, se.thread_env(jobs, in_process=True))
     if code != 0:
         raise RuntimeError(f"{name}: exit code {code} ({log_path})")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.startswith("{")]
@@ -224,7 +223,9 @@ def main(argv=None) -> int:
         todo = [(a, s) for s in args.seeds for a in arms if not (args.out / f"{a}-seed{s}.json").is_file()]
         failed = 0
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = {pool.submit(run_arm, args.out, a, s, args.rl_steps): (a, s) for a, s in todo}
+            futures = {
+                pool.submit(run_arm, args.out, a, s, args.rl_steps, args.jobs): (a, s) for a, s in todo
+            }
             for future in as_completed(futures):
                 arm, seed = futures[future]
                 try:
