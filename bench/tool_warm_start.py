@@ -93,7 +93,7 @@ def run_arm(out: Path, arm: str, seed: int, steps: int, jobs: int) -> dict:
     init = [f"model.init_from={sft_dir(out, seed)}"] if from_sft else []
     args = [RECIPE, f"run.seed={seed}", f"run.steps={steps}", "logging.progress=false", *init, *overrides]
     name = f"{arm}-seed{seed}"
-    metrics, log_path = out / "runs" / name / "metrics.jsonl", out / "logs" / f"{name}.log"
+    metrics, log_path = out / "runs" / "rl" / name / "metrics.jsonl", out / "logs" / f"{name}.log"
     metrics.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as err, metrics.open("w") as stdout:
         command = [sys.executable, "-m", "moe_rl.orchestration.local", *args]
