@@ -16,6 +16,10 @@ from moe_rl.run_dir import METRICS, ensure_owned, read_records
 
 log = logging.getLogger("moe_rl.metrics")
 
+MEASURED_PREFIXES = ("time/", "perf/")
+"""Metrics that measure how long work took (and the rates made from it): they differ between two
+runs that compute the same thing, while every other metric of a deterministic run repeats."""
+
 SUMMARY_KEYS = (
     ("reward/mean", "reward {:.3f}"),
     ("response/length_mean", "len {:.1f}"),

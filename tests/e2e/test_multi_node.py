@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from moe_rl.orchestration.metrics import MEASURED_PREFIXES
 from tests.e2e.runs import train_tiny
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +28,7 @@ TRANSPORT_KEYS = ("sync/transport", "sync/shared_memory", "sync/in_place_bytes",
 def _comparable(record: dict) -> dict:
     return {
         k: v for k, v in record.items()
-        if not k.startswith(("time/", "memory/")) and not k.endswith("seconds") and k not in TRANSPORT_KEYS
+        if not k.startswith((*MEASURED_PREFIXES, "memory/")) and not k.endswith("seconds") and k not in TRANSPORT_KEYS
     }  # fmt: skip
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.orchestration.metrics import MEASURED_PREFIXES
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +51,8 @@ REQUIRED_FIELDS = [
     "time/train_s",
     "time/sync_s",
     "time/step_s",
+    "perf/tflops",
+    "perf/mfu",
 ]
 
 
@@ -173,7 +177,7 @@ def test_tiny_run_learns_and_writes_every_metric(tmp_path):
 
 
 def _comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(("time/", "sync/seconds"))}
+    return {k: v for k, v in record.items() if not k.startswith((*MEASURED_PREFIXES, "sync/seconds"))}
 
 
 SCALED_OUT = ["parallel.trainer_world_size=2", "rollout.num_engines=2"]
