@@ -14,7 +14,8 @@ already sorted by expert, with ``torch._grouped_mm`` where it runs: CUDA, bf16 o
 compute capability 9.0 or newer. Elsewhere (the CPU, older GPUs) it runs the same products one
 expert after another with plain matrix products: the exact fallback. What it cannot do as
 ``SequentialMLP`` does (expert biases, FP8/FP4 training, probabilities applied on the input,
-activations other than SwiGLU, clamped GLU) it hands to ``SequentialMLP.forward``.
+activations other than SwiGLU, clamped GLU, expert linears that were converted or hooked, as
+ModelOpt's quantization does) it hands to ``SequentialMLP.forward``.
 """
 
 from __future__ import annotations
@@ -45,9 +46,24 @@ class GroupedExperts(SequentialMLP):
     """The products of the last forward: ``grouped_mm`` or ``loop`` (None before the first, or
     when ``SequentialMLP.forward`` ran it)."""
 
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        super().__init__(num_local_experts, config, submodules, pg_collection)
+        self._linear_types = (submodules.linear_fc1, submodules.linear_fc2)
+
+    def _plain_linears(self) -> bool:
+        """Every expert's linear layers are the ones the layer spec built, untouched: a layer that
+        was converted (ModelOpt's quantized linears swap its class) or is hooked computes more than
+        its weight's product, which only its own forward does."""
+        fc1_type, fc2_type = self._linear_types
+        for expert in self.local_experts:
+            for linear, kind in ((expert.linear_fc1, fc1_type), (expert.linear_fc2, fc2_type)):
+                if type(linear) is not kind or linear._forward_hooks or linear._forward_pre_hooks:
+                    return False
+        return True
+
     def _grouped_forward_applies(self) -> bool:
         c = self.config
-        return (
+        return self._plain_linears() and (
             c.gated_linear_unit
             and c.activation_func is F.silu
             and not c.add_bias_linear

@@ -144,3 +144,26 @@ def test_te_without_transformer_engine_is_refused_naming_the_key():
     assert expert_gemm(ExpertGemm.AUTO) == ExpertGemm.TORCH
     with pytest.raises(ValueError, match=r"^trainer.expert_gemm=te: transformer-engine's grouped GEMM needs"):
         expert_gemm(ExpertGemm.TE)
+
+
+def test_a_converted_or_hooked_expert_linear_runs_its_own_forward(device):
+    """ModelOpt's quantization swaps a linear's class and calibration hooks it: the grouped
+    products would skip what that forward adds, so `SequentialMLP.forward` runs instead."""
+    sequential, grouped = _models("qwen3_moe", device)
+    layer = _experts(grouped)[0]
+
+    def double(module, args, out):
+        return out[0] * 2, out[1]
+
+    handle = layer.local_experts[1].linear_fc2.register_forward_hook(double)
+    _experts(sequential)[0].local_experts[1].linear_fc2.register_forward_hook(double)
+    logits, _ = _step(grouped, device)
+    assert layer.kernel is None
+    assert_same(logits, _step(sequential, device)[0], device)  # the hook's doubling is in both
+    handle.remove()
+    _step(grouped, device)
+    assert layer.kernel in ("loop", "grouped_mm")
+    fc1 = layer.local_experts[0].linear_fc1
+    fc1.__class__ = type("Converted", (type(fc1),), {})
+    _step(grouped, device)
+    assert layer.kernel is None
