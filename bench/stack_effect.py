@@ -14,10 +14,12 @@ objective with the recipe's corrections (R3, keep-sampling-mask, IcePop, OPSM); 
 recipe's stack (those corrections and ESPO). The paired differences split the stack's effect into
 the corrections' (corrections − off) and the objective's (on − corrections).
 
-Every run is a subprocess. Sync conditions run the in-process loop (`python -m
-moe_rl.orchestration.local`: the trainer, engine and metrics of a one-rank `moe-rl train` without
-Ray, which starts in about 8 s instead of 40 and saves a third of each step's time); async ones run
-`moe-rl train` on Ray, one at a time after the others. A finished run leaves
+Every run is a subprocess. Runs of one trainer rank and the Megatron engine use the in-process
+loop (`python -m moe_rl.orchestration.local`: the trainer, engine and metrics of a one-rank
+`moe-rl train` without Ray, which starts in about 8 s instead of 40 and saves a third of each step's
+time; an async run there generates each batch when it is launched, with the weights of that moment,
+so its tokens are as old as on Ray and only the overlap is gone); others run `moe-rl train` on Ray,
+one at a time after the others. A finished run leaves
 `<out>/<condition>-<arm>-seed<k>.json` (settings, the resolved stack, timing, per-step series);
 runs with a result are skipped, so an interrupted experiment continues where it stopped. With
 `--jobs N` > 1 the in-process runs go N at a time with cores / N threads each (OMP_NUM_THREADS);
@@ -90,6 +92,24 @@ CONDITIONS = {
             "(optimizer steps) per rollout batch",
             ("run.mode=async", "run.max_staleness=2", "trainer.num_mini_batches=4"),
         ),
+        Condition(
+            "deep_staleness",
+            "async, generation 4 steps ahead: every batch is 4 policy versions (16 optimizer steps) old "
+            "when it trains, run.max_staleness = 4, 4 mini-batches per rollout batch",
+            ("run.mode=async", "run.async_depth=4", "run.max_staleness=4", "trainer.num_mini_batches=4"),
+        ),
+        Condition(
+            "wide_fp8",
+            "a wider MoE (64 experts, top-8, expert width 32) with fp8_tensor rollout weights (one scale "
+            "per tensor) at 4x the learning rate",
+            (
+                "model.num_experts=64",
+                "model.moe_router_topk=8",
+                "model.moe_ffn_hidden_size=32",
+                "rollout.quant=fp8_tensor",
+                "trainer.lr=2.0e-3",
+            ),
+        ),
     )
 }
 CORRECTIONS_ONLY = ("algo.objective=ppo_clip", "algo.aggregation=token_mean", "trainer.compute_entropy=false")
@@ -154,10 +174,12 @@ class Run:
             raise SystemExit(f"{self.condition.name} / stack {self.arm}: {exc}") from None
 
     def in_process(self) -> bool:
-        """Whether the in-process loop can run it: sync, one trainer rank, the Megatron engine."""
+        """Whether the in-process loop can run it: online (sync, or async: it generates a batch when
+        launched, with the weights of that moment, so its tokens are as old as on Ray; only the
+        overlap is gone), one trainer rank, the Megatron engine."""
         config = self.config()
         return (
-            config.run.mode == "sync"
+            config.run.mode in ("sync", "async")
             and config.parallel.trainer_world_size == 1
             and config.rollout.engine == "megatron"
         )

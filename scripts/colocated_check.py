@@ -8,7 +8,9 @@ its peak, the engine's generation footprint and what it keeps asleep; then the v
 * every RL step of the two runs is equal (rewards, losses, gradient norms, mismatch, sync bytes);
 * each step the trainer released its memory once and the engine slept once;
 * asleep, the engine keeps at most 10 % of its generation footprint; while the engine generates
-  the trainer keeps less than it holds after training (its optimizer state and gradients are out).
+  the trainer keeps less than it holds after training (its optimizer state and gradients are out);
+* on CUDA the weights went from the trainer's GPU memory to the engine's by IPC handle
+  (`sync/transport` = device_ipc), never through host memory.
 
     python scripts/colocated_check.py OUT_DIR [--device cuda] [--steps 4] [--level 1]
 
@@ -86,6 +88,9 @@ def main() -> int:
             )
         if not r["memory/trainer_generate_gib"] < r["memory/trainer_train_gib"]:
             failures.append(f"step {r['step']}: the trainer released nothing for the generation")
+        expected = "device_ipc" if args.device == "cuda" else "shared_memory"  # GPU to GPU on CUDA
+        if r.get("sync/transport") != expected:
+            failures.append(f"step {r['step']}: weights went by {r.get('sync/transport')}, not {expected}")
     for a, b in zip(released, kept, strict=True):
         if comparable(a) != comparable(b):
             keys = sorted(k for k in set(comparable(a)) | set(comparable(b)) if a.get(k) != b.get(k))

@@ -142,6 +142,21 @@ def vllm_weights_direct(config: RecipeConfig) -> bool:
     return config.rollout.engine == Engine.VLLM and config.parallel.pipeline_model_parallel_size == 1
 
 
+def megatron_weights_ipc(config: RecipeConfig, device: str) -> bool:
+    """The Megatron engine reads its weights in the trainer rank's device memory by IPC handle
+    (`moe_rl.weight_sync.transport.DeviceIpc`; CUDA IPC), not through host shared memory: on CUDA,
+    colocated, with one trainer rank and one engine, which then share one GPU. With more, an engine
+    would need buckets from ranks on GPUs its process does not see; those go through the shared
+    slots."""
+    return (
+        device == "cuda"
+        and config.rollout.engine == Engine.MEGATRON
+        and placement_mode(config) == PlacementMode.COLOCATED
+        and config.parallel.trainer_world_size == 1
+        and config.rollout.num_engines == 1
+    )
+
+
 CORRECTIONS_OFF = (
     "algo.routing_replay=off",
     "algo.corrections.keep_sampling_mask=false",

@@ -59,6 +59,10 @@ class RunConfig:
     max_staleness: int = 1
     """Async only: trajectories older than this many policy versions are rejected (never trained
     on) and counted. AReaL's eta."""
+    async_depth: int = 1
+    """Async only: how many steps ahead generation runs. The batches of the next `async_depth`
+    steps are generated while the current one trains, so each batch is this many policy versions
+    old when it trains (at most `run.max_staleness`)."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end and on Ctrl-C)."""
     device: RunDevice = RunDevice.AUTO

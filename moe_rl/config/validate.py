@@ -55,7 +55,7 @@ def _each(bound: Bound, *paths: str) -> dict[str, Bound]:
 # Every numeric field whose valid values do not depend on other fields. Sizes and counts are > 0
 # wherever 0 means nothing (every divisor among them); offsets, counters and intervals are >= 0.
 RANGES: dict[str, Bound] = {
-    **_each(POSITIVE, "run.steps"),
+    **_each(POSITIVE, "run.steps", "run.async_depth"),
     **_each(NON_NEGATIVE, "run.seed", "run.max_staleness", "run.checkpoint_every"),
     **_each(POSITIVE, "model.vocab_size", "model.hidden_size", "model.num_layers",
             "model.num_attention_heads", "model.num_key_value_heads", "model.head_dim",
@@ -384,6 +384,18 @@ def _check_schedule(config: RecipeConfig) -> None:
         f"run.mode=async with run.max_staleness={config.run.max_staleness}: every batch is generated one "
         "policy version behind, so each would be rejected as stale and none trained on; use "
         "run.max_staleness >= 1 or run.mode=sync",
+    )
+    run = config.run
+    _require(
+        run.async_depth == 1 or run.mode == RunMode.ASYNC,
+        f"run.async_depth={run.async_depth} with run.mode={run.mode}: only an async run generates ahead; "
+        "use run.mode=async or leave run.async_depth at 1",
+    )
+    _require(
+        run.mode != RunMode.ASYNC or run.max_staleness == 0 or run.async_depth <= run.max_staleness,
+        f"run.async_depth={run.async_depth} > run.max_staleness={run.max_staleness}: every batch is generated "
+        f"{run.async_depth} policy versions behind and would be rejected as stale; use run.max_staleness >= "
+        f"{run.async_depth} or a smaller run.async_depth",
     )
 
 

@@ -124,12 +124,15 @@ class TrainerRank:
             if i not in where.dead
         }
         if self._sender is None:
+            from moe_rl.config.derived import megatron_weights_ipc
             from moe_rl.weight_sync.sender import RankSender
 
             c = self.config
+            device = next(self.worker.model.parameters()).device.type
             self._sender = RankSender(
                 self.worker.model, c.quant, c.model.num_layers, c.rollout.sync_bucket_mb << 20, self.rank,
                 host=ray.util.get_node_ip_address(), vllm_workers=c.rollout.tensor_parallel_size,
+                device_ipc=megatron_weights_ipc(c, device),
             )  # fmt: skip
         members = tuple(
             engines[i]._actor_id.hex() for i in sorted(receivers)

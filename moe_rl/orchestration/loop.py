@@ -4,15 +4,17 @@ one-process loop (`moe_rl.orchestration.local`) both run it over their `Stages`:
     generate → reward → advantages → old log-probs → train → sync weights → log / checkpoint
 
 Modes (`run.mode`): `sync` (on-policy: each batch is generated with the weights it trains) and
-`async` (one-step-off-policy: the next batch is generated while the current one trains; its
-tokens are one policy version old, and batches older than `run.max_staleness` versions are
-rejected and counted, never trained on); `offline` (DGO) trains epochs over stored trajectories.
+`async` (off-policy: the batches of the next `run.async_depth` steps are generated while the
+current one trains, so a batch's tokens are `async_depth` policy versions old, and batches older
+than `run.max_staleness` versions are rejected and counted, never trained on); `offline` (DGO)
+trains epochs over stored trajectories.
 Imports no Ray.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 
 from moe_rl.config.modes import RunMode
@@ -21,19 +23,20 @@ from moe_rl.orchestration.stages import Stages
 
 
 def online_loop(config: RecipeConfig, stages: Stages, start: int, stop: int | None = None) -> Iterator[dict]:
-    """Generate with the current policy (or one version behind, async), then train on it; steps
-    ``start`` to ``stop`` (default `run.steps`)."""
+    """Generate with the current policy (or `run.async_depth` versions behind, async), then train
+    on it; steps ``start`` to ``stop`` (default `run.steps`)."""
     stop = config.run.steps if stop is None else stop
-    pending = stages.launch_rollout(start) if config.run.mode == RunMode.ASYNC else None
+    ahead = config.run.async_depth if config.run.mode == RunMode.ASYNC else 0
+    pending = deque(stages.launch_rollout(s) for s in range(start, min(start + ahead, stop)))
     for step in range(start, stop):
         t0 = time.perf_counter()
-        batch, metrics = stages.rollout(step, pending)  # generate on the engine pool (+ staleness)
+        batch, metrics = stages.rollout(step, pending.popleft() if pending else None)  # (+ staleness)
         batch = stages.reward(batch, metrics)  # verifiable rewards (scored by the reward worker)
         stages.dump(step, batch)  # optional trajectory shards
         advantages = stages.advantages(batch, metrics)  # GRPO / Dr.GRPO / RLOO
         prepared = stages.old_logp(batch, advantages, metrics)  # π_old + mismatch diagnostics
-        if config.run.mode == RunMode.ASYNC and step + 1 < stop:
-            pending = stages.launch_rollout(step + 1)  # overlaps training
+        if ahead and step + ahead < stop:
+            pending.append(stages.launch_rollout(step + ahead))  # overlaps training
         stages.train(prepared, metrics)  # objective + corrections
         stages.sync_weights(version=step + 1, metrics=metrics)  # quantized per recipe
         metrics["time/step_s"] = time.perf_counter() - t0

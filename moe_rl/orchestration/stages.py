@@ -159,6 +159,8 @@ class Stages:
         """Generate (or collect the generation started earlier); score, validate and shard it in the
         reward worker; reject batches that are too stale and generate again."""
         t0, reward_s = time.perf_counter(), 0.0
+        for launched in [s for s in self._pending_state if s < step]:  # a checkpoint needs only later ones
+            del self._pending_state[launched]
         regenerated = self.engines.regenerated_prompts
         memory = self._release_before_generation() if self.releases else {}
         while True:

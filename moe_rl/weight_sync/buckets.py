@@ -12,7 +12,10 @@ places:
 * a NumPy ``uint8`` buffer that the packer reuses for every bucket it fills, published through Ray's
   object store (one copy into the store, read without copying by every receiver on a node). A
   contiguous CPU tensor that travels as it is is not packed: the bucket carries it as it lies
-  (`Bucket.arrays`) and ``ray.put`` copies it straight into the store.
+  (`Bucket.arrays`) and ``ray.put`` copies it straight into the store;
+* a ``uint8`` tensor on the sender's device (a packer given ``device``), which receivers on the
+  same machine map by torch's IPC handle (`moe_rl.weight_sync.ipc`; CUDA IPC on GPUs): the bucket
+  that travels is its entries and the handle (`Bucket.ipc`).
 
 Either way a sender holds at most two buckets' worth of buffers, not one per bucket. A packer given
 the sender's `shm.SharedArena` (a CPU trainer's parameters in shared memory) writes nothing for a
@@ -30,6 +33,7 @@ import torch
 from torch import Tensor
 
 from moe_rl.device import tensor_bytes
+from moe_rl.weight_sync.ipc import IpcRef, open_ref
 from moe_rl.weight_sync.shm import ALIGN, SharedArena, SharedSlots, SlotRef, aligned, read_slot
 from moe_rl.weight_sync.wire import LazyGroup, Piece
 
@@ -98,6 +102,9 @@ class Bucket:
     """Tensors that travel as the sender holds them (flat ``uint8`` views, no copy): ``ray.put``
     copies each straight into the object store (NumPy arrays travel out of band), so they are copied
     once on the sender, not packed into the buffer first."""
+    ipc: IpcRef | None = None
+    """Where the bytes lie in the sender's shared device buffer; then only the entries and this
+    travel (`moe_rl.weight_sync.ipc`)."""
 
     @property
     def nbytes(self) -> int:
@@ -105,16 +112,16 @@ class Bucket:
         return sum(entry.nbytes for entry in self.entries)
 
     @property
-    def data(self) -> np.ndarray:
-        """The bucket's bytes (a receiver of a shared slot maps it here)."""
+    def data(self) -> np.ndarray | Tensor:
+        """The bucket's bytes (a receiver of a shared slot or device buffer maps it here)."""
         if self.buffer is None:
-            self.buffer = read_slot(self.slot)
+            self.buffer = open_ref(self.ipc) if self.ipc is not None else read_slot(self.slot)
         return self.buffer
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        if self.slot is not None:
-            state["buffer"] = None  # the bytes stay in the slot
+        if self.slot is not None or self.ipc is not None:
+            state["buffer"] = None  # the bytes stay in the slot, or in the sender's device buffer
         return state
 
     def tensors(self) -> Iterator[tuple[Entry, Tensor]]:
@@ -127,7 +134,11 @@ class Bucket:
             elif entry.array is not None:
                 raw = _tensor(self.arrays[entry.array])
             else:
-                flat = _tensor(self.data) if flat is None else flat
+                flat = (
+                    (self.data if isinstance(self.data, Tensor) else _tensor(self.data))
+                    if flat is None
+                    else flat
+                )
                 raw = flat[entry.offset : entry.offset + entry.nbytes]
             yield entry, raw.view(_DTYPES[entry.dtype]).reshape(entry.shape)
 
@@ -161,7 +172,10 @@ class BucketPacker:
       Such a bucket is yielded in parts of about ``part_bytes`` (whole groups; the last part is
       marked ``last``), each as soon as it is written, so receivers read the start of a bucket while
       the sender still writes the rest of it (a pipeline of parts, not of whole buckets). A part
-      adds no memory: it is a byte range of the bucket's slot.
+      adds no memory: it is a byte range of the bucket's slot;
+    * with ``device``: like the working buffers, each a ``uint8`` tensor on that device (every piece
+      is written into it, nothing is carried as it lies), for a transport that hands the buffer by
+      IPC handle.
 
     With ``arena`` (`shm.SharedArena`, only together with ``slots``) a piece that travels as it is
     (`wire.Piece.source`) and lies in the arena is not written: its entry points there. It counts
@@ -178,14 +192,23 @@ class BucketPacker:
         part_bytes: int | None = None,
         arena: SharedArena | None = None,
         buffers: int = 1,
+        device: torch.device | str | None = None,
     ):
         if capacity <= 0:
             raise ValueError(f"bucket capacity={capacity} bytes must be > 0")
         if arena is not None and slots is None:
             raise ValueError("a packer reads tensors in a shared arena only with shared slots")
+        if device is not None and slots is not None:
+            raise ValueError("a packer writes into shared slots or into device buffers, not both")
         self.capacity, self.sender, self.slots, self.arena = capacity, sender, slots, arena
+        self.device = None if device is None else torch.device(device)
         self.part_bytes = None if slots is None else min(capacity, part_bytes or PART_BYTES)
-        self.buffers = [np.empty(0, dtype=np.uint8) for _ in range(max(1, buffers))]
+        empty = (
+            (lambda: np.empty(0, dtype=np.uint8))
+            if device is None
+            else (lambda: torch.empty(0, dtype=torch.uint8, device=self.device))
+        )
+        self.buffers: list[np.ndarray | Tensor] = [empty() for _ in range(max(1, buffers))]
 
     def _target(self, index: int, size: int) -> tuple[np.ndarray, str | None]:
         """Where bucket ``index`` is written, for a bucket of at least ``size`` bytes."""
@@ -194,7 +217,10 @@ class BucketPacker:
             return self.slots.buffer(index, size)
         i = index % len(self.buffers)
         if size > self.buffers[i].nbytes:
-            self.buffers[i] = np.empty(size, dtype=np.uint8)
+            if self.device is None:
+                self.buffers[i] = np.empty(size, dtype=np.uint8)
+            else:
+                self.buffers[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self.buffers[i], None
 
     def pack(self, groups: Iterator[LazyGroup | Sequence[tuple[str, Tensor, dict]]]) -> Iterator[Bucket]:
@@ -248,7 +274,7 @@ class BucketPacker:
             return None
         if self.slots is not None:
             return self.arena.locate(source) if self.arena is not None else None
-        if source.device.type == "cpu" and source.is_contiguous():
+        if self.device is None and source.device.type == "cpu" and source.is_contiguous():
             return source
         return None
 
@@ -283,11 +309,10 @@ def _entry(piece: Piece, offset: int, source: SlotRef | None = None, array: int 
     return Entry(piece.name, dtype, piece.shape, offset, piece.nbytes, dict(piece.meta), source, array)
 
 
-def _view(buffer: np.ndarray, entry: Entry, dtype: torch.dtype) -> Tensor:
+def _view(buffer: np.ndarray | Tensor, entry: Entry, dtype: torch.dtype) -> Tensor:
     """A writable tensor over ``entry``'s bytes of ``buffer``."""
-    return (
-        torch.from_numpy(buffer[entry.offset : entry.offset + entry.nbytes]).view(dtype).reshape(entry.shape)
-    )
+    raw = buffer[entry.offset : entry.offset + entry.nbytes]
+    return (raw if isinstance(raw, Tensor) else torch.from_numpy(raw)).view(dtype).reshape(entry.shape)
 
 
 def detach(bucket: Bucket) -> Bucket:
@@ -302,6 +327,7 @@ def detach(bucket: Bucket) -> Bucket:
             raw = bucket.arrays[entry.array]
         else:
             raw = bucket.data[entry.offset :][: entry.nbytes]
+            raw = raw.cpu().numpy() if isinstance(raw, Tensor) else raw
         buffer[at : at + entry.nbytes] = raw
         entries.append(replace(entry, offset=at, source=None, array=None))
         at += aligned(entry.nbytes)

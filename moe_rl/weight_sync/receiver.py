@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from moe_rl.weight_sync import ipc
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.wire import Rejoin, decode
 
@@ -60,11 +61,15 @@ def decoded(
     decoded there; ``into`` gives where a quantized weight's values may be decoded straight into
     (`ModelReceiver.place`), ``dtypes`` the dtype to decode the others to (`ModelReceiver.dtypes`).
     ``rejoin``: the receiver's `wire.Rejoin` for this sync, which puts tensors that travel in row
-    chunks back together (a chunked tensor is yielded with its last chunk)."""
+    chunks back together (a chunked tensor is yielded with its last chunk). A bucket read in its
+    sender's device buffer (`Bucket.ipc`) waits, once the last weight has been taken, for the work
+    queued on that device, so the sender does not overwrite the buffer while it is still read."""
     items = bucket_items(bucket)
     if device is not None:
         items = [(name, tensor.to(device), meta) for name, tensor, meta in items]
-    return decode(items, into, dtypes, rejoin)
+    yield from decode(items, into, dtypes, rejoin)
+    if bucket.ipc is not None:
+        ipc.ready(bucket.data.device)
 
 
 class ModelReceiver:

@@ -36,6 +36,7 @@ from moe_rl.weight_sync.buckets import Bucket, BucketPacker
 from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.shm import SharedArena, tensor_nbytes
 from moe_rl.weight_sync.transport import (
+    DeviceIpc,
     InProcess,
     Mixed,
     ProcessGroup,
@@ -133,13 +134,16 @@ class RankSender:
 
     def __init__(
         self, model: torch.nn.Module, quant: QuantConfig, num_layers: int, capacity: int, rank: int = 0,
-        host: str | None = None, vllm_workers: int = 1,
+        host: str | None = None, vllm_workers: int = 1, device_ipc: bool = False,
     ):  # fmt: skip
         """``host``: the address receivers on other nodes reach this rank at (its process group's
         store; default: this machine's name resolved). ``vllm_workers``: each engine's vLLM workers,
-        for a sync by vLLM's NCCL backend (`send` with ``direct``)."""
+        for a sync by vLLM's NCCL backend (`send` with ``direct``). ``device_ipc``: receivers on this
+        node share this rank's device (`moe_rl.config.derived.megatron_weights_ipc`) and read the
+        buckets in its device memory (`transport.DeviceIpc`) instead of shared-memory slots."""
         self.model, self.quant, self.num_layers = model, quant, num_layers
         self.capacity, self.rank, self.host, self.vllm_workers = capacity, rank, host, vllm_workers
+        self.device_ipc = device_ipc
         self.transport: Transport | None = None
         self.arena: SharedArena | None = None
         self.source: Any = None  # what vLLM's NCCL backend sends (`vllm_transfer.source`), kept
@@ -148,22 +152,25 @@ class RankSender:
         """The transport of ``reach``, kept while the receivers stay where they are (``local``: those
         on this node, for a mixed reach). A CPU rank whose receivers share its node moves its
         parameters into a shared arena, once."""
-        if (
-            reach is Reach.SAME_NODE
-            and self.arena is None
-            and next(self.model.parameters()).device.type == "cpu"
-        ):
+        device = next(self.model.parameters()).device
+        if reach is Reach.SAME_NODE and self.device_ipc:
+            if not isinstance(self.transport, DeviceIpc):
+                if self.transport is not None:
+                    self.transport.close()
+                self.transport = DeviceIpc(self.capacity, self.rank, device)
+            return self.transport
+        if reach is Reach.SAME_NODE and self.arena is None and device.type == "cpu":
             self.arena = share_parameters(self.model, tag=str(self.rank), select=sends)
         moved = reach is Reach.MIXED and getattr(self.transport, "local", None) != local
         if self.transport is None or self.transport.reach is not reach or moved:
             if self.transport is not None:
                 self.transport.close()
-            device = next(self.model.parameters()).device.type
+            kind = device.type
             self.transport = {
                 Reach.IN_PROCESS: lambda: InProcess(self.capacity, self.rank),
                 Reach.SAME_NODE: lambda: SharedMemory(self.capacity, self.rank, self.arena),
-                Reach.OTHER_NODES: lambda: ProcessGroup(self.capacity, self.rank, self.host, device),
-                Reach.MIXED: lambda: Mixed(self.capacity, self.rank, self.host, device, local),
+                Reach.OTHER_NODES: lambda: ProcessGroup(self.capacity, self.rank, self.host, kind),
+                Reach.MIXED: lambda: Mixed(self.capacity, self.rank, self.host, kind, local),
             }[reach]()
         return self.transport
 

@@ -12,6 +12,10 @@ are reused) and turns each packed bucket into the message a receiver is handed:
   (`moe_rl.weight_sync.broadcast`): the bytes cross the network once, straight into each receiver;
 * `Mixed`: receivers on the sender's node and on others at once: each bucket is packed once into a
   shared slot, read there by the near receivers and broadcast from there to the far ones;
+* `DeviceIpc`: every receiver shares the sender's device (a Megatron engine colocated with its
+  trainer rank on one GPU): buckets are packed into two buffers in the sender's device memory, and
+  the message is the bucket's entries and the buffer's IPC handle (`moe_rl.weight_sync.ipc`): the
+  receiver reads the bytes where they lie, GPU to GPU;
 * `InProcess`: the receiver is in the sender's process (the one-process loop): the message is the
   bucket, valid until the next one is packed.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
 import uuid
 from abc import ABC, abstractmethod
@@ -31,6 +36,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import torch
+
+from moe_rl.weight_sync import ipc
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
 from moe_rl.weight_sync.shm import SharedArena, SharedSlots
 
@@ -149,6 +157,51 @@ class SharedMemory(Transport):
     def close(self) -> None:
         if self._packer is not None and self._packer.slots is not None:
             self._packer.slots.close()
+        super().close()
+
+
+class DeviceIpc(Transport):
+    """Buckets in two buffers of the sender's device memory, handed to receivers on its machine by
+    IPC handle (see the module docstring). Each buffer is shared once (its handle is kept) and
+    again only when it grows; `publish` awaits a bucket's deliveries before its buffer is packed
+    again."""
+
+    reach = Reach.SAME_NODE
+    name = "device_ipc"
+
+    def __init__(self, capacity: int, sender: int = 0, device: torch.device | str = "cpu"):
+        super().__init__(capacity, sender)
+        self.device = torch.device(device)
+        self._handles: dict[int, tuple[torch.Tensor, bytes]] = {}  # buffer slot -> (the buffer, its handle)
+
+    def _make_packer(self) -> BucketPacker:
+        return BucketPacker(self.capacity, sender=self.sender, buffers=2, device=self.device)
+
+    def message(self, bucket: Bucket) -> Any:
+        slot, buffer = self._buffer_of(bucket)
+        kept = self._handles.get(slot)
+        if kept is None or kept[0] is not buffer:  # a new or grown buffer (the old one is kept till here)
+            kept = self._handles[slot] = (buffer, ipc.share(buffer))  # a CPU buffer moves to shared memory
+        ipc.ready(self.device)  # the bytes are written before a receiver reads them
+        offset = bucket.buffer.data_ptr() - buffer.data_ptr()
+        ref = ipc.IpcRef(kept[1], (os.getpid(), self.sender, slot), offset, bucket.buffer.numel())
+        return Bucket(
+            bucket.entries, None, bucket.index, bucket.sender, part=bucket.part, last=bucket.last, ipc=ref
+        )
+
+    def _buffer_of(self, bucket: Bucket) -> tuple[int, torch.Tensor]:
+        address = bucket.buffer.untyped_storage().data_ptr()
+        for slot, buffer in enumerate(self.packer.buffers):
+            if buffer.numel() and buffer.untyped_storage().data_ptr() == address:
+                return slot, buffer
+        raise AssertionError("a device bucket outside its packer's buffers")
+
+    @property
+    def shared_memory(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._handles = {}
         super().close()
 
 

@@ -86,6 +86,7 @@ BAD = [
     ("run.checkpoint_every=-1", "run.checkpoint_every=-1 must be >= 0"),
     ("run.seed=-1", "run.seed=-1 must be >= 0"),
     ("run.max_staleness=-1", "run.max_staleness=-1 must be >= 0"),
+    ("run.async_depth=0", "run.async_depth=0 must be > 0"),
     ("logging.diagnose_every=-1", "logging.diagnose_every=-1 must be >= 0"),
     ("run.name=../../../esc", f"run.name='../../../esc' {NAME}"),
     ("run.name=/tmp/abs", f"run.name='/tmp/abs' {NAME}"),
@@ -170,6 +171,12 @@ def test_an_async_run_that_would_reject_every_batch_is_refused():
         ConfigError, match="run.mode=async with run.max_staleness=0: every batch is generated"
     ):
         load_checked(TINY, ["run.mode=async", "run.max_staleness=0"])
+    with pytest.raises(
+        ConfigError, match=r"run.async_depth=3 > run.max_staleness=2: every batch is generated 3"
+    ):
+        load_checked(TINY, ["run.mode=async", "run.max_staleness=2", "run.async_depth=3"])
+    with pytest.raises(ConfigError, match="run.async_depth=2 with run.mode=sync: only an async run"):
+        load_checked(TINY, ["run.async_depth=2"])
 
 
 def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):

@@ -129,3 +129,47 @@ def test_an_incomplete_or_repeated_sync_is_refused(trainer_model):
         engine.receive_bucket(buckets[0])
     with pytest.raises(ValueError, match="older than the engine's policy version"):
         MegatronEngine(config).begin_weight_update(-1)
+
+
+def test_a_colocated_sync_by_device_ipc_loads_what_a_whole_sync_loads(trainer_model):
+    """A trainer rank that shares its device with the engine (`DeviceIpc`): buckets are packed into
+    two buffers of the rank's device memory and only their entries and the buffer's handle travel;
+    the engine reads the bytes there. Two syncs: the second reads the buffers the first shared,
+    rewritten with the weights after an update."""
+    import pickle
+
+    from moe_rl.weight_sync.sender import RankSender
+    from moe_rl.weight_sync.transport import DeviceIpc, Reach
+
+    config, model = trainer_model
+    sender = RankSender(model, config.quant, config.model.num_layers, capacity=4 << 10, device_ipc=True)
+    engine, sizes = MegatronEngine(config), []
+    saved = [p.detach().clone() for p in model.parameters()]  # the module's model, put back at the end
+
+    def deliver(bucket):
+        wire = pickle.dumps(bucket)  # as Ray hands it to the engine's process
+        sizes.append(len(wire))
+        return engine.receive_bucket(pickle.loads(wire))
+
+    try:
+        for version in (1, 2):
+            if version == 2:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1.5)
+            engine.begin_weight_update(version)
+            report = sender.send({0: deliver}, Reach.SAME_NODE, quantized_wire=True, timeout_s=10.0)
+            engine.finish_weight_update(version)
+            whole = MegatronEngine(config)
+            whole.update_weights(iter_hf_weights(model), version=version)
+            for (name, a), b in zip(_state(whole).items(), _state(engine).values()):
+                assert torch.equal(a, b), (version, name)
+            assert isinstance(sender.transport, DeviceIpc) and report.transports == {"device_ipc"}
+            assert report.buckets > 3 and report.shared_memory
+        assert max(sizes) < 4096  # entries and a handle, not the bytes
+        assert len(sender.transport._handles) == 2  # two buffers, each shared once over both syncs
+    finally:
+        sender.close()
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), saved, strict=True):
+                p.copy_(value)

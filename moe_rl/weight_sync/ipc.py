@@ -1,0 +1,95 @@
+"""Device memory handed between processes of one machine by torch's own sharing: a sender's bucket
+buffer travels as a handle, and a receiver maps the same memory, so the bytes never leave the
+device.
+
+A handle is what torch's multiprocessing pickler (``ForkingPickler``) makes of the buffer tensor:
+on CUDA a CUDA IPC handle of the allocation (`torch.multiprocessing.reductions.reduce_tensor`), so
+a trainer rank and the Megatron engine that share its GPU exchange weights GPU to GPU; on CPU the
+name of a shared-memory file (torch's ``file_system`` sharing), which is how the CPU tests run the
+same path. The receiver maps each buffer once per process and keeps it while the sender keeps
+handing the same buffer (`IpcRef.key`); a new buffer of the same sender slot replaces it.
+
+The sender makes its writes visible before it hands a handle (`ready`), and a receiver is done
+reading before its delivery returns (`ready` again, on its side), so a buffer is reused only
+after every receiver has read it (`moe_rl.weight_sync.transport.publish` awaits the deliveries of a
+bucket before the packer comes back to its buffer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing as torch_mp
+
+_OPENED: dict[tuple, tuple[bytes, torch.Tensor]] = {}
+"""(sender, slot) -> (handle, mapped buffer) in a receiving process."""
+
+
+@dataclass(frozen=True)
+class IpcRef:
+    """Where a bucket's bytes lie in a sender's shared device buffer."""
+
+    handle: bytes
+    """The buffer as torch's multiprocessing pickler wrote it (see the module docstring)."""
+    key: tuple
+    """(sender process, buffer slot): a receiver keeps one mapping per key."""
+    offset: int
+    nbytes: int
+
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """CPU storages pickled as shared-memory file names, which any process of the machine can open
+    (the default, file descriptors, only reaches a process started by the sender)."""
+    before = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch_mp.set_sharing_strategy(before)
+
+
+def share(buffer: torch.Tensor) -> bytes:
+    """A handle of ``buffer`` (a whole, contiguous tensor: its storage is what is shared) for other
+    processes of this machine. A CPU buffer moves into shared memory here (once; the tensor object
+    stays the same), so take views of it after sharing it."""
+    if not buffer.is_contiguous() or buffer.storage_offset() != 0:
+        raise ValueError("only a whole contiguous buffer is shared (not a view into another tensor)")
+    out = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(buffer)
+    return out.getvalue()
+
+
+def ready(device: torch.device | str) -> None:
+    """Wait until the work queued on ``device`` is done (a no-op on CPU): a sender before it hands a
+    handle, a receiver before it says it has read the bytes."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def open_ref(ref: IpcRef) -> torch.Tensor:
+    """The bytes of ``ref`` (a uint8 view of the sender's buffer, on the device that holds it)."""
+    kept = _OPENED.get(ref.key)
+    if kept is None or kept[0] != ref.handle:
+        _OPENED[ref.key] = kept = (ref.handle, pickle.loads(ref.handle))
+    buffer = kept[1]
+    if ref.offset + ref.nbytes > buffer.numel():
+        raise RuntimeError(
+            f"shared weight-sync buffer {ref.key} holds {buffer.numel()} bytes, the bucket ends at "
+            f"{ref.offset + ref.nbytes}"
+        )
+    return buffer[ref.offset : ref.offset + ref.nbytes]
+
+
+def forget(sender_pid: int | None = None) -> None:
+    """Drop the mappings of ``sender_pid``'s buffers (all without one): a receiver whose sender is
+    gone or was replaced."""
+    for key in [k for k in _OPENED if sender_pid is None or k[0] == sender_pid]:
+        del _OPENED[key]

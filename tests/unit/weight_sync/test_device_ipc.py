@@ -1,0 +1,63 @@
+"""Buckets in a sender's device buffers (`DeviceIpc`): only entries and the buffer's IPC handle
+travel, another process reads the same memory (on CPU, torch's shared-memory files; on CUDA the
+same code shares the allocation by CUDA IPC), the two buffers alternate and keep their handles, and
+a grown buffer is shared again under a new one."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from moe_rl.weight_sync import ipc
+from moe_rl.weight_sync.transport import DeviceIpc, Published, handed
+from tests.unit.weight_sync.sync_testing import in_another_process
+
+READ = "print(float(sum(t.double().sum() for _, t in sent.tensors())))"
+"""What a receiver in another process reads of the bucket it was sent."""
+
+
+def _groups(values: list[float], n: int = 16):
+    return [[(f"w{i}", torch.full((n,), v), {})] for i, v in enumerate(values)]
+
+
+def _messages(transport: DeviceIpc, groups) -> list:
+    """What the receiver is handed, bucket by bucket (`handed`, as `publish` delivers)."""
+    out: list = []
+    for _ in handed(transport.packer.pack(iter(groups)), {0: out.append}, 1.0, transport, Published()):
+        pass
+    return out
+
+
+def test_buckets_travel_as_handles_and_another_process_reads_the_senders_memory():
+    transport = DeviceIpc(64, sender=3)
+    try:
+        first = _messages(transport, _groups([1.0, 2.0, 3.0]))
+        assert [m.ipc.key[1:] for m in first] == [(3, 0), (3, 1), (3, 0)]  # two buffers, alternating
+        assert all(m.buffer is None and m.slot is None for m in first)
+        wire = [pickle.dumps(m) for m in first]
+        assert max(len(w) for w in wire) < 2048, "a device bucket must travel without its bytes"
+        # a fresh process maps the sender's buffer and reads the bucket where it lies
+        assert in_another_process(READ, pickle.loads(wire[1])) == 2.0 * 16
+        handles = dict(transport._handles)
+        again = _messages(transport, _groups([5.0, 6.0]))  # the next sync rewrites the same buffers
+        assert transport._handles == handles and again[0].ipc.handle == first[0].ipc.handle
+        assert in_another_process(READ, again[0]) == 5.0 * 16
+        got = pickle.loads(pickle.dumps(again[1]))  # this process reads it through the handle too
+        assert torch.equal(dict((e.name, t) for e, t in got.tensors())["w1"], torch.full((16,), 6.0))
+        big = _messages(transport, _groups([7.0], n=2000))  # beyond a buffer and its slack: shared anew
+        assert big[0].ipc.handle != first[0].ipc.handle and big[0].ipc.nbytes == 8000
+        assert in_another_process(READ, big[0]) == 7.0 * 2000
+    finally:
+        transport.close()
+
+
+def test_a_reference_past_its_buffer_and_a_view_are_refused():
+    buffer = torch.zeros(32, dtype=torch.uint8)
+    handle = ipc.share(buffer)
+    with pytest.raises(RuntimeError, match="holds 32 bytes, the bucket ends at 48"):
+        ipc.open_ref(ipc.IpcRef(handle, ("test", 0), 16, 32))
+    with pytest.raises(ValueError, match="only a whole contiguous buffer"):
+        ipc.share(torch.zeros(8, dtype=torch.uint8)[2:])
+    ipc.forget("test")
