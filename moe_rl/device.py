@@ -148,7 +148,7 @@ def copy_into(target: torch.Tensor, source: torch.Tensor, threads: int = 1) -> N
     ):
         import numpy as np
 
-        dst, src = tensor_bytes(target), tensor_bytes(source)
+        dst, src = transient_bytes(target), transient_bytes(source)
         if threads > 1 and dst.nbytes >= PARALLEL_COPY_BYTES:
             _parallel_copy(dst, src, threads)
         else:
@@ -179,8 +179,16 @@ def _parallel_copy(dst, src, threads: int) -> None:
         future.result()
 
 
-def tensor_bytes(tensor: torch.Tensor):
-    """The bytes of a contiguous CPU tensor as a flat NumPy ``uint8`` array (no copy)."""
-    import torch
+def transient_bytes(tensor: torch.Tensor):
+    """The bytes of a contiguous CPU tensor as a flat NumPy ``uint8`` array (no copy), made from its
+    address: `Tensor.numpy` would mark its storage as not resizable for good, so that it could no
+    longer leave memory between phases (`moe_rl.offload`). Valid only while the storage is neither resized nor freed: for the length of
+    one copy or one pickling, never kept."""
+    import ctypes
 
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    import numpy as np
+
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()))

@@ -70,6 +70,8 @@ class Offload:
             raise RuntimeError(f"{self.name}: released twice without a restore")
         freed = 0
         for held in self.held:
+            if not held.storage.resizable():  # became a NumPy array's since `add`: it stays resident
+                continue
             if keep:
                 view = _bytes(held.storage)
                 pin = view.device.type == "cuda"
@@ -78,8 +80,9 @@ class Offload:
         if any(h.host is not None and h.host.is_pinned() for h in self.held):
             torch.cuda.synchronize()  # the copies out have landed before the memory is freed
         for held in self.held:
-            freed += held.storage.nbytes()
-            held.storage.resize_(0)
+            if held.storage.resizable():
+                freed += held.storage.nbytes()
+                held.storage.resize_(0)
         if any(h.storage.device.type == "cuda" for h in self.held):
             torch.cuda.empty_cache()  # back to the device, for the other process on this GPU
         self.out, self.releases = True, self.releases + 1
@@ -90,6 +93,8 @@ class Offload:
         if not self.out:
             raise RuntimeError(f"{self.name}: restored without a release")
         for held in self.held:
+            if held.storage.nbytes() == held.nbytes:  # never left (see `release`)
+                continue
             held.storage.resize_(held.nbytes)
             if held.host is not None:
                 _bytes(held.storage).copy_(held.host, non_blocking=held.host.is_pinned())

@@ -137,10 +137,11 @@ class TrainerRank:
         members = tuple(
             engines[i]._actor_id.hex() for i in sorted(receivers)
         )  # a restarted engine: a new group
-        report = self._sender.send(
-            receivers, where.reach, quantized_wire, RAY_TIMEOUT_S, members, direct=self._direct(target),
-            local=where.local,
-        )  # fmt: skip
+        with self.worker.weights_resident():  # parameters released for a generation come back for it
+            report = self._sender.send(
+                receivers, where.reach, quantized_wire, RAY_TIMEOUT_S, members, direct=self._direct(target),
+                local=where.local,
+            )  # fmt: skip
         report.dead |= where.dead
         return report
 

@@ -83,7 +83,8 @@ class LocalTrainer:
         receivers = {
             i: functools.partial(engine.receive_bucket, into=target) for i, engine in enumerate(engines)
         }
-        return self.sender.send(receivers, Reach.IN_PROCESS, quantized_wire, SYNC_TIMEOUT_S)
+        with self.worker.weights_resident():  # parameters released for a generation come back for it
+            return self.sender.send(receivers, Reach.IN_PROCESS, quantized_wire, SYNC_TIMEOUT_S)
 
     def release_memory(self, params: bool) -> dict[str, float]:
         return self.worker.release_memory(params)

@@ -33,6 +33,7 @@ refused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -109,6 +110,7 @@ class TrainerWorker:
         self._shape = passes.shape_zero_variance(config.algo.zero_variance_alpha)
         self.step = 0
         self._offload: Offload | None = None  # what `release_memory` moved out
+        self._offload_params: Offload | None = None  # the parameters, when it moved them out too
         self.perf = RankPerf.of(config, self.device, next(self.model.parameters()).dtype)
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -179,9 +181,15 @@ class TrainerWorker:
         self._offload = Offload("trainer")
         self._offload.add(optimizer_state_tensors(self.optimizer))
         self._offload.add(self._grad_buffers())
-        if params:
-            self._offload.add(self.model.parameters())
+        if params:  # apart, so that a weight sync can take them back for a while (`weights_resident`)
+            held = {h.storage.data_ptr() for h in self._offload.held}
+            self._offload_params = Offload("trainer parameters")
+            self._offload_params.add(
+                p for p in self.model.parameters() if p.untyped_storage().data_ptr() not in held
+            )
         freed = self._offload.release()
+        if self._offload_params is not None:
+            freed += self._offload_params.release()
         return {"released_bytes": float(freed), "resident_bytes": float(self.resident_bytes())}
 
     def restore_memory(self) -> dict[str, float]:
@@ -189,12 +197,29 @@ class TrainerWorker:
         if self._offload is None:
             raise RuntimeError("trainer memory restored without a release")
         self._offload.restore()
-        self._offload = None
+        if self._offload_params is not None:
+            self._offload_params.restore()
+        self._offload = self._offload_params = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(
                 self.device
             )  # the old log-prob and train passes' peak from here
         return {"resident_bytes": float(self.resident_bytes())}
+
+    @contextlib.contextmanager
+    def weights_resident(self) -> Iterator[None]:
+        """The parameters in device memory for the span, and released again after it, when
+        `release_memory` moved them out: a weight sync during a colocated generation (an engine
+        restarted there is brought to the current weights) reads them."""
+        params = self._offload_params
+        if params is None:
+            yield
+            return
+        params.restore()
+        try:
+            yield
+        finally:
+            params.release()
 
     def resident_bytes(self) -> int:
         """Memory this rank holds on its device: on CUDA what torch has allocated; on CPU the bytes of

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_rl.device import transient_bytes
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.shm import aligned
 
@@ -187,7 +188,12 @@ def _parts(bucket: Bucket) -> list[np.ndarray]:
     head = bucket.data[:end] if end else np.empty(0, dtype=np.uint8)
     return [
         np.ascontiguousarray(head),
-        *(np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in bucket.arrays),
+        *(
+            transient_bytes(a)
+            if isinstance(a, torch.Tensor)
+            else np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+            for a in bucket.arrays
+        ),
     ]
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from moe_rl.device import tensor_bytes
+from moe_rl.device import transient_bytes
 from moe_rl.weight_sync.ipc import IpcRef, open_ref
 from moe_rl.weight_sync.shm import ALIGN, SharedArena, SharedSlots, SlotRef, aligned, read_slot
 from moe_rl.weight_sync.wire import LazyGroup, Piece
@@ -98,10 +98,12 @@ class Bucket:
     """Position of this part in its bucket (0 for a bucket that travels whole)."""
     last: bool = True
     """Whether this is the bucket's last part (always, for a bucket that travels whole)."""
-    arrays: list[np.ndarray] = field(default_factory=list)
+    arrays: list[np.ndarray | Tensor] = field(default_factory=list)
     """Tensors that travel as the sender holds them (flat ``uint8`` views, no copy): ``ray.put``
-    copies each straight into the object store (NumPy arrays travel out of band), so they are copied
-    once on the sender, not packed into the buffer first."""
+    copies each straight into the object store (pickled as NumPy arrays, which travel out of band),
+    so they are copied once on the sender, not packed into the buffer first. They stay torch views
+    until pickled: a NumPy view makes torch mark the parameter's storage as not resizable, which
+    would keep it from leaving device memory between phases (`moe_rl.offload`)."""
     ipc: IpcRef | None = None
     """Where the bytes lie in the sender's shared device buffer; then only the entries and this
     travel (`moe_rl.weight_sync.ipc`)."""
@@ -120,6 +122,7 @@ class Bucket:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
+        state["arrays"] = [transient_bytes(a) if isinstance(a, Tensor) else a for a in self.arrays]
         if self.slot is not None or self.ipc is not None:
             state["buffer"] = None  # the bytes stay in the slot, or in the sender's device buffer
         return state
@@ -132,7 +135,8 @@ class Bucket:
             if entry.source is not None:
                 raw = _tensor(read_slot(entry.source))
             elif entry.array is not None:
-                raw = _tensor(self.arrays[entry.array])
+                array = self.arrays[entry.array]
+                raw = array if isinstance(array, Tensor) else _tensor(array)
             else:
                 flat = (
                     (self.data if isinstance(self.data, Tensor) else _tensor(self.data))
@@ -231,7 +235,7 @@ class BucketPacker:
         entries: list[Entry] = []
         used = start = count = part = 0  # bytes written into this bucket's buffer; where this part's begin
         size = part_size = 0  # bytes of this bucket and of this part, those not written included
-        arrays: list[np.ndarray] = []  # this bucket's tensors carried as they lie (no slots)
+        arrays: list[np.ndarray | Tensor] = []  # this bucket's tensors carried as they lie (no slots)
         target, path = None, None
         for group in groups:
             lazy = group if isinstance(group, LazyGroup) else LazyGroup.of(group)
@@ -252,7 +256,7 @@ class BucketPacker:
                     entries.append(_entry(piece, 0, source=at))
                 elif at is not None:
                     entries.append(_entry(piece, 0, array=len(arrays)))
-                    arrays.append(tensor_bytes(at))
+                    arrays.append(at.detach().reshape(-1).view(torch.uint8))
                 if at is not None:
                     views.append(None)
                     continue
@@ -288,7 +292,7 @@ class BucketPacker:
         index: int,
         part: int,
         last: bool,
-        arrays: list[np.ndarray],
+        arrays: list[np.ndarray | Tensor],
     ) -> Bucket:
         """Bytes ``start:end`` of ``target``, whose entries' offsets count from ``start``."""
         slot = SlotRef(path, end - start, start) if path is not None else None
@@ -327,8 +331,10 @@ def detach(bucket: Bucket) -> Bucket:
             raw = bucket.arrays[entry.array]
         else:
             raw = bucket.data[entry.offset :][: entry.nbytes]
-            raw = raw.cpu().numpy() if isinstance(raw, Tensor) else raw
-        buffer[at : at + entry.nbytes] = raw
+        if isinstance(raw, Tensor):  # copied by torch: no NumPy view of the sender's tensor
+            torch.from_numpy(buffer[at : at + entry.nbytes]).copy_(raw.reshape(-1).view(torch.uint8))
+        else:
+            buffer[at : at + entry.nbytes] = raw
         entries.append(replace(entry, offset=at, source=None, array=None))
         at += aligned(entry.nbytes)
     return Bucket(entries, buffer, bucket.index, bucket.sender, part=bucket.part, last=bucket.last)

@@ -136,3 +136,36 @@ def test_a_step_reports_its_model_flop_rate():
     assert out["perf/mfu"] == pytest.approx(out["perf/tflops"] / out["perf/peak_tflops"])
     # four forwards' worth (π_old, then forward + backward) over at least the two passes' time
     assert out["perf/tflops"] <= 4 * forward / prepared.metrics["perf/old_logp_s"]
+
+
+def test_parameters_released_for_a_generation_come_back_for_a_weight_sync(stack_worker):
+    """`cluster.offload_params`: an engine restarted during a colocated generation is brought to the
+    weights while the parameters are out; the sync takes them back for its span (the engine gets the
+    trainer's weights, not emptied storages) and they leave again until the generation ends."""
+    from moe_rl.rollout.megatron_engine import MegatronEngine
+    from moe_rl.weight_sync.sender import RankSender
+    from moe_rl.weight_sync.transport import Reach
+
+    worker = stack_worker
+    before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    engine = MegatronEngine(tiny_recipe("rollout.quant=bf16"))  # the worker's model, bf16 on the wire
+    sender = RankSender(worker.model, engine.config.quant, worker.config.model.num_layers, capacity=1 << 20)
+    released = worker.release_memory(params=True)
+    try:
+        assert all(p.untyped_storage().nbytes() == 0 for p in worker.model.parameters())
+        engine.begin_weight_update(7)
+        with worker.weights_resident():
+            sender.send({0: engine.receive_bucket}, Reach.IN_PROCESS, quantized_wire=True, timeout_s=10.0)
+        engine.finish_weight_update(7)
+        assert [
+            n for n, p in worker.model.named_parameters() if p.untyped_storage().nbytes()
+        ] == []  # out again
+    finally:
+        worker.restore_memory()
+    reference = MegatronEngine(engine.config)
+    reference.update_weights(worker.export_hf_weights(), version=7)
+    for (name, a), b in zip(engine.model.named_parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    for name, p in worker.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert released["released_bytes"] >= sum(t.numel() * t.element_size() for t in before.values())
