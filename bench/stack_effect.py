@@ -99,6 +99,20 @@ CONDITIONS = {
             ("run.mode=async", "run.async_depth=4", "run.max_staleness=4", "trainer.num_mini_batches=4"),
         ),
         Condition(
+            "inflight",
+            "async, generation 2 steps ahead with in-flight weight updates: a sync lands in the "
+            "generation in progress, whose later tokens are the new version's; run.max_staleness = 2, "
+            "4 mini-batches per rollout batch, responses of up to 24 tokens",
+            (
+                "run.mode=async",
+                "run.async_depth=2",
+                "run.max_staleness=2",
+                "rollout.inflight_updates=true",
+                "trainer.num_mini_batches=4",
+                "rollout.max_new_tokens=24",
+            ),
+        ),
+        Condition(
             "wide_fp8",
             "a wider MoE (64 experts, top-8, expert width 32) with fp8_tensor rollout weights (one scale "
             "per tensor) at 4x the learning rate",
@@ -135,6 +149,8 @@ SERIES = (
     "train/clip_frac",
     "train/icepop_masked_frac",
     "train/opsm_masked_seq_frac",
+    "old/routing_agreement",
+    "rollout/mixed_version_share",
     "time/step_s",
 )
 """Per-step metrics kept in a run's result (those a run does not log are left out)."""
@@ -180,6 +196,7 @@ class Run:
         config = self.config()
         return (
             config.run.mode in ("sync", "async")
+            and not config.rollout.inflight_updates  # a sync beside a generation needs Ray's threads
             and config.parallel.trainer_world_size == 1
             and config.rollout.engine == "megatron"
         )
@@ -368,24 +385,32 @@ def run_metrics(series: dict[str, list], threshold: float) -> dict[str, float | 
         for chi2, ess in zip(series.get("old/chi2_token", []), series.get("old/ess_token", []))
         if chi2 is not None and ess is not None and math.isfinite(chi2) and math.isfinite(ess)
     ]
+    route, mixed = values("old/routing_agreement"), values("rollout/mixed_version_share")
+    smooth = trailing_mean(rewards, smoothing_window(len(rewards)))
     return {
         "final": final_reward(rewards),
+        "drop": max(smooth) - final_reward(rewards),
         "auc": sum(rewards) / len(rewards),
         "to_threshold": steps_to(rewards, threshold),
         "grad_max": max(grad) if grad else None,
         "kl_k3": sum(kl) / len(kl) if kl else None,
         "is_std": sum(spread) / len(spread) if spread else None,
+        "route": sum(route) / len(route) if route else None,
+        "mixed": sum(mixed) / len(mixed) if mixed else None,
     }
 
 
 # ------------------------------------------------------------------------------------- report
 COLUMNS = (
     ("final", "final reward", "{:.3f}"),
+    ("drop", "peak − final", "{:.3f}"),
     ("auc", "AUC", "{:.3f}"),
     ("to_threshold", "steps to {threshold}", "{:.0f}"),
     ("grad_max", "max grad norm", "{:.2f}"),
     ("kl_k3", "mean KL k3", "{:.2e}"),
     ("is_std", "IS-ratio std", "{:.3g}"),
+    ("route", "routing agreement", "{:.3f}"),
+    ("mixed", "mixed-version share", "{:.3f}"),
 )
 
 
@@ -553,6 +578,8 @@ def write_markdown(doc: Path, results: list[dict], threshold: float) -> None:
 def definitions(threshold: float, window: int) -> list[str]:
     return [
         "- **final reward**: mean `reward/mean` of the last 10 % of steps.",
+        f"- **peak − final**: the highest trailing mean reward (over {plural(window, 'step')}) minus the "
+        "final reward: how far a run fell from its best (a collapse), 0 for one that ends at its best.",
         "- **AUC**: area under the reward curve divided by the steps (the mean reward over the run).",
         f"- **steps to {threshold}**: the first step whose trailing mean reward over {plural(window, 'step')} "
         f"reaches {threshold}; mean over the seeds that reach it.",
@@ -567,6 +594,11 @@ def definitions(threshold: float, window: int) -> list[str]:
         "micro-batches, so this is one too), averaged over the steps. Under truncation without "
         "keep-sampling-mask mean(ρ) < 1 (μ renormalized over the kept set), so χ² alone is no "
         "variance there.",
+        "- **routing agreement**: mean `old/routing_agreement`, the share of the engine's top-k expert "
+        "choices the trainer's routers make too on the sampled sequences; 1 − it is the routing-flip "
+        "rate. Measured where the engine returns its routing (routing replay on: not in the 'off' arm).",
+        "- **mixed-version share**: mean `rollout/mixed_version_share`, the share of responses sampled "
+        "by more than one policy version (in-flight updates).",
     ]
 
 

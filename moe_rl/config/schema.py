@@ -219,6 +219,12 @@ class RolloutConfig:
     """Ask the engine for the kept token set of every sampled token (needed by KSM)."""
     num_engines: int = 1
     """Rollout engine replicas."""
+    inflight_updates: bool = False
+    """Async runs with the Megatron engine: a weight sync does not wait for the generation in
+    progress; the engine pauses it at the next token, loads the new weights and goes on (with the
+    keys and values the old weights computed in its KV cache), so one response may hold tokens of
+    several policy versions, each token carrying its own. Off: a sync waits for every generation
+    launched before it."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel size per engine."""
     sync_bucket_mb: int = 256

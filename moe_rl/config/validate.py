@@ -24,7 +24,7 @@ from typing import Any
 from moe_rl.algo.modes import Aggregation, Objective
 from moe_rl.config.derived import longest_sequence, response_limit_key
 from moe_rl.config.modes import CHOICES as MODES
-from moe_rl.config.modes import Attention, ReplayMode, RopeScaling, RunMode
+from moe_rl.config.modes import Attention, Engine, ReplayMode, RopeScaling, RunMode
 from moe_rl.config.schema import ModelConfig, RecipeConfig
 from moe_rl.errors import ConfigError
 from moe_rl.rules import Rule
@@ -386,6 +386,16 @@ def _check_schedule(config: RecipeConfig) -> None:
         "run.max_staleness >= 1 or run.mode=sync",
     )
     run = config.run
+    _require(
+        not config.rollout.inflight_updates or run.mode == RunMode.ASYNC,
+        f"rollout.inflight_updates=true with run.mode={run.mode}: weights change during a generation only "
+        "when training runs beside it; use run.mode=async or rollout.inflight_updates=false",
+    )
+    _require(
+        not config.rollout.inflight_updates or config.rollout.engine == Engine.MEGATRON,
+        f"rollout.inflight_updates=true with rollout.engine={config.rollout.engine}: only the Megatron engine "
+        "pauses a generation for a weight sync; use rollout.engine=megatron or rollout.inflight_updates=false",
+    )
     _require(
         run.async_depth == 1 or run.mode == RunMode.ASYNC,
         f"run.async_depth={run.async_depth} with run.mode={run.mode}: only an async run generates ahead; "

@@ -60,6 +60,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SYNC_GROUP = "sync"
+"""The engine actors' concurrency group of weight-sync calls with in-flight updates
+(`rollout.inflight_updates`): they run in a thread of their own, beside a generation, which the
+engine parks at a token boundary for them (`moe_rl.rollout.megatron_engine.SyncGate`)."""
+
+
+def sync_call(engine: Any, method: str, config: RecipeConfig) -> Any:
+    """``engine.<method>`` for a weight-sync call: in the sync concurrency group with in-flight
+    updates, else in the actor's one queue (after every generation launched before it)."""
+    call = getattr(engine, method)
+    return call.options(concurrency_group=SYNC_GROUP) if config.rollout.inflight_updates else call
+
+
 class TrainerRank:
     """One rank of the trainer group (see the module docstring)."""
 
@@ -119,7 +132,7 @@ class TrainerRank:
         indices of engines that died on the way)."""
         where = reach_of(self._nodes_of(engines), ray.get_runtime_context().get_node_id())
         receivers = {
-            i: functools.partial(engine.receive_bucket.remote, into=target)
+            i: functools.partial(sync_call(engine, "receive_bucket", self.config).remote, into=target)
             for i, engine in enumerate(engines)
             if i not in where.dead
         }

@@ -172,6 +172,10 @@ def length_metrics(batch: TrajectoryBatch) -> dict[str, float]:
         "response/stop_share": stops / batch.num_samples,
         "rollout/samples": batch.num_samples,
         "rollout/tokens": int(lengths.sum()),
+        # responses sampled by more than one policy version (a sync landed while they were decoded)
+        "rollout/mixed_version_share": float(
+            (batch.sample_max_versions() != batch.sample_min_versions()).float().mean()
+        ),
     }
     if batch.sampled is not None:  # multi-turn: who wrote the response tokens
         sampled = int(batch.sampled.sum())

@@ -25,7 +25,7 @@ import ray
 from moe_rl.config.derived import PlacementMode, max_response_tokens
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.orchestration.actors import RAY_TIMEOUT_S, EngineActor
+from moe_rl.orchestration.actors import RAY_TIMEOUT_S, SYNC_GROUP, EngineActor, sync_call
 from moe_rl.orchestration.batches import Generation, Replica, dispatch, replica_spec
 from moe_rl.orchestration.seats import Seats
 from moe_rl.rewards.tasks import Prompt
@@ -96,9 +96,10 @@ class EnginePool:
             model_path = self._hf_folder
         colocated = self.placement.mode == PlacementMode.COLOCATED
         options = self.seats.engine_options(replica.index, colocated)
+        groups = {SYNC_GROUP: 1} if self.config.rollout.inflight_updates else None  # syncs beside generation
         threads = self.placement.threads("engine", os.cpu_count() or 1)
         replica.actor = (
-            ray.remote(EngineActor)
+            (ray.remote(concurrency_groups=groups)(EngineActor) if groups else ray.remote(EngineActor))
             .options(**options)
             .remote(
                 self.config, model_path, replica.index, threads, replica.restarts, self.env_factory,
@@ -134,7 +135,10 @@ class EnginePool:
         begun = []
         for replica in replicas:
             try:
-                ray.get(replica.actor.begin_weight_update.remote(version, target), timeout=RAY_TIMEOUT_S)
+                ray.get(
+                    sync_call(replica.actor, "begin_weight_update", self.config).remote(version, target),
+                    timeout=RAY_TIMEOUT_S,
+                )
                 begun.append(replica)
             except ray.exceptions.RayActorError as exc:
                 self._restart(replica, exc)
@@ -151,7 +155,8 @@ class EnginePool:
                 continue
             try:
                 finished = ray.get(
-                    replica.actor.finish_weight_update.remote(version, target), timeout=RAY_TIMEOUT_S
+                    sync_call(replica.actor, "finish_weight_update", self.config).remote(version, target),
+                    timeout=RAY_TIMEOUT_S,
                 )
             except ray.exceptions.RayActorError:
                 dead.add(replica.index)

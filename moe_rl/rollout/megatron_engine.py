@@ -32,9 +32,11 @@ calibration runs at the next `generate`, on that call's prompts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -116,6 +118,60 @@ class _Rollout:
     kept: list[torch.Tensor]
     routing: list[torch.Tensor]
     finish: str = ""
+    spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """``(first response token, policy version)``: the weights each part of the response was sampled
+    with (more than one span when a sync landed while it was decoded, `SyncGate`)."""
+
+
+class SyncGate:
+    """Weight syncs and decoding take turns at token boundaries. A sync (`begin` ... `end`) waits
+    until no generation decodes or the one that does has parked at its next token boundary
+    (`boundary`); a generation that starts during a sync waits for its end (`decoding`). Where
+    syncs and generation run in one thread (the one-process loop, or an engine actor whose calls
+    run one at a time) a sync never meets a decoding generation and the gate only counts; with
+    in-flight updates (`rollout.inflight_updates`) the engine actor runs syncs in a thread of their
+    own, and a generation goes on after the sync with the new weights (its KV cache holds the keys
+    and values the old ones computed)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._syncing = self._decoding = self._parked = False
+        self.inflight = 0
+        """Syncs that landed while a generation was decoding (it parked for them)."""
+
+    def begin(self) -> None:
+        with self._cond:
+            self._syncing = True
+            self._cond.wait_for(lambda: not self._decoding or self._parked)
+            self.inflight += int(self._decoding)
+
+    def end(self) -> None:
+        with self._cond:
+            self._syncing = False
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def decoding(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._syncing)
+            self._decoding = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._decoding = False
+                self._cond.notify_all()
+
+    def boundary(self) -> bool:
+        """Park here while a sync runs; whether one did."""
+        with self._cond:
+            if not self._syncing:
+                return False
+            self._parked = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not self._syncing)
+            self._parked = False
+            return True
 
 
 class MegatronEngine:
@@ -151,6 +207,7 @@ class MegatronEngine:
         self._awq_pending: dict[str, torch.Tensor] | None = None
         self._calibration: list[list[int]] = []
         self._asleep: Offload | None = None  # the weights' storages while asleep (`sleep`)
+        self.gate = SyncGate()  # syncs and decoding take turns at token boundaries
         self._dropped = False  # asleep at level 2 and not synced since
 
     def _check_decoding(self, decoding: Decoding | None) -> Decoding:
@@ -228,13 +285,18 @@ class MegatronEngine:
             raise ValueError(
                 f"weight version {version} is older than the engine's policy version {self.version}"
             )
-        self.wake_up()
-        self._dropped = False  # every weight arrives, or the sync fails
-        self._incoming = int(version)
-        self._receiver.begin()
-        self._rx_report = QuantReport(self.config.quant.name)
-        if self.config.quant.method == QuantMethod.INT4_AWQ:
-            self._awq_pending = {}
+        self.gate.begin()  # a generation decoding now parks at its next token first
+        try:
+            self.wake_up()
+            self._dropped = False  # every weight arrives, or the sync fails
+            self._incoming = int(version)
+            self._receiver.begin()
+            self._rx_report = QuantReport(self.config.quant.name)
+            if self.config.quant.method == QuantMethod.INT4_AWQ:
+                self._awq_pending = {}
+        except BaseException:
+            self.gate.end()
+            raise
 
     @torch.no_grad()
     def receive_bucket(self, bucket: Bucket) -> dict[str, float]:
@@ -262,6 +324,12 @@ class MegatronEngine:
         """The last bucket has landed: check every tensor arrived, then take ``version``."""
         if self._incoming != int(version):
             raise ValueError(f"finish_weight_update({version}) but the sync in progress is {self._incoming}")
+        try:
+            return self._finish(int(version))
+        finally:
+            self.gate.end()  # a parked generation goes on, with the new weights
+
+    def _finish(self, version: int) -> dict:
         start = time.perf_counter()
         self._incoming = None
         self.version = int(version)
@@ -354,6 +422,10 @@ class MegatronEngine:
             if len(alive) < len(active):
                 decoder.keep(alive)
                 active = [active[i] for i in alive]
+            if self.gate.boundary():  # a sync landed: the next tokens are the new version's
+                for r in active:
+                    if r.spans[-1][1] != self.version:
+                        r.spans.append((len(r.response), self.version))
             out = decoder.step([r.response[-1] for r in active])
 
     def _take(self, rollouts: list[_Rollout], out: StepOutput, spec: SamplingSpec) -> None:
@@ -402,6 +474,10 @@ class MegatronEngine:
             vocab_size=model.vocab_size,
         )
         groups = expand_group_ids(group_ids, len(checked), sampling.n)
+        with self.gate.decoding():  # after a sync in progress
+            return self._generate(checked, sampling, groups)
+
+    def _generate(self, checked: list, sampling: SamplingSpec, groups: list[int]) -> TrajectoryBatch:
         if self._asleep is not None or self._dropped:
             raise RuntimeError(
                 "the Megatron engine is asleep" if self._asleep is not None
@@ -412,7 +488,7 @@ class MegatronEngine:
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         rollouts = [
-            _Rollout(list(p), g, [], [], [], [])
+            _Rollout(list(p), g, [], [], [], [], spans=[(0, self.version)])
             for p, g in zip((p for p in checked for _ in range(sampling.n)), groups)
         ]
         self._decode(rollouts, sampling)
@@ -435,7 +511,7 @@ class MegatronEngine:
                     reward=0.0,
                     group_id=r.group_id,
                     finish_reason=r.finish,
-                    version_spans=[(0, self.version)],
+                    version_spans=list(r.spans),
                     sampling_mask_ids=torch.cat(r.kept).to(torch.int32),
                     sampling_mask_offsets=kept_offsets,
                     routed_experts=torch.cat(r.routing) if r.routing else None,

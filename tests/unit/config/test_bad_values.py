@@ -177,6 +177,10 @@ def test_an_async_run_that_would_reject_every_batch_is_refused():
         load_checked(TINY, ["run.mode=async", "run.max_staleness=2", "run.async_depth=3"])
     with pytest.raises(ConfigError, match="run.async_depth=2 with run.mode=sync: only an async run"):
         load_checked(TINY, ["run.async_depth=2"])
+    with pytest.raises(ConfigError, match="rollout.inflight_updates=true with run.mode=sync: weights change"):
+        load_checked(TINY, ["rollout.inflight_updates=true"])
+    with pytest.raises(ConfigError, match="rollout.inflight_updates=true with rollout.engine=vllm: only the"):
+        load_checked(TINY, ["rollout.inflight_updates=true", "run.mode=async", "rollout.engine=vllm"])
 
 
 def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):
