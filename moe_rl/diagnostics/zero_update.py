@@ -4,8 +4,8 @@ Same weights, same prompts (Chris Yuhao Liu, "Off-Policy Drift in LLM RL", blog 
 https://chrisliu298.ai/posts/off-policy-drift-in-llm-rl/: "Treating kl as policy learning before
 checking same-weight rollout/train agreement" is its anti-pattern 1):
 
-1. one trainer model at full precision (`build_gpt_model` with the recipe's seed, or its
-   ``model.hf_path``) — the reference π_old;
+1. one trainer model at full precision (`build_gpt_model` with the recipe's seed, then its
+   ``model.hf_path`` or ``model.init_from``) — the reference π_old;
 2. per quantization recipe, an engine of ``rollout.engine`` that receives the trainer's weights
    through that recipe: the Megatron engine by `update_weights` (ModelOpt fake quantization), vLLM
    from the trainer's Hugging Face folder (online quantization on the CUDA build);
@@ -37,15 +37,16 @@ log = logging.getLogger(__name__)
 
 
 def build_trainer(config: RecipeConfig):
-    """The reference model: the recipe's trainer model at its initial weights, in eval mode."""
-    from moe_rl.megatron.hf_weights import load_hf_checkpoint
+    """The reference model: the recipe's trainer model at its starting weights (``model.hf_path``,
+    ``model.init_from``: a trained policy's routers are peaked, where a routing flip costs more), in
+    eval mode."""
     from moe_rl.megatron.model import build_gpt_model
     from moe_rl.megatron.parallel import init_parallel
+    from moe_rl.trainer.checkpoint import load_start_weights
 
     init_parallel(config.parallel)
     model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
-    if config.model.hf_path:
-        load_hf_checkpoint(model, config.model.hf_path)
+    load_start_weights(model, config)
     return model.eval()
 
 

@@ -105,6 +105,22 @@ def load(worker, directory: str | Path) -> int:
     return worker.step
 
 
+def load_start_weights(model, config) -> None:
+    """The policy's starting weights into ``model``, built with the recipe's seed: a Hugging Face
+    checkpoint (``model.hf_path``), then a run's checkpoint (``model.init_from``, e.g. an SFT run's
+    newest). The one home of this rule: the trainer starts from them, and `moe-rl diagnose` measures
+    the mismatch at them."""
+    from moe_rl.megatron.hf_weights import load_hf_checkpoint
+    from moe_rl.run_dir import init_checkpoint
+
+    if config.model.hf_path:
+        load_hf_checkpoint(model, config.model.hf_path)
+    if config.model.init_from:
+        trainer_dir = init_checkpoint(Path(config.model.init_from))
+        load_model_weights(model, trainer_dir, f"model.init_from={config.model.init_from}")
+        log.info("starting from the weights of %s", trainer_dir.parent)
+
+
 def load_model_weights(model, trainer_dir: Path, whose: str = "the run's config.yaml") -> None:
     """The policy's weights from a trainer checkpoint into ``model`` (the optimizer state and a
     reference policy's ``reference.`` keys stay unread; Megatron's dist_checkpointing reshards what

@@ -47,12 +47,11 @@ from moe_rl.algo.modes import PolicyMode
 from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import check_process_device
-from moe_rl.megatron.hf_weights import iter_hf_weights, load_hf_checkpoint
+from moe_rl.megatron.hf_weights import iter_hf_weights
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.parallel import init_parallel
 from moe_rl.megatron.replay import RoutingReplay
 from moe_rl.offload import GIB, Offload, resident_bytes
-from moe_rl.run_dir import init_checkpoint
 from moe_rl.trainer import checkpoint, passes, pipeline, update
 from moe_rl.trainer.batch import PreparedBatch, TrainerBatch, TrainMicroBatch, regroup
 from moe_rl.trainer.logprobs import PassOptions
@@ -77,14 +76,7 @@ class TrainerWorker:
         self.info = init_parallel(config.parallel)
         self.device = check_process_device(config.run.device)
         self.model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
-        if config.model.hf_path:
-            load_hf_checkpoint(self.model, config.model.hf_path)
-        if config.model.init_from:  # e.g. an SFT run: its weights, the optimizer afresh
-            trainer_dir = init_checkpoint(Path(config.model.init_from))
-            checkpoint.load_model_weights(
-                self.model, trainer_dir, f"model.init_from={config.model.init_from}"
-            )
-            log.info("starting from the weights of %s", trainer_dir.parent)
+        checkpoint.load_start_weights(self.model, config)  # e.g. an SFT run's: the optimizer afresh
         kl = config.algo.kl
         self.reference = ReferencePolicy.of_policy(self.model, config, self.device) if kl.coef > 0 else None
         self.ddp = self._wrap_ddp(self.model)
