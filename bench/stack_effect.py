@@ -73,6 +73,9 @@ class Condition:
     overrides: tuple[str, ...]
 
 
+WIDE = ("model.num_experts=64", "model.moe_router_topk=8", "model.moe_ffn_hidden_size=32")
+"""The wider MoE of the wide_* conditions, where routing flips weigh more."""
+
 CONDITIONS = {
     c.name: c
     for c in (
@@ -113,16 +116,16 @@ CONDITIONS = {
             ),
         ),
         Condition(
+            "wide_bf16",
+            "a wider MoE (64 experts, top-8, expert width 32) at 4x the learning rate, bf16 rollout "
+            "weights: wide_fp8 without its mismatch",
+            (*WIDE, "trainer.lr=2.0e-3"),
+        ),
+        Condition(
             "wide_fp8",
-            "a wider MoE (64 experts, top-8, expert width 32) with fp8_tensor rollout weights (one scale "
-            "per tensor) at 4x the learning rate",
-            (
-                "model.num_experts=64",
-                "model.moe_router_topk=8",
-                "model.moe_ffn_hidden_size=32",
-                "rollout.quant=fp8_tensor",
-                "trainer.lr=2.0e-3",
-            ),
+            "the wider MoE of wide_bf16 at 4x the learning rate with fp8_tensor rollout weights (one "
+            "scale per tensor)",
+            (*WIDE, "trainer.lr=2.0e-3", "rollout.quant=fp8_tensor"),
         ),
     )
 }
