@@ -87,9 +87,3 @@ def open_ref(ref: IpcRef) -> torch.Tensor:
         )
     return buffer[ref.offset : ref.offset + ref.nbytes]
 
-
-def forget(sender_pid: int | None = None) -> None:
-    """Drop the mappings of ``sender_pid``'s buffers (all without one): a receiver whose sender is
-    gone or was replaced."""
-    for key in [k for k in _OPENED if sender_pid is None or k[0] == sender_pid]:
-        del _OPENED[key]

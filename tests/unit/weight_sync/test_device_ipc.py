@@ -53,11 +53,11 @@ def test_buckets_travel_as_handles_and_another_process_reads_the_senders_memory(
         transport.close()
 
 
-def test_a_reference_past_its_buffer_and_a_view_are_refused():
+def test_a_reference_past_its_buffer_and_a_view_are_refused(monkeypatch):
+    monkeypatch.setattr(ipc, "_OPENED", {})  # this test's mappings only
     buffer = torch.zeros(32, dtype=torch.uint8)
     handle = ipc.share(buffer)
     with pytest.raises(RuntimeError, match="holds 32 bytes, the bucket ends at 48"):
         ipc.open_ref(ipc.IpcRef(handle, ("test", 0), 16, 32))
     with pytest.raises(ValueError, match="only a whole contiguous buffer"):
         ipc.share(torch.zeros(8, dtype=torch.uint8)[2:])
-    ipc.forget("test")
