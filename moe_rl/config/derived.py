@@ -143,17 +143,17 @@ def vllm_weights_direct(config: RecipeConfig) -> bool:
 
 
 def megatron_weights_ipc(config: RecipeConfig, device: str) -> bool:
-    """The Megatron engine reads its weights in the trainer rank's device memory by IPC handle
+    """Megatron engines read their weights in a trainer rank's device memory by IPC handle
     (`moe_rl.weight_sync.transport.DeviceIpc`; CUDA IPC), not through host shared memory: on CUDA,
-    colocated, with one trainer rank and one engine, which then share one GPU. With more, an engine
-    would need buckets from ranks on GPUs its process does not see; those go through the shared
-    slots."""
+    colocated, when the trainer has one pipeline stage. Each rank then sends the whole model (its
+    tensor-parallel shards and the other expert-parallel ranks' experts gathered) to the engines
+    that share its GPU: an engine's process sees only its own GPU, so it cannot map a buffer on
+    another."""
     return (
         device == "cuda"
         and config.rollout.engine == Engine.MEGATRON
         and placement_mode(config) == PlacementMode.COLOCATED
-        and config.parallel.trainer_world_size == 1
-        and config.rollout.num_engines == 1
+        and config.parallel.pipeline_model_parallel_size == 1
     )
 
 

@@ -73,6 +73,13 @@ def sync_call(engine: Any, method: str, config: RecipeConfig) -> Any:
     return call.options(concurrency_group=SYNC_GROUP) if config.rollout.inflight_updates else call
 
 
+def device_key() -> tuple[str, str | None]:
+    """This actor's node and first GPU as Ray assigned it (None without one): a trainer rank and
+    the engine seated on its GPU share it (`moe_rl.orchestration.seats`)."""
+    gpus = ray.get_gpu_ids()
+    return ray.get_runtime_context().get_node_id(), str(gpus[0]) if gpus else None
+
+
 class TrainerRank:
     """One rank of the trainer group (see the module docstring)."""
 
@@ -82,6 +89,7 @@ class TrainerRank:
         self.worker = None
         self._sender = None  # this rank's side of weight syncs (transport, buffers, arena), kept
         self._engine_nodes: dict[str, str | None] = {}
+        self._engine_devices: dict[str, tuple | None] = {}
         self._prepared: dict = {}  # handle -> the batch its π_old pass prepared (`old_logp` / `train`)
 
     def pid(self) -> int:
@@ -136,16 +144,17 @@ class TrainerRank:
             for i, engine in enumerate(engines)
             if i not in where.dead
         }
+        if self._device_ipc:  # the engines on this rank's GPU take the whole model from it
+            mine = device_key()
+            receivers = {i: r for i, r in receivers.items() if self._device_of(engines[i]) == mine}
         if self._sender is None:
-            from moe_rl.config.derived import megatron_weights_ipc
             from moe_rl.weight_sync.sender import RankSender
 
             c = self.config
-            device = next(self.worker.model.parameters()).device.type
             self._sender = RankSender(
                 self.worker.model, c.quant, c.model.num_layers, c.rollout.sync_bucket_mb << 20, self.rank,
                 host=ray.util.get_node_ip_address(), vllm_workers=c.rollout.tensor_parallel_size,
-                device_ipc=megatron_weights_ipc(c, device),
+                device_ipc=self._device_ipc,
             )  # fmt: skip
         members = tuple(
             engines[i]._actor_id.hex() for i in sorted(receivers)
@@ -157,6 +166,23 @@ class TrainerRank:
             )  # fmt: skip
         report.dead |= where.dead
         return report
+
+    @functools.cached_property
+    def _device_ipc(self) -> bool:
+        """Engines on this rank's GPU read its buckets there (`moe_rl.config.derived.megatron_weights_ipc`)."""
+        from moe_rl.config.derived import megatron_weights_ipc
+
+        return megatron_weights_ipc(self.config, next(self.worker.model.parameters()).device.type)
+
+    def _device_of(self, engine: Any) -> tuple[str, str | None] | None:
+        """An engine's `device_key`, asked once per engine actor (None: its process is gone)."""
+        key = engine._actor_id.hex()
+        if key not in self._engine_devices:
+            try:
+                self._engine_devices[key] = tuple(ray.get(engine.device_key.remote(), timeout=RAY_TIMEOUT_S))
+            except ray.exceptions.RayActorError:
+                self._engine_devices[key] = None
+        return self._engine_devices[key]
 
     def _direct(self, target: SyncTarget):
         """The vLLM backend by which the engines take this sync straight from the trainer ranks (vLLM
@@ -245,6 +271,9 @@ class EngineActor(EngineHost):
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def device_key(self) -> tuple[str, str | None]:
+        return device_key()
 
 
 def _maybe_fail(fault: str, replica: int, call: int) -> None:

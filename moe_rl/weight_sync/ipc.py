@@ -86,4 +86,3 @@ def open_ref(ref: IpcRef) -> torch.Tensor:
             f"{ref.offset + ref.nbytes}"
         )
     return buffer[ref.offset : ref.offset + ref.nbytes]
-

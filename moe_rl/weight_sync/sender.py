@@ -115,6 +115,22 @@ def weight_groups(
         yield from encoder.lazy_groups(group, max_bytes)
 
 
+def every_rank_groups(model: torch.nn.Module, encoder: WireEncoder | None, max_bytes: int | None = None):
+    """The whole model on every rank, one Megatron tensor at a time (tensor-parallel shards and
+    expert-parallel ranks' experts gathered: collectives, so every rank iterates it), encoded by the
+    packer straight into the bucket (``encoder`` None: the raw groups, for a rank that only joins
+    the gathers). Needs one pipeline stage. For receivers that take the whole model from the rank
+    that shares their device (`transport.DeviceIpc`)."""
+    from moe_rl.weight_sync.vllm_transfer import TrainerSource
+
+    device = next(model.parameters()).device
+    for group in TrainerSource(model, None, device, every_rank=True).groups():
+        if encoder is None:
+            yield group
+        else:
+            yield from encoder.lazy_groups(group, max_bytes)
+
+
 def stream_buckets(
     model: torch.nn.Module,
     encoder: WireEncoder,
@@ -138,9 +154,11 @@ class RankSender:
     ):  # fmt: skip
         """``host``: the address receivers on other nodes reach this rank at (its process group's
         store; default: this machine's name resolved). ``vllm_workers``: each engine's vLLM workers,
-        for a sync by vLLM's NCCL backend (`send` with ``direct``). ``device_ipc``: receivers on this
-        node share this rank's device (`moe_rl.config.derived.megatron_weights_ipc`) and read the
-        buckets in its device memory (`transport.DeviceIpc`) instead of shared-memory slots."""
+        for a sync by vLLM's NCCL backend (`send` with ``direct``). ``device_ipc``: the receivers of
+        this rank are the engines that share its device (`moe_rl.config.derived.
+        megatron_weights_ipc`); it sends them the whole model (`every_rank_groups`), whose buckets
+        they read in its device memory (`transport.DeviceIpc`) instead of shared-memory slots.
+        Every rank streams then, and one whose device hosts no engine only joins the gathers."""
         self.model, self.quant, self.num_layers = model, quant, num_layers
         self.capacity, self.rank, self.host, self.vllm_workers = capacity, rank, host, vllm_workers
         self.device_ipc = device_ipc
@@ -194,12 +212,22 @@ class RankSender:
         encoder = WireEncoder(self.quant, self.num_layers, quantized_wire=quantized_wire)
         transport = self._transport_for(reach, frozenset(local))
         packer = transport.packer
+        if isinstance(transport, DeviceIpc):  # the whole model to the engines on this rank's device
+            if not receivers:
+                for _ in every_rank_groups(self.model, None):  # the others' gathers
+                    pass
+                return SyncReport(senders=0, transports=set())
+            buckets = packer.pack(every_rank_groups(self.model, encoder, packer.capacity))
+            return self._report(transport.send(buckets, receivers, timeout_s, members), transport, encoder)
         buckets = stream_buckets(self.model, encoder, packer.capacity, self.rank, packer)
         if not self.owns_any:  # it still joins the gathers of what others send; nothing to deliver
             for _ in buckets:
                 raise AssertionError(f"trainer rank {self.rank} owns no tensor but packed a bucket")
             return SyncReport(senders=0, transports=set())
-        out = transport.send(buckets, receivers, timeout_s, members)
+        return self._report(transport.send(buckets, receivers, timeout_s, members), transport, encoder)
+
+    @staticmethod
+    def _report(out, transport: Transport, encoder: WireEncoder) -> SyncReport:
         return SyncReport(
             bytes=out.bytes, in_place=out.in_place, buckets=out.buckets, senders=1,
             shared_memory=transport.shared_memory, quant=encoder.report if encoder.active else None, dead=out.dead,

@@ -150,11 +150,11 @@ class TrainerSource:
     `source`, which makes it a subclass of vLLM's ``WeightSource``."""
 
     def __init__(
-        self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str,
+        self, model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device | str,
         select: Callable[[str], bool] | None = None, every_rank: bool = False,
     ):  # fmt: skip
         """``select(megatron_name)``: whether this rank sends the tensor (`moe_rl.weight_sync.sender.
-        sends`; every rank by default)."""
+        sends`; every rank by default). ``dtype``: what the tensors are cast to (vLLM's), None: kept."""
         self.model, self.dtype, self.device, self.select = model, dtype, torch.device(device), select
         self.every_rank = every_rank
         self._metadata: list | None = None
@@ -169,33 +169,41 @@ class TrainerSource:
         return self._metadata
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for group in self.groups():
+            yield from group
+
+    def groups(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The tensors by Megatron tensor: all the HF pieces of one (of one expert each, for the
+        experts of every expert-parallel rank) in a list. ``dtype`` None keeps the trainer's."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         from moe_rl.megatron.hf_weights import iter_hf_weight_groups
 
         if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError(
-                "vLLM's weight transfer sends the whole model from a rank: it needs one pipeline stage"
-            )
+            raise ValueError("sending the whole model from a rank needs one pipeline stage")
         ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
         group = ps.get_expert_model_parallel_group() if ep > 1 else None
         local = _num_experts(self.model) // ep
         root = self.every_rank or not dist.is_initialized() or dist.get_rank() == 0
         self.bytes = 0
         for _, pieces in iter_hf_weight_groups(self.model, select=self.select, copy=False):
+            peers: dict[int, list[tuple[str, torch.Tensor]]] = {}
             for name, piece in pieces:
-                piece = engine_dtype(name, piece, self.dtype).to(self.device)
+                if self.dtype is not None:
+                    piece = engine_dtype(name, piece, self.dtype)
+                piece = piece.to(self.device)
                 if ep > 1 and _EXPERT.search(name):  # every expert-parallel rank holds its own experts
                     parts = [torch.empty_like(piece) for _ in range(ep)]
                     dist.all_gather(parts, piece.contiguous(), group=group)
-                    named = [(_peer_expert(name, rank, local), part) for rank, part in enumerate(parts)]
+                    for rank, part in enumerate(parts):
+                        peers.setdefault(rank, []).append((_peer_expert(name, rank, local), part))
                 else:
-                    named = [(name, piece)]
-                if root:
-                    for item in named:
-                        self.bytes += item[1].numel() * item[1].element_size()
-                        yield item
+                    peers.setdefault(0, []).append((name, piece))
+            if root:
+                for named in peers.values():
+                    self.bytes += sum(t.numel() * t.element_size() for _, t in named)
+                    yield named
 
 
 def _num_experts(model: torch.nn.Module) -> int:

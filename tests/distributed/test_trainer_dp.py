@@ -9,7 +9,9 @@ the experts as grouped products (`trainer.expert_gemm=torch`), the reference as 
 In both layouts, what the trainer sends by vLLM's NCCL transfer (`weight_sync.vllm_transfer`, one
 sender): rank 0 sends every weight of the model (the other rank's experts gathered to it), in
 vLLM's bf16, as its metadata declares them; the other rank sends nothing. By vLLM's IPC transfer
-(colocated) every rank holds the whole model, in the same order.
+(colocated) every rank holds the whole model, in the same order; by `DeviceIpc` (colocated
+Megatron engines) every rank streams the whole model into its device buffers, and a rank whose
+device hosts no engine only joins the gathers.
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ def _check_sent_to_vllm(ranks: list[dict], weights: str) -> None:
     for rank in ranks:  # vLLM's IPC transfer: each rank's GPU holds the whole model, experts gathered
         assert [name for name, _ in rank["shared"]] == names
         assert all(torch.equal(t, hf[name].to(torch.bfloat16)) for name, t in rank["shared"])
+    # the Megatron engine on each rank's device gets the whole model from that rank, as it holds it
+    for i, rank in enumerate(ranks):
+        ipc = rank["ipc"]
+        streams = [("both", True), ("alone", i == 0)]
+        for key, receives in streams:
+            got = dict(ipc[key])
+            assert len(got) == len(ipc[key]), "a tensor arrived twice"
+            assert sorted(got) == (sorted(hf) if receives else []), (i, key)
+            assert all(torch.equal(t, hf[name].to(t.dtype)) for name, t in got.items())
+            assert ipc[f"{key}_transports"] == (["device_ipc"] if receives else [])
 
 
 def _compare(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:

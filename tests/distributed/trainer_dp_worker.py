@@ -98,11 +98,41 @@ def sent_to_vllm(model) -> dict:
     }  # fmt: skip
 
 
+def sent_by_device_ipc(model, rank: int) -> dict:
+    """What the engine that shares this rank's device receives from it by `DeviceIpc` (the whole
+    model, every rank streaming at once): buckets pickled as Ray hands them, read through their
+    handles. Twice: every rank with an engine, then only rank 0 (rank 1's device hosts none: it
+    only joins the gathers)."""
+    import pickle
+
+    from moe_rl.config.schema import QuantConfig
+    from moe_rl.weight_sync.receiver import decoded
+    from moe_rl.weight_sync.sender import RankSender
+    from moe_rl.weight_sync.transport import Reach
+
+    sender = RankSender(model, QuantConfig(), num_layers=2, capacity=16 << 10, rank=rank, device_ipc=True)
+    out: dict = {"both": [], "alone": []}
+    try:
+        for key in ("both", "alone"):
+            got = out[key]
+
+            def engine(bucket, got=got):
+                got.extend((n, t.clone()) for n, t in decoded(pickle.loads(pickle.dumps(bucket))))
+
+            receivers = {0: engine} if key == "both" or rank == 0 else {}
+            report = sender.send(receivers, Reach.SAME_NODE, quantized_wire=True, timeout_s=60.0)
+            out[f"{key}_transports"] = sorted(report.transports)
+    finally:
+        sender.close()
+    return out
+
+
 def rank_main(rank: int, world: int, port: int, ep: int, hf_path: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     kept: dict = {}
     torch.save(gradients(world, rank, ep, hf_path, kept), Path(out_dir) / f"grads.{rank}.pt")
-    torch.save(sent_to_vllm(kept["model"]), Path(out_dir) / f"sent.{rank}.pt")
+    sent = {**sent_to_vllm(kept["model"]), "ipc": sent_by_device_ipc(kept["model"], rank)}
+    torch.save(sent, Path(out_dir) / f"sent.{rank}.pt")
 
 
 def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tensor]:
