@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `python scripts/colocated_check.py` from anywhere
 ASLEEP_SHARE = 0.10
 """The most of its generation footprint an engine may keep while it sleeps."""
 
@@ -47,10 +48,14 @@ def train(out: Path, name: str, device: str, steps: int, level: int, release: st
 
 
 def comparable(record: dict) -> dict:
+    """What two runs that compute the same thing agree on: not times and rates
+    (`MEASURED_PREFIXES`), not memory."""
+    from moe_rl.orchestration.metrics import MEASURED_PREFIXES
+
     return {
         k: v
         for k, v in record.items()
-        if not k.startswith(("time/", "memory/")) and not k.endswith("seconds")
+        if not k.startswith((*MEASURED_PREFIXES, "memory/")) and not k.endswith("seconds")
     }
 
 
