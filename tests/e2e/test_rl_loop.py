@@ -282,7 +282,8 @@ def test_async_with_inflight_updates_respects_the_staleness_bound(tmp_path):
     their own, beside a generation, and none is rejected. (A bound below the depth would reject
     every batch: the preflight refuses it, tests/unit/config/test_bad_values.py; how far behind the
     batches are without in-flight updates: tests/unit/orchestration/test_async_depth.py.)"""
-    args = [TINY, "run.steps=4", "run.mode=async", "run.max_staleness=2", "run.async_depth=2", "run.name=async1"]
+    args = [TINY, "run.steps=4", "run.mode=async", "run.max_staleness=2", "run.async_depth=2"]
+    args += ["run.name=async1"]
     args += ["rollout.num_engines=2", "algo.zero_variance_shaping=true", "rollout.inflight_updates=true"]
     _finish(_train(args, tmp_path))
     records = _metrics(tmp_path / "async1")
