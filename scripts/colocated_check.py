@@ -48,15 +48,10 @@ def train(out: Path, name: str, device: str, steps: int, level: int, release: st
 
 
 def comparable(record: dict) -> dict:
-    """What two runs that compute the same thing agree on: not times and rates
-    (`MEASURED_PREFIXES`), not memory."""
-    from moe_rl.orchestration.metrics import MEASURED_PREFIXES
+    """What the two runs agree on: not times and rates, not memory (`metrics.repeatable`)."""
+    from moe_rl.orchestration.metrics import repeatable
 
-    return {
-        k: v
-        for k, v in record.items()
-        if not k.startswith((*MEASURED_PREFIXES, "memory/")) and not k.endswith("seconds")
-    }
+    return repeatable(record, ("memory/",))
 
 
 def main() -> int:

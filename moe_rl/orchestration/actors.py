@@ -88,8 +88,7 @@ class TrainerRank:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.worker = None
         self._sender = None  # this rank's side of weight syncs (transport, buffers, arena), kept
-        self._engine_nodes: dict[str, str | None] = {}
-        self._engine_devices: dict[str, tuple | None] = {}
+        self._engine_places: dict[str, tuple[str, str | None] | None] = {}  # actor -> `device_key`
         self._prepared: dict = {}  # handle -> the batch its π_old pass prepared (`old_logp` / `train`)
 
     def pid(self) -> int:
@@ -146,7 +145,7 @@ class TrainerRank:
         }
         if self._device_ipc:  # the engines on this rank's GPU take the whole model from it
             mine = device_key()
-            receivers = {i: r for i, r in receivers.items() if self._device_of(engines[i]) == mine}
+            receivers = {i: r for i, r in receivers.items() if self._place_of(engines[i]) == mine}
         if self._sender is None:
             from moe_rl.weight_sync.sender import RankSender
 
@@ -174,15 +173,16 @@ class TrainerRank:
 
         return megatron_weights_ipc(self.config, next(self.worker.model.parameters()).device.type)
 
-    def _device_of(self, engine: Any) -> tuple[str, str | None] | None:
-        """An engine's `device_key`, asked once per engine actor (None: its process is gone)."""
+    def _place_of(self, engine: Any) -> tuple[str, str | None] | None:
+        """An engine's `device_key` (its node and GPU), asked once per engine actor (None: its
+        process is gone)."""
         key = engine._actor_id.hex()
-        if key not in self._engine_devices:
+        if key not in self._engine_places:
             try:
-                self._engine_devices[key] = tuple(ray.get(engine.device_key.remote(), timeout=RAY_TIMEOUT_S))
+                self._engine_places[key] = tuple(ray.get(engine.device_key.remote(), timeout=RAY_TIMEOUT_S))
             except ray.exceptions.RayActorError:
-                self._engine_devices[key] = None
-        return self._engine_devices[key]
+                self._engine_places[key] = None
+        return self._engine_places[key]
 
     def _direct(self, target: SyncTarget):
         """The vLLM backend by which the engines take this sync straight from the trainer ranks (vLLM
@@ -210,15 +210,8 @@ class TrainerRank:
         self._sender = None
 
     def _nodes_of(self, engines: Sequence[Any]) -> dict[int, str | None]:
-        """Each engine's node id (None: its process is gone), asked once per engine actor."""
-        for engine in engines:
-            key = engine._actor_id.hex()
-            if key not in self._engine_nodes:
-                try:
-                    self._engine_nodes[key] = ray.get(engine.node_id.remote(), timeout=RAY_TIMEOUT_S)
-                except ray.exceptions.RayActorError:
-                    self._engine_nodes[key] = None
-        return {i: self._engine_nodes[e._actor_id.hex()] for i, e in enumerate(engines)}
+        """Each engine's node id (None: its process is gone)."""
+        return {i: None if (place := self._place_of(e)) is None else place[0] for i, e in enumerate(engines)}
 
     def save_hf(self, directory: str) -> str:
         """This group's weights as a Hugging Face folder (collective; every rank writes its own)."""
@@ -268,9 +261,6 @@ class EngineActor(EngineHost):
         if self.restarts == 0:
             _maybe_fail("die_in_sync", self.replica, self._landed)
         return super()._land(bucket, into)
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
 
     def device_key(self) -> tuple[str, str | None]:
         return device_key()

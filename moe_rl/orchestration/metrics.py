@@ -20,6 +20,20 @@ MEASURED_PREFIXES = ("time/", "perf/")
 """Metrics that measure how long work took (and the rates made from it): they differ between two
 runs that compute the same thing, while every other metric of a deterministic run repeats."""
 
+
+def measured(key: str) -> bool:
+    """Whether metric ``key`` measures time (`MEASURED_PREFIXES`, or a ``*seconds`` one such as
+    ``sync/seconds``) or a rate made from it."""
+    return key.startswith(MEASURED_PREFIXES) or key.endswith("seconds")
+
+
+def repeatable(record: dict, apart: tuple[str, ...] = ()) -> dict:
+    """The metrics of a step record that a run computing the same thing repeats: not the `measured`
+    ones, nor those whose name starts with one of ``apart`` (what the two runs differ in on
+    purpose, e.g. ``memory/`` between a run that gives memory back and one that keeps it)."""
+    return {k: v for k, v in record.items() if not measured(k) and not k.startswith(apart)}
+
+
 SUMMARY_KEYS = (
     ("reward/mean", "reward {:.3f}"),
     ("response/length_mean", "len {:.1f}"),

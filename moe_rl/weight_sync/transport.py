@@ -178,7 +178,8 @@ class DeviceIpc(Transport):
         return BucketPacker(self.capacity, sender=self.sender, buffers=2, device=self.device)
 
     def message(self, bucket: Bucket) -> Any:
-        slot, buffer = self._buffer_of(bucket)
+        slot = bucket.index % len(self.packer.buffers)  # where the packer wrote bucket ``index``
+        buffer = self.packer.buffers[slot]
         kept = self._handles.get(slot)
         if kept is None or kept[0] is not buffer:  # a new or grown buffer (the old one is kept till here)
             kept = self._handles[slot] = (buffer, ipc.share(buffer))  # a CPU buffer moves to shared memory
@@ -188,13 +189,6 @@ class DeviceIpc(Transport):
         return Bucket(
             bucket.entries, None, bucket.index, bucket.sender, part=bucket.part, last=bucket.last, ipc=ref
         )
-
-    def _buffer_of(self, bucket: Bucket) -> tuple[int, torch.Tensor]:
-        address = bucket.buffer.untyped_storage().data_ptr()
-        for slot, buffer in enumerate(self.packer.buffers):
-            if buffer.numel() and buffer.untyped_storage().data_ptr() == address:
-                return slot, buffer
-        raise AssertionError("a device bucket outside its packer's buffers")
 
     @property
     def shared_memory(self) -> bool:
