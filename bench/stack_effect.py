@@ -3,6 +3,7 @@ mismatch on CPU: each condition run with the stack off and on, over several seed
 
     python bench/stack_effect.py --jobs 2          # every condition × {off, on} × seeds 0,1,2; report
     python bench/stack_effect.py --conditions reference,truncation --seeds 0 --steps 3   # smoke
+    python bench/stack_effect.py --conditions bypass_truncation --arms off,corrections --steps 300
     python bench/stack_effect.py --dry-run         # validate every run's recipe, print the commands
     python bench/stack_effect.py --report          # only the report, from the results in --out
 
@@ -20,7 +21,7 @@ loop (`python -m moe_rl.orchestration.local`: the trainer, engine and metrics of
 time; an async run there generates each batch when it is launched, with the weights of that moment,
 so its tokens are as old as on Ray and only the overlap is gone); others run `moe-rl train` on Ray,
 one at a time after the others. A finished run leaves
-`<out>/<condition>-<arm>-seed<k>.json` (settings, the resolved stack, timing, per-step series);
+`<out>/<condition>-<arm>-seed<k>-<steps>steps.json` (settings, the resolved stack, timing, per-step series);
 runs with a result are skipped, so an interrupted experiment continues where it stopped. With
 `--jobs N` > 1 the in-process runs go N at a time with cores / N threads each (OMP_NUM_THREADS);
 Ray runs get OMP_WAIT_POLICY=PASSIVE (`thread_env`).
@@ -85,6 +86,18 @@ CONDITIONS = {
             "top_p = 0.7 and top_k = 8 (of 16 tokens): the engine's log-probs are normalized over "
             "the kept set, the trainer's over the full vocabulary unless keep-sampling-mask is on",
             ("rollout.top_p=0.7", "rollout.top_k=8"),
+        ),
+        Condition(
+            "bypass",
+            "algo.policy_mode = bypass: the loss takes the engine's log-probs as π_old (no recomputed "
+            "π_old in the ratio, as frameworks that skip that pass do); a control with no mismatch",
+            ("algo.policy_mode=bypass",),
+        ),
+        Condition(
+            "bypass_truncation",
+            "truncation's sampling (top_p = 0.7, top_k = 8) in bypass mode: the objective's ratio is "
+            "π_θ/μ, so the truncation's mismatch enters the ratio and its clip",
+            ("rollout.top_p=0.7", "rollout.top_k=8", "algo.policy_mode=bypass"),
         ),
         Condition(
             "quantization", "int4_awq rollout weights (AWQ-calibrated INT4)", ("rollout.quant=int4_awq",)
@@ -171,7 +184,7 @@ class Run:
 
     @property
     def name(self) -> str:
-        return f"{self.condition.name}-{self.arm}-seed{self.seed}"
+        return f"{self.condition.name}-{self.arm}-seed{self.seed}-{self.steps}steps"
 
     @property
     def overrides(self) -> list[str]:
@@ -219,7 +232,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
         Run(CONDITIONS[c], arm, seed, args.steps, args.recipe, tuple(args.override))
         for seed in args.seeds
         for c in args.conditions
-        for arm in ARMS
+        for arm in args.arms
     ]
 
 
@@ -444,46 +457,60 @@ def cell(key: str, found: list[dict], fmt: str) -> str:
     return text
 
 
-def grouped(results: list[dict]) -> dict[tuple[str, str], list[dict]]:
+def grouped(results: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
+    """(condition, steps, arm) -> its runs, in the order of `CONDITIONS`, shorter runs first."""
     order = {name: i for i, name in enumerate(CONDITIONS)}
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in sorted(results, key=lambda r: (order.get(r["condition"], 99), r["arm"], r["seed"])):
-        groups.setdefault((r["condition"], r["arm"]), []).append(r)
+    groups: dict[tuple[str, int, str], list[dict]] = {}
+    for r in sorted(results, key=lambda r: (order.get(r["condition"], 99), r["steps"], r["arm"], r["seed"])):
+        groups.setdefault((r["condition"], r["steps"], r["arm"]), []).append(r)
     return groups
+
+
+def panels(groups: dict) -> list[tuple[str, int]]:
+    """The (condition, steps) pairs the results hold: one row block, one pairing, one plot each."""
+    return list(dict.fromkeys((condition, steps) for condition, steps, _ in groups))
 
 
 def results_table(groups: dict, threshold: float) -> list[str]:
     heads = [title.format(threshold=threshold) for _, title, _ in COLUMNS]
-    lines = ["| condition | stack | seeds | " + " | ".join(heads) + " |", "|---" * (3 + len(heads)) + "|"]
-    for (condition, arm), runs in groups.items():
+    lines = [
+        "| condition | steps | stack | seeds | " + " | ".join(heads) + " |",
+        "|---" * (4 + len(heads)) + "|",
+    ]
+    for (condition, steps, arm), runs in groups.items():
         found = [run_metrics(r["series"], threshold) for r in runs]
         cells = [cell(key, found, fmt) for key, _, fmt in COLUMNS]
-        lines.append(f"| {condition} | {arm} | {len(runs)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {condition} | {steps} | {arm} | {len(runs)} | " + " | ".join(cells) + " |")
     return lines
 
 
 def paired_table(groups: dict, threshold: float) -> list[str]:
     """Each pair of `PAIRS` (a − b) of final reward and AUC, per seed run in both arms."""
-    lines = ["| condition | effect | a − b | seeds | Δ final reward | Δ AUC |", "|---|---|---|---|---|---|"]
-    for condition in dict.fromkeys(c for c, _ in groups):
-        arms = {arm: {r["seed"]: run_metrics(r["series"], threshold) for r in groups.get((condition, arm), [])}
-                for arm in ARMS}  # fmt: skip
+    lines = ["| condition | steps | effect | a − b | seeds | Δ final reward | Δ AUC |", "|---" * 7 + "|"]
+    for condition, steps in panels(groups):
+        arms = {
+            arm: {
+                r["seed"]: run_metrics(r["series"], threshold)
+                for r in groups.get((condition, steps, arm), [])
+            }
+            for arm in ARMS
+        }
         for a, b, effect in PAIRS:
             seeds = sorted(set(arms[a]) & set(arms[b]))
             if not seeds:
                 continue
             deltas = {k: [arms[a][s][k] - arms[b][s][k] for s in seeds] for k in ("final", "auc")}
             lines.append(
-                f"| {condition} | {effect} | {a} − {b} | {len(seeds)} | {mean_std(deltas['final'], '{:+.3f}')} | "
+                f"| {condition} | {steps} | {effect} | {a} − {b} | {len(seeds)} | {mean_std(deltas['final'], '{:+.3f}')} | "
                 f"{mean_std(deltas['auc'], '{:+.3f}')} |"
             )
     return lines
 
 
 def timing_table(groups: dict) -> list[str]:
-    heads = "| condition | stack | runner | threads | s / step | start-up s | wall s | CPU s |"
-    lines = [heads, "|---" * 8 + "|"]
-    for (condition, arm), runs in groups.items():
+    heads = "| condition | steps | stack | runner | threads | s / step | start-up s | wall s | CPU s |"
+    lines = [heads, "|---" * 9 + "|"]
+    for (condition, steps, arm), runs in groups.items():
         per_step = [
             statistics.median(r["series"]["time/step_s"][1:] or r["series"]["time/step_s"]) for r in runs
         ]
@@ -493,31 +520,39 @@ def timing_table(groups: dict) -> list[str]:
             mean_std([r["startup_s"] for r in runs], "{:.0f}"), mean_std([r["wall_s"] for r in runs], "{:.0f}"),
             mean_std(cpu, "{:.0f}"),
         ]  # fmt: skip
-        lines.append(f"| {condition} | {arm} | " + " | ".join(cells) + " |")
+        lines.append(f"| {condition} | {steps} | {arm} | " + " | ".join(cells) + " |")
     return lines
 
 
-def regenerate_command(results: list[dict], threshold: float) -> str:
-    first = results[0]
-    conditions = ",".join(dict.fromkeys(c for c, _ in grouped(results)))
-    seeds = ",".join(str(s) for s in sorted({r["seed"] for r in results}))
-    words = ["python", "bench/stack_effect.py", "--conditions", conditions, "--seeds", seeds]
-    words += ["--steps", str(first["steps"]), "--jobs", str(max(r["jobs"] for r in results))]
-    if first["settings"]["recipe"] != RECIPE:
-        words += ["--recipe", first["settings"]["recipe"]]
-    for extra in first["extra"]:
-        words += ["--override", extra]
-    if threshold != DEFAULT_THRESHOLD:
-        words += ["--threshold", str(threshold)]
-    return shlex.join(words)
+def regenerate_commands(results: list[dict], threshold: float) -> list[str]:
+    """One command per run length that makes the stored results again."""
+    commands = []
+    for steps in sorted({r["steps"] for r in results}):
+        these = [r for r in results if r["steps"] == steps]
+        first = these[0]
+        conditions = ",".join(dict.fromkeys(c for c, _, _ in grouped(these)))
+        seeds = ",".join(str(s) for s in sorted({r["seed"] for r in these}))
+        words = ["python", "bench/stack_effect.py", "--conditions", conditions, "--seeds", seeds]
+        arms = [arm for arm in ARMS if any(r["arm"] == arm for r in these)]
+        if len(arms) < len(ARMS):
+            words += ["--arms", ",".join(arms)]
+        words += ["--steps", str(steps), "--jobs", str(max(r["jobs"] for r in these))]
+        if first["settings"]["recipe"] != RECIPE:
+            words += ["--recipe", first["settings"]["recipe"]]
+        for extra in first["extra"]:
+            words += ["--override", extra]
+        if threshold != DEFAULT_THRESHOLD:
+            words += ["--threshold", str(threshold)]
+        commands.append(shlex.join(words))
+    return commands
 
 
 def write_markdown(doc: Path, results: list[dict], threshold: float) -> None:
     groups = grouped(results)
     steps = sorted({r["steps"] for r in results})
-    window = smoothing_window(steps[-1])
+    windows = ", ".join(f"{plural(smoothing_window(n), 'step')} in {n}" for n in steps)
     commits = ", ".join(sorted({r["commit"] for r in results}))
-    conditions = [CONDITIONS[c] for c in dict.fromkeys(c for c, _ in groups) if c in CONDITIONS]
+    conditions = [CONDITIONS[c] for c in dict.fromkeys(c for c, _, _ in groups) if c in CONDITIONS]
     stacks = {r["arm"]: r["stack"] for r in results}
     lines = [
         "# Stack-effect experiment",
@@ -527,7 +562,7 @@ def write_markdown(doc: Path, results: list[dict], threshold: float) -> None:
         "`bench/results/stack_effect/`) and this page:",
         "",
         "```bash",
-        regenerate_command(results, threshold),
+        *regenerate_commands(results, threshold),
         "python bench/stack_effect.py --report   # this page and the PNG from the stored results",
         "```",
         "",
@@ -562,7 +597,7 @@ def write_markdown(doc: Path, results: list[dict], threshold: float) -> None:
         "",
         f"![reward curves: one panel per condition, stack off and on](./{doc.with_suffix('.png').name})",
         "",
-        *definitions(threshold, window),
+        *definitions(threshold, windows),
         "",
         "## Timing",
         "",
@@ -578,13 +613,14 @@ def write_markdown(doc: Path, results: list[dict], threshold: float) -> None:
     doc.write_text("\n".join(lines))
 
 
-def definitions(threshold: float, window: int) -> list[str]:
+def definitions(threshold: float, windows: str) -> list[str]:
+    """The columns' meanings; ``windows`` says the trailing-mean window of each run length."""
     return [
         "- **final reward**: mean `reward/mean` of the last 10 % of steps.",
-        f"- **peak − final**: the highest trailing mean reward (over {plural(window, 'step')}) minus the "
+        f"- **peak − final**: the highest trailing mean reward (over 1/20 of the run: {windows}) minus the "
         "final reward: how far a run fell from its best (a collapse), 0 for one that ends at its best.",
         "- **AUC**: area under the reward curve divided by the steps (the mean reward over the run).",
-        f"- **steps to {threshold}**: the first step whose trailing mean reward over {plural(window, 'step')} "
+        f"- **steps to {threshold}**: the first step whose trailing mean reward (over 1/20 of the run) "
         f"reaches {threshold}; mean over the seeds that reach it.",
         "- **max grad norm**: largest `train/grad_norm` (before clipping; per step the mean over its "
         "optimizer steps).",
@@ -612,26 +648,25 @@ def write_png(path: Path, results: list[dict], threshold: float) -> None:
     import matplotlib.pyplot as plt
 
     groups = grouped(results)
-    conditions = list(dict.fromkeys(c for c, _ in groups))
-    steps = min(len(r["series"]["reward/mean"]) for r in results)
-    cols = min(2, len(conditions))
-    rows = math.ceil(len(conditions) / cols)
+    shown = panels(groups)
+    cols = min(2, len(shown))
+    rows = math.ceil(len(shown) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False, sharey=True)
-    for ax, condition in zip(axes.flat, conditions):
+    for ax, (condition, steps) in zip(axes.flat, shown):
         for arm, color in COLORS.items():
-            runs = groups.get((condition, arm), [])
+            runs = groups.get((condition, steps, arm), [])
             if runs:
                 plot_arm(ax, runs, f"{arm} ({plural(len(runs), 'seed')})", color)
         ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(condition)
+        ax.set_title(f"{condition}, {steps} steps")
         ax.set_xlabel("step")
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
-    for ax in axes.flat[len(conditions) :]:
+    for ax in axes.flat[len(shown) :]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
-        ax.set_ylabel(f"reward (trailing mean, {plural(smoothing_window(steps), 'step')})")
+        ax.set_ylabel("reward (trailing mean, 1/20 of the run)")
     fig.suptitle("Reward: mean over seeds, band ±1 std")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -661,12 +696,14 @@ def report(out: Path, doc: Path, threshold: float) -> None:
 
 # --------------------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    def names(text: str) -> list[str]:
-        found = [c.strip() for c in text.split(",") if c.strip()]
-        unknown = [c for c in found if c not in CONDITIONS]
-        if unknown or not found:
-            raise argparse.ArgumentTypeError(f"{text!r}: conditions are {', '.join(CONDITIONS)}")
-        return found
+    def names_of(known: dict, what: str):
+        def names(text: str) -> list[str]:
+            found = [c.strip() for c in text.split(",") if c.strip()]
+            if not found or any(c not in known for c in found):
+                raise argparse.ArgumentTypeError(f"{text!r}: {what} are {', '.join(known)}")
+            return found
+
+        return names
 
     def seeds(text: str) -> list[int]:
         return [int(s) for s in text.split(",") if s.strip()]
@@ -674,7 +711,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--conditions", type=names, default=list(CONDITIONS), help="comma-separated")
+    parser.add_argument(
+        "--conditions",
+        type=names_of(CONDITIONS, "conditions"),
+        default=list(CONDITIONS),
+        help="comma-separated",
+    )
+    parser.add_argument(
+        "--arms",
+        type=names_of(ARMS, "arms"),
+        default=list(ARMS),
+        help=f"comma-separated, from {','.join(ARMS)}",
+    )
     parser.add_argument("--seeds", type=seeds, default=[0, 1, 2], help="comma-separated, e.g. 0,1,2")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="RL steps per run")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (cores / jobs threads each)")
