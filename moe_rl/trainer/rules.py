@@ -10,7 +10,7 @@ starts, and the preflight (`moe_rl.orchestration.preflight`) calls the same func
 
 from __future__ import annotations
 
-from moe_rl.algo.modes import Divergence, Objective, TISMode
+from moe_rl.algo.modes import Divergence, Objective, PolicyMode, TISMode
 from moe_rl.config.derived import data_parallel_size, longest_sequence, response_limit_key
 from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
@@ -36,9 +36,17 @@ def _batch_rules(config: RecipeConfig) -> list[Rule]:
 
 
 def _correction_rules(config: RecipeConfig) -> list[Rule]:
-    c = config.algo.corrections
+    c, r = config.algo.corrections, config.rollout
     rej = c.rejection
+    truncated = r.top_p < 1.0 or r.top_k > 0
     return [
+        Rule("bypass ratio over the kept tokens",
+             config.algo.policy_mode != PolicyMode.BYPASS or not truncated or c.keep_sampling_mask,
+             f"algo.policy_mode={config.algo.policy_mode} with rollout.top_p={r.top_p}, rollout.top_k={r.top_k} "
+             "and algo.corrections.keep_sampling_mask=false: the engine's log-probs are over the kept tokens, "
+             "the trainer's over the vocabulary, so the ratio π_θ/μ starts below 1 and the clip drops negative "
+             "advantages (measured: learning stops on a plateau); set keep_sampling_mask=true",
+             fatal=False),
         Rule("one importance weight", not (c.icepop.enabled and c.tis.mode != TISMode.OFF),
              f"algo.corrections.icepop.enabled={c.icepop.enabled} with algo.corrections.tis.mode={c.tis.mode}: "
              "both weight the loss by the rollout-vs-old ratio, which would count it twice; keep one"),

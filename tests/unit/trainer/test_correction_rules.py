@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from trainer_testing import tiny_recipe
 
-from moe_rl.trainer.rules import check_trainer
+from moe_rl.trainer.rules import check_trainer, trainer_rules
 
 
 @pytest.mark.parametrize(
@@ -38,3 +38,26 @@ def test_refused(overrides, match):
 )
 def test_accepted(overrides):
     check_trainer(tiny_recipe(*overrides))
+
+
+NO_KSM = "algo.corrections.keep_sampling_mask=false"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        (["algo.policy_mode=bypass", "rollout.top_p=0.7", NO_KSM], True),
+        (["algo.policy_mode=bypass", "rollout.top_k=8", NO_KSM], True),
+        (["algo.policy_mode=bypass", NO_KSM], False),
+        (["rollout.top_p=0.7", NO_KSM], False),
+        (["algo.policy_mode=bypass", "rollout.top_p=0.7"], False),
+    ],
+    ids=["bypass-top_p", "bypass-top_k", "nothing-truncated", "decoupled", "kept-set-log-probs"],
+)
+def test_bypass_over_truncated_sampling_is_warned(overrides, warned):
+    config = tiny_recipe(*overrides)
+    check_trainer(config)  # a warning, not a refusal
+    (rule,) = [r for r in trainer_rules(config) if r.name == "bypass ratio over the kept tokens"]
+    assert rule.ok is not warned and not rule.broken
+    if warned:
+        assert "keep_sampling_mask=true" in rule.detail and "algo.policy_mode=bypass" in rule.detail
