@@ -22,7 +22,7 @@ runs `--rl-steps` RL steps in the in-process loop (`python -m moe_rl.orchestrati
 A finished arm leaves `<out>/<arm>-seed<k>.json` (its per-step series); arms with a result are
 skipped. The report (`--doc`, default docs/tool_warm_start.md, and the PNG beside it) gives per arm,
 mean ± std over seeds, the final reward (mean of the last 10 % of steps), the mean reward over
-the run, the exact-answer share, the zero-variance group share and dynamic sampling's rounds.
+the run, the zero-variance group share and dynamic sampling's rounds.
 """
 
 from __future__ import annotations
@@ -110,7 +110,6 @@ def run_arm(out: Path, arm: str, seed: int, steps: int, jobs: int) -> dict:
 
 def arm_numbers(series: dict) -> dict[str, float | None]:
     rewards = series["reward/mean"]
-    exact = series.get("reward/max", [])
     rounds = [v for v in series.get("sampling/rounds", []) if v is not None]
     flat = [v for v in series.get("advantage/zero_variance_group_share", []) if v is not None]
     return {
@@ -118,7 +117,6 @@ def arm_numbers(series: dict) -> dict[str, float | None]:
         "mean": sum(rewards) / len(rewards),
         "flat": sum(flat) / len(flat) if flat else None,
         "rounds": sum(rounds) / len(rounds) if rounds else None,
-        "best": max(exact) if exact else None,
     }
 
 
