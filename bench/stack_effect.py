@@ -668,7 +668,7 @@ def write_png(path: Path, results: list[dict], threshold: float) -> None:
     for ax in axes[:, 0]:
         ax.set_ylabel("reward (trailing mean, 1/20 of the run)")
     fig.suptitle("Reward: mean over seeds, band ±1 std")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))  # room for the title
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
