@@ -33,6 +33,13 @@ def max_sampled_tokens(config: RecipeConfig) -> int:
     return min(env.max_tokens, env.max_turns * r.max_new_tokens)
 
 
+def sampling_truncates(top_k: int, top_p: float) -> bool:
+    """Whether top-k or top-p sampling removes tokens from the vocabulary (the engine's log-probs
+    are then over the kept set, and a sampling mask carries information). ``top_k`` -1 and
+    ``top_p`` 1 are off."""
+    return top_k > 0 or top_p < 1.0
+
+
 def longest_sequence(config: RecipeConfig) -> int:
     """The longest sequence a rollout can produce: ``data.max_prompt_len`` plus the longest
     response (`max_response_tokens`)."""

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_rl.config.derived import sampling_truncates
 from moe_rl.diagnostics.values import NotAvailable, Value, is_number
 
 SHARES = ("routing", "truncation", "precision", "staleness")
@@ -108,7 +109,7 @@ class MismatchBudget:
 
 def truncation_applies(top_k: int, top_p: float) -> NotAvailable | None:
     """None when the sampling truncates the vocabulary, else why keep-sampling-mask removes nothing."""
-    if top_p < 1.0 or top_k > 0:
+    if sampling_truncates(top_k, top_p):
         return None
     return NotAvailable(f"rollout.top_p={top_p:g} and rollout.top_k={top_k}: sampling truncates nothing")
 

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from moe_rl.config.derived import sampling_truncates
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -62,7 +64,7 @@ class SamplingSpec:
     @property
     def filters(self) -> bool:
         """Whether top-k or top-p removes tokens (a sampling mask then carries information)."""
-        return self.top_k != -1 or self.top_p < 1
+        return sampling_truncates(self.top_k, self.top_p)
 
     @classmethod
     def from_rollout(cls, rollout: RolloutConfig, seed: int | None = None) -> SamplingSpec:

@@ -11,7 +11,7 @@ starts, and the preflight (`moe_rl.orchestration.preflight`) calls the same func
 from __future__ import annotations
 
 from moe_rl.algo.modes import Divergence, Objective, PolicyMode, TISMode
-from moe_rl.config.derived import data_parallel_size, longest_sequence, response_limit_key
+from moe_rl.config.derived import data_parallel_size, longest_sequence, response_limit_key, sampling_truncates
 from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.megatron.rules import layout_rules, model_rules, replay_layout_error
@@ -38,10 +38,10 @@ def _batch_rules(config: RecipeConfig) -> list[Rule]:
 def _correction_rules(config: RecipeConfig) -> list[Rule]:
     c, r = config.algo.corrections, config.rollout
     rej = c.rejection
-    truncated = r.top_p < 1.0 or r.top_k > 0
     return [
         Rule("bypass ratio over the kept tokens",
-             config.algo.policy_mode != PolicyMode.BYPASS or not truncated or c.keep_sampling_mask,
+             config.algo.policy_mode != PolicyMode.BYPASS or not sampling_truncates(r.top_k, r.top_p)
+             or c.keep_sampling_mask,
              f"algo.policy_mode={config.algo.policy_mode} with rollout.top_p={r.top_p}, rollout.top_k={r.top_k} "
              "and algo.corrections.keep_sampling_mask=false: the engine's log-probs are over the kept tokens, "
              "the trainer's over the vocabulary, so the ratio π_θ/μ starts below 1 and the clip drops negative "

@@ -176,10 +176,6 @@ def test_tiny_run_learns_and_writes_every_metric(tmp_path):
     _check_terminal(out, run_dir, records)
 
 
-def _comparable(record: dict) -> dict:
-    return repeatable(record)
-
-
 SCALED_OUT = ["parallel.trainer_world_size=2", "rollout.num_engines=2"]
 
 
@@ -236,7 +232,7 @@ def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig, l
     resumed = _metrics(tmp_path / "cut")
     assert [r["step"] for r in resumed] == list(range(6))
     for a, b in zip(reference, resumed):
-        assert _comparable(a) == _comparable(b), f"step {a['step']} differs after resume"
+        assert repeatable(a) == repeatable(b), f"step {a['step']} differs after resume"
 
 
 def _damage(checkpoint: Path, truncate: bool) -> None:
