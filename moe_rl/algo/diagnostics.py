@@ -30,19 +30,28 @@ from moe_rl.algo._ops import (
 )
 
 
+def ess_sums(weights: Tensor, mask: Tensor | None = None) -> Tensor:
+    """float64 ``[3]``: ``(Σw, Σw², n)`` over `mask`, the sums the ESS ratio is made of; sums of
+    several parts (micro-batches, data-parallel ranks) add up to the whole's."""
+    w = weights.detach().to(torch.float64)
+    if mask is None:
+        mask = torch.ones_like(w, dtype=torch.bool)
+    w = torch.where(mask, w, 0.0)
+    return torch.stack([w.sum(), (w**2).sum(), mask.sum().to(torch.float64)])
+
+
+def ess_from_sums(sums: Tensor) -> Tensor:
+    """The ESS ratio ``(Σw)² / (n·Σw²)`` from `ess_sums` (float64; 0 when nothing is counted)."""
+    return sums[0] ** 2 / (sums[2] * sums[1]).clamp_min(1e-300)
+
+
 def ess_ratio(weights: Tensor, mask: Tensor | None = None) -> Tensor:
     """Normalized effective sample size ``1/mean(w̃²)``, ``w̃ = w/mean(w)`` over `mask` [Kong 1992].
 
     Equals ``(Σw)² / (n·Σw²)``: 1 for uniform weights, 1/n when one weight dominates; 0 when
     nothing is counted.
     """
-    w = weights.detach().to(torch.float64)
-    if mask is None:
-        mask = torch.ones_like(w, dtype=torch.bool)
-    w = torch.where(mask, w, 0.0)
-    n = mask.sum().to(torch.float64)
-    ratio = w.sum() ** 2 / (n * (w**2).sum()).clamp_min(1e-300)
-    return ratio.to(torch.float32)
+    return ess_from_sums(ess_sums(weights, mask)).to(torch.float32)
 
 
 def vcpo_lr_factor(ess: Tensor, ess_ref: float | Tensor, *, max_factor: float | None = None) -> Tensor:
@@ -50,11 +59,12 @@ def vcpo_lr_factor(ess: Tensor, ess_ref: float | Tensor, *, max_factor: float | 
     Off-Policy RL for LLMs", arXiv 2602.17616, Eq. 5].
 
     `ess` and `ess_ref` are ESS ratios (`ess_ratio`); ``ESS_ref`` is the on-policy reference
-    (≈ the first on-policy step). `max_factor` optionally caps the scale (e.g. 1.0).
+    (≈ the first on-policy step; 1 for the normalized ESS). `max_factor` optionally caps the
+    scale (e.g. 1.0).
     """
     if not isinstance(ess_ref, Tensor) and not ess_ref > 0:
         raise ValueError(f"ess_ref must be > 0, got {ess_ref!r}")
-    factor = torch.sqrt(ess.detach().to(torch.float32) / ess_ref)
+    factor = torch.sqrt(ess.detach() / ess_ref)
     return factor if max_factor is None else factor.clamp_max(max_factor)
 
 

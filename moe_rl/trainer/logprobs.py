@@ -1,11 +1,12 @@
-"""Log-probability passes of the trainer on one packed micro-batch.
+"""What a trainer pass computes from a packed micro-batch's logits: the response tokens'
+log-probs and entropy, the options of a pass, and `routing_mode` for a forward that replays or
+records routing on its own (the diagnostics' measurement). The passes themselves (π_old, π_ref, the
+update) run in `moe_rl.trainer.passes`, through one schedule.
 
 The micro-batch runs as one packed sequence (Megatron ``thd`` layout: tokens ``[1, T]``,
 ``position_ids`` restarting per sample, ``PackedSeqParams`` with ``cu_seqlens``); attention
-stays inside each sample. On GPU the transformer-engine attention handles ``thd``; on CPU the
-local spec's `attention.SDPACoreAttention` does, with a block-diagonal causal mask, so no
-per-sample loop and no padding is needed (padding is added only where ranks must agree on the
-token count: `pad_micro_batch`).
+stays inside each sample, so no per-sample loop and no padding is needed (padding is added only
+where ranks must agree on the token count: `pad_micro_batch`).
 
 Per response token ``r`` at packed position ``p = response_positions[r]`` (formulas in
 docs/algorithms.md, "Log-probabilities"):
@@ -32,22 +33,7 @@ from torch import Tensor
 
 from moe_rl.algo.logprobs import masked_token_logprobs, token_entropy, token_logprobs
 from moe_rl.data.packing import MicroBatch
-from moe_rl.megatron.forward import forward_logits
 from moe_rl.megatron.replay import RoutingReplay
-
-
-@dataclass
-class LogprobOutput:
-    """The result of one pass over a micro-batch."""
-
-    logp: Tensor
-    """float32 ``[R]`` (with grad in the ``logp`` pass)."""
-    entropy: Tensor | None = None
-    """float32 ``[R]`` full-vocabulary entropy (detached), when asked for."""
-    recorded_routing: Tensor | None = None
-    """int64 ``[T, local MoE layers, k]`` the routers chose, when recording."""
-    natural_routing: Tensor | None = None
-    """int64 ``[T, local MoE layers, k]`` the routers would choose on their own, under replay."""
 
 
 def response_logprobs(
@@ -130,50 +116,3 @@ def routing_mode(
         out["recorded"] = recording.topk_idx_TLK
     if captured is not None:
         out["natural"] = captured.topk_idx_TLK
-
-
-def logprob_pass(
-    model: torch.nn.Module, micro: MicroBatch, options: PassOptions, pad_to: int | None = None
-) -> LogprobOutput:
-    """One forward over ``micro`` and its response log-probs; grad follows the caller's mode.
-
-    Routing is whatever the routers are set to: wrap the call (and, for the ``logp`` pass, the
-    backward too) in `routing_mode` to replay or record.
-    """
-    logits = forward_logits(model, micro, pad_to)
-    logp = response_logprobs(
-        logits, micro, options.temperature, options.chunk_size, options.keep_sampling_mask
-    )
-    entropy = (
-        response_entropy(logits, micro, options.temperature, options.chunk_size) if options.entropy else None
-    )
-    return LogprobOutput(logp=logp, entropy=entropy)
-
-
-@torch.no_grad()
-def old_logprobs(
-    model: torch.nn.Module,
-    micro: MicroBatch,
-    options: PassOptions,
-    replay: RoutingReplay | None = None,
-    trace: Tensor | None = None,
-    record: bool = False,
-    natural: bool = False,
-    sample_of_token: Tensor | None = None,
-    pad_to: int | None = None,
-    local: bool = False,
-) -> LogprobOutput:
-    """The ``old_logp`` pass (no grad; call with the model in eval mode).
-
-    Replays ``trace`` (``[T, all MoE layers, k]``; this stage's layers only if ``local``) when
-    given, records the routers' own choice when ``record`` (R2), captures it under replay when
-    ``natural`` (routing agreement). Recorded and captured routing cover the micro-batch's own
-    ``T`` tokens (not the padding).
-    """
-    num_tokens = pad_to or micro.num_tokens
-    with routing_mode(replay, trace, num_tokens, record, natural, sample_of_token, local) as routing:
-        out = logprob_pass(model, micro, options, pad_to)
-    recorded, natural_ids = routing.get("recorded"), routing.get("natural")
-    out.recorded_routing = None if recorded is None else recorded[: micro.num_tokens]
-    out.natural_routing = None if natural_ids is None else natural_ids[: micro.num_tokens]
-    return out

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe_rl.algo.corrections import log_importance_ratio
+from moe_rl.algo.diagnostics import ess_from_sums, ess_sums, vcpo_lr_factor
 from moe_rl.trainer import pipeline
 from moe_rl.trainer.batch import TrainMicroBatch
 
@@ -71,14 +73,9 @@ def vcpo_scale(mini_batch: Sequence[TrainMicroBatch], device: torch.device, pipe
 def _vcpo_local(mini_batch: Sequence[TrainMicroBatch], device: torch.device) -> float:
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     for mb in mini_batch:
-        log_rho = (mb.old_logp - mb.micro.rollout_logp).double().clamp(-20, 20)
-        w = log_rho.exp()
-        sums[0] += w.sum()
-        sums[1] += (w * w).sum()
-        sums[2] += w.numel()
+        sums += ess_sums(log_importance_ratio(mb.old_logp, mb.micro.rollout_logp).exp())
     all_reduce_dp(sums)
-    ess = sums[0] ** 2 / (sums[2] * sums[1]).clamp_min(1e-300)
-    return float(torch.sqrt(ess.clamp(max=1.0)))
+    return float(vcpo_lr_factor(ess_from_sums(sums), 1.0, max_factor=1.0))
 
 
 def step_metrics(

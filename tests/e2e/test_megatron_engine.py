@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from moe_rl.algo.diagnostics import routing_agreement
-from moe_rl.data.packing import pack_microbatches
+from moe_rl.config.modes import ReplayMode
 from moe_rl.data.validate import validate
 from moe_rl.megatron.hf_weights import iter_hf_weights
 from moe_rl.megatron.replay import RoutingReplay
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
-from moe_rl.trainer.logprobs import PassOptions, old_logprobs
+from moe_rl.trainer import passes
+from moe_rl.trainer.batch import make_train_micro_batches
+from moe_rl.trainer.logprobs import PassOptions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("device")]
 
@@ -44,16 +46,19 @@ def spec(n=4, seed=0) -> SamplingSpec:
 
 
 def trainer_pass(model, batch, keep_sampling_mask=True, trace=True):
-    """The trainer's old-logp pass on the engine's own batch: log-probs, recorded routing."""
-    (micro,) = pack_microbatches(batch, 100_000)
-    micro = micro.to(next(model.parameters()).device)
+    """The trainer's π_old pass (`passes.old_pass`, as `TrainerWorker` runs it) on the engine's own
+    batch: recording the routers' choice (R2), then replaying the engine's routing (R3)."""
+    (mb,) = make_train_micro_batches(batch, torch.zeros(batch.num_samples), 100_000)
+    mb = mb.to(next(model.parameters()).device)
     replay = RoutingReplay(model)
     opts = PassOptions(temperature=1.0, keep_sampling_mask=keep_sampling_mask)
-    recorded = old_logprobs(model, micro, opts, replay=replay, record=True)
-    replayed = None
-    if trace:
-        replayed = old_logprobs(model, micro, opts, replay=replay, trace=micro.routed_experts.long())
-    return micro, recorded, replayed
+
+    def run(mode: ReplayMode):
+        ctx = passes.PassContext(replay, mode, opts, False, False, lambda mb: None)
+        [out], _ = passes.old_pass(ctx, model, [mb], 0, False, passes.shape_zero_variance(0.0))
+        return out
+
+    return mb.micro, run(ReplayMode.R2), run(ReplayMode.R3) if trace else None
 
 
 def test_batch_is_valid_and_every_sampled_token_is_in_its_mask(bf16_engine, device):
@@ -80,11 +85,11 @@ def test_routing_equals_a_trainer_forward_with_record(bf16_engine):
 def test_processed_logprobs_equal_trainer_kept_set_logsoftmax(bf16_engine):
     batch = bf16_engine.generate(PROMPTS, spec(seed=2))
     micro, recorded, replayed = trainer_pass(bf16_engine.model, batch)
-    torch.testing.assert_close(recorded.logp, micro.rollout_logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(replayed.logp, micro.rollout_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(recorded.old_logp, micro.rollout_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(replayed.old_logp, micro.rollout_logp, atol=1e-5, rtol=0)
     _, plain, _ = trainer_pass(bf16_engine.model, batch, keep_sampling_mask=False, trace=False)
-    assert (plain.logp <= micro.rollout_logp + 1e-6).all()  # full-vocab normalizer is larger
-    assert (plain.logp < micro.rollout_logp - 1e-4).any()
+    assert (plain.old_logp <= micro.rollout_logp + 1e-6).all()  # full-vocab normalizer is larger
+    assert (plain.old_logp < micro.rollout_logp - 1e-4).any()
 
 
 def test_fp8_block128_makes_a_real_mismatch(bf16_engine):
@@ -97,7 +102,7 @@ def test_fp8_block128_makes_a_real_mismatch(bf16_engine):
     def mismatch(engine):
         batch = engine.generate(PROMPTS * 2, spec(seed=3))
         micro, recorded, _ = trainer_pass(bf16_engine.model, batch, trace=False)
-        log_rho = recorded.logp - micro.rollout_logp  # old - rollout
+        log_rho = recorded.old_logp - micro.rollout_logp  # old - rollout
         kl_k3 = (log_rho.exp() - log_rho - 1).mean()
         valid = micro.routing_valid
         agree = routing_agreement(micro.routed_experts.long()[valid], recorded.recorded_routing[valid])

@@ -214,8 +214,10 @@ def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig, l
 
     resume = _train([TINY, "--resume", str(tmp_path / "cut"), *layout], tmp_path)
     lock = tmp_path / "cut" / "run.lock"
+    deadline = time.monotonic() + 300
     while not (lock.exists() and lock.read_text()):
         assert resume.poll() is None, resume.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the resumed run never took its lock"
         time.sleep(0.1)
     deleted = sig == signal.SIGINT
     if deleted:

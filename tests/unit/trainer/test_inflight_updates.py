@@ -44,7 +44,9 @@ def test_a_sync_during_decoding_switches_the_weights_at_a_token_boundary():
             sync = threading.Thread(target=lambda: engine.update_weights(iter_hf_weights(new), version=1))
             sync.start()
             syncs.append(sync)
+            deadline = time.monotonic() + 60
             while not engine.gate._syncing:
+                assert time.monotonic() < deadline, "the sync never reached the engine's gate"
                 time.sleep(0.001)
         return original()
 

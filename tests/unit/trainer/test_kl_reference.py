@@ -11,14 +11,22 @@ import logging
 
 import pytest
 import torch
-from trainer_testing import TINY_MODEL_OVERRIDES, TINY_RECIPE, assert_same, micro_batches, tiny_recipe
+from trainer_testing import (
+    TINY_MODEL_OVERRIDES,
+    TINY_RECIPE,
+    assert_same,
+    micro_batches,
+    run_old_pass,
+    tiny_recipe,
+)
 
 from moe_rl.config import ConfigError
+from moe_rl.config.modes import ReplayMode
 from moe_rl.megatron.forward import forward_logits
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.replay import RoutingReplay
 from moe_rl.orchestration.preflight import findings, load_checked
-from moe_rl.trainer.logprobs import old_logprobs, response_logprobs
+from moe_rl.trainer.logprobs import response_logprobs
 from moe_rl.trainer.worker import TrainerWorker
 
 pytestmark = pytest.mark.usefixtures("device")
@@ -83,10 +91,12 @@ def test_r2_reference_replays_the_policys_recorded_routing(device):
     natural_differs = False
     for mb in mbs:
         assert mb.recorded_routing is not None
-        replayed = old_logprobs(
-            reference.model, mb.micro, options, reference.replay, mb.recorded_routing, local=True
-        ).logp
-        natural = old_logprobs(reference.model, mb.micro, options).logp
+        # the recorded routing replayed on the reference (one stage: its layers are all of them)
+        recorded = mb.recorded_routing.to(mb.micro.routed_experts.dtype)
+        traced = dataclasses.replace(mb, micro=dataclasses.replace(mb.micro, routed_experts=recorded))
+        [replayed], _ = run_old_pass(reference.model, [traced], options, ReplayMode.R3, reference.replay)
+        [natural], _ = run_old_pass(reference.model, [mb], options)
+        replayed, natural = replayed.old_logp, natural.old_logp
         assert_same(mb.ref_logp, replayed, device)
         natural_differs |= not torch.allclose(natural, replayed, atol=1e-4)
     assert natural_differs

@@ -6,10 +6,13 @@ from pathlib import Path
 
 import torch
 
+from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import ModelConfig, RecipeConfig
 from moe_rl.data.synthetic import random_batch
+from moe_rl.megatron.replay import RoutingReplay
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.trainer.batch import TrainMicroBatch, make_train_micro_batches
+from moe_rl.trainer.logprobs import PassOptions
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_RECIPE = REPO / "recipes" / "tiny_moe.yaml"
@@ -131,3 +134,28 @@ def assert_same(
         assert torch.equal(actual, expected)
     else:
         torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def run_old_pass(
+    model: torch.nn.Module,
+    micro: list[TrainMicroBatch],
+    options: PassOptions,
+    mode: ReplayMode = ReplayMode.OFF,
+    replay: RoutingReplay | None = None,
+    pad_to: int | None = None,
+    diagnostics: bool = False,
+) -> tuple[list[TrainMicroBatch], list[dict]]:
+    """The trainer's π_old pass (`moe_rl.trainer.passes.old_pass`, the one `TrainerWorker` runs) over
+    ``micro`` on ``model`` alone: routing ``mode`` through ``replay`` (R3 replays each micro-batch's
+    ``routed_experts``, R2 records), every micro-batch padded to ``pad_to`` tokens when given."""
+    from moe_rl.trainer import passes
+
+    ctx = passes.PassContext(
+        replay=replay,
+        routing_replay=mode,
+        options=options,
+        diagnostics=diagnostics,
+        pipelined=False,
+        pad_length=lambda mb: pad_to,
+    )
+    return passes.old_pass(ctx, model, micro, 0, options.entropy, passes.shape_zero_variance(0.0))
