@@ -4,13 +4,14 @@ any other value naming the field, and no code compares a mode with a string."""
 from __future__ import annotations
 
 import ast
+import re
 from enum import StrEnum
 from pathlib import Path
 
 import pytest
 
 from moe_rl.config import ConfigError, load_recipe, to_yaml
-from moe_rl.config.modes import CHOICES
+from moe_rl.config.modes import CHOICES, KLEstimator, RunMode, TISMode
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "recipes" / "tiny_moe.yaml"
@@ -38,6 +39,23 @@ def test_a_value_outside_the_mode_is_refused_naming_the_field_and_the_valid_valu
         load_recipe(TINY, ["algo.routing_replay=r4"])
     with pytest.raises(ConfigError, match=r"^run.mode='3' is not one of: sync, async, offline$"):
         load_recipe(TINY, ["run.mode=3"])
+
+
+@pytest.mark.parametrize(
+    ("field", "spelling", "member", "valid"),
+    [
+        ("run.mode", "async", RunMode.ASYNC, "sync, async, offline"),
+        ("algo.kl.estimator", "k1", KLEstimator.K1, "k1, k2, k3, abs, k3_is"),
+        ("algo.corrections.tis.mode", "token", TISMode.TOKEN, "off, token, seq"),
+    ],
+)
+def test_every_nesting_depth_takes_the_recipe_spelling_only(field, spelling, member, valid):
+    """One rule at every depth: the value as recipes spell it is its member; the member's name
+    (the value in capitals) and any other value are refused with the same one line."""
+    assert _get(load_recipe(TINY, [f"{field}={spelling}"]), field) is member
+    for bad in (spelling.upper(), "k9"):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(f'{field}={bad!r} is not one of: {valid}')}$"):
+            load_recipe(TINY, [f"{field}={bad}"])
 
 
 def test_the_resolved_recipe_spells_modes_as_recipes_do():

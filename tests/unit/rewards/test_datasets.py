@@ -10,6 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from moe_rl.errors import UserError
+from moe_rl.rewards import ByteTokenizer, PromptSource
 from moe_rl.rewards.datasets import read_records
 
 
@@ -109,3 +111,15 @@ def test_unreadable_parquet_and_empty_files(tmp_path: Path) -> None:
     empty = _jsonl(tmp_path, [b"", b"  "])
     with pytest.raises(ValueError, match=re.escape(f"{empty}: no rows")):
         read_records(empty, "prompt", "answer")
+
+
+def test_a_prompt_of_exactly_max_prompt_len_tokens_is_kept_and_one_more_is_refused(tmp_path: Path) -> None:
+    # the byte tokenizer's prompt is BOS + one id a byte + EOS: "abcdef" is 1 + 6 + 1 = 8 tokens
+    path = _jsonl(tmp_path, [_row("abcdef", "1")])
+    source = PromptSource(f"file:{path}", seed=0, tokenizer=ByteTokenizer(), max_prompt_len=8)
+    assert len(source.next_batch(1)[0].ids) == 8
+    longer = _jsonl(tmp_path, [_row("abcdef", "1"), _row("abcdefg", "2")])  # 1 + 7 + 1 = 9 tokens
+    with pytest.raises(
+        UserError, match=re.escape(f"{longer}: line 2: the prompt has 9 tokens > data.max_prompt_len=8")
+    ):
+        PromptSource(f"file:{longer}", seed=0, tokenizer=ByteTokenizer(), max_prompt_len=8)
