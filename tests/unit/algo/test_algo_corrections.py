@@ -151,6 +151,16 @@ def test_opsm_drops_negative_advantage_sequences_that_drifted():
     assert not out.mask.requires_grad
 
 
+def test_opsm_masks_only_negative_advantages_never_zero():
+    # every response drifted by 0.5 > δ; OPSM masks A_t < 0 (DeepSeek-V3.2 Eq. 9), so A_t = 0 stays
+    logp, rollout = t([-1.5] * 5), t([-1.0] * 5)
+    adv = t([0.0, -1e-6, 0.0, 1.0, 0.0])  # per-token advantages (RL-ZVP) over responses [2, 3]
+    out = opsm_mask(logp, rollout, adv, all_true(5), seq_ids_for([2, 3]), num_seqs=2, delta=0.1)
+    assert out.mask.tolist() == [True, False, True, True, True]
+    assert out.metrics["opsm_masked_token_frac"].item() == pytest.approx(1 / 5)
+    assert out.metrics["opsm_masked_seq_frac"].item() == 0.0  # neither response lost every token
+
+
 def test_bypass_uses_rollout_logp_and_decoupled_needs_old():
     old, roll = t([-1.0]), t([-2.0])
     assert resolve_old_logp(old, roll, mode="bypass") is roll

@@ -130,6 +130,24 @@ def test_espo_group_mean_aggregation_by_hand():
     assert out.metrics["groups_per_seq"].item() == pytest.approx(1.5)
 
 
+def test_espo_group_mean_weighs_each_token_by_its_correction_weight():
+    # the groups of test_espo_group_mean_aggregation_by_hand: response 0 {0}, {1, 2}; response 1 {3}
+    entropy, adv = t([3.0, 1.0, 2.0, 0.5]), t([1.0, 2.0, 4.0, 8.0])
+    logp = t([0.0] * 4, requires_grad=True)
+    weights = t([0.5, 0.0, 2.0, 1.5])  # token 1 zeroed (IcePop outside its band); mean weight 1
+    out = espo(
+        logp, t([0.0] * 4), adv, entropy, all_true(4), seq_ids_for([3, 1]), num_seqs=2, vocab_size=10,
+        weights=weights,
+    )  # fmt: skip
+    # ratio 1 → l_t = −w_t·A_t; the zeroed token keeps its place in its group's size |τ| = 2
+    resp0 = 0.5 * (-0.5 * 1.0 + (-0.0 * 2.0 - 2.0 * 4.0) / 2)  # = −2.25
+    resp1 = -1.5 * 8.0
+    assert out.loss_sum.item() == pytest.approx(resp0 + resp1)  # −14.25; unweighted −10
+    assert out.denom.item() == 2
+    # ∂loss/∂logp_t = −w_t·A_t / (|τ|·|G_i|) / 2 responses
+    torch.testing.assert_close(grad_of(out.loss, logp), t([-0.125, 0.0, -1.0, -6.0]))
+
+
 def test_espo_rejects_bad_hyperparameters():
     args = (t([0.0]), t([0.0]), t([1.0]), t([1.0]), all_true(1), seq_ids_for([1]))
     with pytest.raises(ValueError, match="espo_rho"):

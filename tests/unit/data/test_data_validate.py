@@ -161,6 +161,16 @@ def test_staleness_names_old_samples(hand_batch: TrajectoryBatch) -> None:
     assert err.value.sample == 0
 
 
+def test_staleness_is_judged_by_a_samples_oldest_span(hand_batch: TrajectoryBatch) -> None:
+    # oldest versions [3, 3, 4]: at version 6, samples 0 and 1 are 3 old; sample 1's newer span
+    # (2, 4) does not make it fresher
+    with pytest.raises(TrajectoryError, match=r"2 sample\(s\) older.*\{0: 3, 1: 3\}"):
+        check_staleness(hand_batch, current_version=6, max_staleness=2)
+    with pytest.raises(TrajectoryError, match=r"1 sample\(s\) older.*\{0: 3\}") as err:
+        check_staleness(hand_batch.select([1]), current_version=6, max_staleness=2)
+    assert err.value.value == 3
+
+
 def test_staleness_rejects_versions_from_the_future(hand_batch: TrajectoryBatch) -> None:
     with pytest.raises(TrajectoryError, match="newer than the trainer") as err:
         check_staleness(hand_batch, current_version=3, max_staleness=8)
