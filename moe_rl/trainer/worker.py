@@ -149,7 +149,8 @@ class TrainerWorker:
 
     def train(self, prepared: PreparedBatch) -> dict[str, float]:
         """One optimizer step per mini-batch of a prepared batch; metrics averaged over the steps,
-        with the rank's model FLOP rate over this batch's π_old and training passes (`RankPerf`)."""
+        with the rank's model FLOP rate over this batch's π_old (and π_ref) and training passes
+        (`RankPerf`)."""
         t0 = time.perf_counter()
         per_step = [self.train_step(mini) for mini in prepared.mini_batches]
         synchronize(self.device)

@@ -1,6 +1,6 @@
-"""Model FLOPs (`moe_rl.config.flops`): a hand count of a small GQA MoE and of a small MLA MoE
-with a dense first layer and a shared expert, the causal pair count, and the shipped recipes
-against their published activated parameter counts."""
+"""Model FLOPs (`moe_rl.config.flops`): a hand count of a small GQA MoE, of a small MLA MoE
+with a dense first layer and a shared expert and of one without the query's low-rank path, the
+causal pair count, and the shipped recipes against their published activated parameter counts."""
 
 from __future__ import annotations
 
@@ -52,6 +52,20 @@ def test_mla_moe_with_a_dense_layer_and_a_shared_expert_by_hand():
     assert f.shared_experts == 2 * 2 * 1 * 3 * 8 * 3
     assert f.dense_mlp == 2 * 1 * 3 * 8 * 12
     assert f.per_pair == 2 * 3 * 2 * (5 + 3)
+
+
+def test_mla_without_a_query_low_rank_path_by_hand():
+    """``q_lora_rank: null`` (DeepSeek-V2-Lite): the query is projected from the hidden state directly."""
+    model = ModelConfig(
+        family="deepseek_v3", attention="mla", vocab_size=10, hidden_size=8, num_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, ffn_hidden_size=12, moe_ffn_hidden_size=3,
+        num_experts=4, moe_router_topk=2, q_lora_rank=None, kv_lora_rank=5, qk_nope_head_dim=3,
+        qk_rope_head_dim=2, v_head_dim=3,
+    )  # fmt: skip
+    f = model_flops(model)
+    # q: 8->2x(3+2) = 80; kv: 8->(5+2) = 56, 5->2x(3+3) = 60; o: 2x3->8 = 48
+    assert f.attention == 2 * 2 * (80 + 56 + 60 + 48)
+    assert f.per_pair == 2 * 2 * 2 * (5 + 3)
 
 
 def test_causal_pairs():

@@ -147,22 +147,32 @@ def test_te_without_transformer_engine_is_refused_naming_the_key():
 
 
 def test_a_converted_or_hooked_expert_linear_runs_its_own_forward(device):
-    """ModelOpt's quantization swaps a linear's class and calibration hooks it: the grouped
-    products would skip what that forward adds, so `SequentialMLP.forward` runs instead."""
+    """ModelOpt's quantization swaps a linear's class and calibration hooks it (before or after
+    its forward): the grouped products would skip what that forward adds, so
+    `SequentialMLP.forward` runs instead."""
     sequential, grouped = _models("qwen3_moe", device)
     layer = _experts(grouped)[0]
 
-    def double(module, args, out):
+    def double_output(module, args, out):
         return out[0] * 2, out[1]
 
-    handle = layer.local_experts[1].linear_fc2.register_forward_hook(double)
-    _experts(sequential)[0].local_experts[1].linear_fc2.register_forward_hook(double)
-    logits, _ = _step(grouped, device)
-    assert layer.kernel is None
-    assert_same(logits, _step(sequential, device)[0], device)  # the hook's doubling is in both
-    handle.remove()
-    _step(grouped, device)
-    assert layer.kernel in ("loop", "grouped_mm")
+    def halve_input(module, args):
+        return (args[0] / 2,)
+
+    for register, hook in (
+        ("register_forward_hook", double_output),
+        ("register_forward_pre_hook", halve_input),
+    ):
+        handles = [
+            getattr(_experts(m)[0].local_experts[1].linear_fc2, register)(hook) for m in (grouped, sequential)
+        ]
+        logits, _ = _step(grouped, device)
+        assert layer.kernel is None
+        assert_same(logits, _step(sequential, device)[0], device)  # the hook's effect is in both
+        for handle in handles:
+            handle.remove()
+        _step(grouped, device)
+        assert layer.kernel in ("loop", "grouped_mm")
     fc1 = layer.local_experts[0].linear_fc1
     fc1.__class__ = type("Converted", (type(fc1),), {})
     _step(grouped, device)

@@ -79,10 +79,23 @@ def test_checkpoint_resume_is_exact(tmp_path, device):
 
 
 def test_vcpo_scales_the_learning_rate():
-    worker = TrainerWorker(tiny_recipe("trainer.vcpo_lr_scaling=true", "algo.routing_replay='off'"))
-    mbs, _ = worker.compute_old_logp(_batches(worker.config, seed=2))
-    metrics = worker.train_step(mbs)
-    assert 0 < metrics["train/lr_scale"] < 1  # random rollout log-probs: far off-policy
+    """VCPO: the step's learning rate is ``sqrt(min(1, ESS))``, ESS the normalized effective sample
+    size of the token ratios ``exp(old_logp − rollout_logp)`` of the mini-batch, and the optimizer
+    steps with it: Adam's first step moves every weight by ``lr·(sign(g) + wd·p)``, so a run with
+    the scale moves each weight by the scale times what a run without it moves it."""
+    deltas, scales = [], []
+    for vcpo in ("true", "false"):
+        worker = TrainerWorker(tiny_recipe(f"trainer.vcpo_lr_scaling={vcpo}", "algo.routing_replay='off'"))
+        before = [p.detach().clone() for p in worker.model.parameters()]
+        mbs, _ = worker.compute_old_logp(_batches(worker.config, seed=2))
+        scales.append(worker.train_step(mbs)["train/lr_scale"])
+        deltas.append([p.detach() - b for p, b in zip(worker.model.parameters(), before)])
+    w = torch.cat([(mb.old_logp - mb.micro.rollout_logp).double().clamp(-20, 20).exp() for mb in mbs])
+    ess = float(w.sum() ** 2 / (w.numel() * (w * w).sum()))
+    assert 0 < ess < 1  # random rollout log-probs: far off-policy
+    assert scales == [pytest.approx(math.sqrt(ess), rel=1e-6), 1.0]
+    for on, off in zip(*deltas):
+        torch.testing.assert_close(on, scales[0] * off, rtol=1e-4, atol=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -111,31 +124,91 @@ def test_r3_without_routing_names_the_samples(stack_worker):
         stack_worker.compute_old_logp(mbs)
 
 
-def test_a_step_reports_its_model_flop_rate():
+class _Clock:
+    """A clock that reads 1, 2, 4, 8, ... s (every span between two readings is a distinct length),
+    recording its readings."""
+
+    def __init__(self):
+        self.readings: list[float] = []
+
+    def perf_counter(self) -> float:
+        self.readings.append(float(2 ** len(self.readings)))
+        return self.readings[-1]
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.5])
+def test_a_step_reports_its_model_flop_rate(kl, monkeypatch):
     """The π_old pass counts the model FLOPs of the rank's sequences (prompt + response, as the
-    trajectories give them) with `moe_rl.config.flops`; the update reports the rate over both
-    passes and the MFU against the matrix product the rank measured on its device."""
+    trajectories give them) with `moe_rl.config.flops`, and with a KL penalty π_ref's forward; the
+    update reports the rate over both calls' FLOPs and seconds (timed by an exact clock), and the
+    MFU against the matrix product the rank measured on its device."""
     from moe_rl.config.flops import model_flops
     from moe_rl.data.synthetic import random_batch
+    from moe_rl.trainer import worker as worker_module
     from moe_rl.trainer.batch import TrainerBatch
 
-    config = tiny_recipe("algo.routing_replay=off", "trainer.num_mini_batches=2")
+    config = tiny_recipe("algo.routing_replay=off", "trainer.num_mini_batches=2", f"algo.kl.coef={kl}")
     worker = TrainerWorker(config)
+    clock = _Clock()  # the worker's timings, exact
+    monkeypatch.setattr(worker_module, "time", clock)
     m, t = config.model, config.trainer
     batch = random_batch(
         4, 12, max_prompt_len=6, max_response_len=6, vocab_size=m.vocab_size, sampling_mask=True
     )
     advantages = torch.randn(12, generator=torch.Generator().manual_seed(0))
     prepared = worker.old_logp(TrainerBatch.whole(batch, advantages, t.max_tokens_per_microbatch, 2))
-    lengths = batch.sequence_lengths().tolist()
-    forward = model_flops(m).forward(lengths) / 1e12
-    assert prepared.metrics["perf/old_logp_tflop"] == pytest.approx(forward, rel=1e-12)
-    assert prepared.metrics["perf/old_logp_s"] > 0
+    forward = model_flops(m).forward(batch.sequence_lengths().tolist()) / 1e12  # one pass, TFLOP
+    old_s = clock.readings[-1] - clock.readings[0]
+    forwards = 2 if kl else 1  # π_old, and π_ref with a KL penalty
+    assert prepared.metrics["perf/old_logp_tflop"] == pytest.approx(forwards * forward, rel=1e-12, abs=0)
+    assert prepared.metrics["perf/old_logp_s"] == old_s
+    first = len(clock.readings)
     out = worker.train(prepared)
-    assert out["perf/peak_tflops"] > 0 and out["perf/tflops"] > 0
-    assert out["perf/mfu"] == pytest.approx(out["perf/tflops"] / out["perf/peak_tflops"])
-    # four forwards' worth (π_old, then forward + backward) over at least the two passes' time
-    assert out["perf/tflops"] <= 4 * forward / prepared.metrics["perf/old_logp_s"]
+    train_s = clock.readings[-1] - clock.readings[first]
+    # then every sequence's training forward and backward: 3 forwards
+    assert out["perf/tflops"] == pytest.approx((forwards + 3) * forward / (old_s + train_s), rel=1e-12, abs=0)
+    assert out["perf/peak_tflops"] > 0
+    assert out["perf/mfu"] == pytest.approx(out["perf/tflops"] / out["perf/peak_tflops"], rel=1e-12, abs=0)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _gradients_and_optimizer_state(worker) -> list[torch.Tensor]:
+    """Every parameter's ``main_grad`` (a view of one of Megatron's DDP gradient buffers) and every
+    tensor of the optimizer's state (the torch optimizer inside each part)."""
+    parts = getattr(worker.optimizer, "chained_optimizers", None) or [worker.optimizer]
+    state = [
+        value
+        for part in parts
+        for per_param in part.optimizer.state.values()
+        for value in per_param.values()
+        if torch.is_tensor(value)
+    ]
+    return [p.main_grad for p in worker.model.parameters()] + state
+
+
+def test_released_memory_holds_no_gradient_or_optimizer_state(stack_worker):
+    """Before a colocated generation every gradient buffer and the optimizer's moments leave memory
+    (the parameters stay without ``params``) and come back as they were."""
+    worker = stack_worker
+    mbs, _ = worker.compute_old_logp(_batches(worker.config, seed=4))
+    worker.train_step(mbs)  # gradients and Adam moments to release
+    held = _gradients_and_optimizer_state(worker)
+    assert len(held) > sum(1 for _ in worker.model.parameters())  # the optimizer has state
+    before, out_bytes = [t.clone() for t in held], _storage_bytes(held)
+    released = worker.release_memory()
+    try:
+        assert [i for i, t in enumerate(held) if t.untyped_storage().nbytes()] == []
+        assert all(p.untyped_storage().nbytes() for p in worker.model.parameters())
+        assert released["released_bytes"] >= out_bytes
+    finally:
+        worker.restore_memory()
+    for i, (t, b) in enumerate(zip(held, before, strict=True)):
+        assert torch.equal(t, b), i
 
 
 def test_parameters_released_for_a_generation_come_back_for_a_weight_sync(stack_worker):
@@ -148,6 +221,7 @@ def test_parameters_released_for_a_generation_come_back_for_a_weight_sync(stack_
 
     worker = stack_worker
     before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    out_bytes = _storage_bytes([*worker.model.parameters(), *_gradients_and_optimizer_state(worker)])
     engine = MegatronEngine(tiny_recipe("rollout.quant=bf16"))  # the worker's model, bf16 on the wire
     sender = RankSender(worker.model, engine.config.quant, worker.config.model.num_layers, capacity=1 << 20)
     released = worker.release_memory(params=True)
@@ -168,4 +242,4 @@ def test_parameters_released_for_a_generation_come_back_for_a_weight_sync(stack_
         assert torch.equal(a, b), name
     for name, p in worker.model.named_parameters():
         assert torch.equal(p, before[name]), name
-    assert released["released_bytes"] >= sum(t.numel() * t.element_size() for t in before.values())
+    assert released["released_bytes"] >= out_bytes  # parameters, gradients and optimizer state
