@@ -33,8 +33,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moe_rl.config.modes import CHOICES
-from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.schema import CHOICES, RecipeConfig
 from moe_rl.config.validate import check_values
 from moe_rl.errors import ConfigError
 
@@ -203,9 +202,10 @@ def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def _typed_modes(data: dict[str, Any], path: str = "") -> dict[str, Any]:
-    """``data`` with the value of every choice field (`moe_rl.config.modes.CHOICES`) turned into
-    its mode's member; a value that is none of them is a `ConfigError` naming the field, the value
-    and the valid ones."""
+    """``data`` with the value of every choice field (`moe_rl.config.schema.CHOICES`, every field
+    the schema types with a mode) turned into its mode's member, before OmegaConf sees it (OmegaConf
+    would match an enum by its member's name, and 2.3 only by that); a value that is none of them is
+    a `ConfigError` naming the field, the value and the valid ones."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         full = f"{path}{key}"

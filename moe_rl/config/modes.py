@@ -4,25 +4,18 @@ the YAML strings into members, naming the field and the valid values when a stri
 them; code compares members (``config.run.mode == RunMode.ASYNC``), never strings.
 
 The algorithm's choices live with the math (`moe_rl.algo.modes`), the device's with the device
-(`moe_rl.device.RunDevice`); this module gathers every choice field of the schema in `CHOICES`.
-Imports nothing heavy.
+(`moe_rl.device.RunDevice`). Which fields are choices is read from the schema's field types
+(`choice_fields`; the recipe's table is `moe_rl.config.schema.CHOICES`), so no list of them can
+miss one. Imports nothing heavy.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
-
-from moe_rl.algo.modes import (
-    Advantage,
-    Aggregation,
-    Divergence,
-    KLEstimator,
-    Objective,
-    PolicyMode,
-    RejectionAggregation,
-    TISMode,
-)
-from moe_rl.device import RunDevice
+import dataclasses
+import types
+import typing
+from enum import Enum, StrEnum
+from typing import Any
 
 
 class RunMode(StrEnum):
@@ -150,29 +143,25 @@ class LogLevel(StrEnum):
     ERROR = "ERROR"
 
 
-CHOICES: dict[str, type[StrEnum]] = {
-    "run.mode": RunMode,
-    "run.device": RunDevice,
-    "model.family": Family,
-    "model.attention": Attention,
-    "model.moe_router_score_function": ScoreFunction,
-    "model.rope_scaling_type": RopeScaling,
-    "rollout.engine": Engine,
-    "cluster.release_memory": ReleaseMemory,
-    "quant.method": QuantMethod,
-    "quant.granularity": Granularity,
-    "algo.objective": Objective,
-    "algo.advantage": Advantage,
-    "algo.aggregation": Aggregation,
-    "algo.policy_mode": PolicyMode,
-    "algo.routing_replay": ReplayMode,
-    "algo.kl.estimator": KLEstimator,
-    "algo.corrections.tis.mode": TISMode,
-    "algo.corrections.rejection.divergence": Divergence,
-    "algo.corrections.rejection.aggregation": RejectionAggregation,
-    "trainer.lr_decay_style": LrDecay,
-    "trainer.precision": Precision,
-    "trainer.moe_token_dispatcher_type": Dispatcher,
-    "logging.level": LogLevel,
-}
-"""Every choice field of the recipe and its mode (the one list of valid values)."""
+def choice_fields(section: type, prefix: str = "") -> dict[str, type[StrEnum]]:
+    """Every choice field of the dataclass ``section`` and its nested sections, by dotted path: the
+    fields whose type is a mode (``Mode`` or ``Mode | None``). Read from the field types, so a
+    choice field typed in the schema is in the table by construction; a plain `Enum` field is
+    refused (the loader turns the recipe's spelling into a member, which needs the value's text)."""
+    found: dict[str, type[StrEnum]] = {}
+    hints = typing.get_type_hints(section)
+    for field in dataclasses.fields(section):
+        path, tp = f"{prefix}{field.name}", _without_none(hints[field.name])
+        if dataclasses.is_dataclass(tp):
+            found |= choice_fields(tp, f"{path}.")
+        elif isinstance(tp, type) and issubclass(tp, Enum):
+            if not issubclass(tp, StrEnum):
+                raise TypeError(f"{path}: {tp.__name__} is an Enum; a choice field's mode is a StrEnum")
+            found[path] = tp
+    return found
+
+
+def _without_none(tp: Any) -> Any:
+    """``X`` for ``X | None``; any other type as it is."""
+    args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+    return args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp

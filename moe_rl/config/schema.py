@@ -10,6 +10,7 @@ This module imports nothing heavy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from moe_rl.algo.modes import (
@@ -38,6 +39,7 @@ from moe_rl.config.modes import (
     RopeScaling,
     RunMode,
     ScoreFunction,
+    choice_fields,
 )
 from moe_rl.device import RunDevice
 
@@ -595,6 +597,11 @@ class RecipeConfig:
     """Slurm and Ray placement."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Outputs."""
+
+
+CHOICES: dict[str, type[StrEnum]] = choice_fields(RecipeConfig)
+"""Every choice field of the recipe and its mode (the one list of valid values), read from the
+field types above: typing a field with a mode makes it a choice the loader checks."""
 
 
 def section_types() -> dict[str, Any]:

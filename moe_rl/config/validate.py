@@ -23,14 +23,14 @@ from typing import Any
 
 from moe_rl.algo.modes import Aggregation, Objective
 from moe_rl.config.derived import longest_sequence, response_limit_key
-from moe_rl.config.modes import CHOICES as MODES
 from moe_rl.config.modes import Attention, Engine, ReplayMode, RopeScaling, RunMode
+from moe_rl.config.schema import CHOICES as MODES
 from moe_rl.config.schema import ModelConfig, RecipeConfig
 from moe_rl.errors import ConfigError
 from moe_rl.rules import Rule
 
 CHOICES: dict[str, tuple[str, ...]] = {path: tuple(m.value for m in mode) for path, mode in MODES.items()}
-"""Every choice field and its valid values (from its mode, `moe_rl.config.modes.CHOICES`)."""
+"""Every choice field and its valid values (from its mode, `moe_rl.config.schema.CHOICES`)."""
 
 
 @dataclass(frozen=True)
