@@ -1,6 +1,6 @@
 """The engine pool: ``rollout.num_engines`` rollout engine replicas.
 
-* Generation: a step's prompts are dispatched by token load (`batches.dispatch`; the ``n`` samples
+* Generation: a step's prompts are dispatched by token load (`moe_rl.orchestration.dispatch`; the ``n`` samples
   of a prompt stay on one replica); each replica's batch stays in the object store; the reward
   worker merges them in prompt order.
 * A replica whose process dies (during generation or a weight sync) is restarted alone with the
@@ -26,7 +26,8 @@ from moe_rl.config.derived import PlacementMode, max_response_tokens
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, SYNC_GROUP, EngineActor, sync_call
-from moe_rl.orchestration.batches import Generation, Replica, dispatch, replica_spec
+from moe_rl.orchestration.dispatch import Generation, Replica, dispatch
+from moe_rl.orchestration.sampling import replica_spec
 from moe_rl.orchestration.seats import Seats
 from moe_rl.rewards.tasks import Prompt
 from moe_rl.rollout.engine import SamplingSpec

@@ -24,16 +24,11 @@ from typing import Any
 from moe_rl.config.derived import max_response_tokens
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.orchestration.batches import (
-    Generation,
-    OldLogp,
-    RankPart,
-    Replica,
-    Rewarder,
-    dispatch,
-    replica_spec,
-)
+from moe_rl.orchestration.batches import Rewarder
+from moe_rl.orchestration.dispatch import Generation, Replica, dispatch
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
+from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
+from moe_rl.orchestration.sampling import replica_spec
 from moe_rl.weight_sync.receiver import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 
@@ -62,7 +57,7 @@ class LocalTrainer:
     def model(self):
         return self.worker.model
 
-    def old_logp(self, parts: Sequence[RankPart]) -> OldLogp:
+    def old_logp(self, parts: Sequence[RankPart]) -> BatchHandle:
         from moe_rl.trainer.batch import TrainerBatch
 
         (part,) = parts
@@ -71,9 +66,9 @@ class LocalTrainer:
         )
         handle = next(self._handles)
         self._prepared = {handle: prepared}
-        return OldLogp(handle, prepared.metrics)
+        return BatchHandle(handle, prepared.metrics)
 
-    def train(self, prepared: OldLogp) -> dict[str, float]:
+    def train(self, prepared: BatchHandle) -> dict[str, float]:
         return self.worker.train(self._prepared.pop(prepared.handle))
 
     def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:

@@ -6,7 +6,7 @@ The stages run against the workers' handles, so the Ray run and the one-process 
 (`moe_rl.orchestration.local`) are the same loop. On Ray, rollout batches never pass through the
 driver: the engine replicas' batches stay in the object store, the reward worker merges, scores
 and shards them there, and each trainer rank fetches its own shard (`moe_rl.orchestration.
-batches`). The driver reads summaries (rewards, group ids, lengths) and computes the advantages.
+batches`, `moe_rl.orchestration.rank_parts`). The driver reads summaries (rewards, group ids, lengths) and computes the advantages.
 """
 
 from __future__ import annotations
@@ -30,17 +30,13 @@ from moe_rl.device import Machine, resolve_device
 from moe_rl.diagnostics.budget import staleness_metrics
 from moe_rl.envs.rollout import env_metrics
 from moe_rl.offload import GIB
-from moe_rl.orchestration.batches import (
-    Generation,
-    OldLogp,
-    Prepared,
-    rank_parts,
-    step_advantages,
-    step_spec,
-    step_zero_variance,
-)
+from moe_rl.orchestration.advantages import step_advantages, step_zero_variance
+from moe_rl.orchestration.batches import ScoredSummary
+from moe_rl.orchestration.dispatch import Generation
 from moe_rl.orchestration.offline import read_offline
 from moe_rl.orchestration.preflight import RunInputs
+from moe_rl.orchestration.rank_parts import BatchHandle, rank_parts
+from moe_rl.orchestration.sampling import step_spec
 from moe_rl.orchestration.weight_sync import WeightSync
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rewards.tasks import Prompt
@@ -89,7 +85,7 @@ class Rollout:
     """A scored rollout batch: its data-parallel shards (on Ray: in the object store) and its summary."""
 
     shards: list[Any]
-    summary: Prepared
+    summary: ScoredSummary
 
 
 class Stages:
@@ -251,7 +247,7 @@ class Stages:
             )  # fmt: skip
         return adv
 
-    def old_logp(self, rollout: Rollout, advantages: torch.Tensor, metrics: dict[str, Any]) -> OldLogp:
+    def old_logp(self, rollout: Rollout, advantages: torch.Tensor, metrics: dict[str, Any]) -> BatchHandle:
         """π_old on every trainer rank, each on its own part of the batch: its shard (fetched by
         reference), its samples' advantages and, under RL-ZVP, their zero-variance signs."""
         t0 = time.perf_counter()
@@ -262,7 +258,7 @@ class Stages:
         metrics["time/old_logp_s"] = time.perf_counter() - t0
         return prepared
 
-    def train(self, prepared: OldLogp, metrics: dict[str, Any]) -> None:
+    def train(self, prepared: BatchHandle, metrics: dict[str, Any]) -> None:
         """One optimizer step per mini-batch of the batch ``prepared`` on every rank."""
         t0 = time.perf_counter()
         metrics.update(self.trainer.train(prepared))

@@ -20,7 +20,7 @@ import ray
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, TrainerRank
-from moe_rl.orchestration.batches import OldLogp, RankPart
+from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
 from moe_rl.orchestration.seats import Seats
 from moe_rl.weight_sync.receiver import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
@@ -70,7 +70,7 @@ class TrainerGroup:
     def world_size(self) -> int:
         return len(self.ranks)
 
-    def old_logp(self, parts: Sequence[RankPart]) -> OldLogp:
+    def old_logp(self, parts: Sequence[RankPart]) -> BatchHandle:
         """The π_old pass of a step's batch: each rank gets the part of its data-parallel rank (and
         fetches its shard by reference); `train` takes the handle returned."""
         self._handles += 1
@@ -79,9 +79,9 @@ class TrainerGroup:
             rank.old_logp.remote(parts[info["dp_rank"]], handle)
             for rank, info in zip(self.ranks, self.layout)
         ]
-        return OldLogp(handle, ray.get(refs, timeout=RAY_TIMEOUT_S)[0])
+        return BatchHandle(handle, ray.get(refs, timeout=RAY_TIMEOUT_S)[0])
 
-    def train(self, prepared: OldLogp) -> dict[str, float]:
+    def train(self, prepared: BatchHandle) -> dict[str, float]:
         """One optimizer step per mini-batch of the batch ``prepared`` names, on every rank."""
         return self._all("train", prepared.handle)[0]
 

@@ -1,7 +1,7 @@
 """The workers of a run behind three handles, so the stages (`moe_rl.orchestration.stages`) run
 the same whatever runs them:
 
-* the trainer: ``old_logp(parts) -> OldLogp``, ``train(OldLogp)``, ``stream_weights``, checkpoints,
+* the trainer: ``old_logp(parts) -> BatchHandle``, ``train(BatchHandle)``, ``stream_weights``, checkpoints,
   ``save_hf``, ``dp_size`` / ``world_size`` — the Ray trainer group
   (`moe_rl.orchestration.trainer_group.TrainerGroup`) or one rank in this process;
 * the engines: ``generate`` / ``collect``, the sync's ``begin`` / ``finish``, ``probe``, restarts — the
@@ -26,7 +26,7 @@ from moe_rl.config.derived import PlacementMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import Machine
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
-from moe_rl.orchestration.batches import Prepared
+from moe_rl.orchestration.batches import ScoredSummary
 from moe_rl.orchestration.engine_pool import EnginePool
 from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
 from moe_rl.orchestration.preflight import RunInputs
@@ -47,18 +47,18 @@ class RayRewarder:
     def prepare(
         self, batch_refs: list, plan, prompts, version: int, dp_size: int, round_: int = 0,
         group_ids: Sequence[int] = (),
-    ) -> tuple[list, Prepared]:  # fmt: skip
+    ) -> tuple[list, ScoredSummary]:  # fmt: skip
         shards, summary = self.actor.prepare.remote(
             batch_refs, plan, prompts, version, dp_size, round_, group_ids
         )
         return self._resolved(shards, summary)
 
-    def prepare_stored(self, batch, version: int, dp_size: int) -> tuple[list, Prepared]:
+    def prepare_stored(self, batch, version: int, dp_size: int) -> tuple[list, ScoredSummary]:
         shards, summary = self.actor.prepare_stored.remote(ray.put(batch), version, dp_size)
         return self._resolved(shards, summary)
 
     @staticmethod
-    def _resolved(shards, summary) -> tuple[list, Prepared]:
+    def _resolved(shards, summary) -> tuple[list, ScoredSummary]:
         summary = ray.get(summary, timeout=RAY_TIMEOUT_S)
         return ray.get(shards, timeout=RAY_TIMEOUT_S), summary
 

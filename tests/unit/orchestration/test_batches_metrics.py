@@ -1,4 +1,4 @@
-"""What the reward worker learns about a rollout batch's policy versions (`batches.prepare`): the
+"""What the reward worker learns about a rollout batch's policy versions (`batches.validate_and_plan`): the
 share of responses sampled by more than one version (`rollout/mixed_version_share`), and whether the
 batch is too stale to train on, judged by each response's oldest version."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moe_rl.data import Sample, TrajectoryBatch
-from moe_rl.orchestration.batches import Dispatch, length_metrics, merge, prepare
+from moe_rl.orchestration.batches import length_metrics, validate_and_plan
+from moe_rl.orchestration.dispatch import Dispatch, merge
 
 SHARDING = {"vocab_size": 16, "dp_size": 1, "max_tokens_per_microbatch": 64, "num_mini_batches": 1}
 
@@ -24,8 +25,8 @@ def _batch(responses: list[tuple[int, list[tuple[int, int]]]], policy_version: i
     )
 
 
-def _prepare(batch: TrajectoryBatch, version: int, max_staleness: int):
-    return prepare(batch, [0.0] * batch.num_samples, version, max_staleness, **SHARDING)[1]
+def _summary(batch: TrajectoryBatch, version: int, max_staleness: int):
+    return validate_and_plan(batch, [0.0] * batch.num_samples, version, max_staleness, **SHARDING)[1]
 
 
 def test_mixed_version_share_counts_responses_with_more_than_one_version():
@@ -34,7 +35,7 @@ def test_mixed_version_share_counts_responses_with_more_than_one_version():
     )
     # responses 1 and 3 span two and three versions: 2 of 4 responses (their tokens would be 7 of 10)
     assert length_metrics(batch)["rollout/mixed_version_share"] == 0.5
-    assert _prepare(batch, 4, 2).metrics["rollout/mixed_version_share"] == 0.5
+    assert _summary(batch, 4, 2).metrics["rollout/mixed_version_share"] == 0.5
 
 
 def test_replicas_at_different_versions_merge_into_an_unmixed_batch_judged_per_response():
@@ -44,15 +45,15 @@ def test_replicas_at_different_versions_merge_into_an_unmixed_batch_judged_per_r
     batch = merge([old, new], Dispatch([[0], [1]], group_size=2))
     assert batch.sample_min_versions().tolist() == [3, 3, 5, 5]
     assert length_metrics(batch)["rollout/mixed_version_share"] == 0.0
-    assert _prepare(batch, 5, 2).stale is None
-    stale = _prepare(batch, 6, 2)  # 6 − 3 > 2 for replica 0's responses, 6 − 5 <= 2 for replica 1's
+    assert _summary(batch, 5, 2).stale is None
+    stale = _summary(batch, 6, 2)  # 6 − 3 > 2 for replica 0's responses, 6 − 5 <= 2 for replica 1's
     assert stale.plan is None and "2 sample(s) older" in stale.stale and "{0: 3, 1: 3}" in stale.stale
 
 
 @pytest.mark.parametrize(("version", "stale"), [(5, False), (6, True)])
 def test_a_response_is_as_old_as_its_oldest_span(version, stale):
     # spans (0, 3), (2, 4): its first two tokens come from version 3, so at version 6 it is 3 old
-    summary = _prepare(_batch([(3, [(0, 3), (2, 4)]), (2, [(0, 4)])], policy_version=4), version, 2)
+    summary = _summary(_batch([(3, [(0, 3), (2, 4)]), (2, [(0, 4)])], policy_version=4), version, 2)
     assert (summary.stale is not None) == stale and (summary.plan is None) == stale
     assert summary.min_version == 3
     if stale:

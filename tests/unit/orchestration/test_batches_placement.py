@@ -14,7 +14,8 @@ from moe_rl.data.packing import plan_shards
 from moe_rl.data.synthetic import random_batch
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
-from moe_rl.orchestration.batches import dispatch, merge, prepare, step_spec
+from moe_rl.orchestration.batches import validate_and_plan
+from moe_rl.orchestration.dispatch import dispatch, merge
 from moe_rl.orchestration.placement import (
     SHARED_GPU,
     check_placement,
@@ -23,6 +24,7 @@ from moe_rl.orchestration.placement import (
     plan_placement,
 )
 from moe_rl.orchestration.preflight import load_checked
+from moe_rl.orchestration.sampling import step_spec
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 KIMI = TINY.parent / "kimi_k2.yaml"
@@ -77,13 +79,13 @@ def test_shards_keep_each_mini_batch_and_share_its_micro_batch_count():
         plan_shards(random_batch(4, 4), dp_size=2, max_tokens_per_microbatch=40, num_mini_batches=3)
 
 
-def test_prepare_scores_and_refuses_stale_batches_without_sharding():
+def test_validate_and_plan_scores_and_refuses_stale_batches_without_sharding():
     batch = random_batch(5, 8, group_size=2)
     newest = int(batch.version_span_versions.max())
-    _, fresh = prepare(batch, [1.0] * 8, version=newest, max_staleness=newest, vocab_size=64, dp_size=2,
+    _, fresh = validate_and_plan(batch, [1.0] * 8, version=newest, max_staleness=newest, vocab_size=64, dp_size=2,
                        max_tokens_per_microbatch=64, num_mini_batches=1)  # fmt: skip
     assert fresh.stale is None and len(fresh.plan.indices) == 2 and fresh.rewards.tolist() == [1.0] * 8
-    _, stale = prepare(batch, [0.0] * 8, version=newest + 9, max_staleness=1, vocab_size=64, dp_size=2,
+    _, stale = validate_and_plan(batch, [0.0] * 8, version=newest + 9, max_staleness=1, vocab_size=64, dp_size=2,
                        max_tokens_per_microbatch=64, num_mini_batches=1)  # fmt: skip
     assert "older than allowed" in stale.stale and stale.plan is None
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_rl.data.synthetic import random_batch
-from moe_rl.orchestration.batches import GroupPool
+from moe_rl.orchestration.dynamic_sampling import GroupPool
 
 N = 2  # responses per prompt
 
