@@ -1,7 +1,8 @@
 """`moe-rl plan`: what a recipe costs and whether Megatron-core and vLLM will accept its layout,
 computed from the recipe alone (no torch, no GPU).
 
-Parameter counts (SwiGLU MLPs, RMSNorm, no linear biases, as in Qwen3-MoE and DeepSeek-V3):
+Parameter counts (SwiGLU MLPs, RMSNorm, no linear biases, as in Qwen3-MoE and DeepSeek-V3; the
+projections' sizes are `moe_rl.config.flops`'s, the one home of that arithmetic):
 
 - embedding `V*h`; LM head `V*h` unless tied; final norm `h`;
 - per layer: two norms `2h`, plus attention
@@ -29,7 +30,6 @@ activation recompute only each layer's input is kept.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +42,7 @@ from moe_rl.config.derived import (
     placement_mode,
     releases_memory,
 )
+from moe_rl.config.flops import attention_weights, mlp_weights
 from moe_rl.config.modes import Attention, Family, Granularity, Precision, QuantMethod
 from moe_rl.config.schema import ModelConfig, QuantConfig
 from moe_rl.orchestration.preflight import preflight
@@ -121,26 +122,20 @@ class ParamCounts:
 
 
 def attention_params(m: ModelConfig) -> int:
-    """Attention parameters of one layer (GQA or MLA, see the module docstring)."""
-    h, heads = m.hidden_size, m.num_attention_heads
+    """Attention parameters of one layer: the projections (`moe_rl.config.flops.attention_weights`)
+    and their norms, Qwen3's per-head q/k norms (GQA) or the norms of MLA's query and key-value
+    latents."""
     if m.attention == Attention.GQA:
-        qk_norms = 2 * m.head_dim if m.family == Family.QWEN3_MOE else 0
-        kv = m.num_key_value_heads * m.head_dim
-        return h * heads * m.head_dim + 2 * h * kv + heads * m.head_dim * h + qk_norms
-    qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
-    if m.q_lora_rank:
-        q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk_dim
+        norms = 2 * m.head_dim if m.family == Family.QWEN3_MOE else 0
     else:
-        q = h * heads * qk_dim
-    kv_a = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
-    kv_b = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
-    return q + kv_a + kv_b + heads * m.v_head_dim * h
+        norms = (m.q_lora_rank or 0) + m.kv_lora_rank
+    return attention_weights(m) + norms
 
 
 def count_params(m: ModelConfig) -> ParamCounts:
     """Parameter counts of the model a recipe describes."""
     h = m.hidden_size
-    expert = 3 * h * m.moe_ffn_hidden_size
+    expert = mlp_weights(h, m.moe_ffn_hidden_size)
     moe = m.num_experts > 0
     return ParamCounts(
         embedding=m.vocab_size * h,
@@ -148,7 +143,7 @@ def count_params(m: ModelConfig) -> ParamCounts:
         final_norm=h,
         attention_per_layer=attention_params(m),
         norms_per_layer=2 * h,
-        dense_mlp_per_layer=3 * h * m.ffn_hidden_size,
+        dense_mlp_per_layer=mlp_weights(h, m.ffn_hidden_size),
         expert=expert if moe else 0,
         shared_experts_per_layer=m.num_shared_experts * expert if moe else 0,
         router_per_layer=(h * m.num_experts + (m.num_experts if m.moe_router_enable_expert_bias else 0)),
@@ -643,14 +638,10 @@ def _checks_table(plan: Plan):
     return table
 
 
-ADVICE = re.compile(r";|\buse\b|\bset\b|\bturn\b|\braise\b|\blower\b|\bneeds?\b")
-
-
 def shown_detail(rule: Rule) -> str:
-    """What a row says: a rule that holds shows its values, not the advice its refusal would give
-    ("…: DGO trains on sample weights, not advantages; turn one of them off")."""
-    values, sep, rest = rule.detail.partition(": ")
-    return values if rule.ok and sep and ADVICE.search(rest) else rule.detail
+    """What a row says: a rule that holds shows its values, one that does not (refused, or a
+    warning) its values and the advice that helps (`Rule.advice`)."""
+    return rule.values if rule.ok else rule.detail
 
 
 def render(plan: Plan, console) -> None:

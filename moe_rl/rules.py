@@ -2,9 +2,11 @@
 
 Every component states what it needs of a recipe as a list of `Rule`s (the recipe's own
 consistency, the trainer's layout, the engine's capabilities, placement, rewards and inputs);
-`moe_rl.orchestration.preflight` asks each of them and is the only caller that enforces them, so
-`plan` prints exactly the rules that `config check`, `submit` and `train` refuse a recipe by.
-A rule that is not ``fatal`` is a warning: `plan` shows it, nothing refuses the recipe for it.
+`moe_rl.orchestration.preflight` asks each of them before anything loads (and components check
+their own again where they start), so `plan` prints exactly the rules that `config check`, `submit`
+and `train` refuse a recipe by. A rule that is not ``fatal`` is a warning: `plan` shows it, nothing
+refuses the recipe for it. A rule is data: its values, and apart from them the advice a refusal
+gives, so `plan` shows a rule that holds by its values alone.
 Imports nothing.
 """
 
@@ -16,13 +18,24 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Rule:
-    """One constraint: its name, whether it holds, and the values behind it."""
+    """One constraint: its name, whether it holds, the values behind it, and what to do when it
+    does not hold."""
 
     name: str
     ok: bool
-    detail: str
+    values: str
+    """The values the rule is about (``key=value``, the numbers it compares): what `plan` shows for
+    a rule that holds."""
     fatal: bool = True
     """A broken fatal rule refuses the recipe; a broken non-fatal one is a warning."""
+    advice: str = ""
+    """Why those values matter and what to change: said after them when the rule does not hold
+    (empty where the values say it all)."""
+
+    @property
+    def detail(self) -> str:
+        """The values and the advice: what a refusal or a warning says."""
+        return f"{self.values}: {self.advice}" if self.advice else self.values
 
     @property
     def broken(self) -> bool:

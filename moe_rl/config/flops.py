@@ -1,6 +1,7 @@
-"""Model FLOPs of a recipe's model, counted from its shape: the one home of the count that
-`moe-rl plan`, the training loop's ``perf/tflops`` and ``perf/mfu``, and `bench/trainer_step.py`
-use.
+"""Model FLOPs of a recipe's model, counted from its shape: the one home of the count that the
+training loop's ``perf/tflops`` and ``perf/mfu`` and `bench/trainer_step.py` use, and of the
+projection sizes it is counted from (`attention_weights`, `mlp_weights`), which `moe-rl plan`
+counts parameters with.
 
 A multiply-add is 2 FLOPs. Counted per token of a forward pass: every product with a weight
 matrix (attention projections, GQA or MLA with its low-rank paths; the router; the routed experts
@@ -22,6 +23,8 @@ from moe_rl.config.schema import ModelConfig
 
 BACKWARD_FACTOR = 2.0
 """A backward pass costs twice its forward (gradients of inputs and of weights)."""
+GATED_PROJECTIONS = 3
+"""A SwiGLU MLP's weight matrices: gate, up and down."""
 
 
 @dataclass(frozen=True)
@@ -66,33 +69,53 @@ def causal_pairs(lengths: Iterable[int]) -> int:
     return sum(int(n) * (int(n) + 1) // 2 for n in lengths)
 
 
-def model_flops(model: ModelConfig) -> ModelFlops:
-    """The forward FLOPs of ``model`` (see the module docstring)."""
+def attention_weights(model: ModelConfig) -> int:
+    """Weight elements of one layer's attention projections: Q, K, V and the output, MLA's through
+    its low-rank paths (H -> r_q -> heads for the query with a query LoRA, H -> r_kv + d_rope ->
+    heads for keys and values). A token's multiply-adds in them, and the projections' parameters
+    (`moe-rl plan` adds the norms)."""
     h, heads = model.hidden_size, model.num_attention_heads
     if model.attention == Attention.MLA:
         qk = model.qk_nope_head_dim + model.qk_rope_head_dim
         rank = model.q_lora_rank
-        q = h * rank + rank * heads * qk if rank else h * heads * qk  # low-rank: H -> rank -> heads
+        q = h * rank + rank * heads * qk if rank else h * heads * qk
         kv = h * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank * heads * (
             model.qk_nope_head_dim + model.v_head_dim
         )
-        attention = q + kv + heads * model.v_head_dim * h
-        pair = heads * (qk + model.v_head_dim)
-    else:
-        d = model.head_dim
-        attention = h * heads * d + 2 * h * model.num_key_value_heads * d + heads * d * h
-        pair = 2 * heads * d
-    gated = 3  # gate, up and down projections
+        return q + kv + heads * model.v_head_dim * h
+    d = model.head_dim
+    return h * heads * d + 2 * h * model.num_key_value_heads * d + heads * d * h
+
+
+def mlp_weights(hidden: int, ffn: int) -> int:
+    """Weight elements of one SwiGLU MLP (an expert, a shared expert or a dense layer's MLP): its
+    gate, up and down projections."""
+    return GATED_PROJECTIONS * hidden * ffn
+
+
+def _pair_flops(model: ModelConfig) -> int:
+    """Multiply-adds of one layer per causal query-key pair: the score (Q·K) and the weighted sum
+    of the values, over all heads."""
+    heads = model.num_attention_heads
+    if model.attention == Attention.MLA:
+        return heads * (model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim)
+    return 2 * heads * model.head_dim
+
+
+def model_flops(model: ModelConfig) -> ModelFlops:
+    """The forward FLOPs of ``model`` (see the module docstring)."""
+    h = model.hidden_size
     moe_layers = (
         0 if model.num_experts <= 0 else model.num_layers - min(model.first_k_dense_layers, model.num_layers)
     )
     dense_layers = model.num_layers - moe_layers
+    expert = mlp_weights(h, model.moe_ffn_hidden_size)
     return ModelFlops(
-        attention=2.0 * model.num_layers * attention,
+        attention=2.0 * model.num_layers * attention_weights(model),
         router=2.0 * moe_layers * h * max(model.num_experts, 0),
-        experts=2.0 * moe_layers * model.moe_router_topk * gated * h * model.moe_ffn_hidden_size,
-        shared_experts=2.0 * moe_layers * model.num_shared_experts * gated * h * model.moe_ffn_hidden_size,
-        dense_mlp=2.0 * dense_layers * gated * h * model.ffn_hidden_size,
+        experts=2.0 * moe_layers * model.moe_router_topk * expert,
+        shared_experts=2.0 * moe_layers * model.num_shared_experts * expert,
+        dense_mlp=2.0 * dense_layers * mlp_weights(h, model.ffn_hidden_size),
         output=2.0 * h * model.vocab_size,
-        per_pair=2.0 * model.num_layers * pair,
+        per_pair=2.0 * model.num_layers * _pair_flops(model),
     )

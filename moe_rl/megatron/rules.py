@@ -32,8 +32,8 @@ def layout_rules(p: ParallelConfig) -> list[Rule]:
         Rule("EP with TP needs sequence parallel", not (ep > 1 and tp > 1) or p.sequence_parallel,
              f"EP={ep}, TP={tp}, parallel.sequence_parallel={p.sequence_parallel} (Megatron's MoE layer)"),
         Rule("no virtual pipeline stages", p.virtual_pipeline_model_parallel_size in (None, 1),
-             f"parallel.virtual_pipeline_model_parallel_size={p.virtual_pipeline_model_parallel_size}: the trainer "
-             "runs Megatron's non-interleaved 1F1B schedule; use null"),
+             f"parallel.virtual_pipeline_model_parallel_size={p.virtual_pipeline_model_parallel_size}",
+             advice="the trainer runs Megatron's non-interleaved 1F1B schedule; use null"),
     ]  # fmt: skip
 
 

@@ -43,17 +43,18 @@ def _correction_rules(config: RecipeConfig) -> list[Rule]:
              config.algo.policy_mode != PolicyMode.BYPASS or not sampling_truncates(r.top_k, r.top_p)
              or c.keep_sampling_mask,
              f"algo.policy_mode={config.algo.policy_mode} with rollout.top_p={r.top_p}, rollout.top_k={r.top_k} "
-             "and algo.corrections.keep_sampling_mask=false: the engine's log-probs are over the kept tokens, "
-             "the trainer's over the vocabulary, so the ratio π_θ/μ starts below 1 and the clip drops negative "
-             "advantages (measured: learning stops on a plateau); set keep_sampling_mask=true",
-             fatal=False),
+             "and algo.corrections.keep_sampling_mask=false",
+             fatal=False,
+             advice="the engine's log-probs are over the kept tokens, the trainer's over the vocabulary, so the "
+             "ratio π_θ/μ starts below 1 and the clip drops negative advantages (measured: learning stops on a "
+             "plateau); set keep_sampling_mask=true"),
         Rule("one importance weight", not (c.icepop.enabled and c.tis.mode != TISMode.OFF),
-             f"algo.corrections.icepop.enabled={c.icepop.enabled} with algo.corrections.tis.mode={c.tis.mode}: "
-             "both weight the loss by the rollout-vs-old ratio, which would count it twice; keep one"),
+             f"algo.corrections.icepop.enabled={c.icepop.enabled} with algo.corrections.tis.mode={c.tis.mode}",
+             advice="both weight the loss by the rollout-vs-old ratio, which would count it twice; keep one"),
         Rule("rejection band fits its divergence", not rej.enabled or rej.divergence == Divergence.K1 or rej.low <= 0,
-             f"algo.corrections.rejection.divergence={rej.divergence} with low={rej.low}: k2 and k3 are >= 0 and "
-             "0 when on-policy, so a band starting above 0 rejects the most on-policy responses; set low=0 "
-             "(the ratio band 0.999..1.001 is k1's)"),
+             f"algo.corrections.rejection.divergence={rej.divergence} with low={rej.low}",
+             advice="k2 and k3 are >= 0 and 0 when on-policy, so a band starting above 0 rejects the most "
+             "on-policy responses; set low=0 (the ratio band 0.999..1.001 is k1's)"),
     ]  # fmt: skip
 
 
@@ -65,8 +66,8 @@ def _algo_rules(config: RecipeConfig) -> list[Rule]:
         Rule("replay without context parallelism", replay_error is None,
              replay_error or f"algo.routing_replay={a.routing_replay}, CP={config.parallel.context_parallel_size}"),
         Rule("replay without the fused router", a.routing_replay == ReplayMode.OFF or not t.moe_router_fusion,
-             f"algo.routing_replay={a.routing_replay} with trainer.moe_router_fusion={t.moe_router_fusion}: the fused "
-             "router skips Megatron's RouterReplay silently; set trainer.moe_router_fusion=false"),
+             f"algo.routing_replay={a.routing_replay} with trainer.moe_router_fusion={t.moe_router_fusion}",
+             advice="the fused router skips Megatron's RouterReplay silently; set trainer.moe_router_fusion=false"),
         Rule("ESPO has the old policy's entropy", a.objective != Objective.ESPO or t.compute_entropy,
              f"algo.objective={a.objective} needs trainer.compute_entropy=true (entropy of π_old), "
              f"got {t.compute_entropy}"),
@@ -74,8 +75,8 @@ def _algo_rules(config: RecipeConfig) -> list[Rule]:
              f"algo.zero_variance_shaping={a.zero_variance_shaping} needs trainer.compute_entropy=true "
              f"(RL-ZVP shapes advantages with π_old's entropy), got {t.compute_entropy}"),
         Rule("zero-variance shaping shapes advantages", not a.zero_variance_shaping or a.objective != Objective.DGO,
-             f"algo.zero_variance_shaping={a.zero_variance_shaping} with algo.objective={a.objective}: DGO "
-             "trains on sample weights, not advantages; turn one of them off"),
+             f"algo.zero_variance_shaping={a.zero_variance_shaping} with algo.objective={a.objective}",
+             advice="DGO trains on sample weights, not advantages; turn one of them off"),
     ]  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from launch.plan import (
+    attention_params,
     count_params,
     make_plan,
     node_overrides,
@@ -20,8 +21,11 @@ from launch.plan import (
     routing_trace_bytes_per_token,
 )
 from moe_rl.config import load_recipe
+from moe_rl.config.flops import attention_weights, mlp_weights, model_flops
+from moe_rl.config.modes import Attention
 from moe_rl.config.schema import ModelConfig
 from moe_rl.orchestration.preflight import load_checked
+from moe_rl.rules import Rule
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = REPO / "recipes"
@@ -236,15 +240,38 @@ def test_plan_imports_no_heavy_library():
 
 
 def test_a_row_that_holds_shows_its_values_not_the_advice_of_its_refusal():
+    """The row of a rule that holds shows the values its owner states (`Rule.values`); a refused
+    or warning row shows them and the advice (`Rule.advice`), as the refusal says them."""
     from launch.plan import shown_detail
-    from moe_rl.rules import Rule
+    from moe_rl.trainer.rules import trainer_rules
 
-    detail = "algo.zero_variance_shaping=False with algo.objective=espo: DGO trains on weights; turn one off"
-    assert (
-        shown_detail(Rule("shaping", True, detail))
-        == "algo.zero_variance_shaping=False with algo.objective=espo"
+    def shaping(*overrides: str):
+        config = load_recipe(RECIPES / "tiny_moe.yaml", list(overrides))
+        return next(r for r in trainer_rules(config) if r.name == "zero-variance shaping shapes advantages")
+
+    holds = shaping()
+    assert holds.ok and shown_detail(holds) == "algo.zero_variance_shaping=False with algo.objective=espo"
+    refused = shaping("algo.objective=dgo", "algo.zero_variance_shaping=true")
+    said = (
+        "algo.zero_variance_shaping=True with algo.objective=dgo: DGO trains on sample weights, not "
+        "advantages; turn one of them off"
     )
-    assert shown_detail(Rule("shaping", False, detail)) == detail  # refused: the advice is what helps
-    assert shown_detail(
-        Rule("KV cache", True, "425617 tokens per engine, longest sequence 10240")
-    ).startswith("425617")
+    assert refused.broken and shown_detail(refused) == refused.detail == said
+    warns = Rule("warned", False, "x=1", fatal=False, advice="set x=2")
+    assert shown_detail(warns) == "x=1: set x=2"
+    plan = _plan("deepseek_v3")
+    kv = next(c for c in plan.checks if c.name == "KV cache holds a sequence")
+    values = f"{plan.rollout.kv_tokens} tokens per engine, longest sequence 10240"
+    assert kv.ok and shown_detail(kv) == kv.detail == values
+
+
+def test_plan_counts_attention_with_the_flops_projection_sizes():
+    """One home for the projection arithmetic: a layer's attention parameters are the projections
+    `moe_rl.config.flops` counts FLOPs with, plus the norms."""
+    for recipe in ("deepseek_v3", "kimi_k2", "qwen3_30b_a3b"):
+        m = load_checked(RECIPES / f"{recipe}.yaml", paths=False).model
+        norms = (m.q_lora_rank or 0) + m.kv_lora_rank if m.attention == Attention.MLA else 2 * m.head_dim
+        assert attention_params(m) == attention_weights(m) + norms
+        assert model_flops(m).attention == 2 * m.num_layers * attention_weights(m)
+        counts = count_params(m)
+        assert counts.expert == mlp_weights(m.hidden_size, m.moe_ffn_hidden_size)
