@@ -95,7 +95,10 @@ OWN_AGGREGATIONS: dict[Objective, tuple[Aggregation, ...]] = {
 }
 """Aggregations only one objective defines; a recipe may choose them for that objective only."""
 
-AGGREGATIONS: tuple[str, ...] = tuple(
-    a.value for a in Aggregation if all(a not in own for own in OWN_AGGREGATIONS.values())
+SHARED_AGGREGATIONS: tuple[Aggregation, ...] = tuple(
+    a for a in Aggregation if all(a not in own for own in OWN_AGGREGATIONS.values())
 )
 """The aggregations every objective (and the KL term) can use."""
+
+AGGREGATIONS: tuple[str, ...] = tuple(a.value for a in SHARED_AGGREGATIONS)
+"""Their recipe spellings."""

@@ -1,36 +1,43 @@
-"""Recipe names → `moe_rl.algo` functions with their hyper-parameters bound.
+"""Recipe choices → `moe_rl.algo` functions with the recipe's values bound.
 
-The one place config meets math. It takes plain dicts / keyword arguments (never config
-objects) and imports no torch at module level, so the config validator can import the name
-tuples cheaply; the math modules are imported when something is bound.
+The one place config meets math. It takes the recipe's typed modes (`moe_rl.algo.modes` members,
+as the recipe loader makes them; a plain string is refused) and a section's values as a plain
+dict (``dataclasses.asdict`` of it, never a config object), and imports no torch at module level:
+the math modules are imported when something is bound.
 
-Names (``algo.*`` in recipes):
+Every value comes from the caller: the recipe schema is the one home of the defaults (the
+functions' keyword defaults serve their direct callers only). What each function gets is declared
+here: the recipe values it binds (`OBJECTIVE_PARAMS`; a correction section's fields but its
+switch) and the inputs it reads (`OBJECTIVE_INPUTS`, `CORRECTION_FUNCS`, `KL_INPUTS`). `bind`
+checks that declaration against the function's signature when the recipe is resolved, at start:
+a keyword the function does not take, or one it needs that nothing passes, is an error then,
+never a keyword dropped at a call.
 
-* ``objective`` ∈ `OBJECTIVES`, hyper-parameters in `OBJECTIVE_PARAMS`;
-* ``advantage`` ∈ `ADVANTAGES`; ``aggregation`` ∈ `AGGREGATIONS`; ``kl.estimator`` ∈ `KL_ESTIMATORS`
-  (``kl.coef`` and the aggregation bound with it by `bind_kl_loss`);
-* ``corrections``: ``tis.mode`` ∈ `TIS_MODES` (``tis.cap``), ``icepop.{enabled, low, high}``,
-  ``rejection.{enabled, divergence ∈ REJECTION_DIVERGENCES, aggregation ∈
-  REJECTION_AGGREGATIONS, low, high}``, ``opsm.{enabled, delta}``, ``mode`` ∈ `CORRECTION_MODES`.
-  Nested dicts are flattened to ``tis_mode``, ``icepop_low``, … (`CORRECTION_PARAMS`).
+* ``algo.objective`` with its hyper-parameters and ``algo.aggregation``: `bind_objective`, and for
+  the trainer `bind_recipe_objective` (`TRAINED_AS`; a dual-clip floor <= 1 is off);
+* ``algo.advantage``: `bind_advantage`; ``algo.kl``: `bind_kl_loss` (`KL_AGGREGATION`);
+* ``algo.corrections`` and ``algo.policy_mode``: `bind_corrections`, a `CorrectionStack`.
 
-Bound callables take tensors by keyword. Every objective is called the same way —
-``objective(logp=, old_logp=, advantages=, loss_mask=, seq_ids=, num_seqs=, **extra)`` —
-and keywords the function does not take (e.g. ``entropy`` for PPO) are dropped, so a trainer
-can pass one batch dict to any objective. Missing required inputs raise ValueError.
+Objectives are called alike, with the keywords of `OBJECTIVE_CALL` (``logp=, old_logp=,
+advantages=, loss_mask=, seq_ids=, num_seqs=, weights=, entropy=, vocab_size=``, and DGO's
+``rewards=, group_ids=``), so a trainer calls any of them one way; each passes its function the
+inputs `OBJECTIVE_INPUTS` names (``entropy`` is ESPO's alone). A keyword outside the call is a
+TypeError, an input the function needs and the call lacks a ValueError.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 from moe_rl.algo.modes import (
-    AGGREGATIONS,
     OWN_AGGREGATIONS,
+    SHARED_AGGREGATIONS,
     Advantage,
     Aggregation,
     Divergence,
@@ -42,167 +49,64 @@ from moe_rl.algo.modes import (
     values,
 )
 
-OBJECTIVES = values(Objective)
-ADVANTAGES = values(Advantage)
-KL_ESTIMATORS = values(KLEstimator)
-TIS_MODES = values(TISMode)
-REJECTION_DIVERGENCES = values(Divergence)
-REJECTION_AGGREGATIONS = values(RejectionAggregation)
-CORRECTION_MODES = values(PolicyMode)
+Mode = TypeVar("Mode", bound=StrEnum)
 
-OBJECTIVE_PARAMS: dict[str, dict[str, Any]] = {
-    "ppo_clip": {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "dual_clip_c": 3.0},
-    "gspo": {"gspo_eps_low": 3e-4, "gspo_eps_high": 4e-4},
-    "gspo_token": {"gspo_eps_low": 3e-4, "gspo_eps_high": 4e-4},
-    "cispo": {"clip_eps_low": 0.2, "clip_eps_high": 0.2},
-    "reinforce": {},
-    "espo": {"espo_rho": 0.2, "espo_num_groups": 2, "espo_alpha": 0.02},
-    "dgo": {"dgo_beta": 0.1},
+OBJECTIVE_PARAMS: dict[Objective, tuple[str, ...]] = {
+    Objective.PPO_CLIP: ("clip_eps_low", "clip_eps_high", "dual_clip_c"),
+    Objective.GSPO: ("gspo_eps_low", "gspo_eps_high"),
+    Objective.GSPO_TOKEN: ("gspo_eps_low", "gspo_eps_high"),
+    Objective.CISPO: ("clip_eps_low", "clip_eps_high"),
+    Objective.REINFORCE: (),
+    Objective.ESPO: ("espo_rho", "espo_num_groups", "espo_alpha"),
+    Objective.DGO: ("dgo_beta",),
 }
-"""Hyper-parameters each objective takes, with the defaults of `moe_rl.algo.objectives`."""
+"""The recipe's ``algo.*`` hyper-parameters each objective binds (the functions' keywords of the
+same names); their values, defaults included, come from the recipe."""
 
-DEFAULT_AGGREGATION = {
-    "ppo_clip": "token_mean",
-    "gspo": "seq_mean_token_mean",
-    "gspo_token": "seq_mean_token_mean",
-    "cispo": "token_mean",
-    "reinforce": "token_mean",
-    "espo": "seq_mean_group_mean",
-    "dgo": "seq_mean_token_sum",
+_TOKENS = ("logp", "loss_mask", "seq_ids", "num_seqs")
+_POLICY = (*_TOKENS, "old_logp", "advantages", "weights")
+OBJECTIVE_INPUTS: dict[Objective, tuple[str, ...]] = {
+    Objective.PPO_CLIP: _POLICY,
+    Objective.GSPO: _POLICY,
+    Objective.GSPO_TOKEN: _POLICY,
+    Objective.CISPO: _POLICY,
+    Objective.REINFORCE: (*_TOKENS, "advantages", "weights"),
+    Objective.ESPO: (*_POLICY, "entropy", "vocab_size"),
+    Objective.DGO: (*_TOKENS, "rewards", "group_ids"),
 }
-"""The papers' aggregations; ``seq_mean_group_mean`` is ESPO's own (not in `AGGREGATIONS`)."""
+"""The inputs each objective's function reads from a call (`OBJECTIVE_CALL`)."""
 
+OBJECTIVE_CALL: tuple[str, ...] = tuple(dict.fromkeys(k for ks in OBJECTIVE_INPUTS.values() for k in ks))
+"""The keywords any bound objective is called with."""
 
-ADVANTAGE_PARAMS: dict[str, dict[str, Any]] = {"grpo": {"eps": 1e-6}, "dr_grpo": {}, "rloo": {}}
+KL_INPUTS = (*_TOKENS, "ref_logp", "old_logp")
+"""The inputs of the KL penalty as a loss (`moe_rl.algo.kl.kl_loss`)."""
 
-CORRECTION_PARAMS: dict[str, Any] = {
-    "mode": "decoupled",
-    "tis_mode": "off",
-    "tis_cap": 2.0,
-    "icepop_enabled": False,
-    "icepop_low": 0.5,
-    "icepop_high": 5.0,
-    "rejection_enabled": False,
-    "rejection_divergence": "k1",
-    "rejection_aggregation": "seq_mean",
-    "rejection_low": None,
-    "rejection_high": None,
-    "opsm_enabled": False,
-    "opsm_delta": None,
+_RATIO = ("old_logp", "rollout_logp", "loss_mask")
+_SEQS = ("seq_ids", "num_seqs")
+TIS_FUNCS: dict[TISMode, tuple[str, tuple[str, ...]]] = {
+    TISMode.TOKEN: ("token_tis", _RATIO),
+    TISMode.SEQ: ("seq_tis", (*_RATIO, *_SEQS)),
 }
-"""Flat correction keys and defaults (rejection band None = 0.999..1.001 for k1)."""
+"""``algo.corrections.tis.mode`` → the function (`moe_rl.algo.corrections`) and the inputs it reads;
+``off`` binds none. The section's other fields (``cap``) are bound by name."""
 
-_OBJECTIVE_FUNCS = {name: ("moe_rl.algo.objectives", name) for name in OBJECTIVES}
-_ADVANTAGE_FUNCS = {name: ("moe_rl.algo.advantages", name) for name in ADVANTAGES}
+CORRECTION_FUNCS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "icepop": ("icepop", _RATIO),
+    "rejection": ("rejection_mask", (*_RATIO, *_SEQS)),
+    "opsm": ("opsm_mask", ("logp", "rollout_logp", "advantages", "loss_mask", *_SEQS)),
+}
+"""The switched correction sections (``algo.corrections.<section>.enabled``) in the order they
+apply, each → its function and the inputs it reads; the section's other fields are bound by name."""
 
+SECTION_MODES: dict[str, dict[str, type[StrEnum]]] = {
+    "rejection": {"divergence": Divergence, "aggregation": RejectionAggregation},
+}
+"""The bound correction fields that are typed modes (checked to be members when bound; TIS's mode
+is checked where it picks the function)."""
 
-def _choice(field: str, value: Any, valid: tuple[str, ...]) -> str:
-    if value not in valid:
-        raise ValueError(f"{field} must be one of {valid}, got {value!r}")
-    return value
-
-
-def _load(module: str, attr: str) -> Callable:
-    return getattr(importlib.import_module(module), attr)
-
-
-def _merge(params: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    if params is not None and not isinstance(params, Mapping):
-        raise TypeError(
-            f"pass hyper-parameters as a plain dict or keywords, not {type(params).__name__} "
-            "(e.g. dataclasses.asdict(cfg) or OmegaConf.to_container(cfg))"
-        )
-    merged = dict(params or {})
-    merged.update(kwargs)
-    return merged
-
-
-def _filter_call(func: Callable, bound: Mapping[str, Any], what: str) -> Callable[..., Any]:
-    """Call `func` with `bound` plus the caller's keywords it accepts; error on missing ones."""
-    sig = inspect.signature(func)
-    accepted = set(sig.parameters)
-    required = {n for n, p in sig.parameters.items() if p.default is inspect.Parameter.empty}
-
-    def call(**tensors: Any) -> Any:
-        args = {k: v for k, v in tensors.items() if k in accepted}
-        args.update(bound)
-        missing = sorted(required - set(args))
-        if missing:
-            raise ValueError(f"{what} needs inputs {missing}; got {sorted(tensors)}")
-        return func(**args)
-
-    call.__name__ = func.__name__
-    call.__doc__ = func.__doc__
-    return call
-
-
-def objective_params(name: str, params: Mapping[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
-    """The hyper-parameters objective `name` uses, defaults filled in, from a flat dict.
-
-    Keys that belong to another objective are ignored (a recipe may carry all of them); keys
-    no objective knows raise ValueError.
-    """
-    _choice("algo.objective", name, OBJECTIVES)
-    merged = _merge(params, kwargs)
-    known = {k for spec in OBJECTIVE_PARAMS.values() for k in spec}
-    unknown = sorted(set(merged) - known)
-    if unknown:
-        raise ValueError(f"unknown objective hyper-parameters {unknown}; valid: {sorted(known)}")
-    spec = OBJECTIVE_PARAMS[name]
-    return {k: merged.get(k, default) for k, default in spec.items()}
-
-
-def bind_objective(
-    name: str,
-    params: Mapping[str, Any] | None = None,
-    *,
-    aggregation: str | None = None,
-    norm_len: float | None = None,
-    **kwargs: Any,
-) -> Callable[..., Any]:
-    """Objective `name` with its hyper-parameters and aggregation bound; returns ``f(**tensors) -> LossOutput``.
-
-    `aggregation` None = the paper's (`DEFAULT_AGGREGATION`); otherwise one of `AGGREGATIONS` or
-    the objective's own (`OWN_AGGREGATIONS`). `norm_len` is the constant L of
-    ``seq_mean_token_sum_norm`` (the trainer binds the most tokens a trajectory samples,
-    `moe_rl.config.derived.max_sampled_tokens`: ``rollout.max_new_tokens`` for one turn).
-    """
-    hparams = objective_params(name, params, **kwargs)
-    if aggregation is None:
-        aggregation = DEFAULT_AGGREGATION[name]
-    else:
-        _choice("algo.aggregation", aggregation, AGGREGATIONS + OWN_AGGREGATIONS.get(name, ()))
-    hparams["aggregation"] = aggregation
-    if norm_len is not None:
-        hparams["norm_len"] = norm_len
-    return _filter_call(_load(*_OBJECTIVE_FUNCS[name]), hparams, f"objective {name!r}")
-
-
-def bind_advantage(name: str, params: Mapping[str, Any] | None = None, **kwargs: Any) -> Callable[..., Any]:
-    """Advantage estimator `name`: ``f(rewards=[S], group_ids=[S]) -> [S]``."""
-    _choice("algo.advantage", name, ADVANTAGES)
-    merged = _merge(params, kwargs)
-    unknown = sorted(set(merged) - set(ADVANTAGE_PARAMS[name]))
-    if unknown:
-        raise ValueError(
-            f"unknown hyper-parameters {unknown} for advantage {name!r}; valid: {sorted(ADVANTAGE_PARAMS[name])}"
-        )
-    return _filter_call(_load(*_ADVANTAGE_FUNCS[name]), merged, f"advantage {name!r}")
-
-
-def bind_aggregation(name: str, **kwargs: Any) -> Callable[..., Any]:
-    """Aggregation `name`: ``f(token_loss=, loss_mask=, seq_ids=, num_seqs=, ...) -> (sum, denom)``."""
-    _choice("algo.aggregation", name, AGGREGATIONS)
-    return _filter_call(
-        _load("moe_rl.algo.aggregate", "aggregate"), {"mode": name, **kwargs}, f"aggregation {name!r}"
-    )
-
-
-def bind_kl(estimator: str) -> Callable[..., Any]:
-    """KL estimator: ``f(logp=, ref_logp=, old_logp=None) -> [T]`` per-token values."""
-    _choice("algo.kl.estimator", estimator, KL_ESTIMATORS)
-    return _filter_call(_load("moe_rl.algo.kl", "kl_penalty"), {"estimator": estimator}, f"kl {estimator!r}")
-
+CORRECTION_CALL = ("logp", "old_logp", "rollout_logp", "advantages", "loss_mask", *_SEQS)
+"""The inputs `CorrectionStack` hands each correction (each reads those its entry names)."""
 
 KL_AGGREGATION = {Aggregation.SEQ_MEAN_GROUP_MEAN: Aggregation.SEQ_MEAN_TOKEN_MEAN}
 """The KL term's aggregation under an objective's own one: ESPO's groups belong to its clip, so its
@@ -215,80 +119,179 @@ driver computes the weights over the whole batch, as a prompt's samples may span
 and passes them as advantages)."""
 
 
-def recipe_objective_params(algo: Mapping[str, Any]) -> dict[str, Any]:
-    """The objectives' hyper-parameters a recipe's ``algo`` section sets, as the functions take
-    them: the recipe's ``dual_clip_c <= 1`` (dual clip off) is None."""
-    names = {k for spec in OBJECTIVE_PARAMS.values() for k in spec}
-    params = {k: algo[k] for k in names if k in algo}
-    if params.get("dual_clip_c") is not None and params["dual_clip_c"] <= 1:
-        params["dual_clip_c"] = None
-    return params
+def _member(field: str, value: Any, mode: type[Mode]) -> Mode:
+    """`value` if it is a member of `mode`; a string or anything else is refused, naming `field`."""
+    if not isinstance(value, mode):
+        raise ValueError(
+            f"{field} must be a member of {mode.__name__}, one of {values(mode)}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return value
+
+
+def values_of(members: Iterable[StrEnum]) -> tuple[str, ...]:
+    """The recipe spellings of `members`, for messages."""
+    return tuple(m.value for m in members)
+
+
+def _load(module: str, attr: str) -> Callable[..., Any]:
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A math function with the recipe's values bound, called with tensors by keyword (`bind`)."""
+
+    func: Callable[..., Any]
+    values: Mapping[str, Any]
+    """The recipe's values, passed on every call."""
+    inputs: tuple[str, ...]
+    """The call's keywords the function reads."""
+    call: frozenset[str]
+    """The keywords a caller may pass: `inputs` and the rest of its family's common call."""
+    needed: frozenset[str]
+    """The inputs the function has no default for."""
+    what: str
+
+    def __call__(self, **given: Any) -> Any:
+        unknown = sorted(set(given) - self.call)
+        if unknown:
+            raise TypeError(f"{self.what} is called with {sorted(self.call)}, not {unknown}")
+        missing = sorted(self.needed - set(given))
+        if missing:
+            raise ValueError(f"{self.what} needs inputs {missing}; got {sorted(given)}")
+        return self.func(**{k: given[k] for k in self.inputs if k in given}, **self.values)
+
+
+def bind(
+    func: Callable[..., Any],
+    values: Mapping[str, Any],
+    inputs: Iterable[str],
+    what: str,
+    call: Iterable[str] | None = None,
+) -> Bound:
+    """`func` with `values` bound, reading `inputs` from a call that may pass `call` (default:
+    just `inputs`). Refused here, when the recipe is resolved: a value or input `func` does not
+    take, a parameter it needs that neither names, a name both bound and read, an input outside
+    the call."""
+    inputs = tuple(inputs)
+    params = inspect.signature(func).parameters
+    passed = set(values) | set(inputs)
+    target = f"{what} ({func.__module__}.{func.__qualname__})"
+    lacks = sorted(passed - set(params))
+    if lacks:
+        raise ValueError(f"{target} does not take {lacks}; it takes {sorted(params)}")
+    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
+    unmet = sorted(required - passed)
+    if unmet:
+        raise ValueError(f"{target} needs {unmet}, which nothing passes")
+    both = sorted(set(values) & set(inputs))
+    if both:
+        raise ValueError(f"{target} has {both} both bound and read from the call")
+    call = frozenset(inputs if call is None else call)
+    outside = sorted(set(inputs) - call)
+    if outside:
+        raise ValueError(f"{target} reads {outside}, which its call {sorted(call)} lacks")
+    return Bound(func, MappingProxyType(dict(values)), inputs, call, frozenset(required & set(inputs)), what)
+
+
+def bind_objective(
+    objective: Objective,
+    params: Mapping[str, Any],
+    *,
+    aggregation: Aggregation,
+    norm_len: float | None,
+) -> Bound:
+    """Objective `objective` with its hyper-parameters (exactly `OBJECTIVE_PARAMS`'s), `aggregation`
+    (a shared one or the objective's own, `OWN_AGGREGATIONS`) and `norm_len` bound (the constant L
+    of ``seq_mean_token_sum_norm``: the trainer binds the most tokens a trajectory samples,
+    `moe_rl.config.derived.max_sampled_tokens`); returns ``f(**tensors) -> LossOutput``."""
+    objective = _member("algo.objective", objective, Objective)
+    aggregation = _member("algo.aggregation", aggregation, Aggregation)
+    allowed = SHARED_AGGREGATIONS + OWN_AGGREGATIONS.get(objective, ())
+    if aggregation not in allowed:
+        raise ValueError(
+            f"algo.aggregation must be one of {values_of(allowed)} for algo.objective={objective}, "
+            f"got {aggregation.value!r}"
+        )
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"pass hyper-parameters as a plain dict, not {type(params).__name__} (e.g. dataclasses.asdict(cfg))"
+        )
+    names = OBJECTIVE_PARAMS[objective]
+    if set(params) != set(names):
+        raise ValueError(
+            f"objective {objective.value!r} binds hyper-parameters {sorted(names)}, got {sorted(params)}"
+        )
+    bound = {**params, "aggregation": aggregation, "norm_len": norm_len}
+    func = _load("moe_rl.algo.objectives", objective.value)
+    what = f"objective {objective.value!r}"
+    return bind(func, bound, OBJECTIVE_INPUTS[objective], what, call=OBJECTIVE_CALL)
 
 
 def bind_recipe_objective(
-    objective: str, algo: Mapping[str, Any], aggregation: str, norm_len: float | None = None
-) -> Callable[..., Any]:
-    """The loss a trainer trains a recipe's objective with: `TRAINED_AS` resolved, the recipe's
-    hyper-parameters (`recipe_objective_params`) and aggregation bound (`bind_objective`)."""
-    trained = TRAINED_AS.get(objective, objective)
-    return bind_objective(trained, recipe_objective_params(algo), aggregation=aggregation, norm_len=norm_len)
+    objective: Objective, algo: Mapping[str, Any], aggregation: Aggregation, norm_len: float | None
+) -> Bound:
+    """The loss a trainer trains a recipe's objective with: `TRAINED_AS` resolved, that objective's
+    hyper-parameters taken from the recipe's ``algo`` section (`algo`, a plain dict of it; a
+    ``dual_clip_c <= 1``, dual clip off, is None) and bound with `bind_objective`."""
+    trained = TRAINED_AS.get(_member("algo.objective", objective, Objective), objective)
+    names = OBJECTIVE_PARAMS[trained]
+    missing = sorted(set(names) - set(algo))
+    if missing:
+        raise ValueError(f"the algo section lacks {missing}, which objective {trained.value!r} binds")
+    params = {name: algo[name] for name in names}
+    if params.get("dual_clip_c") is not None and params["dual_clip_c"] <= 1:
+        params["dual_clip_c"] = None
+    return bind_objective(trained, params, aggregation=aggregation, norm_len=norm_len)
 
 
-def denominator_aggregation(aggregation: str) -> str:
+def bind_advantage(advantage: Advantage) -> Bound:
+    """Advantage estimator `advantage`: ``f(rewards=[S], group_ids=[S]) -> [S]``. The recipe sets no
+    hyper-parameter of theirs (GRPO's ε is the function's own)."""
+    advantage = _member("algo.advantage", advantage, Advantage)
+    func = _load("moe_rl.algo.advantages", advantage.value)
+    return bind(func, {}, ("rewards", "group_ids"), f"advantage {advantage.value!r}")
+
+
+def denominator_aggregation(aggregation: Aggregation) -> Aggregation:
     """The aggregation whose count divides a recipe's loss: its own, or for an objective's own
     aggregation (ESPO's groups) the count of responses, as its KL term (`KL_AGGREGATION`)."""
+    aggregation = _member("algo.aggregation", aggregation, Aggregation)
     return KL_AGGREGATION.get(aggregation, aggregation)
 
 
 def bind_kl_loss(
-    estimator: str, coef: float, aggregation: str, norm_len: float | None = None
-) -> Callable[..., Any]:
-    """The KL penalty as a loss (`moe_rl.algo.kl.kl_loss`) with its estimator, coefficient and the
-    recipe's aggregation bound (`KL_AGGREGATION` for an objective's own):
-    ``f(logp=, ref_logp=, loss_mask=, seq_ids=, num_seqs=, old_logp=None) -> LossOutput``."""
-    _choice("algo.kl.estimator", estimator, KL_ESTIMATORS)
-    mode = _choice("algo.aggregation", KL_AGGREGATION.get(aggregation, aggregation), AGGREGATIONS)
+    estimator: KLEstimator, coef: float, aggregation: Aggregation, norm_len: float | None
+) -> Bound:
+    """The KL penalty as a loss (`moe_rl.algo.kl.kl_loss`) with its estimator, coefficient, the
+    recipe's aggregation (`KL_AGGREGATION` for an objective's own) and `norm_len` bound:
+    ``f(logp=, ref_logp=, loss_mask=, seq_ids=, num_seqs=, old_logp=) -> LossOutput``."""
+    estimator = _member("algo.kl.estimator", estimator, KLEstimator)
+    mode = denominator_aggregation(aggregation)
+    if mode not in SHARED_AGGREGATIONS:
+        raise ValueError(
+            f"algo.aggregation must be one of {values_of(SHARED_AGGREGATIONS)}, got {mode.value!r}"
+        )
     if not isinstance(coef, int | float) or not coef > 0:
         raise ValueError(f"algo.kl.coef must be > 0 for a KL loss, got {coef!r}")
-    bound = {"estimator": estimator, "coef": float(coef), "aggregation": mode}
-    if norm_len is not None:
-        bound["norm_len"] = norm_len
-    return _filter_call(_load("moe_rl.algo.kl", "kl_loss"), bound, f"kl loss {estimator!r}")
-
-
-def flatten_corrections(params: Mapping[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
-    """``{"tis": {"mode": "token"}}`` → ``{"tis_mode": "token"}``; defaults filled; unknown keys error."""
-    flat: dict[str, Any] = {}
-    for key, value in _merge(params, kwargs).items():
-        if isinstance(value, Mapping):
-            flat.update({f"{key}_{sub}": v for sub, v in value.items()})
-        else:
-            flat[key] = value
-    unknown = sorted(set(flat) - set(CORRECTION_PARAMS))
-    if unknown:
-        raise ValueError(f"unknown correction keys {unknown}; valid: {sorted(CORRECTION_PARAMS)}")
-    spec = {**CORRECTION_PARAMS, **flat}
-    _choice("algo.corrections.mode", spec["mode"], CORRECTION_MODES)
-    _choice("algo.corrections.tis.mode", spec["tis_mode"], TIS_MODES)
-    _choice("algo.corrections.rejection.divergence", spec["rejection_divergence"], REJECTION_DIVERGENCES)
-    _choice("algo.corrections.rejection.aggregation", spec["rejection_aggregation"], REJECTION_AGGREGATIONS)
-    if spec["opsm_enabled"] and spec["opsm_delta"] is None:
-        raise ValueError(
-            "algo.corrections.opsm.delta must be set when opsm is enabled (no published default)"
-        )
-    return spec
+    bound = {"estimator": estimator, "coef": float(coef), "aggregation": mode, "norm_len": norm_len}
+    func = _load("moe_rl.algo.kl", "kl_loss")
+    return bind(func, bound, KL_INPUTS, f"kl loss {estimator.value!r}")
 
 
 @dataclass(frozen=True)
 class CorrectionStack:
-    """The enabled corrections of a recipe, applied in one call (see `bind_corrections`)."""
+    """The recipe's corrections in one call: π_old resolved by ``algo.policy_mode``, then each
+    enabled correction on the same loss mask, combined (weights product, mask AND, metrics)."""
 
-    spec: Mapping[str, Any]
+    policy: Bound
+    """`moe_rl.algo.corrections.resolve_old_logp` with the policy mode bound."""
+    steps: tuple[Bound, ...]
 
     def old_logp(self, old_logp: Any, rollout_logp: Any) -> Any:
         """π_old log-probs for the objective: `rollout_logp` in bypass mode."""
-        resolve = _load("moe_rl.algo.corrections", "resolve_old_logp")
-        return resolve(old_logp, rollout_logp, mode=self.spec["mode"])
+        return self.policy(old_logp=old_logp, rollout_logp=rollout_logp)
 
     def __call__(
         self,
@@ -302,43 +305,45 @@ class CorrectionStack:
         num_seqs: int,
     ) -> Any:
         """Return the combined `CorrectionOutput` (weights product, mask AND, metrics)."""
-        c = importlib.import_module("moe_rl.algo.corrections")
-        s = self.spec
-        old_logp = self.old_logp(old_logp, rollout_logp)
-        outs = []
-        if s["tis_mode"] == "token":
-            outs.append(c.token_tis(old_logp, rollout_logp, loss_mask, cap=s["tis_cap"]))
-        elif s["tis_mode"] == "seq":
-            outs.append(
-                c.seq_tis(old_logp, rollout_logp, loss_mask, seq_ids, num_seqs=num_seqs, cap=s["tis_cap"])
-            )
-        if s["icepop_enabled"]:
-            outs.append(
-                c.icepop(old_logp, rollout_logp, loss_mask, low=s["icepop_low"], high=s["icepop_high"])
-            )
-        if s["rejection_enabled"]:
-            outs.append(
-                c.rejection_mask(
-                    old_logp, rollout_logp, loss_mask, seq_ids, num_seqs=num_seqs,
-                    divergence=s["rejection_divergence"], aggregation=s["rejection_aggregation"],
-                    low=s["rejection_low"], high=s["rejection_high"],
-                )
-            )  # fmt: skip
-        if s["opsm_enabled"]:
-            outs.append(
-                c.opsm_mask(
-                    logp,
-                    rollout_logp,
-                    advantages,
-                    loss_mask,
-                    seq_ids,
-                    num_seqs=num_seqs,
-                    delta=s["opsm_delta"],
-                )
-            )
-        return c.combine(loss_mask, *outs)
+        given = {
+            "logp": logp, "old_logp": self.old_logp(old_logp, rollout_logp), "rollout_logp": rollout_logp,
+            "advantages": advantages, "loss_mask": loss_mask, "seq_ids": seq_ids, "num_seqs": num_seqs,
+        }  # fmt: skip
+        combine = _load("moe_rl.algo.corrections", "combine")
+        return combine(loss_mask, *(step(**given) for step in self.steps))
 
 
-def bind_corrections(params: Mapping[str, Any] | None = None, **kwargs: Any) -> CorrectionStack:
-    """A `CorrectionStack` from the recipe's corrections section (nested or flat dict)."""
-    return CorrectionStack(flatten_corrections(params, **kwargs))
+def _bind_correction(section: str, fields: Mapping[str, Any], name: str, inputs: tuple[str, ...]) -> Bound:
+    """Correction `name` with the section's `fields` bound by name (typed ones checked as members)."""
+    for field, mode in SECTION_MODES.get(section, {}).items():
+        if field in fields:
+            _member(f"algo.corrections.{section}.{field}", fields[field], mode)
+    func = _load("moe_rl.algo.corrections", name)
+    return bind(func, fields, inputs, f"algo.corrections.{section}", call=CORRECTION_CALL)
+
+
+def bind_corrections(sections: Mapping[str, Mapping[str, Any]], policy_mode: PolicyMode) -> CorrectionStack:
+    """A `CorrectionStack` from the recipe's ``algo.corrections`` sections (``tis`` and those of
+    `CORRECTION_FUNCS`, each a plain dict of its fields) and ``algo.policy_mode``."""
+    policy_mode = _member("algo.policy_mode", policy_mode, PolicyMode)
+    known = ("tis", *CORRECTION_FUNCS)
+    if sorted(sections) != sorted(known):
+        raise ValueError(f"algo.corrections binds sections {sorted(known)}, got {sorted(sections)}")
+    policy = bind(
+        _load("moe_rl.algo.corrections", "resolve_old_logp"),
+        {"mode": policy_mode},
+        ("old_logp", "rollout_logp"),
+        "algo.policy_mode",
+    )
+    tis = dict(sections["tis"])
+    tis_mode = _member("algo.corrections.tis.mode", tis.pop("mode", None), TISMode)
+    steps = []
+    if tis_mode is not TISMode.OFF:
+        steps.append(_bind_correction("tis", tis, *TIS_FUNCS[tis_mode]))
+    for section, (name, inputs) in CORRECTION_FUNCS.items():
+        fields = dict(sections[section])
+        if "enabled" not in fields:
+            raise ValueError(f"algo.corrections.{section} lacks its switch 'enabled', got {sorted(fields)}")
+        if fields.pop("enabled"):
+            steps.append(_bind_correction(section, fields, name, inputs))
+    return CorrectionStack(policy, tuple(steps))

@@ -3,7 +3,9 @@
 `TrainerLoss.of` binds the objective (with `moe_rl.algo.registry.bind_recipe_objective`: DGO
 trains as REINFORCE over its weights, a dual-clip floor <= 1 is off), the corrections, the KL
 penalty and the aggregation whose count divides the loss (an objective's own aggregation, ESPO's
-groups, counts responses), so no pass decides any of it again. `micro_loss` is one micro-batch's
+groups, counts responses), so no pass decides any of it again. It hands the registry the recipe's
+typed modes and every value (the schema holds the defaults); the registry checks each function
+takes what it binds, so a mismatch stops the run at start. `micro_loss` is one micro-batch's
 loss sum: corrections, objective and KL penalty on its response tokens.
 
 Denominator: the aggregation's count over the mini-batch's response tokens (token-mean) or
@@ -15,7 +17,6 @@ to all of them so the denominator never depends on the current policy.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from moe_rl.algo import registry
 from moe_rl.algo.aggregate import local_denominator
+from moe_rl.algo.modes import Aggregation
 from moe_rl.config.derived import max_sampled_tokens
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.trainer.batch import TrainMicroBatch
@@ -32,11 +34,11 @@ from moe_rl.trainer.batch import TrainMicroBatch
 class TrainerLoss:
     """The bound loss of a recipe (see the module docstring)."""
 
-    objective: Callable
+    objective: registry.Bound
     corrections: registry.CorrectionStack
-    kl: Callable | None
+    kl: registry.Bound | None
     """The KL penalty as a loss (``algo.kl.coef > 0``), else None."""
-    denominator: str
+    denominator: Aggregation
     """The aggregation whose count divides the loss (`registry.denominator_aggregation`)."""
     vocab_size: int
 
@@ -45,12 +47,12 @@ class TrainerLoss:
         algo, kl = config.algo, config.algo.kl
         norm_len = max_sampled_tokens(config)
         corrections = dataclasses.asdict(algo.corrections)
-        corrections.pop("keep_sampling_mask")
+        del corrections["keep_sampling_mask"]  # applies to the π passes' log-probs, not to the loss
         return cls(
             objective=registry.bind_recipe_objective(
-                algo.objective, dataclasses.asdict(algo), aggregation=algo.aggregation, norm_len=norm_len
+                algo.objective, dataclasses.asdict(algo), algo.aggregation, norm_len
             ),
-            corrections=registry.bind_corrections({**corrections, "mode": algo.policy_mode}),
+            corrections=registry.bind_corrections(corrections, algo.policy_mode),
             kl=registry.bind_kl_loss(kl.estimator, kl.coef, algo.aggregation, norm_len)
             if kl.coef > 0
             else None,

@@ -7,6 +7,7 @@ import torch
 
 from moe_rl.algo import registry
 from moe_rl.algo.kl import KL_ESTIMATORS, kl_k3, kl_k3_is, kl_loss, kl_penalty
+from moe_rl.algo.modes import Aggregation, KLEstimator
 from tests.unit.algo.algo_testing import grad_of, seq_ids_for, t
 
 LOG_R = math.log(0.5)  # ref_logp − logp with π_θ = 0.5, π_ref = 0.25
@@ -84,12 +85,13 @@ def test_bound_kl_loss_takes_the_recipes_aggregation():
         "seq_ids": seq_ids_for([1, 2]),
         "num_seqs": 2,
     }
-    espo = registry.bind_kl_loss("k1", 0.1, "seq_mean_group_mean")  # ESPO's own: a mean over responses
-    by_response = registry.bind_kl_loss("k1", 0.1, "seq_mean_token_mean")
-    tokens = registry.bind_kl_loss("k1", 0.1, "token_mean")
+    k1, agg = KLEstimator.K1, Aggregation
+    espo = registry.bind_kl_loss(k1, 0.1, agg.SEQ_MEAN_GROUP_MEAN, None)  # ESPO's own: a mean over responses
+    by_response = registry.bind_kl_loss(k1, 0.1, agg.SEQ_MEAN_TOKEN_MEAN, None)
+    tokens = registry.bind_kl_loss(k1, 0.1, agg.TOKEN_MEAN, None)
     assert espo(**kw).loss_sum.item() == pytest.approx(by_response(**kw).loss_sum.item())
     assert (espo(**kw).denom.item(), tokens(**kw).denom.item()) == (2.0, 3.0)
     with pytest.raises(ValueError, match="algo.kl.coef must be > 0"):
-        registry.bind_kl_loss("k3", 0.0, "token_mean")
-    with pytest.raises(ValueError, match="algo.kl.estimator must be one of"):
-        registry.bind_kl_loss("k4", 0.1, "token_mean")
+        registry.bind_kl_loss(KLEstimator.K3, 0.0, agg.TOKEN_MEAN, None)
+    with pytest.raises(ValueError, match="algo.kl.estimator must be a member of KLEstimator"):
+        registry.bind_kl_loss("k4", 0.1, agg.TOKEN_MEAN, None)

@@ -1,5 +1,8 @@
-"""moe_rl.algo.registry: recipe names → bound functions; plain dicts in, no config objects."""
+"""moe_rl.algo.registry: the recipe's typed modes and values → bound functions; every keyword a
+function gets is declared and checked against its signature when the recipe is resolved."""
 
+import dataclasses
+import functools
 import math
 import subprocess
 import sys
@@ -8,28 +11,43 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.algo import aggregate, corrections, kl, registry
+from moe_rl.algo import corrections, objectives, registry
+from moe_rl.algo.modes import (
+    Advantage,
+    Aggregation,
+    Divergence,
+    KLEstimator,
+    Objective,
+    PolicyMode,
+    RejectionAggregation,
+    TISMode,
+)
 from moe_rl.algo.objectives import LossOutput
+from moe_rl.config.schema import AlgoConfig, CorrectionsConfig
 from tests.unit.algo.algo_testing import seq_ids_for, t
 
 REPO = Path(__file__).resolve().parents[3]
+ALGO = dataclasses.asdict(AlgoConfig())  # the schema's values: the one home of the defaults
+
+
+def params(objective: Objective, **overrides) -> dict:
+    """The hyper-parameters `objective` binds, at the schema's values."""
+    return {**{k: ALGO[k] for k in registry.OBJECTIVE_PARAMS[objective]}, **overrides}
+
+
+def sections(**overrides) -> dict:
+    """The recipe's correction sections (the schema's values, all off), with `overrides` merged in."""
+    out = dataclasses.asdict(CorrectionsConfig())
+    del out["keep_sampling_mask"]
+    for section, fields in overrides.items():
+        out[section] = {**out[section], **fields}
+    return out
 
 
 def test_registry_imports_without_torch():
-    code = (
-        "import sys; import moe_rl.algo.registry as r; assert 'torch' not in sys.modules; print(r.OBJECTIVES)"
-    )
+    code = "import sys; import moe_rl.algo.registry as r; assert 'torch' not in sys.modules; print(r.OBJECTIVE_CALL)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert "ppo_clip" in out.stdout
-
-
-def test_name_tables_match_the_math_modules():
-    assert registry.AGGREGATIONS == aggregate.AGGREGATIONS
-    assert registry.KL_ESTIMATORS == kl.KL_ESTIMATORS
-    assert registry.TIS_MODES == corrections.TIS_MODES
-    assert registry.REJECTION_DIVERGENCES == corrections.REJECTION_DIVERGENCES
-    assert registry.REJECTION_AGGREGATIONS == corrections.REJECTION_AGGREGATIONS
-    assert set(registry.OBJECTIVE_PARAMS) == set(registry.OBJECTIVES) == set(registry.DEFAULT_AGGREGATION)
+    assert "logp" in out.stdout
 
 
 def batch():
@@ -43,15 +61,19 @@ def batch():
         "loss_mask": torch.ones(n, dtype=torch.bool),
         "seq_ids": seq,
         "num_seqs": 2,
+        "weights": None,
         "vocab_size": 100,
         "rewards": t([1.0, 0.0]),
         "group_ids": torch.tensor([0, 0]),
     }
 
 
-@pytest.mark.parametrize("name", registry.OBJECTIVES)
-def test_every_objective_binds_and_runs_on_one_batch_dict(name):
-    fn = registry.bind_objective(name, {})
+@pytest.mark.parametrize("objective", list(Objective))
+def test_every_objective_binds_from_the_schemas_values_and_runs_on_one_call(objective):
+    fn = registry.bind_objective(
+        objective, params(objective), aggregation=Aggregation.TOKEN_MEAN, norm_len=None
+    )
+    assert set(batch()) == set(registry.OBJECTIVE_CALL)
     out = fn(**batch())
     assert isinstance(out, LossOutput)
     assert torch.isfinite(out.loss)
@@ -59,77 +81,147 @@ def test_every_objective_binds_and_runs_on_one_batch_dict(name):
 
 def test_bound_hyperparameters_reach_the_function():
     b = batch()
+    agg = {"aggregation": Aggregation.TOKEN_MEAN, "norm_len": None}
     tight = registry.bind_objective(
-        "ppo_clip", {"clip_eps_low": 0.0, "clip_eps_high": 0.0, "dual_clip_c": None}
+        Objective.PPO_CLIP, {"clip_eps_low": 0.0, "clip_eps_high": 0.0, "dual_clip_c": None}, **agg
     )
-    loose = registry.bind_objective("ppo_clip", clip_eps_low=1.0, clip_eps_high=100.0, dual_clip_c=None)
+    loose = registry.bind_objective(
+        Objective.PPO_CLIP, {"clip_eps_low": 1.0, "clip_eps_high": 100.0, "dual_clip_c": None}, **agg
+    )
     assert not torch.allclose(tight(**b).loss, loose(**b).loss)
 
 
-def test_objective_params_fill_defaults_and_ignore_other_objectives_keys():
-    got = registry.objective_params("espo", {"espo_alpha": 0.05, "clip_eps_low": 0.1})
-    assert got == {"espo_rho": 0.2, "espo_num_groups": 2, "espo_alpha": 0.05}
+TOKEN = {"aggregation": Aggregation.TOKEN_MEAN, "norm_len": None}
 
 
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: registry.bind_objective("ppo"), "algo.objective must be one of"),
-        (lambda: registry.bind_objective("ppo_clip", {"clip_eps": 0.2}), "unknown objective hyper-parameters"),
-        (lambda: registry.bind_objective("ppo_clip", aggregation="mean"), "algo.aggregation must be one of"),
-        (lambda: registry.bind_advantage("gae"), "algo.advantage must be one of"),
-        (lambda: registry.bind_advantage("rloo", eps=0.1), "unknown hyper-parameters"),
-        (lambda: registry.bind_kl("k4"), "algo.kl.estimator must be one of"),
-        (lambda: registry.bind_corrections({"tis": {"mode": "both"}}), "tis.mode must be one of"),
-        (lambda: registry.bind_corrections({"tis": {"cap2": 1}}), "unknown correction keys"),
-        (lambda: registry.bind_corrections({"opsm": {"enabled": True}}), "opsm.delta must be set"),
-        (lambda: registry.bind_corrections({"rejection": {"divergence": "kl"}}), "rejection.divergence"),
-        (lambda: registry.bind_corrections({"rejection": {"aggregation": "mean"}}), "rejection.aggregation"),
+        (lambda: registry.bind_objective("ppo_clip", params(Objective.PPO_CLIP), **TOKEN),
+         "algo.objective must be a member of Objective.*got 'ppo_clip' \\(str\\)"),
+        (lambda: registry.bind_objective(Objective.PPO_CLIP, params(Objective.GSPO), **TOKEN),
+         "binds hyper-parameters \\['clip_eps_high', 'clip_eps_low', 'dual_clip_c'\\]"),
+        (lambda: registry.bind_objective(
+            Objective.PPO_CLIP, params(Objective.PPO_CLIP), aggregation=Aggregation.SEQ_MEAN_GROUP_MEAN,
+            norm_len=None), "algo.aggregation must be one of .* for algo.objective=ppo_clip"),
+        (lambda: registry.bind_advantage("grpo"), "algo.advantage must be a member of Advantage"),
+        (lambda: registry.bind_kl_loss("k3", 0.1, Aggregation.TOKEN_MEAN, None), "algo.kl.estimator must be"),
+        (lambda: registry.bind_corrections(sections(tis={"mode": "token"}), PolicyMode.DECOUPLED),
+         "algo.corrections.tis.mode must be a member of TISMode"),
+        (lambda: registry.bind_corrections(
+            sections(rejection={"enabled": True, "divergence": "k2"}), PolicyMode.DECOUPLED),
+         "algo.corrections.rejection.divergence must be a member of Divergence"),
+        (lambda: registry.bind_corrections(sections(), "bypass"), "algo.policy_mode must be a member of PolicyMode"),
+        (lambda: registry.bind_corrections({**sections(), "ksm": {}}, PolicyMode.DECOUPLED),
+         "algo.corrections binds sections"),
     ],
-    ids=["objective", "hparam", "aggregation", "advantage", "advantage-hparam", "kl", "tis-mode",
-         "correction-key", "opsm-delta", "rejection-divergence", "rejection-aggregation"],
+    ids=["objective-str", "hparams", "aggregation", "advantage-str", "kl-str", "tis-str", "divergence-str",
+         "policy-mode-str", "section"],
 )  # fmt: skip
-def test_registry_rejects_unknown_names(call, match):
+def test_registry_refuses_strings_and_values_it_does_not_bind(call, match):
     with pytest.raises(ValueError, match=match):
         call()
 
 
-def test_missing_inputs_are_named():
-    with pytest.raises(ValueError, match="needs inputs \\['entropy', 'vocab_size'\\]"):
-        fn = registry.bind_objective("espo")
-        b = batch()
-        del b["entropy"], b["vocab_size"]
-        fn(**b)
+def test_a_keyword_the_function_lacks_is_refused_when_the_recipe_is_resolved(monkeypatch):
+    """A recipe value declared for a function that has no such keyword (here the dual-clip floor
+    for CISPO, which has no dual clip) stops the binding; it is never dropped at the call."""
+    cispo = (*registry.OBJECTIVE_PARAMS[Objective.CISPO], "dual_clip_c")
+    monkeypatch.setitem(registry.OBJECTIVE_PARAMS, Objective.CISPO, cispo)
+    with pytest.raises(
+        ValueError,
+        match=r"objective 'cispo' \(moe_rl.algo.objectives.cispo\) does not take \['dual_clip_c'\]",
+    ):
+        registry.bind_objective(Objective.CISPO, params(Objective.CISPO), **TOKEN)
+    with pytest.raises(ValueError, match=r"algo.corrections.tis \(.*token_tis\) does not take \['cap2'\]"):
+        registry.bind_corrections(sections(tis={"mode": TISMode.TOKEN, "cap2": 1.0}), PolicyMode.DECOUPLED)
 
 
-def test_advantage_aggregation_and_kl_bindings():
-    adv = registry.bind_advantage("grpo", {"eps": 0.0})(rewards=t([1.0, 0.0]), group_ids=torch.tensor([0, 0]))
-    torch.testing.assert_close(adv, t([1 / math.sqrt(2), -1 / math.sqrt(2)]))
+def test_bind_checks_the_declaration_against_the_signature():
+    what = "opsm"
+    inputs = registry.CORRECTION_FUNCS["opsm"][1]
+    with pytest.raises(ValueError, match=r"needs \['delta'\], which nothing passes"):
+        registry.bind(corrections.opsm_mask, {}, inputs, what)
+    with pytest.raises(ValueError, match=r"does not take \['old_logp'\]"):
+        registry.bind(corrections.opsm_mask, {"delta": 0.1}, (*inputs, "old_logp"), what)
+    with pytest.raises(ValueError, match=r"\['delta'\] both bound and read"):
+        registry.bind(corrections.opsm_mask, {"delta": 0.1}, (*inputs, "delta"), what)
+    with pytest.raises(ValueError, match=r"reads \['advantages'\], which its call"):
+        registry.bind(corrections.opsm_mask, {"delta": 0.1}, inputs, what, call=set(inputs) - {"advantages"})
+
+
+def test_a_call_names_what_is_missing_and_refuses_what_is_outside_it():
+    fn = registry.bind_objective(Objective.ESPO, params(Objective.ESPO), **TOKEN)
     b = batch()
-    _, d = registry.bind_aggregation("token_mean")(
-        token_loss=b["logp"], **{k: b[k] for k in ("loss_mask", "seq_ids", "num_seqs")}
-    )
-    assert d.item() == 7
-    k3 = registry.bind_kl("k3_is")(logp=t([0.0]), ref_logp=t([0.0]), old_logp=t([0.0]))
-    assert k3.item() == 0.0
+    del b["entropy"], b["vocab_size"]
+    with pytest.raises(ValueError, match="needs inputs \\['entropy', 'vocab_size'\\]"):
+        fn(**b)
+    with pytest.raises(TypeError, match=r"not \['token_weights'\]"):
+        fn(**batch(), token_weights=None)
 
 
-def test_correction_stack_from_nested_dict():
+def spy(monkeypatch, module, name: str) -> dict:
+    """Record the keywords `module.name` is called with (it still runs)."""
+    seen: dict = {}
+    real = getattr(module, name)
+
+    @functools.wraps(real)
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recording)
+    return seen
+
+
+def test_a_typed_mode_reaches_the_function_as_its_member(monkeypatch):
+    rejection = spy(monkeypatch, corrections, "rejection_mask")
+    policy = spy(monkeypatch, corrections, "resolve_old_logp")
+    espo = spy(monkeypatch, objectives, "espo")
     stack = registry.bind_corrections(
-        {
-            "mode": "decoupled",
-            "tis": {"mode": "token", "cap": 2.0},
-            "icepop": {"enabled": True, "low": 0.5, "high": 5.0},
-            "rejection": {
-                "enabled": True,
-                "divergence": "k1",
-                "aggregation": "token",
-                "low": 0.2,
-                "high": 5.0,
-            },
-            "opsm": {"enabled": True, "delta": 0.1},
-        }
-    )
+        sections(rejection={"enabled": True, "divergence": Divergence.K2,
+                            "aggregation": RejectionAggregation.TOKEN, "low": 0.0, "high": 0.01}),
+        PolicyMode.BYPASS,
+    )  # fmt: skip
+    b = batch()
+    stack(
+        logp=b["logp"], old_logp=b["old_logp"], rollout_logp=b["old_logp"], advantages=b["advantages"],
+        loss_mask=b["loss_mask"], seq_ids=b["seq_ids"], num_seqs=2,
+    )  # fmt: skip
+    registry.bind_objective(
+        Objective.ESPO, params(Objective.ESPO), aggregation=Aggregation.SEQ_MEAN_GROUP_MEAN, norm_len=None
+    )(**b)
+    assert rejection["divergence"] is Divergence.K2
+    assert rejection["aggregation"] is RejectionAggregation.TOKEN
+    assert policy["mode"] is PolicyMode.BYPASS
+    assert espo["aggregation"] is Aggregation.SEQ_MEAN_GROUP_MEAN
+
+
+def test_advantage_and_kl_bindings():
+    rewards, groups = t([1.0, 0.0]), torch.tensor([0, 0])
+    adv = registry.bind_advantage(Advantage.RLOO)(rewards=rewards, group_ids=groups)
+    torch.testing.assert_close(adv, t([1.0, -1.0]))  # each against the other's reward
+    kl = registry.bind_kl_loss(KLEstimator.K3_IS, 0.5, Aggregation.TOKEN_MEAN, None)
+    zero = t([0.0])
+    out = kl(logp=zero, ref_logp=zero, old_logp=zero, loss_mask=torch.ones(1, dtype=torch.bool),
+             seq_ids=torch.tensor([0]), num_seqs=1)  # fmt: skip
+    assert out.loss_sum.item() == 0.0
+    with pytest.raises(ValueError, match="needs inputs \\['group_ids'\\]"):
+        registry.bind_advantage(Advantage.GRPO)(rewards=rewards)
+
+
+def test_correction_stack_from_the_recipes_sections():
+    stack = registry.bind_corrections(
+        sections(
+            tis={"mode": TISMode.TOKEN, "cap": 2.0},
+            icepop={"enabled": True, "low": 0.5, "high": 5.0},
+            rejection={"enabled": True, "divergence": Divergence.K1, "aggregation": RejectionAggregation.TOKEN,
+                       "low": 0.2, "high": 5.0},
+            opsm={"enabled": True, "delta": 0.1},
+        ),
+        PolicyMode.DECOUPLED,
+    )  # fmt: skip
+    assert [s.func.__name__ for s in stack.steps] == ["token_tis", "icepop", "rejection_mask", "opsm_mask"]
     old = t([math.log(1.5), math.log(6.0), math.log(0.1), 0.0])
     roll = t([0.0] * 4)
     logp = t([0.0, 0.0, 0.0, -1.0])  # response 1 drifted by 0.5 and has A < 0 → OPSM
@@ -139,13 +231,12 @@ def test_correction_stack_from_nested_dict():
     )  # fmt: skip
     torch.testing.assert_close(out.weights, t([1.5 * 1.5, 0.0, 0.0, 1.0]))  # TIS × IcePop
     assert out.mask.tolist() == [True, False, False, False]  # rejection 1/6, then OPSM on response 1
-    bypass = registry.bind_corrections(mode="bypass", tis_mode="seq")
+    bypass = registry.bind_corrections(sections(tis={"mode": TISMode.SEQ}), PolicyMode.BYPASS)
+    assert [s.func.__name__ for s in bypass.steps] == ["seq_tis"]
     assert bypass.old_logp(old, roll) is roll
+    assert registry.bind_corrections(sections(), PolicyMode.DECOUPLED).steps == ()
 
 
 def test_config_objects_are_refused():
-    class AlgoConfig:
-        clip_eps_low = 0.2
-
     with pytest.raises(TypeError, match="plain dict"):
-        registry.bind_objective("ppo_clip", AlgoConfig())
+        registry.bind_objective(Objective.PPO_CLIP, AlgoConfig(), **TOKEN)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_rl.algo import registry
+from moe_rl.algo.modes import Aggregation, Objective
 from moe_rl.config import ConfigError
 from moe_rl.data import Sample, TrajectoryBatch
 from moe_rl.orchestration.preflight import load_checked
@@ -87,7 +89,7 @@ def micro_loss(config, logp: list[float], adv: list[float]) -> tuple[float, dict
 def test_the_stability_stack_trains_espo_with_its_own_aggregation():
     config = load_checked(TINY, [])  # the tiny recipe includes recipes/algo/stability_stack.yaml
     a = config.algo
-    assert (a.objective, a.aggregation) == ("espo", "seq_mean_group_mean")
+    assert (a.objective, a.aggregation) == (Objective.ESPO, Aggregation.SEQ_MEAN_GROUP_MEAN)
     loss_fn = TrainerLoss.of(config).objective
     tensors = {
         "logp": torch.tensor(LOGP, dtype=torch.float64, requires_grad=True),
@@ -104,6 +106,17 @@ def test_the_stability_stack_trains_espo_with_its_own_aggregation():
     token_mean = load_checked(TINY, ["algo.aggregation=token_mean"])
     other = TrainerLoss.of(token_mean).objective(**tensors, num_seqs=2, weights=None, vocab_size=16)
     assert float(other.loss_sum / other.denom) != pytest.approx(want, rel=1e-3)  # the choice matters
+
+
+def test_a_recipe_value_the_objective_does_not_take_stops_the_loss_at_start(monkeypatch):
+    """The trainer hands the registry every recipe value its table names for the objective; one the
+    function lacks (a PPO clip for ESPO, whose clip is its own) fails `TrainerLoss.of`, before any
+    step, rather than being dropped from every call."""
+    config = load_checked(TINY, [])
+    espo = (*registry.OBJECTIVE_PARAMS[Objective.ESPO], "clip_eps_low")
+    monkeypatch.setitem(registry.OBJECTIVE_PARAMS, Objective.ESPO, espo)
+    with pytest.raises(ValueError, match=r"objective 'espo' .* does not take \['clip_eps_low'\]"):
+        TrainerLoss.of(config)
 
 
 @pytest.mark.parametrize(
