@@ -66,16 +66,6 @@ def merge(batches: Sequence[TrajectoryBatch], plan: Dispatch) -> TrajectoryBatch
 
 
 @dataclass
-class Replica:
-    """One engine replica of the pool: its index, its process (an actor, or the engine in this
-    process) and how often it was restarted."""
-
-    index: int
-    actor: Any = None
-    restarts: int = 0
-
-
-@dataclass
 class Generation:
     """A generation in flight: per replica its prompts and ``(batch ref, status ref)``."""
 

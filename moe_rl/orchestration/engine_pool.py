@@ -1,17 +1,17 @@
 """The engine pool: ``rollout.num_engines`` rollout engine replicas.
 
-* Generation: a step's prompts are dispatched by token load (`moe_rl.orchestration.dispatch`; the ``n`` samples
-  of a prompt stay on one replica); each replica's batch stays in the object store; the reward
-  worker merges them in prompt order.
-* A replica whose process dies (during generation or a weight sync) is restarted alone with the
-  current weights, at most ``MAX_ENGINE_RESTARTS`` times per replica; only its prompts are
-  generated again, the other replicas' results are kept.
+* Generation: a step's prompts are dispatched by token load (`moe_rl.orchestration.dispatch`; the
+  ``n`` samples of a prompt stay on one replica); each replica's batch stays in the object store;
+  the reward worker merges them in prompt order.
+* A replica whose process dies (during generation, a weight sync or a memory phase) is restarted
+  alone, at most ``MAX_ENGINE_RESTARTS`` times per replica, and named in the pool's answer
+  (`moe_rl.orchestration.replicas`): the caller brings it to the current weights
+  (`moe_rl.orchestration.weight_sync.WeightSync`) before it generates again; only its prompts
+  are generated again (`regenerate`), the other replicas' results are kept.
 * Weight sync, the pool's part of it (`moe_rl.orchestration.weight_sync.WeightSync` runs a sync):
   every replica is told a sync begins (`begin`), the trainer group streams its buckets to the
-  replicas' actors (`actors`), then each replica takes the new version when its last bucket has
-  landed (`finish`). The pool knows nothing of the trainer group: a restarted replica is brought to
-  the current weights by ``on_restart``, which the coordinator sets.
-"""
+  replicas' actors, then each replica takes the new version when its last bucket has landed
+  (`finish`). The pool knows nothing of the trainer group."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from moe_rl.config.derived import PlacementMode, max_response_tokens
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, SYNC_GROUP, EngineActor, sync_call
-from moe_rl.orchestration.dispatch import Generation, Replica, dispatch
+from moe_rl.orchestration.dispatch import Generation, dispatch
+from moe_rl.orchestration.replicas import Answers, Begun, Finished, Replica
 from moe_rl.orchestration.sampling import replica_spec
 from moe_rl.orchestration.seats import Seats
 from moe_rl.rewards.tasks import Prompt
@@ -55,13 +56,6 @@ class EnginePool:
         self.quantized_wire = False
         self._hf_folder: str | None = None
         self.regenerated_prompts = 0
-        self.on_restart: Callable[[list[Replica]], None] = lambda replicas: None
-        """Brings restarted replicas to the current weights (set by the sync coordinator)."""
-        self.on_cut_off: Callable[[list[Replica], int, SyncTarget], None] = lambda replicas, version, target: (
-            None
-        )
-        """Syncs live replicas whose weight stream broke again (set by the sync coordinator)."""
-        self._cut_offs = 0  # nested syncs of cut-off replicas under way
 
     @property
     def restarts(self) -> int:
@@ -109,6 +103,7 @@ class EnginePool:
         )  # fmt: skip
 
     def _restart(self, replica: Replica, error: Exception) -> None:
+        """A new process for ``replica``, without weights (the caller brings it to them)."""
         replica.restarts += 1
         if replica.restarts > MAX_ENGINE_RESTARTS:
             raise RuntimeError(
@@ -117,7 +112,6 @@ class EnginePool:
         log.error("engine replica %d died (%s); restarting it with the current weights", replica.index, error)
         self._kill(replica)
         self._spawn(replica)
-        self.on_restart([replica])
 
     def _kill(self, replica: Replica) -> None:
         if replica.actor is not None:
@@ -130,64 +124,46 @@ class EnginePool:
             self._kill(replica)
 
     # ------------------------------------------------------------------ weights
-    def begin(self, version: int, replicas: list[Replica], target: SyncTarget) -> list[Replica]:
-        """Tell ``replicas`` a sync of ``version`` into ``target`` begins; the ones that began (a
-        replica that died is restarted, which brings it to the new weights)."""
-        begun = []
+    def begin(self, version: int, replicas: list[Replica], target: SyncTarget) -> Begun:
+        """Tell ``replicas`` a sync of ``version`` into ``target`` begins; a replica that died is
+        restarted and named in the answer, not told."""
+        begun = Begun([])
         for replica in replicas:
             try:
                 ray.get(
                     sync_call(replica.actor, "begin_weight_update", self.config).remote(version, target),
                     timeout=RAY_TIMEOUT_S,
                 )
-                begun.append(replica)
+                begun.began.append(replica)
             except ray.exceptions.RayActorError as exc:
                 self._restart(replica, exc)
+                begun.restarted.append(replica)
         return begun
 
-    def finish(self, version: int, replicas: list[Replica], dead: set[int], target: SyncTarget) -> dict:
+    def finish(self, version: int, replicas: list[Replica], dead: set[int], target: SyncTarget) -> Finished:
         """Each replica that took the whole sync takes ``version``; the ones that died on the way
         are restarted; live ones whose weight stream broke (a process of the stream's group died:
-        `StreamBroken`) take the sync again. What the last replica reported when it finished."""
-        finished: dict = {}
-        dead, cut_off = set(dead), []
+        `StreamBroken`) are named as cut off. Both take the sync again (the coordinator's loop)."""
+        finished = Finished()
+        dead = set(dead)
         for replica in replicas:
             if replica.index in dead:
                 continue
             try:
-                finished = ray.get(
+                finished.received = ray.get(
                     sync_call(replica.actor, "finish_weight_update", self.config).remote(version, target),
                     timeout=RAY_TIMEOUT_S,
                 )
             except ray.exceptions.RayActorError:
                 dead.add(replica.index)
             except StreamBroken as exc:  # Ray's error of the engine's task: its cause, without the traceback
-                cut_off.append((replica, getattr(exc, "cause", None) or exc))
+                finished.cut_off.append(replica)
+                finished.error = getattr(exc, "cause", None) or exc
         for replica in replicas:
             if replica.index in dead:
                 self._restart(replica, RuntimeError("the process died during a weight sync"))
-        if cut_off:
-            self._sync_cut_off(cut_off, version, target)
+                finished.restarted.append(replica)
         return finished
-
-    def _sync_cut_off(
-        self, cut_off: list[tuple[Replica, Exception]], version: int, target: SyncTarget
-    ) -> None:
-        names = ", ".join(str(replica.index) for replica, _ in cut_off)
-        error = cut_off[-1][1]
-        if self._cut_offs >= MAX_ENGINE_RESTARTS:
-            raise RuntimeError(
-                f"the weight stream to engine replicas {names} broke {self._cut_offs + 1} times in a row; "
-                f"last error: {error}"
-            ) from error
-        log.warning(
-            "engine replicas %s lost part of the weight stream (%s); syncing them again", names, error
-        )
-        self._cut_offs += 1
-        try:
-            self.on_cut_off([replica for replica, _ in cut_off], version, target)
-        finally:
-            self._cut_offs -= 1
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[Prompt], spec: SamplingSpec, group_ids: list[int]) -> Generation:
@@ -209,45 +185,52 @@ class EnginePool:
             [gen.group_ids[i] for i in mine],
         )
 
-    def collect(self, gen: Generation) -> list[Any]:
-        """The replicas' batch refs (replica order, the empty ones left out); a replica that died
-        is restarted with the current weights and generates its prompts again."""
+    def collect(self, gen: Generation) -> list[Replica]:
+        """Wait for each replica's part of ``gen``. A replica whose process died is restarted and
+        returned at once, its prompts not generated yet: bring it to the current weights, then
+        `regenerate` them and collect again. Empty once every part has come (`Generation.batch_refs`)."""
         for replica in self.replicas:
-            while replica.index in gen.refs:
-                try:
-                    gen.statuses[replica.index] = ray.get(gen.refs[replica.index][1], timeout=RAY_TIMEOUT_S)
-                    break
-                except ray.exceptions.RayActorError as exc:
-                    self._restart(replica, exc)
-                    self.regenerated_prompts += len(gen.plan.assignment[replica.index])
-                    self._launch(gen, replica)
-                except ray.exceptions.GetTimeoutError as exc:
-                    raise RuntimeError(
-                        f"engine replica {replica.index} did not answer within {RAY_TIMEOUT_S:.0f} s"
-                    ) from exc
-        return [gen.refs[r][0] for r in sorted(gen.refs)]
+            if replica.index not in gen.refs or replica.index in gen.statuses:
+                continue
+            try:
+                gen.statuses[replica.index] = ray.get(gen.refs[replica.index][1], timeout=RAY_TIMEOUT_S)
+            except ray.exceptions.RayActorError as exc:
+                self._restart(replica, exc)
+                return [replica]
+            except ray.exceptions.GetTimeoutError as exc:
+                raise RuntimeError(
+                    f"engine replica {replica.index} did not answer within {RAY_TIMEOUT_S:.0f} s"
+                ) from exc
+        return []
+
+    def regenerate(self, gen: Generation, replicas: list[Replica]) -> None:
+        """The prompts of ``replicas`` (restarted, at the current weights) generated again."""
+        for replica in replicas:
+            self.regenerated_prompts += len(gen.plan.assignment[replica.index])
+            self._launch(gen, replica)
 
     # ------------------------------------------------------------------ memory between phases
-    def sleep(self) -> dict[str, float]:
-        """Every replica gives its memory back while the trainer works (colocated,
-        `cluster.release_memory`); the most one keeps resident."""
-        return self._each("sleep", self.config.cluster.engine_sleep_level)
+    def sleep(self, replicas: list[Replica] | None = None) -> Answers:
+        """Every replica (or ``replicas``) gives its memory back while the trainer works
+        (colocated, `cluster.release_memory`); the most one keeps resident."""
+        return self._each("sleep", replicas, self.config.cluster.engine_sleep_level)
 
-    def wake_up(self) -> dict[str, float]:
+    def wake_up(self) -> Answers:
         """Every replica takes its memory again before it generates; the most one holds."""
-        return self._each("wake_up")
+        return self._each("wake_up", None)
 
-    def _each(self, method: str, *args: Any) -> dict[str, float]:
-        answers = []
-        for replica in self.replicas:
+    def _each(self, method: str, replicas: list[Replica] | None, *args: Any) -> Answers:
+        """``method`` on each replica; one whose process died is restarted (a new process, awake,
+        without weights) and named in the answer."""
+        answers, restarted = [], []
+        for replica in self.replicas if replicas is None else replicas:
             try:
                 answers.append(ray.get(getattr(replica.actor, method).remote(*args), timeout=RAY_TIMEOUT_S))
             except ray.exceptions.RayActorError as exc:
-                self._restart(replica, exc)  # a new process, awake, with the current weights
-                if method == "sleep":
-                    answers.append(ray.get(replica.actor.sleep.remote(*args), timeout=RAY_TIMEOUT_S))
+                self._restart(replica, exc)
+                restarted.append(replica)
         keys = {key for answer in answers for key in answer}
-        return {key: max(a.get(key, 0.0) for a in answers) for key in keys}
+        return Answers({key: max(a.get(key, 0.0) for a in answers) for key in keys}, restarted)
 
     def probe(self, prompts) -> dict[str, float | str]:
         """The mismatch probe on replica 0, whose reference model the last reference sync filled:

@@ -25,9 +25,10 @@ from moe_rl.config.derived import max_response_tokens
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.batches import Rewarder
-from moe_rl.orchestration.dispatch import Generation, Replica, dispatch
+from moe_rl.orchestration.dispatch import Generation, dispatch
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
 from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
+from moe_rl.orchestration.replicas import Answers, Begun, Finished, Replica
 from moe_rl.orchestration.sampling import replica_spec
 from moe_rl.weight_sync.receiver import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
@@ -114,8 +115,7 @@ class LocalEngines:
         self.host = EngineHost(config, None, 0, env_factory=env_factory)
         self.replicas = [Replica(0, actor=self.host)]
         self.quantized_wire = self.host.capabilities().quantized_wire
-        self.regenerated_prompts = self.restarts = 0
-        self.on_restart = self.on_cut_off = lambda *args: None  # one process: nothing dies apart
+        self.regenerated_prompts = self.restarts = 0  # one process: nothing dies apart
 
     def spawn(self) -> None:
         return None
@@ -130,28 +130,28 @@ class LocalEngines:
         gen.refs[0], gen.statuses[0] = (batch, status), status
         return gen
 
-    def collect(self, gen: Generation) -> list:
-        return [gen.refs[0][0]]
+    def collect(self, gen: Generation) -> list[Replica]:
+        return []  # generated already; no replica restarted
 
-    def begin(self, version: int, replicas: list, target: SyncTarget) -> list:
+    def begin(self, version: int, replicas: list[Replica], target: SyncTarget) -> Begun:
         for replica in replicas:
             replica.actor.begin_weight_update(version, target)
-        return replicas
+        return Begun(replicas)
 
-    def finish(self, version: int, replicas: list, dead: set[int], target: SyncTarget) -> dict:
-        finished: dict = {}
+    def finish(self, version: int, replicas: list[Replica], dead: set[int], target: SyncTarget) -> Finished:
+        finished = Finished()
         for replica in replicas:
-            finished = replica.actor.finish_weight_update(version, target)
+            finished.received = replica.actor.finish_weight_update(version, target)
         return finished
 
     def probe(self, prompts) -> dict[str, float | str]:
         return self.host.probe(prompts)
 
-    def sleep(self) -> dict[str, float]:
-        return self.host.sleep(self.config.cluster.engine_sleep_level)
+    def sleep(self, replicas: list[Replica] | None = None) -> Answers:
+        return Answers(self.host.sleep(self.config.cluster.engine_sleep_level))
 
-    def wake_up(self) -> dict[str, float]:
-        return self.host.wake_up()
+    def wake_up(self) -> Answers:
+        return Answers(self.host.wake_up())
 
     def shutdown(self) -> None:
         return None

@@ -161,7 +161,7 @@ class Stages:
         memory = self._release_before_generation() if self.releases else {}
         while True:
             pending = pending if pending is not None and pending.step == step else self.launch_rollout(step)
-            refs = self.engines.collect(pending.generation)
+            refs = self._collect(pending.generation)
             t_reward = time.perf_counter()
             shards, summary = self.rewarder.prepare(
                 refs, pending.generation.plan, pending.prompts, self.version, self.trainer.dp_size,
@@ -195,11 +195,20 @@ class Stages:
         }
         return rollout, metrics
 
+    def _collect(self, generation: Generation) -> list[Any]:
+        """The replicas' batches of ``generation`` (refs on Ray); a replica that died is restarted,
+        brought to the current weights and generates its prompts again."""
+        while restarted := self.engines.collect(generation):
+            self.sync.bring_up(restarted, self.version)
+            self.engines.regenerate(generation, restarted)
+        return generation.batch_refs()
+
     def _release_before_generation(self) -> dict[str, float]:
         """Colocated: the trainer's optimizer state and gradients (and parameters, with
         `cluster.offload_params`) leave device memory; the engines take theirs again."""
         released = self.trainer.release_memory(self.config.cluster.offload_params)
-        self.engines.wake_up()
+        awake = self.engines.wake_up()
+        self.sync.bring_up(awake.restarted, self.version)  # new processes, awake
         return {
             "memory/trainer_released_gib": released["released_bytes"] / GIB,
             "memory/trainer_generate_gib": released["resident_bytes"] / GIB,
@@ -210,10 +219,14 @@ class Stages:
         """Colocated: the engines give their memory back (`cluster.engine_sleep_level`); the trainer
         takes what it released."""
         asleep = self.engines.sleep()
+        while asleep.restarted:  # new processes, awake: the current weights, then asleep too
+            self.sync.bring_up(asleep.restarted, self.version)
+            asleep = asleep.merged(self.engines.sleep(asleep.restarted))
         self.trainer.restore_memory()
+        most = asleep.most
         return {
-            "memory/engine_generate_gib": asleep.get("peak_bytes", 0.0) / GIB,  # its generation's footprint
-            "memory/engine_asleep_gib": asleep.get("resident_bytes", 0.0) / GIB,
+            "memory/engine_generate_gib": most.get("peak_bytes", 0.0) / GIB,  # its generation's footprint
+            "memory/engine_asleep_gib": most.get("resident_bytes", 0.0) / GIB,
             "memory/engine_sleeps": 1,
         }
 

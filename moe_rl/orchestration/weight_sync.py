@@ -3,26 +3,40 @@ each other.
 
 A sync of policy ``version`` into a `moe_rl.weight_sync.receiver.SyncTarget` of some replicas:
 the engine pool tells them it begins (`begin`), the trainer streams its buckets to them (each rank
-its own tensors, `moe_rl.weight_sync.sender.RankSender`), the pool has each take the version when
-its last bucket has landed (`finish`), and the coordinator returns one `SyncReport`, whose
-`SyncReport.metrics` are the run's ``sync/*`` and ``quant/*`` metrics. A replica the pool restarts
-is brought to the current weights through the coordinator (`EnginePool.on_restart`). The
-coordinator holds the policy version the engines hold (`version`): the one place the driver reads it.
+its own tensors, `moe_rl.weight_sync.sender.RankSender`), and the pool has each take the version
+when its last bucket has landed (`finish`). The pool answers which replicas did not take it
+(`moe_rl.orchestration.replicas`): those it restarted (a new process, without weights) and live
+ones whose weight stream broke (their weights partly new). The coordinator
+runs the sync again for them, in a loop: a replica is restarted at most
+`moe_rl.orchestration.engine_pool.MAX_ENGINE_RESTARTS` times (the pool's limit), and a stream that
+breaks more than `MAX_STREAM_BREAKS` times in a row stops the run. It returns the first attempt's
+`SyncReport`, whose `SyncReport.metrics` are the run's ``sync/*`` and ``quant/*`` metrics.
+
+A replica the pool restarts outside a sync (in a generation, or between the memory phases) is
+brought to the engines' weights by `bring_up`, which the stage that saw the restart calls. The coordinator
+holds the policy version the engines hold (`version`): the one place the driver reads it.
 
 It works against two small interfaces, so the Ray run and the one-process loop share it: a
 trainer that streams weights (``stream_weights(actors, quantized_wire, target) -> SyncReport``) and
-an engine pool (``replicas``, ``quantized_wire``, ``begin``, ``finish``, ``on_restart`` and each
-replica's ``actor``).
+an engine pool (``replicas``, ``quantized_wire``, ``begin``, ``finish`` and each replica's
+``actor``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from moe_rl.orchestration.replicas import Begun, Finished, Replica
 from moe_rl.weight_sync.receiver import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
+
+log = logging.getLogger("moe_rl.driver")
+
+MAX_STREAM_BREAKS = 2
+"""Syncs in a row a live replica whose weight stream broke takes again; one more break stops the run."""
 
 
 class WeightSender(Protocol):
@@ -36,14 +50,14 @@ class WeightSender(Protocol):
 class WeightReceivers(Protocol):
     """The engine side of a sync: replicas that begin, receive (through their ``actor``) and finish."""
 
-    replicas: list
+    replicas: list[Replica]
     quantized_wire: bool
-    on_restart: Any
-    on_cut_off: Any
 
-    def begin(self, version: int, replicas: list, target: SyncTarget) -> list: ...
+    def begin(self, version: int, replicas: list[Replica], target: SyncTarget) -> Begun: ...
 
-    def finish(self, version: int, replicas: list, dead: set[int], target: SyncTarget) -> dict: ...
+    def finish(
+        self, version: int, replicas: list[Replica], dead: set[int], target: SyncTarget
+    ) -> Finished: ...
 
 
 class WeightSync:
@@ -53,15 +67,13 @@ class WeightSync:
         self.trainer, self.engines = trainer, engines
         self.version = version
         """The policy version the engines hold."""
-        self._in_progress: int | None = None
-        engines.on_restart = self._bring_up
-        engines.on_cut_off = self._sync_again
 
     def run(
-        self, version: int, target: SyncTarget = SyncTarget.ENGINE, replicas: list | None = None
+        self, version: int, target: SyncTarget = SyncTarget.ENGINE, replicas: list[Replica] | None = None
     ) -> SyncReport:
-        """Sync ``version`` into ``target`` of ``replicas`` (default: every replica); a sync of the
-        engines' weights of every replica makes ``version`` the current one."""
+        """Sync ``version`` into ``target`` of ``replicas`` (default: every replica), until each
+        has taken it; a sync of the engines' weights of every replica makes ``version`` the current
+        one."""
         start = time.perf_counter()
         report = self._sync(self.engines.replicas if replicas is None else replicas, version, target)
         if target == SyncTarget.ENGINE and replicas is None:
@@ -69,29 +81,56 @@ class WeightSync:
         report.seconds = time.perf_counter() - start
         return report
 
-    def _sync(self, replicas: list, version: int, target: SyncTarget) -> SyncReport:
-        outer, self._in_progress = self._in_progress, version
-        try:
-            begun = self.engines.begin(version, replicas, target)
-            if not begun:
-                return SyncReport(version)
-            quantized = (
-                self.engines.quantized_wire and target == SyncTarget.ENGINE
-            )  # the probe's: full precision
-            report = self.trainer.stream_weights([r.actor for r in begun], quantized, target)
-            report.version = version
-            dead = {begun[i].index for i in report.dead}
-            report.received = self.engines.finish(version, begun, dead, target)
-            return report
-        finally:
-            self._in_progress = outer
+    def bring_up(self, replicas: list[Replica], version: int) -> None:
+        """Restarted replicas (new processes, without weights) take the engines' ``version``."""
+        if replicas:
+            self._sync(replicas, version, SyncTarget.ENGINE)
 
-    def _sync_again(self, replicas: list, version: int, target: SyncTarget) -> None:
-        """Replicas that lost part of a sync's stream (they live, their weights are partly new) take
-        the whole sync again."""
-        self._sync(replicas, version, target)
+    def _sync(self, replicas: list[Replica], version: int, target: SyncTarget) -> SyncReport:
+        """Attempts until every replica of ``replicas`` has taken the sync (see the module docstring;
+        the loop ends: the pool bounds each replica's restarts, `MAX_STREAM_BREAKS` the breaks in a
+        row). A sync into the probe's reference is of the engines' version, which a restarted
+        replica takes first."""
+        report: SyncReport | None = None
+        todo, breaks = list(replicas), 0
+        while todo:
+            attempt, finished, restarted = self._attempt(todo, version, target)
+            if report is None or not report.buckets:  # the first attempt that streamed is the sync's
+                report = attempt
+            report.received = report.received or finished.received
+            if target != SyncTarget.ENGINE:  # a new process needs the engines' weights first
+                self.bring_up(restarted, version)
+            breaks = breaks + 1 if finished.cut_off else 0
+            if finished.cut_off:
+                self._check_breaks(finished, breaks)
+            todo = restarted + finished.cut_off
+        return report or SyncReport(version)
 
-    def _bring_up(self, replicas: list) -> None:
-        """A restarted replica gets the weights of the sync in progress, or the current ones."""
-        version = self.version if self._in_progress is None else self._in_progress
-        self._sync(replicas, version, SyncTarget.ENGINE)
+    def _attempt(
+        self, replicas: list[Replica], version: int, target: SyncTarget
+    ) -> tuple[SyncReport, Finished, list[Replica]]:
+        """One pass of begin, stream and finish over ``replicas``; its report, the pool's answer to
+        `finish` and every replica restarted on the way."""
+        begun = self.engines.begin(version, replicas, target)
+        if not begun.began:
+            return SyncReport(version), Finished(), begun.restarted
+        quantized = self.engines.quantized_wire and target == SyncTarget.ENGINE  # the probe's: full precision
+        report = self.trainer.stream_weights([r.actor for r in begun.began], quantized, target)
+        report.version = version
+        dead = {begun.began[i].index for i in report.dead}
+        finished = self.engines.finish(version, begun.began, dead, target)
+        return report, finished, begun.restarted + finished.restarted
+
+    @staticmethod
+    def _check_breaks(finished: Finished, breaks: int) -> None:
+        """Cut-off replicas take the sync again, unless their stream broke too often in a row."""
+        names = ", ".join(str(replica.index) for replica in finished.cut_off)
+        if breaks > MAX_STREAM_BREAKS:
+            raise RuntimeError(
+                f"the weight stream to engine replicas {names} broke {breaks} times in a row; "
+                f"last error: {finished.error}"
+            ) from finished.error
+        error = finished.error
+        log.warning(
+            "engine replicas %s lost part of the weight stream (%s); syncing them again", names, error
+        )

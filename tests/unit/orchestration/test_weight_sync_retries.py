@@ -1,0 +1,95 @@
+"""The weight-sync coordinator over the Ray engine pool: engines whose weight stream broke (a
+process of the stream's group died; they live on with part of the new weights) are named by the
+pool's `finish` and synced again by the coordinator's loop, a bounded number of times in a row.
+Real Ray actors stand for the engines' side of a sync; the trainer side streams nothing and
+records which engines each attempt streamed to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import ray
+
+from moe_rl.config.derived import PlacementMode
+from moe_rl.config.loader import load_recipe
+from moe_rl.orchestration.engine_pool import EnginePool
+from moe_rl.orchestration.placement import Placement
+from moe_rl.orchestration.seats import Seats
+from moe_rl.orchestration.weight_sync import MAX_STREAM_BREAKS, WeightSync
+from moe_rl.weight_sync.broadcast import StreamBroken
+from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.report import SyncReport
+
+TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
+
+
+@ray.remote(num_cpus=0)
+class Engine:
+    """An engine's side of a sync: its stream breaks ``breaks`` times, then it takes the version."""
+
+    def __init__(self, index: int, breaks: int):
+        self.index, self.breaks, self.finished = index, breaks, []
+
+    def begin_weight_update(self, version: int, target: SyncTarget) -> None:
+        return None
+
+    def finish_weight_update(self, version: int, target: SyncTarget) -> dict:
+        if self.breaks:
+            self.breaks -= 1
+            raise StreamBroken("a weight stream broke: connection closed by peer")
+        self.finished.append(version)
+        return {"bytes_loaded": 10.0 + self.index}
+
+    def versions(self) -> list[int]:
+        return self.finished
+
+    def replica(self) -> int:
+        return self.index
+
+
+class Streams:
+    """The trainer's side: each attempt's engines, by index, and a report of one bucket."""
+
+    def __init__(self) -> None:
+        self.attempts: list[list[int]] = []
+
+    def stream_weights(self, engines: Sequence, quantized_wire: bool, target: SyncTarget) -> SyncReport:
+        self.attempts.append(ray.get([engine.replica.remote() for engine in engines]))
+        return SyncReport(bytes=100 * len(self.attempts), buckets=1, senders=1)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=1, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def _sync(breaks: list[int]) -> tuple[WeightSync, EnginePool, Streams]:
+    pool = EnginePool(
+        load_recipe(TINY), Seats(Placement("cpu", 1, 0.0, len(breaks), 0.0, False, PlacementMode.COLOCATED))
+    )
+    for replica, n in zip(pool.replicas, breaks, strict=True):
+        replica.actor = Engine.remote(replica.index, n)
+    streams = Streams()
+    return WeightSync(streams, pool), pool, streams
+
+
+def test_a_cut_off_engine_is_synced_again_and_the_others_are_left_alone(local_ray):
+    sync, pool, streams = _sync([0, 1])
+    report = sync.run(7)
+    assert streams.attempts == [[0, 1], [1]]  # only the engine whose stream broke takes it again
+    assert [ray.get(r.actor.versions.remote()) for r in pool.replicas] == [[7], [7]]
+    assert pool.restarts == 0  # it lived: not restarted
+    # the sync's report is its first attempt's, with what a receiver of it said when it finished
+    assert (report.bytes, report.received, sync.version) == (100, {"bytes_loaded": 10.0}, 7)
+
+
+def test_a_stream_that_keeps_breaking_stops_the_run_with_the_reason(local_ray):
+    sync, pool, streams = _sync([0, MAX_STREAM_BREAKS + 5])
+    with pytest.raises(RuntimeError, match=r"engine replicas 1 broke 3 times in a row.*connection closed"):
+        sync.run(7)
+    assert streams.attempts == [[0, 1]] + [[1]] * MAX_STREAM_BREAKS
+    assert sync.version == 0 and pool.restarts == 0  # the engines do not all hold version 7
