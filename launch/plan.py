@@ -45,7 +45,9 @@ from moe_rl.config.derived import (
 from moe_rl.config.flops import attention_weights, mlp_weights
 from moe_rl.config.modes import Attention, Family, Granularity, Precision, QuantMethod
 from moe_rl.config.schema import ModelConfig, QuantConfig
-from moe_rl.orchestration.preflight import preflight
+from moe_rl.config.sync_plan import SyncPlan, sync_plan
+from moe_rl.device import RunDevice
+from moe_rl.orchestration.preflight import preflight, target_machine
 from moe_rl.rules import Rule
 
 GIB = 1024**3
@@ -476,6 +478,8 @@ class Plan:
     trainer: TrainerMemory
     rollout: RolloutMemory
     checks: list[Rule]
+    sync: SyncPlan | None = None
+    """How every sync moves the weights (None: the recipe's sync route is refused, see `checks`)."""
 
     @property
     def failures(self) -> list[Rule]:
@@ -493,7 +497,16 @@ def make_plan(config: RecipeConfig, paths: bool = True) -> Plan:
     checks = constraint_checks(config, paths)
     if config.cluster.gpus_per_node > 0:
         checks += memory_checks(config, trainer, rollout)
-    return Plan(config, counts, trainer, rollout, checks)
+    return Plan(config, counts, trainer, rollout, checks, _sync_plan(config))
+
+
+def _sync_plan(config: RecipeConfig) -> SyncPlan | None:
+    """The recipe's weight-sync plan on the machine it describes (None when its route is refused)."""
+    on_cuda = target_machine(config).cuda and config.run.device != RunDevice.CPU
+    try:
+        return sync_plan(config, "cuda" if on_cuda else "cpu")
+    except ValueError:
+        return None
 
 
 def node_overrides(config: RecipeConfig, nodes: int | None, gpus_per_node: int | None) -> list[str]:
@@ -615,6 +628,23 @@ def _traffic_rows(plan: Plan) -> list[tuple[str, str]]:
     ]
 
 
+def _sync_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The weight-sync plan (`moe_rl.config.sync_plan`): route, why, what travels, who sends."""
+    from moe_rl.config.sync_plan import ROUTE_WORDS
+
+    sync = plan.sync
+    unit = "vLLM's packed buffers" if sync.vllm_transfer else "buckets"
+    rows = [
+        ("route", f"{sync.route}: {ROUTE_WORDS[sync.route]}"),
+        ("chosen by", sync.chosen_by),
+        ("what travels", f"{sync.wire}, in {unit} of {_gib(sync.bucket_bytes)}"),
+        ("senders", sync.senders),
+    ]
+    if plan.config.logging.diagnose_every:
+        rows.append(("probe's reference model", f"{sync.route_for(reference=True)}, full precision"))
+    return rows
+
+
 def _rows_table(title: str, rows: list[tuple[str, str]]):
     from rich.table import Table
 
@@ -651,6 +681,8 @@ def render(plan: Plan, console) -> None:
     if plan.config.cluster.gpus_per_node > 0:
         console.print(_rows_table("Memory per GPU", _memory_rows(plan)))
     console.print(_rows_table("Per RL step", _traffic_rows(plan)))
+    if plan.sync is not None:
+        console.print(_rows_table("Weight sync", _sync_rows(plan)))
     console.print(_checks_table(plan))
     if plan.ok:
         console.print("[bold green]PASS")

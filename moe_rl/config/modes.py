@@ -61,6 +61,28 @@ class Engine(StrEnum):
     VLLM = "vllm"
 
 
+class SyncRoute(StrEnum):
+    """``rollout.sync_transport``: how the weights travel from the trainer to the engines at every
+    sync (`moe_rl.config.sync_plan`)."""
+
+    AUTO = "auto"
+    """The route the recipe's engine, device and placement call for."""
+    BUCKETS = "buckets"
+    """Each trainer rank's own tensors in buckets: shared memory on its node, a process group to
+    other nodes. Works everywhere."""
+    DEVICE_IPC = "device_ipc"
+    """The whole model in buckets in each trainer GPU's memory, read by the Megatron engine on that
+    GPU (colocated, CUDA, one pipeline stage)."""
+    VLLM_NCCL = "vllm_nccl"
+    """vLLM's NCCL weight transfer from trainer rank 0 (vLLM on CUDA on nodes of their own, one
+    pipeline stage)."""
+    VLLM_IPC = "vllm_ipc"
+    """vLLM's CUDA IPC weight transfer from every trainer GPU (vLLM colocated on CUDA, one pipeline
+    stage)."""
+    IN_PROCESS = "in_process"
+    """The one-process loop's (not a recipe value: the loop chooses it)."""
+
+
 class ReleaseMemory(StrEnum):
     """``cluster.release_memory``: whether colocated phases give memory back to each other."""
 

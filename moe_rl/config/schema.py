@@ -39,6 +39,7 @@ from moe_rl.config.modes import (
     RopeScaling,
     RunMode,
     ScoreFunction,
+    SyncRoute,
     choice_fields,
 )
 from moe_rl.device import RunDevice
@@ -233,6 +234,10 @@ class RolloutConfig:
     """Weight sync: the trainer sends its weights in buckets of about this many MiB (whole
     tensors; a larger tensor travels in row chunks of at most this size), each published once for
     every engine replica."""
+    sync_transport: SyncRoute = SyncRoute.AUTO
+    """Weight sync: how the weights travel to the engines (`moe_rl.config.sync_plan`): ``auto`` (what
+    the engine, device and placement call for), ``buckets``, ``device_ipc``, ``vllm_nccl`` or
+    ``vllm_ipc``; a route the recipe's layout cannot use is refused. `moe-rl plan` prints the plan."""
     gpu_memory_utilization: float = 0.2
     """vLLM memory share (on CPU: share of one NUMA node's RAM)."""
     max_model_len: int = 512

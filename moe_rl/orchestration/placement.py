@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from moe_rl.config.derived import PlacementMode, placement_mode
 from moe_rl.config.modes import ReleaseMemory, RunMode
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.device import COPY_TUNABLES, DeviceKind, Machine, resolve_device
+from moe_rl.config.sync_plan import sync_rules
+from moe_rl.device import COPY_TUNABLES, DeviceKind, Machine, RunDevice, resolve_device
 from moe_rl.rules import Rule, first_broken
 
 TRAINER_NODE = "moe_rl_trainer_node"
@@ -125,8 +126,15 @@ def plan_placement(config: RecipeConfig, machine: Machine, node_roles: bool = Fa
 
 
 def placement_rules(config: RecipeConfig, machine: Machine | None = None) -> list[Rule]:
-    """Ranks and engines against GPUs and nodes. ``machine``: where it will run (None: the
-    cluster the recipe describes)."""
+    """Ranks and engines against GPUs and nodes, and the weight-sync route they allow
+    (`moe_rl.config.sync_plan.sync_rules`). ``machine``: where it will run (None: the cluster the
+    recipe describes)."""
+    on_cuda = machine.cuda if machine is not None else config.cluster.gpus_per_node > 0
+    device = "cuda" if on_cuda and config.run.device != RunDevice.CPU else "cpu"
+    return _layout_rules(config, machine) + sync_rules(config, device)
+
+
+def _layout_rules(config: RecipeConfig, machine: Machine | None) -> list[Rule]:
     c, r, p = config.cluster, config.rollout, config.parallel
     nodes = c.trainer_nodes + c.rollout_nodes
     release = c.release_memory
@@ -134,25 +142,27 @@ def placement_rules(config: RecipeConfig, machine: Machine | None = None) -> lis
         Rule("nodes = trainer + rollout", c.nodes == nodes,
              f"cluster.nodes={c.nodes}, cluster.trainer_nodes + cluster.rollout_nodes = {nodes}"),
         Rule("memory released where shared", release != ReleaseMemory.ON or not c.rollout_nodes,
-             f"cluster.release_memory={release}, cluster.rollout_nodes={c.rollout_nodes}: only engines on the "
-             "trainer's nodes (cluster.rollout_nodes=0) share its memory; engines on nodes of their own have "
-             "none to give back (cluster.release_memory=off)"),
+             f"cluster.release_memory={release}, cluster.rollout_nodes={c.rollout_nodes}",
+             advice="only engines on the trainer's nodes (cluster.rollout_nodes=0) share its memory; engines on "
+             "nodes of their own have none to give back (cluster.release_memory=off)"),
         Rule("memory released in a synchronous run", release != ReleaseMemory.ON or config.run.mode == RunMode.SYNC,
-             f"cluster.release_memory={release} with run.mode={config.run.mode}: memory is given back only in "
-             "a synchronous run (asynchronous, the next batch generates while the trainer trains); use "
-             "run.mode=sync or cluster.release_memory=off"),
+             f"cluster.release_memory={release} with run.mode={config.run.mode}",
+             advice="memory is given back only in a synchronous run (asynchronous, the next batch generates "
+             "while the trainer trains); use run.mode=sync or cluster.release_memory=off"),
         Rule("engine sleep level", c.engine_sleep_level in (1, 2),
-             f"cluster.engine_sleep_level={c.engine_sleep_level}: 1 (a sleeping engine keeps its weights in host "
-             "memory) or 2 (it drops them; the next weight sync restores them)"),
+             f"cluster.engine_sleep_level={c.engine_sleep_level}",
+             advice="1 (a sleeping engine keeps its weights in host memory) or 2 (it drops them; the next "
+             "weight sync restores them)"),
     ]  # fmt: skip
     if c.gpus_per_node == 0:
         on_gpu = machine is not None and resolve_device(config.run.device, machine) == "cuda"
         alone = p.trainer_world_size == 1 and r.num_engines == 1
         rules.append(Rule("GPUs per node given", not on_gpu or alone,
-                          f"cluster.gpus_per_node=0 with run.device={config.run.device} on GPUs: without a GPU count "
-                          "the run gets one GPU, for one trainer rank and one engine, but the recipe has "
-                          f"parallel.trainer_world_size={p.trainer_world_size} and rollout.num_engines={r.num_engines}; "
-                          "set cluster.gpus_per_node to each node's GPUs (0 is for CPU nodes)"))  # fmt: skip
+                          f"cluster.gpus_per_node=0 with run.device={config.run.device} on GPUs",
+                          advice="without a GPU count the run gets one GPU, for one trainer rank and one engine, but "
+                          f"the recipe has parallel.trainer_world_size={p.trainer_world_size} and "
+                          f"rollout.num_engines={r.num_engines}; set cluster.gpus_per_node to each node's GPUs (0 is "
+                          "for CPU nodes)"))  # fmt: skip
         return rules
     trainer_gpus = c.trainer_nodes * c.gpus_per_node
     tp, node = r.tensor_parallel_size, c.gpus_per_node

@@ -152,8 +152,8 @@ def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs]
     if hf_path is None:
         rules.append(Rule(
             "model weights given", kind != "file",
-            f"model.hf_path is null with data.task={config.data.task}: the model starts from random weights; "
-            "set model.hf_path to the checkpoint to train", fatal=False,
+            f"model.hf_path is null with data.task={config.data.task}", fatal=False,
+            advice="the model starts from random weights; set model.hf_path to the checkpoint to train",
         ))  # fmt: skip
     else:
         folder = Path(hf_path)

@@ -1,0 +1,86 @@
+"""The weight-sync plan (`moe_rl.config.sync_plan`): the route each layout gets, what travels on it,
+and a `rollout.sync_transport` the layout cannot use refused with one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import load_recipe
+from moe_rl.config.modes import SyncRoute
+from moe_rl.config.sync_plan import Senders, sync_plan, sync_rules
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "recipes" / "tiny_moe.yaml"
+APART = ["cluster.nodes=2", "cluster.trainer_nodes=1", "cluster.rollout_nodes=1", "cluster.gpus_per_node=8"]
+
+
+def _plan(device: str, *overrides: str, in_process: bool = False):
+    return sync_plan(load_recipe(TINY, list(overrides)), device, in_process)
+
+
+@pytest.mark.parametrize(
+    ("where", "overrides", "route", "senders"),
+    [
+        ("cpu", [], SyncRoute.BUCKETS, Senders.OWNERS),
+        ("cuda", [], SyncRoute.DEVICE_IPC, Senders.EVERY_RANK),  # Megatron engines on the trainer's GPU
+        ("cuda", APART, SyncRoute.BUCKETS, Senders.OWNERS),
+        ("cuda", ["parallel.pipeline_model_parallel_size=2", "parallel.trainer_world_size=2"],
+         SyncRoute.BUCKETS, Senders.OWNERS),
+        ("cuda", ["rollout.engine=vllm"], SyncRoute.VLLM_IPC, Senders.EVERY_RANK),
+        ("cuda", ["rollout.engine=vllm", *APART], SyncRoute.VLLM_NCCL, Senders.RANK0),
+        ("cpu", ["rollout.engine=vllm"], SyncRoute.BUCKETS, Senders.OWNERS),
+    ],
+)  # fmt: skip
+def test_the_automatic_route_of_each_layout(where, overrides, route, senders):
+    plan = _plan(where, *overrides)
+    assert plan.route is route and plan.senders == senders and plan.chosen_by.startswith("auto: ")
+    assert plan.same_device is (route is SyncRoute.DEVICE_IPC)
+    # the probe's full-precision reference model takes buckets unless the engine's route is the device's
+    assert plan.route_for(reference=True) is (route if route is SyncRoute.DEVICE_IPC else SyncRoute.BUCKETS)
+    assert plan.route_for(reference=False) is route
+
+
+def test_what_travels_follows_the_engine_and_the_recipe():
+    megatron = _plan("cpu", "rollout.quant=fp8_block128")
+    assert megatron.quantized_wire and megatron.wire == "fp8_block128 on the wire"
+    assert megatron.bucket_bytes == load_recipe(TINY).rollout.sync_bucket_mb << 20
+    assert not _plan("cpu", "rollout.quant=bf16").quantized_wire
+    assert not _plan("cpu", "rollout.quant=int4_awq").quantized_wire  # calibrated on the engine
+    vllm = _plan("cpu", "rollout.engine=vllm", "rollout.quant=fp8_block128")  # vLLM quantizes itself
+    assert not vllm.quantized_wire and vllm.wire == "tensors as the trainer holds them"
+    assert not _plan("cuda", "rollout.engine=vllm", "rollout.quant=fp8_block128").quantized_wire
+    line = megatron.describe()
+    assert line.startswith("buckets (shared memory on a sender's node") and "chosen by auto" in line
+
+
+def test_an_override_where_it_works_is_taken():
+    plan = _plan("cuda", "rollout.sync_transport=buckets")
+    assert plan.route is SyncRoute.BUCKETS and plan.chosen_by == "rollout.sync_transport=buckets"
+    assert _plan("cuda", "rollout.sync_transport=device_ipc").route is SyncRoute.DEVICE_IPC
+    assert _plan("cpu", in_process=True).route is SyncRoute.IN_PROCESS
+
+
+@pytest.mark.parametrize(
+    ("where", "overrides", "in_process", "match"),
+    [
+        ("cpu", ["rollout.sync_transport=device_ipc"], False,
+         r"^rollout.sync_transport=device_ipc on cpu: the route moves weights between GPUs; use "
+         r"rollout.sync_transport=auto or buckets$"),
+        ("cuda", ["rollout.sync_transport=vllm_ipc"], False,
+         r"^rollout.sync_transport=vllm_ipc, rollout.engine=megatron: the route is for rollout.engine=vllm"),
+        ("cuda", ["rollout.engine=vllm", "rollout.sync_transport=vllm_nccl"], False,
+         r"vllm_nccl, cluster.rollout_nodes=0: the route needs the engines on nodes of their own"),
+        ("cuda", ["rollout.sync_transport=device_ipc", *APART], False, r"needs the engines on the trainer's GPUs"),
+        ("cuda", ["rollout.sync_transport=device_ipc", "parallel.pipeline_model_parallel_size=2",
+                  "parallel.trainer_world_size=2"], False, r"pipeline_model_parallel_size=2: the route sends the whole"),
+        ("cpu", ["rollout.sync_transport=in_process"], False, r"the one-process loop's own route"),
+        ("cpu", ["rollout.sync_transport=device_ipc"], True, r"one-process loop hands the engine each bucket"),
+    ],
+)  # fmt: skip
+def test_a_route_the_layout_cannot_use_is_refused_naming_the_key(where, overrides, in_process, match):
+    config = load_recipe(TINY, overrides)
+    assert any(rule.broken for rule in sync_rules(config, where, in_process))
+    with pytest.raises(ValueError, match=match):
+        sync_plan(config, where, in_process)
