@@ -247,19 +247,26 @@ def test_a_context_beyond_the_models_positions_is_refused_as_vllm_refuses_it(tmp
         engine_config({**kwargs, "max_model_len": 256})
 
 
+VLLM_QUANTS = ("fp8_block128", "fp8_tensor", "nvfp4")
+"""The quantization recipes the CUDA engine runs with in these tests (vLLM's online quantization)."""
+
+
 @pytest.mark.parametrize("recipe", ["tiny_moe.yaml", "twins/deepseek_v3.yaml"])
 def test_the_weights_sent_load_into_vllms_own_model_class(recipe):
     """The trainer's HF-named weights, described by the weight-transfer metadata the engine hands
     vLLM (vLLM's NCCL update info built from it), load into vLLM's model class for the recipe's
     model, built on CPU: every parameter loaded, none unknown, each shape checked by vLLM's own
-    loaders, each weight in the dtype vLLM holds it in (`vllm_load_check.py`, in its own process)."""
+    loaders, every tensor sent in the dtype of the parameter it lands in, fused ones included; and
+    for each quantization recipe, what a trainer rank's buckets carry and how vLLM's quantization
+    of the recipe loads each layer (`vllm_load_check.py`, in its own process)."""
     import subprocess
     import sys
 
     script = Path(__file__).with_name("vllm_load_check.py")
     out = subprocess.run(
-        [sys.executable, str(script), str(RECIPES / recipe)], capture_output=True, text=True, timeout=600
-    )
+        [sys.executable, str(script), str(RECIPES / recipe), *VLLM_QUANTS], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
     family = "DeepseekV3ForCausalLM" if "deepseek" in recipe else "Qwen3MoeForCausalLM"
@@ -268,3 +275,24 @@ def test_the_weights_sent_load_into_vllms_own_model_class(recipe):
     wire, held = found["wire_dtypes"], found["dtypes"]
     assert {held[name] for name in held} <= {"bfloat16", "float32"}
     assert all(wire[name] == held[name] for name in held if name in wire)  # the weights loaded as they are
+    # every tensor sent lands in one parameter (its loader handed the very tensor), of the tensor's dtype
+    landed = found["landed"]
+    assert set(landed) == set(wire) and all(len(into) == 1 for into in landed.values())
+    wrong = {name: (wire[name], *into[0]) for name, into in landed.items() if into[0][1] != wire[name]}
+    assert wrong == {}, "sent dtype, vLLM parameter, its dtype"
+    fused = {
+        into[0][0].removesuffix(".weight").rsplit(".", 1)[-1]
+        for name, into in landed.items()
+        if into[0][0] != name
+    }
+    assert {"w13_weight", "w2_weight"} <= fused and fused & {"qkv_proj", "fused_qkv_a_proj"}, fused
+    for quant in VLLM_QUANTS:
+        got = found["by_quant"][quant]
+        # vLLM quantizes online: each layer it quantizes loads the full-precision weight, in the
+        # parameter's dtype checked above, and quantizes it after loading
+        methods = set(got["methods"].values())
+        assert methods <= {"online", "none"} and "online" in methods, (quant, got["quantization"], methods)
+        # a trainer rank's buckets carry each weight as the trainer holds it: no 8-bit data, no scales
+        trainer = found["held_by_trainer"]
+        assert got["streamed"]["travelled"] == {name: dtype for name, (dtype, _) in trainer.items()}, quant
+        assert got["streamed"]["decoded"] == trainer, quant

@@ -2,7 +2,7 @@
 state): the weights the CUDA vLLM engine is sent, described by the weight-transfer metadata it
 hands vLLM, load into vLLM's own model class, built on CPU.
 
-    python tests/unit/rollout/vllm_load_check.py RECIPE   # prints one JSON line
+    python tests/unit/rollout/vllm_load_check.py RECIPE [QUANT ...]   # prints one JSON line
 
 1. The trainer's Megatron model of the recipe (its CPU twin's shape) exports HF-named tensors
    (`iter_hf_weights`), in the engine's dtype (bf16, as on CUDA; `_to_engine_dtype`, which keeps
@@ -15,7 +15,13 @@ hands vLLM, load into vLLM's own model class, built on CPU.
 3. vLLM's model class for the recipe's `config.json` is built on CPU, the tensors are materialized
    from the update info as vLLM's receiving side does (`getattr(torch, dtype_name)`, the shape)
    and loaded with the model's own `load_weights` (which checks every shape): every parameter of
-   the model must be loaded, and nothing else.
+   the model must be loaded, and nothing else. Each parameter's loader records the tensors it is
+   handed, so every tensor sent is matched to the parameter it lands in, fused ones included
+   (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, every expert into ``w13``/``w2``).
+4. For each quantization recipe ``QUANT``: the buckets a trainer rank streams to the engine (the
+   recipe's `WireEncoder` with the CUDA vLLM engine's ``quantized_wire``), decoded as the engine
+   decodes them; and, for every linear and expert layer of vLLM's model, the method vLLM's own
+   quantization config of the recipe (the engine's ``quantization``) resolves for it.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from pathlib import Path
 import torch
 
 
-def main(recipe: str) -> dict:
+def main(recipe: str, quants: list[str]) -> dict:
+    from moe_rl.config.loader import load_recipe
     from moe_rl.device import Machine
     from moe_rl.megatron.hf_weights import iter_hf_weights
     from moe_rl.megatron.model import build_gpt_model, model_config_to_hf_config
@@ -55,6 +62,10 @@ def main(recipe: str) -> dict:
     ipc.tensors = list(_to_engine_dtype(iter_hf_weights(model), torch.bfloat16))
     if ipc.metadata() != meta:
         raise AssertionError("the IPC and NCCL sources describe different tensors")
+    trainer = {name: _described(t) for name, t in iter_hf_weights(model)}
+    streamed = {
+        quant: _streamed(model, load_recipe(recipe, [f"rollout.quant={quant}"]).quant) for quant in quants
+    }
     torch.distributed.destroy_process_group()  # vLLM builds its own
 
     update = NCCLWeightTransferUpdateInfo(
@@ -86,8 +97,18 @@ def main(recipe: str) -> dict:
         tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
         tensor.copy_(values[name])
         received.append((name, tensor))
+    landed = _record_loads(vmodel, received)
     loaded = vmodel.load_weights(iter(received))
     params = {name: p for name, p in vmodel.named_parameters()}
+    by_quant = {}
+    for quant in quants:
+        cfg = load_recipe(recipe, [f"rollout.quant={quant}"]).quant
+        quantization = llm_kwargs(folder, quant=cfg, device="cuda").get("quantization")
+        kwargs = llm_kwargs(folder, device="cpu", dtype="bfloat16", max_model_len=64)
+        quant_config = engine_config({**kwargs, "quantization": quantization}).quant_config
+        by_quant[quant] = {
+            "quantization": quantization, "methods": _methods(vmodel, quant_config), "streamed": streamed[quant],
+        }  # fmt: skip
     return {
         "model_class": type(vmodel).__name__,
         "sent": len(received),
@@ -96,8 +117,90 @@ def main(recipe: str) -> dict:
         "unknown": sorted(set(loaded) - set(params)),
         "dtypes": {name: str(p.dtype).split(".")[-1] for name, p in params.items()},
         "wire_dtypes": dict(zip(update.names, update.dtype_names, strict=True)),
+        "landed": landed,
+        "held_by_trainer": trainer,
+        "by_quant": by_quant,
     }
 
 
+def _described(tensor: torch.Tensor) -> list:
+    return [str(tensor.dtype).split(".")[-1], list(tensor.shape)]
+
+
+def _streamed(model: torch.nn.Module, quant) -> dict[str, dict]:
+    """What a trainer rank's buckets for a CUDA vLLM engine of recipe ``quant`` carry (``travelled``:
+    name -> dtype of every entry) and what the engine decodes from them (`VLLMEngine.receive_bucket`;
+    ``decoded``: name -> [dtype, shape])."""
+    from moe_rl.rollout.capabilities import engine_capabilities
+    from moe_rl.weight_sync.receiver import decoded
+    from moe_rl.weight_sync.sender import stream_buckets
+    from moe_rl.weight_sync.wire import Rejoin, WireEncoder
+
+    num_layers = model.config.num_layers
+    encoder = WireEncoder(
+        quant, num_layers, quantized_wire=engine_capabilities("vllm", "cuda").quantized_wire
+    )
+    rejoin, travelled, out = Rejoin(), {}, {}
+    for bucket in stream_buckets(model, encoder, 1 << 20):
+        travelled.update((entry.name, entry.dtype) for entry in bucket.entries)
+        out.update((name, _described(tensor)) for name, tensor in decoded(bucket, rejoin=rejoin))
+    rejoin.finish()
+    return {"travelled": travelled, "decoded": out}
+
+
+def _record_loads(vmodel: torch.nn.Module, received: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
+    """Wraps the loader of every parameter of ``vmodel`` so that each tensor of ``received`` (known by
+    its storage) names the parameters it is loaded into, with their dtypes: sent name -> [[param,
+    dtype], ...], filled as `load_weights` runs."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    sent = {tensor.untyped_storage().data_ptr(): name for name, tensor in received}
+    landed: dict[str, list] = {}
+
+    def recording(load, param_name: str):
+        def recorded(*args, **kwargs):  # vLLM's loaders take (param, loaded_weight, ...), by position or name
+            done = load(*args, **kwargs)
+            if done is not False:  # an expert loader says whether the expert is this rank's
+                param = args[0] if args else kwargs["param"]
+                loaded = args[1] if len(args) > 1 else kwargs["loaded_weight"]
+                name = sent.get(loaded.untyped_storage().data_ptr(), "<not a tensor sent>")
+                landed.setdefault(name, []).append([param_name, str(param.dtype).split(".")[-1]])
+            return done
+
+        return recorded
+
+    for param_name, param in vmodel.named_parameters():
+        param.weight_loader = recording(getattr(param, "weight_loader", default_weight_loader), param_name)
+    return landed
+
+
+def _methods(vmodel: torch.nn.Module, quant_config) -> dict[str, str]:
+    """For each linear and expert layer of ``vmodel``: the class of the method ``quant_config``
+    (vLLM's, of a recipe's online quantization) resolves for it, ``online`` for a method that loads
+    the full-precision weight in the model's dtype and quantizes it after loading, ``none`` for no
+    quantization."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
+    from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
+    from vllm.model_executor.layers.quantization.online.moe_base import OnlineMoEMethodBase
+
+    if not isinstance(quant_config, OnlineQuantizationConfig):
+        return {"*": type(quant_config).__name__}
+    out = {}
+    for prefix, module in vmodel.named_modules():
+        if not isinstance(module, (LinearBase, RoutedExperts)):
+            continue
+        resolved = quant_config.resolve_quant_method_cls(type(module), prefix)
+        method = resolved[-1] if resolved is not None else None
+        if method is None:
+            out[prefix] = "none"
+        elif issubclass(method, (OnlineLinearBase, OnlineMoEMethodBase)) and method.uses_meta_device:
+            out[prefix] = "online"
+        else:
+            out[prefix] = method.__name__
+    return out
+
+
 if __name__ == "__main__":
-    sys.stdout.write(json.dumps(main(sys.argv[1])) + "\n")
+    sys.stdout.write(json.dumps(main(sys.argv[1], sys.argv[2:])) + "\n")

@@ -61,3 +61,39 @@ def test_a_reference_past_its_buffer_and_a_view_are_refused(monkeypatch):
         ipc.open_ref(ipc.IpcRef(handle, ("test", 0), 16, 32))
     with pytest.raises(ValueError, match="only a whole contiguous buffer"):
         ipc.share(torch.zeros(8, dtype=torch.uint8)[2:])
+
+
+READ_LAST = "for m in sent[:-1]:\n    list(m.tensors())\nsent = sent[-1]\n" + READ
+"""A receiver in another process maps the buffers of the buckets before the last, then reads the last."""
+
+
+def test_a_receiver_maps_a_grown_buffer_of_the_same_slot_anew():
+    transport = DeviceIpc(64, sender=4)
+    try:
+        old = _messages(transport, _groups([1.0, 2.0, 3.0]))[2]  # slot 0 of the first sync: 3.0s
+        kept = transport.packer.buffers[0]  # the old buffer lives on for the receiver to map first
+        # 7.0 x 2000 floats outgrow slot 0's buffer (64 + SLACK bytes), 8.0 goes to slot 1, then
+        # 9.0 to slot 0 again: its 16 floats at offset 0 of the grown buffer
+        new = _messages(transport, [[("big", torch.full((2000,), 7.0), {})], *_groups([8.0, 9.0])])
+        assert transport.packer.buffers[0] is not kept and new[2].ipc.key == old.ipc.key
+        assert (new[2].ipc.offset, new[2].ipc.nbytes) == (old.ipc.offset, old.ipc.nbytes) == (0, 64)
+        # the receiver's mapping of slot 0 held 3.0s there: it must read 9.0 x 16 = 144 now
+        assert in_another_process(READ_LAST, [old, new[2]]) == 9.0 * 16
+    finally:
+        transport.close()
+
+
+def test_a_new_transport_of_the_same_sender_is_mapped_anew_after_close():
+    first = DeviceIpc(64, sender=5)
+    old = _messages(first, _groups([1.0]))[0]
+    kept = first.packer.buffers[0]  # the old buffer lives on for the receiver to map first
+    first.close()
+    second = DeviceIpc(64, sender=5)  # same process, same sender: the same key for slot 0
+    try:
+        new = _messages(second, _groups([4.0]))[0]
+        assert new.ipc.key == old.ipc.key and new.ipc.handle != old.ipc.handle
+        assert second.packer.buffers[0] is not kept
+        # the receiver mapped the closed transport's buffer (1.0s): it must read 4.0 x 16 = 64 now
+        assert in_another_process(READ_LAST, [old, new]) == 4.0 * 16
+    finally:
+        second.close()
