@@ -55,7 +55,6 @@ class EnginePool:
         self.replicas = [Replica(r) for r in range(seats.placement.engines)]
         self.quantized_wire = False
         self._hf_folder: str | None = None
-        self.regenerated_prompts = 0
 
     @property
     def restarts(self) -> int:
@@ -206,7 +205,6 @@ class EnginePool:
     def regenerate(self, gen: Generation, replicas: list[Replica]) -> None:
         """The prompts of ``replicas`` (restarted, at the current weights) generated again."""
         for replica in replicas:
-            self.regenerated_prompts += len(gen.plan.assignment[replica.index])
             self._launch(gen, replica)
 
     # ------------------------------------------------------------------ memory between phases

@@ -115,7 +115,7 @@ class LocalEngines:
         self.host = EngineHost(config, None, 0, env_factory=env_factory)
         self.replicas = [Replica(0, actor=self.host)]
         self.quantized_wire = self.host.capabilities().quantized_wire
-        self.regenerated_prompts = self.restarts = 0  # one process: nothing dies apart
+        self.restarts = 0  # one process: nothing dies apart
 
     def spawn(self) -> None:
         return None

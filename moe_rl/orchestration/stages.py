@@ -1,17 +1,20 @@
-"""The stages of an RL step, each a named method the driver calls in order, and the run state they
-share: the workers (trainer, engines, rewarder: `moe_rl.orchestration.workers`), the weight-sync
-coordinator, the prompt stream, checkpoints.
+"""The stages of an RL step, each a named method the loop (`moe_rl.orchestration.loop`) calls in
+order, over what they share: the workers (trainer, engines, rewarder:
+`moe_rl.orchestration.workers`), the weight-sync coordinator, the prompt stream and the run's
+state between steps (`moe_rl.orchestration.run_state.RunState`, which checkpoints store).
 
 The stages run against the workers' handles, so the Ray run and the one-process loop
 (`moe_rl.orchestration.local`) are the same loop. On Ray, rollout batches never pass through the
 driver: the engine replicas' batches stay in the object store, the reward worker merges, scores
-and shards them there, and each trainer rank fetches its own shard (`moe_rl.orchestration.
-batches`, `moe_rl.orchestration.rank_parts`). The driver reads summaries (rewards, group ids, lengths) and computes the advantages.
+and shards them there (`moe_rl.orchestration.batches`), and each trainer rank fetches its own
+shard (`moe_rl.orchestration.rank_parts`). The driver reads summaries (rewards, group ids,
+lengths) and computes the advantages.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -36,6 +39,7 @@ from moe_rl.orchestration.dispatch import Generation
 from moe_rl.orchestration.offline import read_offline
 from moe_rl.orchestration.preflight import RunInputs
 from moe_rl.orchestration.rank_parts import BatchHandle, rank_parts
+from moe_rl.orchestration.run_state import RunState
 from moe_rl.orchestration.sampling import step_spec
 from moe_rl.orchestration.weight_sync import WeightSync
 from moe_rl.rewards.registry import build_prompt_source
@@ -69,15 +73,16 @@ class Workers:
 
 
 @dataclass
-class PendingRollout:
-    """A generation in flight: its replicas' work, its prompts, and the prompt stream before them."""
+class Rounds:
+    """A step's generation rounds, the one in flight: its replicas' work (`generation`), its
+    prompts and its number. Round 0 draws the step's prompts; with dynamic sampling, a batch not
+    yet full is followed by a round over the prompts it still lacks; a batch too stale to train on
+    is followed by round 0 again, over new prompts (`Stages.next_round`)."""
 
     step: int
     generation: Generation
     prompts: list[Prompt]
-    source_state: dict
-    round_: int = 0
-    """The step's generation round (dynamic sampling generates more than one)."""
+    round: int = 0
 
 
 @dataclass
@@ -87,9 +92,14 @@ class Rollout:
     shards: list[Any]
     summary: ScoredSummary
 
+    @property
+    def trainable(self) -> bool:
+        """Complete and fresh enough to train on (else another round follows)."""
+        return self.summary.trainable
+
 
 class Stages:
-    """Everything one run needs between steps (see `moe_rl.orchestration.driver`)."""
+    """Everything one run needs between steps (see the module docstring)."""
 
     def __init__(self, config: RecipeConfig, run_dir: Path | None, workers: Workers, inputs: RunInputs):
         """``run_dir``: where checkpoints and dumps go (None for a run that writes neither)."""
@@ -99,18 +109,14 @@ class Stages:
         self.sync = WeightSync(self.trainer, self.engines)
         self.source = inputs.prompt_source
         self.offline_data = inputs.offline_data
-        self.step_done = -1
-        self.num_stale_rejected = 0
-        self._pending_state: dict = {}
-        self._probe_source = None
-        self._flat_steps = 0  # steps in a row whose groups' rewards had no variance
+        self.state = RunState()
         self.releases = releases_memory(config, resolve_device(config.run.device, Machine.detect()))
         """Colocated phases give memory back (`cluster.release_memory`)."""
 
     # ------------------------------------------------------------------ start / resume
     def start(self) -> int:
         self.engines.start()
-        self.sync.run(0)
+        self.sync.run(self.state.version)
         return 0
 
     def restore(self, sink) -> int:
@@ -121,127 +127,122 @@ class Stages:
             log.warning("--resume %s: no checkpoint yet; starting from step 0", self.run_dir)
             sink.resume_from(0)
             return self.start()
-        state = json.loads((usable.path / "driver.json").read_text())
+        state, source = RunState.from_json(json.loads((usable.path / "driver.json").read_text()))
         self.trainer.load_checkpoint(str(usable.path / "trainer"))
-        self.source.load_state(state["source"])
-        self.step_done = state["step"]
-        self.num_stale_rejected = state["num_stale_rejected"]
+        self.source.load_state(source)
+        self.state = state
         self.engines.start()
-        self.sync.run(state["version"])
-        run_dir.set_aside_newer(usable.path.parent, self.step_done)
-        sink.resume_from(self.step_done + 1)
+        self.sync.run(state.version)
+        run_dir.set_aside_newer(usable.path.parent, state.step_done)
+        sink.resume_from(state.step_done + 1)
         log.info(
-            "resumed from %s at step %d (policy version %d)", usable.path, self.step_done + 1, self.version
+            "resumed from %s at step %d (policy version %d)", usable.path, state.step_done + 1, state.version
         )
-        return self.step_done + 1
+        return state.step_done + 1
 
-    # ------------------------------------------------------------------ stages
-    def launch_rollout(self, step: int, round_: int = 0, num_prompts: int | None = None) -> PendingRollout:
-        """Draw the step's prompts (``num_prompts`` of them in a later round of dynamic sampling)
-        and start generating them on the engine pool."""
+    # ------------------------------------------------------------------ rollout
+    def generate(self, step: int) -> Rounds:
+        """Draw the step's prompts and start generating them on the engine pool (round 0)."""
+        generation, prompts = self._launch(step, 0, self._groups)
+        return Rounds(step, generation, prompts)
+
+    def next_round(self, rounds: Rounds, batch: Rollout) -> None:
+        """The step's next generation round, after a ``batch`` not to train on: one too stale is
+        counted (never trained on) and the step starts over with new prompts (round 0); with
+        dynamic sampling, a round over the prompts the batch still lacks."""
+        summary = batch.summary
+        if summary.stale is not None:
+            self.state.stale_rejected += summary.num_samples
+            log.warning("rejected a stale batch: %s", summary.stale)
+            next_round, num_prompts = 0, self._groups
+        else:
+            next_round, num_prompts = rounds.round + 1, summary.more
+        rounds.generation, rounds.prompts = self._launch(rounds.step, next_round, num_prompts)
+        rounds.round = next_round
+
+    def _launch(self, step: int, round_: int, num_prompts: int) -> tuple[Generation, list[Prompt]]:
         state = self.source.state()
-        prompts = self.source.next_batch(num_prompts or self._groups)
+        prompts = self.source.next_batch(num_prompts)
         group_ids = [step * self._groups + i for i in range(len(prompts))]  # unique within a round
         generation = self.engines.generate(prompts, step_spec(self.config, step, round_), group_ids)
         if round_ == 0:
-            self._pending_state[step] = state
-        return PendingRollout(step, generation, prompts, state, round_)
+            self.state.launched[step] = state
+        return generation, prompts
 
     @property
     def _groups(self) -> int:
         return self.config.rollout.batch_size // self.config.rollout.group_size
 
-    def rollout(self, step: int, pending: PendingRollout | None) -> tuple[Rollout, dict[str, Any]]:
-        """Generate (or collect the generation started earlier); score, validate and shard it in the
-        reward worker; reject batches that are too stale and generate again."""
-        t0, reward_s = time.perf_counter(), 0.0
-        for launched in [s for s in self._pending_state if s < step]:  # a checkpoint needs only later ones
-            del self._pending_state[launched]
-        regenerated = self.engines.regenerated_prompts
-        memory = self._release_before_generation() if self.releases else {}
-        while True:
-            pending = pending if pending is not None and pending.step == step else self.launch_rollout(step)
-            refs = self._collect(pending.generation)
-            t_reward = time.perf_counter()
-            shards, summary = self.rewarder.prepare(
-                refs, pending.generation.plan, pending.prompts, self.version, self.trainer.dp_size,
-                pending.round_, [step * self._groups + i for i in range(self._groups)],
-            )  # fmt: skip
-            reward_s += time.perf_counter() - t_reward
-            if summary.more:  # dynamic sampling: groups whose rewards all agree were dropped
-                pending = self.launch_rollout(step, pending.round_ + 1, summary.more)
-                continue
-            if summary.stale is None:
-                break
-            self.num_stale_rejected += summary.num_samples
-            log.warning("rejected a stale batch: %s", summary.stale)
-            pending = None
-        if self.releases:
-            memory.update(self._restore_after_generation())
-        rollout = Rollout(shards, summary)
-        metrics = {
-            "time/rollout_s": time.perf_counter() - t0 - reward_s,
-            "time/reward_s": reward_s,  # merge, score, validate and shard in the reward worker
-            "policy/version": self.version,
-            "policy/batch_min_version": summary.min_version,
-            "policy/staleness": self.version - summary.min_version,
-            "rollout/stale_rejected_samples": self.num_stale_rejected,
-            "rollout/engines": len(self.engines.replicas),
-            "rollout/regenerated_prompts": self.engines.regenerated_prompts - regenerated,
-            "trainer/world_size": self.trainer.world_size,
-            **env_metrics([status.get("env", {}) for status in pending.generation.statuses.values()]),
-            **summary.metrics,
-            **memory,
-        }
-        return rollout, metrics
-
-    def _collect(self, generation: Generation) -> list[Any]:
-        """The replicas' batches of ``generation`` (refs on Ray); a replica that died is restarted,
-        brought to the current weights and generates its prompts again."""
-        while restarted := self.engines.collect(generation):
-            self.sync.bring_up(restarted, self.version)
-            self.engines.regenerate(generation, restarted)
-        return generation.batch_refs()
-
-    def _release_before_generation(self) -> dict[str, float]:
-        """Colocated: the trainer's optimizer state and gradients (and parameters, with
-        `cluster.offload_params`) leave device memory; the engines take theirs again."""
+    def wake_engines(self, metrics: dict[str, Any]) -> None:
+        """Colocated (`cluster.release_memory`): the trainer's optimizer state and gradients (and
+        parameters, with `cluster.offload_params`) leave device memory; the engines take theirs
+        again."""
+        if not self.releases:
+            return
         released = self.trainer.release_memory(self.config.cluster.offload_params)
         awake = self.engines.wake_up()
-        self.sync.bring_up(awake.restarted, self.version)  # new processes, awake
+        self.sync.bring_up(awake.restarted, self.state.version)  # new processes, awake
+        metrics["memory/trainer_released_gib"] = released["released_bytes"] / GIB
+        metrics["memory/trainer_generate_gib"] = released["resident_bytes"] / GIB
+        metrics["memory/trainer_releases"] = 1
+
+    def collect(self, rounds: Rounds, metrics: dict[str, Any]) -> list[Any]:
+        """The round's batches, one per replica with prompts (refs on Ray). A replica that died is
+        restarted, brought to the current weights and generates its prompts again."""
+        generation, regenerated = rounds.generation, 0
+        while restarted := self.engines.collect(generation):
+            self.sync.bring_up(restarted, self.state.version)
+            self.engines.regenerate(generation, restarted)
+            regenerated += sum(len(generation.plan.assignment[replica.index]) for replica in restarted)
+        metrics["rollout/regenerated_prompts"] = metrics.get("rollout/regenerated_prompts", 0) + regenerated
+        return generation.batch_refs()
+
+    def reward(self, rounds: Rounds, batches: list[Any], metrics: dict[str, Any]) -> Rollout:
+        """The reward worker merges the round's ``batches`` in prompt order, scores every response,
+        validates the batch, checks its staleness and shards it (with dynamic sampling, over the
+        step's pool of groups). A batch to train on brings its metrics: rewards, lengths, versions."""
+        t0 = time.perf_counter()
+        shards, summary = self.rewarder.prepare(
+            batches, rounds.generation.plan, rounds.prompts, self.state.version, self.trainer.dp_size,
+            rounds.round, [rounds.step * self._groups + i for i in range(self._groups)],
+        )  # fmt: skip
+        metrics["time/reward_s"] = metrics.get("time/reward_s", 0.0) + time.perf_counter() - t0
+        batch = Rollout(shards, summary)
+        if batch.trainable:
+            metrics.update(self._batch_metrics(rounds, summary))
+        return batch
+
+    def _batch_metrics(self, rounds: Rounds, summary: ScoredSummary) -> dict[str, Any]:
+        version, rewards = self.state.version, summary.rewards
         return {
-            "memory/trainer_released_gib": released["released_bytes"] / GIB,
-            "memory/trainer_generate_gib": released["resident_bytes"] / GIB,
-            "memory/trainer_releases": 1,
+            "policy/version": version,
+            "policy/batch_min_version": summary.min_version,
+            "policy/staleness": version - summary.min_version,
+            "rollout/stale_rejected_samples": self.state.stale_rejected,
+            "rollout/engines": len(self.engines.replicas),
+            "trainer/world_size": self.trainer.world_size,
+            **env_metrics([status.get("env", {}) for status in rounds.generation.statuses.values()]),
+            **summary.metrics,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/max": float(rewards.max()),
         }
 
-    def _restore_after_generation(self) -> dict[str, float]:
+    def sleep_engines(self, metrics: dict[str, Any]) -> None:
         """Colocated: the engines give their memory back (`cluster.engine_sleep_level`); the trainer
         takes what it released."""
+        if not self.releases:
+            return
         asleep = self.engines.sleep()
         while asleep.restarted:  # new processes, awake: the current weights, then asleep too
-            self.sync.bring_up(asleep.restarted, self.version)
+            self.sync.bring_up(asleep.restarted, self.state.version)
             asleep = asleep.merged(self.engines.sleep(asleep.restarted))
         self.trainer.restore_memory()
-        most = asleep.most
-        return {
-            "memory/engine_generate_gib": most.get("peak_bytes", 0.0) / GIB,  # its generation's footprint
-            "memory/engine_asleep_gib": most.get("resident_bytes", 0.0) / GIB,
-            "memory/engine_sleeps": 1,
-        }
+        metrics["memory/engine_generate_gib"] = asleep.most.get("peak_bytes", 0.0) / GIB  # a generation's
+        metrics["memory/engine_asleep_gib"] = asleep.most.get("resident_bytes", 0.0) / GIB
+        metrics["memory/engine_sleeps"] = 1
 
-    def reward(self, rollout: Rollout, metrics: dict[str, Any]) -> Rollout:
-        """The verifiable rewards the reward worker gave the batch."""
-        rewards = rollout.summary.rewards
-        metrics.update(
-            {
-                "reward/mean": float(rewards.mean()),
-                "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                "reward/max": float(rewards.max()),
-            }
-        )
-        return rollout
-
+    # ------------------------------------------------------------------ training
     def advantages(self, rollout: Rollout, metrics: dict[str, Any]) -> torch.Tensor:
         """Per-sample advantages; for DGO the sample weights exp(r/β)/mean_group exp(r/β). Warns once
         when no group's rewards have varied for `FLAT_REWARD_STEPS` steps in a row."""
@@ -249,8 +250,8 @@ class Stages:
         metrics.update(found)
         dgo = self.config.algo.objective == Objective.DGO  # sample weights, never all 0
         flat = not dgo and found.get("advantage/zero_variance_group_share", 0.0) >= 1.0
-        self._flat_steps = self._flat_steps + 1 if flat else 0
-        if self._flat_steps == FLAT_REWARD_STEPS:
+        self.state.flat_steps = self.state.flat_steps + 1 if flat else 0
+        if self.state.flat_steps == FLAT_REWARD_STEPS:
             rewards = rollout.summary.rewards
             log.warning(
                 "no group's rewards have varied for %d steps in a row (reward/mean %.3f, min %.3f, max %.3f): "
@@ -277,19 +278,19 @@ class Stages:
         metrics.update(self.trainer.train(prepared))
         metrics["time/train_s"] = time.perf_counter() - t0
 
-    @property
-    def version(self) -> int:
-        """The policy version the engines hold (the sync coordinator's)."""
-        return self.sync.version
-
     def sync_weights(self, version: int, metrics: dict[str, Any]) -> None:
-        """Stream the new weights to every engine replica (bucket by bucket, quantized per recipe)."""
+        """Stream the new weights to every engine replica (bucket by bucket, quantized per recipe);
+        the engines hold ``version`` then."""
         t0 = time.perf_counter()
         report = self.sync.run(version)
-        self.step_done = version - 1
+        self.state.version = version
         metrics.update(report.metrics())
         metrics["time/sync_s"] = time.perf_counter() - t0
         metrics["rollout/engine_restarts"] = self.engines.restarts
+
+    def end_step(self, step: int) -> None:
+        """``step`` is done: a checkpoint from now on holds the state after it."""
+        self.state.end_step(step)
 
     def dump(self, step: int, rollout: Rollout) -> None:
         """Store the step's batch as trajectory shards (`logging.dump_trajectories`)."""
@@ -304,52 +305,52 @@ class Stages:
         every = self.config.logging.diagnose_every
         if not every or (step + 1) % every:
             return
-        if self._probe_source is None:
-            self._probe_source = build_prompt_source(self.config)
-            self._probe_source.rng.seed(self.config.run.seed + PROBE_SEED_OFFSET)
-        prompts = self._probe_source.next_batch(
-            self.config.rollout.batch_size // self.config.rollout.group_size
-        )
-        self.sync.run(self.version, SyncTarget.REFERENCE, self.engines.replicas[:1])  # full precision
+        prompts = self._probe_source.next_batch(self._groups)
+        self.sync.run(self.state.version, SyncTarget.REFERENCE, self.engines.replicas[:1])  # full precision
         metrics.update(self.engines.probe(prompts))
         metrics.update(staleness_metrics(metrics))
 
+    @functools.cached_property
+    def _probe_source(self):
+        """The probe's prompt stream, seeded apart from the training prompts."""
+        source = build_prompt_source(self.config)
+        source.rng.seed(self.config.run.seed + PROBE_SEED_OFFSET)
+        return source
+
     # ------------------------------------------------------------------ offline (DGO)
-    def offline_dataset(self) -> list[TrajectoryBatch]:
-        """Stored trajectories (`data.trajectories`), or `data.offline_batches` rollout batches
-        generated once with the starting policy and stored in `<run_dir>/offline_data`."""
-        data = self.offline_data  # `data.trajectories`: read and validated by the preflight
+    def offline_dataset(self) -> list[TrajectoryBatch] | None:
+        """Stored trajectories (`data.trajectories`, read and validated by the preflight) or the
+        `data.offline_batches` batches this run generated once (`store_offline`), in
+        `rollout.batch_size` slices; None while they are not generated."""
+        data = self.offline_data
         if data is None:
             folder = self.run_dir / "offline_data"
-            done = folder / "complete"
-            if not done.exists():
-                for i in range(self.config.data.offline_batches):
-                    self.rollout(OFFLINE_STEP + i, None)  # scored by the reward worker, which writes it
-                    part = folder / f"batch_{i:04d}"
-                    self.rewarder.dump(str(part), OFFLINE_STEP + i)
-                done.write_text("")
-            data = read_offline(self.config, Path(folder))
+            if not (folder / "complete").exists():
+                return None
+            data = read_offline(self.config, folder)
         size = self.config.rollout.batch_size
         return [data.slice(i, i + size) for i in range(0, data.num_samples - size + 1, size)]
+
+    def store_offline(self, i: int) -> None:
+        """The batch the reward worker scored last, as offline batch ``i`` in
+        `<run_dir>/offline_data` (complete after the last of `data.offline_batches`)."""
+        folder = self.run_dir / "offline_data"
+        self.rewarder.dump(str(folder / f"batch_{i:04d}"), OFFLINE_STEP + i)
+        if i + 1 == self.config.data.offline_batches:
+            (folder / "complete").write_text("")
 
     def offline_batch(self, dataset: list[TrajectoryBatch], step: int) -> tuple[Rollout, dict[str, Any]]:
         """The step's slice of the stored data (epochs cycle over it), sharded by the reward worker."""
         batch = dataset[step % len(dataset)]
-        shards, summary = self.rewarder.prepare_stored(batch, self.version, self.trainer.dp_size)
+        shards, summary = self.rewarder.prepare_stored(batch, self.state.version, self.trainer.dp_size)
         rollout = Rollout(shards, summary)
         return rollout, {
             "offline/epoch": step // len(dataset),
             "offline/reward_mean": float(batch.rewards.mean()),
-            "policy/version": self.version,
+            "policy/version": self.state.version,
             "trainer/world_size": self.trainer.world_size,
             **summary.metrics,
         }
-
-    def evaluate(self, step: int, metrics: dict[str, Any]) -> None:
-        """Reward of fresh rollouts from the current policy (not trained on)."""
-        rollout, rollout_metrics = self.rollout(EVAL_STEP + step, None)
-        self.reward(rollout, rollout_metrics)
-        metrics.update({k: v for k, v in rollout_metrics.items() if k.startswith(("reward/", "time/"))})
 
     # ------------------------------------------------------------------ checkpoints
     def maybe_checkpoint(self, step: int) -> None:
@@ -359,12 +360,12 @@ class Stages:
             self.checkpoint()
 
     def checkpoint(self) -> None:
-        """Trainer state + driver state after the last finished step (none finished: nothing),
-        sealed by a manifest written last (`run_dir.write_manifest`)."""
-        if self.step_done < 0:
+        """Trainer state + the run's state (`RunState`) after the last finished step (none
+        finished: nothing), sealed by a manifest written last (`run_dir.write_manifest`)."""
+        step = self.state.step_done
+        if step < 0:
             return
         run_dir.ensure_owned(self.run_dir)  # this run still holds its directory
-        step = self.step_done
         name = f"step_{step:06d}"
         folder = self.run_dir / "checkpoints"
         ckpt = folder / name
@@ -379,22 +380,10 @@ class Stages:
             if full is not None:
                 raise full from exc
             raise
-        source = self._pending_state.get(step + 1, self.source.state())
-        state = {
-            "step": step,
-            "version": self.version,
-            "num_stale_rejected": self.num_stale_rejected,
-            "source": _jsonable(source),
-        }
-        (ckpt / "driver.json").write_text(json.dumps(state))
+        (ckpt / "driver.json").write_text(json.dumps(self.state.to_json(self.source.state())))
         run_dir.write_manifest(ckpt)
         run_dir.mark_latest(folder, name)
         log.info("checkpoint %s", ckpt)
 
     def shutdown(self) -> None:
         self.workers.shutdown()
-
-
-def _jsonable(state: dict) -> dict:
-    version, internal, gauss = state["rng"]
-    return {"rng": [version, list(internal), gauss], "order": state["order"]}

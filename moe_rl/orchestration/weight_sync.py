@@ -6,15 +6,16 @@ the engine pool tells them it begins (`begin`), the trainer streams its buckets 
 its own tensors, `moe_rl.weight_sync.sender.RankSender`), and the pool has each take the version
 when its last bucket has landed (`finish`). The pool answers which replicas did not take it
 (`moe_rl.orchestration.replicas`): those it restarted (a new process, without weights) and live
-ones whose weight stream broke (their weights partly new). The coordinator
-runs the sync again for them, in a loop: a replica is restarted at most
-`moe_rl.orchestration.engine_pool.MAX_ENGINE_RESTARTS` times (the pool's limit), and a stream that
-breaks more than `MAX_STREAM_BREAKS` times in a row stops the run. It returns the first attempt's
-`SyncReport`, whose `SyncReport.metrics` are the run's ``sync/*`` and ``quant/*`` metrics.
+ones whose weight stream broke (their weights partly new). The coordinator runs the sync again for
+them, in a loop: a replica is restarted at most `moe_rl.orchestration.engine_pool.
+MAX_ENGINE_RESTARTS` times (the pool's limit), and a stream that breaks more than
+`MAX_STREAM_BREAKS` times in a row stops the run. It returns the first attempt's `SyncReport`,
+whose `SyncReport.metrics` are the run's ``sync/*`` and ``quant/*`` metrics.
 
 A replica the pool restarts outside a sync (in a generation, or between the memory phases) is
-brought to the engines' weights by `bring_up`, which the stage that saw the restart calls. The coordinator
-holds the policy version the engines hold (`version`): the one place the driver reads it.
+brought to the engines' weights by `bring_up`, which the stage that saw the restart calls. The
+coordinator holds no state: the policy version the engines hold is the run's
+(`moe_rl.orchestration.run_state.RunState.version`).
 
 It works against two small interfaces, so the Ray run and the one-process loop share it: a
 trainer that streams weights (``stream_weights(actors, quantized_wire, target) -> SyncReport``) and
@@ -63,21 +64,16 @@ class WeightReceivers(Protocol):
 class WeightSync:
     """Runs syncs from ``trainer`` to ``engines`` (see the module docstring)."""
 
-    def __init__(self, trainer: WeightSender, engines: WeightReceivers, version: int = 0):
+    def __init__(self, trainer: WeightSender, engines: WeightReceivers):
         self.trainer, self.engines = trainer, engines
-        self.version = version
-        """The policy version the engines hold."""
 
     def run(
         self, version: int, target: SyncTarget = SyncTarget.ENGINE, replicas: list[Replica] | None = None
     ) -> SyncReport:
         """Sync ``version`` into ``target`` of ``replicas`` (default: every replica), until each
-        has taken it; a sync of the engines' weights of every replica makes ``version`` the current
-        one."""
+        has taken it."""
         start = time.perf_counter()
         report = self._sync(self.engines.replicas if replicas is None else replicas, version, target)
-        if target == SyncTarget.ENGINE and replicas is None:
-            self.version = version
         report.seconds = time.perf_counter() - start
         return report
 

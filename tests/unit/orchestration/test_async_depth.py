@@ -17,11 +17,14 @@ def test_generation_runs_async_depth_versions_behind_and_draws_the_sync_runs_pro
     deep = LocalRun(
         load_checked(TINY_RECIPE, [*base, "run.mode=async", "run.async_depth=3", "run.max_staleness=3"])
     )
-    records = list(deep.run(5))
+    records, drawn = [], []
+    for record in deep.run(5):  # the prompt stream's state before each step drawn and not trained yet
+        records.append(record)
+        drawn.append(sorted(deep.stages.state.launched))
+    assert drawn == [[1, 2, 3], [2, 3, 4], [3, 4], [4], []]  # a trained step's is forgotten
     assert [r["policy/staleness"] for r in records] == [0, 1, 2, 3, 3]
     assert [r["policy/batch_min_version"] for r in records] == [0, 0, 0, 0, 1]
     assert all(r["rollout/stale_rejected_samples"] == 0 for r in records)
-    assert sorted(deep.stages._pending_state) == [4]  # a trained step's launch state is forgotten
     sync = LocalRun(load_checked(TINY_RECIPE, base))
     list(sync.run(5))
     assert deep.stages.source.state() == sync.stages.source.state()  # the same prompts, in order

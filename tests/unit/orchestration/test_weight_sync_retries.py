@@ -84,7 +84,7 @@ def test_a_cut_off_engine_is_synced_again_and_the_others_are_left_alone(local_ra
     assert [ray.get(r.actor.versions.remote()) for r in pool.replicas] == [[7], [7]]
     assert pool.restarts == 0  # it lived: not restarted
     # the sync's report is its first attempt's, with what a receiver of it said when it finished
-    assert (report.bytes, report.received, sync.version) == (100, {"bytes_loaded": 10.0}, 7)
+    assert (report.bytes, report.received) == (100, {"bytes_loaded": 10.0})
 
 
 def test_a_stream_that_keeps_breaking_stops_the_run_with_the_reason(local_ray):
@@ -92,4 +92,4 @@ def test_a_stream_that_keeps_breaking_stops_the_run_with_the_reason(local_ray):
     with pytest.raises(RuntimeError, match=r"engine replicas 1 broke 3 times in a row.*connection closed"):
         sync.run(7)
     assert streams.attempts == [[0, 1]] + [[1]] * MAX_STREAM_BREAKS
-    assert sync.version == 0 and pool.restarts == 0  # the engines do not all hold version 7
+    assert pool.restarts == 0
