@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from moe_rl.data.trajectory import TrajectoryBatch
+from moe_rl.orchestration.sampling import Draw
 from moe_rl.rewards.tasks import Prompt
-from moe_rl.rollout.engine import SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,8 @@ class Generation:
 
     plan: Dispatch
     prompts: list[Prompt]
-    spec: SamplingSpec
+    draw: Draw
+    """What the round samples for (its replicas' seeds: `moe_rl.orchestration.sampling.replica_spec`)."""
     group_ids: list[int]
     refs: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     statuses: dict[int, dict[str, Any]] = field(default_factory=dict)

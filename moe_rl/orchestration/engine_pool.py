@@ -28,10 +28,9 @@ from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, SYNC_GROUP, EngineActor, sync_call
 from moe_rl.orchestration.dispatch import Generation, dispatch
 from moe_rl.orchestration.replicas import Answers, Begun, Finished, Replica
-from moe_rl.orchestration.sampling import replica_spec
+from moe_rl.orchestration.sampling import Draw, replica_spec
 from moe_rl.orchestration.seats import Seats
 from moe_rl.rewards.tasks import Prompt
-from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.weight_sync.broadcast import StreamBroken
 from moe_rl.weight_sync.receiver import SyncTarget
 
@@ -165,11 +164,13 @@ class EnginePool:
         return finished
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[Prompt], spec: SamplingSpec, group_ids: list[int]) -> Generation:
-        """Dispatch ``prompts`` over the replicas and start generating (returns at once)."""
+    def generate(self, prompts: list[Prompt], draw: Draw, group_ids: list[int]) -> Generation:
+        """Dispatch ``prompts`` over the replicas and start generating them for ``draw`` (returns
+        at once)."""
         response = max_response_tokens(self.config)
-        plan = dispatch([len(p.ids) for p in prompts], spec.n, response, len(self.replicas))
-        gen = Generation(plan, prompts, spec, group_ids)
+        n = self.config.rollout.group_size
+        plan = dispatch([len(p.ids) for p in prompts], n, response, len(self.replicas))
+        gen = Generation(plan, prompts, draw, group_ids)
         for replica in self.replicas:
             self._launch(gen, replica)
         return gen
@@ -180,7 +181,7 @@ class EnginePool:
             return
         gen.refs[replica.index] = replica.actor.generate.remote(
             [gen.prompts[i] for i in mine],
-            replica_spec(gen.spec, replica.index),
+            replica_spec(self.config, gen.draw, replica.index),
             [gen.group_ids[i] for i in mine],
         )
 

@@ -29,7 +29,7 @@ from moe_rl.orchestration.dispatch import Generation, dispatch
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
 from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
 from moe_rl.orchestration.replicas import Answers, Begun, Finished, Replica
-from moe_rl.orchestration.sampling import replica_spec
+from moe_rl.orchestration.sampling import Draw, replica_spec
 from moe_rl.weight_sync.receiver import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 
@@ -123,10 +123,11 @@ class LocalEngines:
     def start(self) -> None:
         return None
 
-    def generate(self, prompts: list, spec, group_ids: list[int]) -> Generation:
-        plan = dispatch([len(p.ids) for p in prompts], spec.n, max_response_tokens(self.config), 1)
-        gen = Generation(plan, prompts, spec, group_ids)
-        batch, status = self.host.generate(prompts, replica_spec(spec, 0), group_ids)
+    def generate(self, prompts: list, draw: Draw, group_ids: list[int]) -> Generation:
+        n = self.config.rollout.group_size
+        plan = dispatch([len(p.ids) for p in prompts], n, max_response_tokens(self.config), 1)
+        gen = Generation(plan, prompts, draw, group_ids)
+        batch, status = self.host.generate(prompts, replica_spec(self.config, draw, 0), group_ids)
         gen.refs[0], gen.statuses[0] = (batch, status), status
         return gen
 

@@ -40,7 +40,7 @@ from moe_rl.orchestration.offline import read_offline
 from moe_rl.orchestration.preflight import RunInputs
 from moe_rl.orchestration.rank_parts import BatchHandle, rank_parts
 from moe_rl.orchestration.run_state import RunState
-from moe_rl.orchestration.sampling import step_spec
+from moe_rl.orchestration.sampling import Draw, Purpose, sampling_seed
 from moe_rl.orchestration.weight_sync import WeightSync
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rewards.tasks import Prompt
@@ -48,10 +48,6 @@ from moe_rl.weight_sync.receiver import SyncTarget
 
 log = logging.getLogger("moe_rl.driver")
 
-# Step numbers (seeds, group ids) of rollouts that are not training steps.
-OFFLINE_STEP = 20_000_000
-PROBE_SEED_OFFSET = 7919
-EVAL_STEP = 10_000_000
 FLAT_REWARD_STEPS = 5
 """Steps in a row without reward variance in any group after which a run warns (once per stretch)."""
 
@@ -74,11 +70,13 @@ class Workers:
 
 @dataclass
 class Rounds:
-    """A step's generation rounds, the one in flight: its replicas' work (`generation`), its
-    prompts and its number. Round 0 draws the step's prompts; with dynamic sampling, a batch not
-    yet full is followed by a round over the prompts it still lacks; a batch too stale to train on
-    is followed by round 0 again, over new prompts (`Stages.next_round`)."""
+    """A step's generation rounds (of a `Purpose`: a training step's, an evaluation's, an offline
+    batch's), the one in flight: its replicas' work (`generation`), its prompts and its number.
+    Round 0 draws the step's prompts; with dynamic sampling, a batch not yet full is followed by a
+    round over the prompts it still lacks; a batch too stale to train on is followed by round 0
+    again, over new prompts (`Stages.next_round`)."""
 
+    purpose: Purpose
     step: int
     generation: Generation
     prompts: list[Prompt]
@@ -141,10 +139,10 @@ class Stages:
         return state.step_done + 1
 
     # ------------------------------------------------------------------ rollout
-    def generate(self, step: int) -> Rounds:
+    def generate(self, step: int, purpose: Purpose = Purpose.TRAIN) -> Rounds:
         """Draw the step's prompts and start generating them on the engine pool (round 0)."""
-        generation, prompts = self._launch(step, 0, self._groups)
-        return Rounds(step, generation, prompts)
+        generation, prompts = self._launch(Draw(purpose, step), self._groups)
+        return Rounds(purpose, step, generation, prompts)
 
     def next_round(self, rounds: Rounds, batch: Rollout) -> None:
         """The step's next generation round, after a ``batch`` not to train on: one too stale is
@@ -157,16 +155,17 @@ class Stages:
             next_round, num_prompts = 0, self._groups
         else:
             next_round, num_prompts = rounds.round + 1, summary.more
-        rounds.generation, rounds.prompts = self._launch(rounds.step, next_round, num_prompts)
+        draw = Draw(rounds.purpose, rounds.step, next_round)
+        rounds.generation, rounds.prompts = self._launch(draw, num_prompts)
         rounds.round = next_round
 
-    def _launch(self, step: int, round_: int, num_prompts: int) -> tuple[Generation, list[Prompt]]:
+    def _launch(self, draw: Draw, num_prompts: int) -> tuple[Generation, list[Prompt]]:
         state = self.source.state()
         prompts = self.source.next_batch(num_prompts)
-        group_ids = [step * self._groups + i for i in range(len(prompts))]  # unique within a round
-        generation = self.engines.generate(prompts, step_spec(self.config, step, round_), group_ids)
-        if round_ == 0:
-            self.state.launched[step] = state
+        group_ids = [draw.step * self._groups + i for i in range(len(prompts))]  # unique within a round
+        generation = self.engines.generate(prompts, draw, group_ids)
+        if draw.round == 0 and draw.purpose == Purpose.TRAIN:
+            self.state.launched[draw.step] = state
         return generation, prompts
 
     @property
@@ -314,7 +313,7 @@ class Stages:
     def _probe_source(self):
         """The probe's prompt stream, seeded apart from the training prompts."""
         source = build_prompt_source(self.config)
-        source.rng.seed(self.config.run.seed + PROBE_SEED_OFFSET)
+        source.rng.seed(sampling_seed(self.config.run.seed, Purpose.PROBE, 0))
         return source
 
     # ------------------------------------------------------------------ offline (DGO)
@@ -335,7 +334,7 @@ class Stages:
         """The batch the reward worker scored last, as offline batch ``i`` in
         `<run_dir>/offline_data` (complete after the last of `data.offline_batches`)."""
         folder = self.run_dir / "offline_data"
-        self.rewarder.dump(str(folder / f"batch_{i:04d}"), OFFLINE_STEP + i)
+        self.rewarder.dump(str(folder / f"batch_{i:04d}"), i)
         if i + 1 == self.config.data.offline_batches:
             (folder / "complete").write_text("")
 

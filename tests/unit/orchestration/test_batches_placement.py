@@ -24,7 +24,6 @@ from moe_rl.orchestration.placement import (
     plan_placement,
 )
 from moe_rl.orchestration.preflight import load_checked
-from moe_rl.orchestration.sampling import step_spec
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 KIMI = TINY.parent / "kimi_k2.yaml"
@@ -88,13 +87,6 @@ def test_validate_and_plan_scores_and_refuses_stale_batches_without_sharding():
     _, stale = validate_and_plan(batch, [0.0] * 8, version=newest + 9, max_staleness=1, vocab_size=64, dp_size=2,
                        max_tokens_per_microbatch=64, num_mini_batches=1)  # fmt: skip
     assert "older than allowed" in stale.stale and stale.plan is None
-
-
-def test_step_spec_is_seeded_by_run_and_step():
-    config = load_checked(TINY)
-    a, b = step_spec(config, 3), step_spec(config, 4)
-    assert a.seed + 1 == b.seed and a.n == config.rollout.group_size
-    assert a.stop_token_ids == (config.model.eos_token_id,)
 
 
 def test_placement_follows_the_device_and_the_cluster():
