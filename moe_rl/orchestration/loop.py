@@ -1,7 +1,7 @@
 """The RL loop, read as the algorithm; the driver (`moe_rl.orchestration.driver`) and the
 one-process loop (`moe_rl.orchestration.local`) both run it over their `Stages`:
 
-    generate → wake engines → collect → reward → (more rounds) → engines sleep
+    wake engines → generate → collect → reward (→ another round) → engines sleep
       → advantages → old log-probs → train → sync weights → probe → log / checkpoint
 
 Modes (`run.mode`): `sync` (on-policy: each batch is generated with the weights it trains) and
