@@ -661,33 +661,48 @@ class Row:
         return statistics.median(p[which] / p[0] for p in self.passes)
 
 
+def encoded_group(encoder, group) -> list:
+    """What travels for ``group``, ``[(name, tensor, meta)]``: the recipe's lazy group written into a
+    bucket of its own, as the sender writes it (views of that bucket, or of a tensor sent as it lies)."""
+    from moe_rl.weight_sync.buckets import BucketPacker
+
+    lazy = encoder.lazy_group(group)
+    return [
+        (e.name, t, e.meta)
+        for b in BucketPacker(max(lazy.nbytes, 1)).pack(iter([lazy]))
+        for e, t in b.tensors()
+    ]
+
+
 def fp8_encode_cost(state: State) -> str:
-    """Encode of one o_proj-shaped weight: `WireEncoder.encode` (quantization + its QuantReport's
-    error measure) through the fused kernel and through torch operations, and quantizing alone."""
+    """Encode of one o_proj-shaped weight into its place in a bucket (`codec.quantize_into`, what the
+    sender's lazy group runs: quantization + the QuantReport's error measure) through the fused kernel
+    and through torch operations, and quantizing alone."""
     from moe_rl.quant import fused
-    from moe_rl.weight_sync.wire import quantize_fp8
+    from moe_rl.quant.codec import block_of, quantize_fp8, quantize_into, scale_shape
 
     cfg = quant_config("fp8_block128")
-    name, weight = next((n, t) for g in state.held for n, t in g if n.endswith("o_proj.weight"))
-    encoder = encoder_for(state, "fp8_block128")
-    encoder.encode(name, weight)  # warm-up (compiles the fused kernel if this process has not yet)
+    weight = next(t for g in state.held for n, t in g if n.endswith("o_proj.weight"))
+    data = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(scale_shape(weight.shape, block_of(cfg, weight.shape)), dtype=torch.float32)
+    quantize_into(weight, cfg, data, scale)  # warm-up (compiles the fused kernel if this process has not yet)
     start = time.perf_counter()
     quantize_fp8(weight, cfg)
     quantize_s = time.perf_counter() - start
     with PeakSampler() as sampler:
         start = time.perf_counter()
-        encoder.encode(name, weight)
+        quantize_into(weight, cfg, data, scale)
         encode_s = time.perf_counter() - start
     extra = sampler.result["anon"]
     fused_on = fused.usable(weight.shape, (cfg.block_size, cfg.block_size), weight.device)
     with fused.turned_off():
         start = time.perf_counter()
-        encoder.encode(name, weight)
+        quantize_into(weight, cfg, data, scale)
         torch_ops_s = time.perf_counter() - start
     elements = weight.numel() / 1e9
     return (
         f"fp8 encode of one {tuple(weight.shape)} bf16 weight ({tensor_nbytes(weight) / MB:.0f} MB): "
-        f"WireEncoder.encode (quantize + error measure) {encode_s:.2f} s = {elements / encode_s:.2f} G elements/s "
+        f"quantize_into (quantize + error measure) {encode_s:.2f} s = {elements / encode_s:.2f} G elements/s "
         f"{'fused' if fused_on else '(fused kernel off)'}, {torch_ops_s:.2f} s = {elements / torch_ops_s:.2f} "
         f"G elements/s in torch operations; quantize_fp8 alone (torch operations) {quantize_s:.2f} s; "
         f"encode peak extra memory {extra / MB:.0f} MB = {extra / tensor_nbytes(weight):.1f}x the weight"
@@ -886,7 +901,9 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
         for recipe in RECIPES:
             encoder = encoder_for(state, recipe)
             start = time.perf_counter()
-            encoded = [encoder.encode_group(g) for g in state.groups()]  # the first fp8 one imports ModelOpt
+            encoded = [
+                encoded_group(encoder, g) for g in state.groups()
+            ]  # the first fp8 one imports ModelOpt
             seconds = time.perf_counter() - start
             sizes[state.name, recipe] = sent = sum(tensor_nbytes(t) for g in encoded for _, t, _ in g)
             what = f"{recipe}: {sent / MB:,.1f} MB travel"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from moe_rl.config.modes import Engine, QuantMethod, ReleaseMemory, RunMode
+from moe_rl.config.modes import QuantMethod, ReleaseMemory, RunMode
 from moe_rl.config.schema import ParallelConfig, QuantConfig, RecipeConfig
 
 
@@ -114,54 +114,6 @@ def releases_memory(config: RecipeConfig, device: str) -> bool:
     if mode == ReleaseMemory.OFF or placement_mode(config) != PlacementMode.COLOCATED:
         return False
     return mode == ReleaseMemory.ON or (device == "cuda" and config.run.mode == RunMode.SYNC)
-
-
-class WeightBackend(StrEnum):
-    """vLLM's weight-transfer backend a vLLM engine on CUDA takes its weights through."""
-
-    IPC = "ipc"
-    """Over CUDA IPC, from GPUs of the engine's node: the trainer ranks' own (colocated, one pipeline
-    stage: `moe_rl.weight_sync.vllm_transfer`), or else the engine's process, which receives the
-    trainer's buckets (shared memory from its node, the process-group transport from other nodes)."""
-    NCCL = "nccl"
-    """Straight from trainer rank 0's GPU by NCCL broadcast (`moe_rl.weight_sync.vllm_transfer`)."""
-
-
-def vllm_weight_backend(config: RecipeConfig) -> WeightBackend:
-    """How vLLM engines on CUDA take their weights: by vLLM's NCCL backend when they run on nodes of
-    their own (``cluster.rollout_nodes`` > 0) and the trainer has one pipeline stage (the backend has
-    one sender: rank 0, to which each expert-parallel rank's experts are gathered); else by IPC from
-    the engine's process. The engine and every trainer rank read it here, so both sides agree."""
-    if (
-        config.rollout.engine == Engine.VLLM
-        and placement_mode(config) == PlacementMode.DISAGGREGATED
-        and config.parallel.pipeline_model_parallel_size == 1
-    ):
-        return WeightBackend.NCCL
-    return WeightBackend.IPC
-
-
-def vllm_weights_direct(config: RecipeConfig) -> bool:
-    """vLLM engines take their weights straight from the trainer ranks through vLLM's trainer-side
-    transfer (`vllm_weight_backend`: NCCL from other nodes, IPC colocated), not as buckets into the
-    engine's process: when the trainer has one pipeline stage (each sending rank sees the whole
-    model)."""
-    return config.rollout.engine == Engine.VLLM and config.parallel.pipeline_model_parallel_size == 1
-
-
-def megatron_weights_ipc(config: RecipeConfig, device: str) -> bool:
-    """Megatron engines read their weights in a trainer rank's device memory by IPC handle
-    (`moe_rl.weight_sync.transport.DeviceIpc`; CUDA IPC), not through host shared memory: on CUDA,
-    colocated, when the trainer has one pipeline stage. Each rank then sends the whole model (its
-    tensor-parallel shards and the other expert-parallel ranks' experts gathered) to the engines
-    that share its GPU: an engine's process sees only its own GPU, so it cannot map a buffer on
-    another."""
-    return (
-        device == "cuda"
-        and config.rollout.engine == Engine.MEGATRON
-        and placement_mode(config) == PlacementMode.COLOCATED
-        and config.parallel.pipeline_model_parallel_size == 1
-    )
 
 
 CORRECTIONS_OFF = (

@@ -33,7 +33,7 @@ from moe_rl.orchestration.engine_host import EngineHost
 from moe_rl.orchestration.placement import PROCESS_ENV
 from moe_rl.weight_sync.receiver import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
-from moe_rl.weight_sync.transport import reach_of
+from moe_rl.weight_sync.transport import Receiver
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class TrainerRank:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.worker = None
         self._sender = None  # this rank's side of weight syncs (transport, buffers, arena), kept
-        self._engine_places: dict[str, tuple[str, str | None] | None] = {}  # actor -> `device_key`
+        self._engine_places: dict[Any, tuple[str, str | None] | None] = {}  # engine handle -> `device_key`
         self._prepared: dict = {}  # handle -> the batch its π_old pass prepared (`old_logp` / `train`)
 
     def pid(self) -> int:
@@ -111,7 +111,7 @@ class TrainerRank:
         return {"rank": info.rank, "dp_rank": info.dp_rank, "dp_size": info.dp_size, "pp_rank": info.pp_rank}
 
     def old_logp(self, part, handle: int) -> dict[str, float]:
-        """The π_old pass on this rank's `moe_rl.orchestration.batches.RankPart` (its shard fetched
+        """The π_old pass on this rank's `moe_rl.orchestration.rank_parts.RankPart` (its shard fetched
         by reference); the prepared batch is kept under ``handle`` until `train` takes it."""
         from moe_rl.trainer.batch import TrainerBatch
 
@@ -129,73 +129,47 @@ class TrainerRank:
             raise RuntimeError(f"trainer rank {self.rank}: no batch prepared under handle {handle}")
         return self.worker.train(prepared)
 
-    def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:
-        """Send the tensors this rank owns to ``target`` of every engine, bucket by bucket
-        (`moe_rl.weight_sync.sender.RankSender`): through shared memory to the engines on this node,
-        broadcast in a process group of this rank and the engines on other nodes (both at once when
-        the engines are on both; `moe_rl.weight_sync.transport.reach_of`); vLLM engines on
-        CUDA take them straight from the trainer ranks by vLLM's own transfer instead (NCCL from
-        other nodes, CUDA IPC colocated: `moe_rl.config.derived.vllm_weights_direct`). This rank's part of the sync's report (with the
-        indices of engines that died on the way)."""
-        where = reach_of(self._nodes_of(engines), ray.get_runtime_context().get_node_id())
-        receivers = {
-            i: functools.partial(sync_call(engine, "receive_bucket", self.config).remote, into=target)
-            for i, engine in enumerate(engines)
-            if i not in where.dead
-        }
-        if self._device_ipc:  # the engines on this rank's GPU take the whole model from it
-            mine = device_key()
-            receivers = {i: r for i, r in receivers.items() if self._place_of(engines[i]) == mine}
+    def stream_weights(self, engines: Sequence[Any], target: SyncTarget) -> SyncReport:
+        """Send this rank's part of a sync to ``target`` of every engine (`moe_rl.weight_sync.sender.
+        RankSender`, by the run's `moe_rl.config.sync_plan.SyncPlan`: on the device route only to the
+        engines that share this rank's GPU). This rank's part of the sync's report (with the indices
+        of engines that died on the way)."""
         if self._sender is None:
+            from moe_rl.config.sync_plan import sync_plan
             from moe_rl.weight_sync.sender import RankSender
 
             c = self.config
+            plan = sync_plan(c, next(self.worker.model.parameters()).device.type)
             self._sender = RankSender(
-                self.worker.model, c.quant, c.model.num_layers, c.rollout.sync_bucket_mb << 20, self.rank,
+                self.worker.model, c.quant, c.model.num_layers, plan, self.rank,
                 host=ray.util.get_node_ip_address(), vllm_workers=c.rollout.tensor_parallel_size,
-                device_ipc=self._device_ipc,
             )  # fmt: skip
-        members = tuple(
-            engines[i]._actor_id.hex() for i in sorted(receivers)
-        )  # a restarted engine: a new group
+        places = {i: self._place_of(engine) for i, engine in enumerate(engines)}
+        here = device_key()
+        receivers = {
+            i: Receiver(
+                functools.partial(sync_call(engine, "receive_bucket", self.config).remote, into=target),
+                key=engine, near=places[i][0] == here[0],
+            )
+            for i, engine in enumerate(engines)
+            if places[i] is not None and (not self._sender.plan.same_device or places[i] == here)
+        }  # fmt: skip
         with self.worker.weights_resident():  # parameters released for a generation come back for it
-            report = self._sender.send(
-                receivers, where.reach, quantized_wire, RAY_TIMEOUT_S, members, direct=self._direct(target),
-                local=where.local,
-            )  # fmt: skip
-        report.dead |= where.dead
+            report = self._sender.send(receivers, SyncTarget(target) == SyncTarget.REFERENCE, RAY_TIMEOUT_S)
+        report.dead |= {i for i, place in places.items() if place is None}
         return report
 
-    @functools.cached_property
-    def _device_ipc(self) -> bool:
-        """Engines on this rank's GPU read its buckets there (`moe_rl.config.derived.megatron_weights_ipc`)."""
-        from moe_rl.config.derived import megatron_weights_ipc
-
-        return megatron_weights_ipc(self.config, next(self.worker.model.parameters()).device.type)
-
     def _place_of(self, engine: Any) -> tuple[str, str | None] | None:
-        """An engine's `device_key` (its node and GPU), asked once per engine actor (None: its
+        """An engine's `device_key` (its node and GPU), asked once per engine process (None: its
         process is gone)."""
-        key = engine._actor_id.hex()
-        if key not in self._engine_places:
+        if engine not in self._engine_places:
             try:
-                self._engine_places[key] = tuple(ray.get(engine.device_key.remote(), timeout=RAY_TIMEOUT_S))
+                self._engine_places[engine] = tuple(
+                    ray.get(engine.device_key.remote(), timeout=RAY_TIMEOUT_S)
+                )
             except ray.exceptions.RayActorError:
-                self._engine_places[key] = None
-        return self._engine_places[key]
-
-    def _direct(self, target: SyncTarget):
-        """The vLLM backend by which the engines take this sync straight from the trainer ranks (vLLM
-        on CUDA, one pipeline stage: `moe_rl.config.derived.vllm_weights_direct`); None: buckets."""
-        from moe_rl.config.derived import vllm_weight_backend, vllm_weights_direct
-
-        if (
-            SyncTarget(target) == SyncTarget.ENGINE
-            and vllm_weights_direct(self.config)
-            and next(self.worker.model.parameters()).device.type == "cuda"
-        ):
-            return vllm_weight_backend(self.config)
-        return None
+                self._engine_places[engine] = None
+        return self._engine_places[engine]
 
     def release_memory(self, params: bool) -> dict[str, float]:
         return self.worker.release_memory(params)
@@ -209,15 +183,11 @@ class TrainerRank:
             self._sender.close()
         self._sender = None
 
-    def _nodes_of(self, engines: Sequence[Any]) -> dict[int, str | None]:
-        """Each engine's node id (None: its process is gone)."""
-        return {i: None if (place := self._place_of(e)) is None else place[0] for i, e in enumerate(engines)}
-
     def save_hf(self, directory: str) -> str:
         """This group's weights as a Hugging Face folder (collective; every rank writes its own)."""
         from moe_rl.megatron.hf_weights import save_hf_checkpoint
         from moe_rl.megatron.model import model_config_to_hf_config
-        from moe_rl.weight_sync.sender import sends
+        from moe_rl.weight_sync.outgoing import sends
 
         hf_config = model_config_to_hf_config(self.config.model)
         save_hf_checkpoint(self.worker.model, directory, hf_config, select=sends)

@@ -44,19 +44,13 @@ class EngineHost:
         self._target(into).begin_weight_update(version)
 
     def receive_bucket(self, bucket, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:
-        """A bucket for ``into``; or a sender's `BroadcastStream`, whose buckets this process takes
-        in a thread of its own while other senders' streams and buckets arrive (trainer ranks send
-        at once, and may wait on each other's collectives), each loaded under one lock; the sync's
-        finish waits for every stream. Or one of vLLM's weight-transfer calls (`TransferCall`: a
-        vLLM engine on CUDA that takes its weights by vLLM's NCCL backend)."""
+        """A message of a sync for ``into`` (a bucket, or one of vLLM's transfer calls: the receiver's
+        `WeightReceiver.receive_bucket` takes it); or a sender's `BroadcastStream`, whose buckets this
+        process takes in a thread of its own while other senders' streams and buckets arrive (trainer
+        ranks send at once, and may wait on each other's collectives), each loaded under one lock; the
+        sync's finish waits for every stream."""
         from moe_rl.weight_sync.broadcast import BroadcastStream
-        from moe_rl.weight_sync.vllm_transfer import TransferCall
 
-        if isinstance(bucket, TransferCall):
-            if SyncTarget(into) != SyncTarget.ENGINE:
-                raise ValueError(f"vLLM's weight transfer fills the engine, not the {into}")
-            self.engine.transfer(bucket)
-            return {"bytes": 0.0}
         if isinstance(bucket, BroadcastStream):
             self._streams.start(bucket, functools.partial(self._land, into=into))
             return {"bytes": 0.0}

@@ -52,7 +52,6 @@ class EnginePool:
         self.config, self.seats, self.placement = config, seats, seats.placement
         self.env_factory, self.start_folder = env_factory, start_folder
         self.replicas = [Replica(r) for r in range(seats.placement.engines)]
-        self.quantized_wire = False
         self._hf_folder: str | None = None
 
     @property
@@ -68,11 +67,8 @@ class EnginePool:
             self._spawn_missing()
 
     def start(self) -> None:
-        """Start the replicas not started yet (`spawn`) and learn what they take on the wire (the
-        first sync follows)."""
+        """Start the replicas not started yet (`spawn`); the first sync follows (it waits for them)."""
         self._spawn_missing()
-        caps = ray.get(self.replicas[0].actor.capabilities.remote(), timeout=RAY_TIMEOUT_S)
-        self.quantized_wire = caps.quantized_wire
 
     def _spawn_missing(self) -> None:
         for replica in self.replicas:

@@ -44,13 +44,14 @@ class LocalTrainer:
     dp_size = world_size = 1
 
     def __init__(self, config: RecipeConfig):
+        from moe_rl.config.sync_plan import sync_plan
         from moe_rl.trainer.worker import TrainerWorker
         from moe_rl.weight_sync.sender import RankSender
 
         self.config = config
         self.worker = TrainerWorker(config)
-        capacity = config.rollout.sync_bucket_mb << 20
-        self.sender = RankSender(self.worker.model, config.quant, config.model.num_layers, capacity)
+        plan = sync_plan(config, next(self.worker.model.parameters()).device.type, in_process=True)
+        self.sender = RankSender(self.worker.model, config.quant, config.model.num_layers, plan)
         self._handles = itertools.count(1)
         self._prepared: dict[int, Any] = {}
 
@@ -72,15 +73,16 @@ class LocalTrainer:
     def train(self, prepared: BatchHandle) -> dict[str, float]:
         return self.worker.train(self._prepared.pop(prepared.handle))
 
-    def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:
+    def stream_weights(self, engines: Sequence[Any], target: SyncTarget) -> SyncReport:
         """The rank's tensors to ``target`` of each engine in this process, bucket by bucket."""
-        from moe_rl.weight_sync.transport import Reach
+        from moe_rl.weight_sync.transport import Receiver
 
         receivers = {
-            i: functools.partial(engine.receive_bucket, into=target) for i, engine in enumerate(engines)
+            i: Receiver(functools.partial(engine.receive_bucket, into=target))
+            for i, engine in enumerate(engines)
         }
         with self.worker.weights_resident():  # parameters released for a generation come back for it
-            return self.sender.send(receivers, Reach.IN_PROCESS, quantized_wire, SYNC_TIMEOUT_S)
+            return self.sender.send(receivers, SyncTarget(target) == SyncTarget.REFERENCE, SYNC_TIMEOUT_S)
 
     def release_memory(self, params: bool) -> dict[str, float]:
         return self.worker.release_memory(params)
@@ -114,7 +116,6 @@ class LocalEngines:
         self.config = config
         self.host = EngineHost(config, None, 0, env_factory=env_factory)
         self.replicas = [Replica(0, actor=self.host)]
-        self.quantized_wire = self.host.capabilities().quantized_wire
         self.restarts = 0  # one process: nothing dies apart
 
     def spawn(self) -> None:

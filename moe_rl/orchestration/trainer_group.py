@@ -85,10 +85,11 @@ class TrainerGroup:
         """One optimizer step per mini-batch of the batch ``prepared`` names, on every rank."""
         return self._all("train", prepared.handle)[0]
 
-    def stream_weights(self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget) -> SyncReport:
-        """Every rank sends the tensors it owns to ``target`` of ``engines``; totals over the senders."""
+    def stream_weights(self, engines: Sequence[Any], target: SyncTarget) -> SyncReport:
+        """Every rank sends its part of a sync to ``target`` of ``engines`` by the run's sync plan;
+        totals over the senders."""
         report = SyncReport()
-        for part in self._all("stream_weights", list(engines), quantized_wire, target):
+        for part in self._all("stream_weights", list(engines), target):
             report.merge(part)
         return report
 

@@ -18,8 +18,8 @@ coordinator holds no state: the policy version the engines hold is the run's
 (`moe_rl.orchestration.run_state.RunState.version`).
 
 It works against two small interfaces, so the Ray run and the one-process loop share it: a
-trainer that streams weights (``stream_weights(actors, quantized_wire, target) -> SyncReport``) and
-an engine pool (``replicas``, ``quantized_wire``, ``begin``, ``finish`` and each replica's
+trainer that streams weights (``stream_weights(actors, target) -> SyncReport``, by the run's sync
+plan) and an engine pool (``replicas``, ``begin``, ``finish`` and each replica's
 ``actor``).
 """
 
@@ -43,16 +43,13 @@ MAX_STREAM_BREAKS = 2
 class WeightSender(Protocol):
     """The trainer side of a sync: every rank streams what it owns to the given receivers."""
 
-    def stream_weights(
-        self, engines: Sequence[Any], quantized_wire: bool, target: SyncTarget
-    ) -> SyncReport: ...
+    def stream_weights(self, engines: Sequence[Any], target: SyncTarget) -> SyncReport: ...
 
 
 class WeightReceivers(Protocol):
     """The engine side of a sync: replicas that begin, receive (through their ``actor``) and finish."""
 
     replicas: list[Replica]
-    quantized_wire: bool
 
     def begin(self, version: int, replicas: list[Replica], target: SyncTarget) -> Begun: ...
 
@@ -110,8 +107,7 @@ class WeightSync:
         begun = self.engines.begin(version, replicas, target)
         if not begun.began:
             return SyncReport(version), Finished(), begun.restarted
-        quantized = self.engines.quantized_wire and target == SyncTarget.ENGINE  # the probe's: full precision
-        report = self.trainer.stream_weights([r.actor for r in begun.began], quantized, target)
+        report = self.trainer.stream_weights([r.actor for r in begun.began], target)
         report.version = version
         dead = {begun.began[i].index for i in report.dead}
         finished = self.engines.finish(version, begun.began, dead, target)

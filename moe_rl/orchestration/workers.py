@@ -24,6 +24,7 @@ import ray
 
 from moe_rl.config.derived import PlacementMode
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.sync_plan import sync_plan
 from moe_rl.device import Machine
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
 from moe_rl.orchestration.batches import ScoredSummary
@@ -85,6 +86,7 @@ def ray_workers(config: RecipeConfig, run_dir: Path, inputs: RunInputs) -> Worke
         placement.mode, placement.trainer_ranks, placement.trainer_bundle(), placement.engines,
         placement.engine_bundle(colocated), "yes" if placement.node_roles else "no",
     )  # fmt: skip
+    log.info("weight sync: %s", sync_plan(config, placement.device).describe())  # what every rank follows
     seats = Seats(placement)
     trainer = TrainerGroup(config, seats)
     rewarder = RayRewarder(config, inputs.scorer)

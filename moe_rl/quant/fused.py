@@ -2,7 +2,7 @@
 decoding, each one compiled pass over the weight instead of a string of torch operations.
 
 On CPU the torch-operation paths (`moe_rl.quant.fp8_block.torch_fp8_block` plus the sender's
-error measure, `moe_rl.weight_sync.wire.dequantize`) run each step as its own pass over the
+error measure, `moe_rl.quant.codec.dequantize`) run each step as its own pass over the
 weight or a chunk of it (torch converts e4m3 to float one element at a time, which the decode
 works around with integer passes). Here each direction is one function compiled with
 ``torch.compile`` (Inductor's C++ backend, vectorized, on torch's threads): the decode reads each

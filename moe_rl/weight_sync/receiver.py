@@ -11,7 +11,7 @@ is complete only when every tensor of the model has arrived exactly once.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
@@ -72,6 +72,63 @@ def decoded(
         ipc.ready(bucket.data.device)
 
 
+class Assembly:
+    """Tensors put together into wholes over the buckets of one sync: a whole (a Megatron tensor of
+    its HF pieces, a vLLM layer of its tensors) is handed on as soon as all its parts have arrived,
+    which is one bucket for most (the sender packs a whole together) and later ones for a whole
+    split over buckets. A part still waiting at the end of a bucket is copied unless ``owned`` says
+    it is not a view of the bucket (the sender reuses the bucket's buffer). `finish` names a whole
+    still missing parts and, with ``expected``, one that never came."""
+
+    def __init__(
+        self, wholes: Mapping[str, str], owned: Callable[[str, Tensor], bool] = lambda n, t: False,
+        kind: str = "tensors",
+    ):  # fmt: skip
+        """``wholes``: each part's name -> the whole it belongs to (every part, every whole);
+        ``kind``: what a whole is, in the errors."""
+        self.wholes, self.owned, self.kind = dict(wholes), owned, kind
+        self.size = Counter(self.wholes.values())
+        self.done: set[str] = set()
+        self._open: dict[str, dict[str, Tensor]] = {}
+
+    def add(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, dict[str, Tensor]]]:
+        """``(whole, its parts)`` of each whole completed by ``named`` (one bucket's parts), as it
+        completes; then the parts left waiting are copied. A part of no whole is refused."""
+        arrived = []
+        for name, tensor in named:
+            whole = self.wholes.get(name)
+            if whole is None:
+                raise ValueError(f"weight {name!r} is not one this receiver holds")
+            if whole in self.done or name in self._open.get(whole, {}):
+                raise ValueError(f"weight {whole!r} arrived twice in one sync")
+            parts = self._open.setdefault(whole, {})
+            parts[name] = tensor
+            arrived.append((whole, name))
+            if len(parts) == self.size[whole]:
+                del self._open[whole]
+                self.done.add(whole)
+                yield whole, parts
+        for whole, name in arrived:  # a part waiting for a later bucket: its own copy, not a view of
+            parts = self._open.get(whole)  # this bucket (the sender reuses the buffer)
+            if parts is not None and name in parts and not self.owned(name, parts[name]):
+                parts[name] = parts[name].clone()
+
+    def finish(self, expected: Iterable[str] = ()) -> None:
+        """Raise unless every whole that began arrived whole and every one of ``expected`` came."""
+        if self._open:
+            whole, parts = next(iter(self._open.items()))
+            raise ValueError(
+                f"weight sync incomplete: {len(self._open)} of {len(self.size)} {self.kind} arrived in part, "
+                f"e.g. {whole!r} (got {sorted(parts)[:4]} of {self.size[whole]})"
+            )
+        missing = set(expected) - self.done
+        if missing:
+            raise ValueError(
+                f"weight sync incomplete: {len(missing)} of {len(set(expected))} {self.kind} never arrived, "
+                f"e.g. {sorted(missing)[:3]}"
+            )
+
+
 class ModelReceiver:
     """Loads HF-named weights into a Megatron model part by part; `finish` checks completeness."""
 
@@ -83,26 +140,21 @@ class ModelReceiver:
         self.dtypes = hf_dtypes(model)
         """HF name -> the dtype of the Megatron tensor it loads into (what a piece that cannot be
         decoded in place is decoded to: the values it will hold, in half the bytes of float32 for bf16)."""
-        self.pieces = Counter(self.index.values())
-        """Megatron tensor -> how many HF tensors it is made of (fused QKV, gate/up: several)."""
-        self.expected = set(self.index.values())
-        self.loaded: set[str] = set()
         self.bytes = 0
         self._views: dict[str, Tensor] = {}
         self.in_place: dict[str, Tensor] = {}
         """HF name -> the view of the model it was decoded into, this sync (`place`)."""
         self.rejoin = Rejoin()
         """Tensors that travel in row chunks, put back together over the buckets of a sync."""
-        self._pending: dict[str, dict[str, Tensor]] = {}
-        """Megatron tensor -> the HF pieces of it that arrived so far (a piece that travelled in
-        chunks may complete in a later bucket than its siblings)."""
+        self.assembly = Assembly(self.index, self._owned)
+        """Megatron tensors put together from their HF pieces (fused QKV, gate/up: several)."""
 
     def begin(self) -> None:
         from moe_rl.megatron.hf_weights import piece_views
 
-        self.loaded, self.bytes = set(), 0
+        self.bytes = 0
         self._views, self.in_place = piece_views(self.model), {}
-        self.rejoin, self._pending = Rejoin(), {}
+        self.rejoin, self.assembly = Rejoin(), Assembly(self.index, self._owned)
 
     def place(self, name: str) -> Tensor | None:
         """Where the values of HF tensor ``name`` may be decoded straight into: the view of the
@@ -119,44 +171,23 @@ class ModelReceiver:
         the sync is an error of `finish`."""
         from moe_rl.megatron.hf_weights import load_hf_subset
 
-        pending, arrived = self._pending, []
-        for name, tensor in named:
-            owner = self.index.get(name)
-            if owner is None:  # not a tensor of this model: load_hf_subset names it (or ignores it)
-                load_hf_subset(self.model, {name: tensor}, self.index)
-                continue
-            if owner in self.loaded:
-                raise ValueError(f"weight {owner!r} arrived twice in one sync")
-            group = pending.setdefault(owner, {})
-            group[name] = tensor
-            arrived.append((owner, name))
-            if len(group) == self.pieces[owner]:
-                if all(self.in_place.get(n) is t for n, t in group.items()):  # decoded in place
-                    self.loaded.add(owner)
-                else:
-                    self.loaded |= load_hf_subset(self.model, group, self.index)
-                del pending[owner]
-                self.bytes += sum(t.numel() * t.element_size() for t in group.values())
-        for owner, name in arrived:  # a piece waiting for a later bucket: its own copy, not a view of
-            group = pending.get(owner)  # this bucket (the sender reuses the buffer)
-            if group is not None and name in group and self._viewed(name, group[name]):
-                group[name] = group[name].clone()
+        def ours() -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in named:
+                if name in self.index:
+                    yield name, tensor
+                else:  # not a tensor of this model: load_hf_subset names it (or ignores it)
+                    load_hf_subset(self.model, {name: tensor}, self.index)
 
-    def _viewed(self, name: str, tensor: Tensor) -> bool:
-        """Whether ``tensor`` may be a view of a bucket: not the model's own view, not rejoined."""
-        return self.in_place.get(name) is not tensor and not self.rejoin.owns(name, tensor)
+        for _, group in self.assembly.add(ours()):
+            if not all(self.in_place.get(n) is t for n, t in group.items()):  # else decoded in place
+                load_hf_subset(self.model, group, self.index)
+            self.bytes += sum(t.numel() * t.element_size() for t in group.values())
+
+    def _owned(self, name: str, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is not a view of a bucket: the model's own view, or rejoined."""
+        return self.in_place.get(name) is tensor or self.rejoin.owns(name, tensor)
 
     def finish(self) -> None:
         """Raise unless every tensor of the model arrived in this sync."""
         self.rejoin.finish()
-        if self._pending:
-            owner, group = next(iter(self._pending.items()))
-            raise ValueError(
-                f"Megatron tensor {owner!r} arrived without all its pieces (got {sorted(group)})"
-            )
-        missing = self.expected - self.loaded
-        if missing:
-            raise ValueError(
-                f"weight sync incomplete: {len(missing)} of {len(self.expected)} tensors never arrived, "
-                f"e.g. {sorted(missing)[:3]}"
-            )
+        self.assembly.finish(self.index.values())

@@ -1,26 +1,27 @@
-"""How a sender's buckets reach its receivers: one interface, one class per way.
+"""How a trainer rank's weights reach its receivers: one interface, one class per way.
 
-A `Transport` gives the sender its packer (kept from sync to sync, so its buffers or shared slots
-are reused) and turns each packed bucket into the message a receiver is handed:
+Every transport implements `Transport.send`: one sync of a rank's `sender.Outgoing` (its tensors,
+encoded by the rollout recipe) to its receivers; a rank given no receivers only takes part in the
+gathers of the others (`Outgoing.join_gathers`). A transport is made once, for the route of the
+run's `moe_rl.config.sync_plan.SyncPlan`, and keeps its buffers, shared slots and groups from sync
+to sync:
 
-* `SharedMemory`: every receiver is on the sender's node. Buckets are written into the sender's
+* `InProcess`: the receiver is in the sender's process (the one-process loop): each bucket is
+  handed over as it is, valid until the next one is packed;
+* `SharedMemory`: receivers on the sender's node: buckets are written into the sender's
   shared-memory slots (`moe_rl.weight_sync.shm`), a CPU trainer's parameters into a shared arena
-  once, and the message is the bucket itself (entries and slot names): receivers read the bytes
-  where they lie;
-* `ProcessGroup`: receivers on other nodes. The sender and its receivers form a process group of
+  once, and receivers read the bytes where they lie;
+* `ProcessGroup`: receivers on other nodes: the sender and its receivers form a process group of
   their own (gloo on CPU, NCCL between GPUs) and the buckets are broadcast in it
-  (`moe_rl.weight_sync.broadcast`): the bytes cross the network once, straight into each receiver;
-* `Mixed`: receivers on the sender's node and on others at once: each bucket is packed once into a
-  shared slot, read there by the near receivers and broadcast from there to the far ones;
-* `DeviceIpc`: every receiver shares the sender's device (a Megatron engine colocated with its
-  trainer rank on one GPU): buckets are packed into two buffers in the sender's device memory, and
-  the message is the bucket's entries and the buffer's IPC handle (`moe_rl.weight_sync.ipc`): the
-  receiver reads the bytes where they lie, GPU to GPU;
-* `InProcess`: the receiver is in the sender's process (the one-process loop): the message is the
-  bucket, valid until the next one is packed.
-
-Which one a sync uses is the sender's choice from where its receivers are (`Reach`,
-`moe_rl.weight_sync.sender.RankSender`).
+  (`moe_rl.weight_sync.broadcast`), crossing the network once, straight into each receiver;
+* `HostBuckets`, the ``buckets`` route: `SharedMemory` to the receivers on the sender's node and
+  `ProcessGroup` to the others, both at once when they are on both (each bucket packed once into a
+  shared slot, read there by the near receivers and broadcast from there to the far ones);
+* `DeviceIpc`, the ``device_ipc`` route: every receiver shares the sender's GPU (a colocated
+  Megatron engine): buckets are packed into two buffers in the sender's device memory, and
+  receivers map them by IPC handle (`moe_rl.weight_sync.ipc`), GPU to GPU;
+* vLLM's own weight transfer (`moe_rl.weight_sync.vllm_transfer`), the ``vllm_nccl`` and
+  ``vllm_ipc`` routes.
 """
 
 from __future__ import annotations
@@ -31,70 +32,81 @@ import os
 import socket
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import torch
 
 from moe_rl.weight_sync import ipc
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
+from moe_rl.weight_sync.outgoing import Outgoing
 from moe_rl.weight_sync.shm import SharedArena, SharedSlots
 
 log = logging.getLogger(__name__)
 
 
-class Reach(StrEnum):
-    """Where a sender's receivers are."""
-
-    IN_PROCESS = "in_process"
-    SAME_NODE = "same_node"
-    OTHER_NODES = "other_nodes"
-    MIXED = "mixed"
-    """Some on the sender's node, the others on other nodes."""
-
-
 @dataclass(frozen=True)
-class Where:
-    """Where a sender's receivers are (`reach_of`)."""
+class Receiver:
+    """One receiving process of a sync, as its sender sees it."""
 
-    reach: Reach
-    dead: frozenset[int]
-    """Receivers whose process is gone."""
-    local: frozenset[int]
-    """Live receivers on the sender's node."""
+    deliver: Callable[[Any], Any]
+    """Hands it a message (a bucket, a stream to join, one of vLLM's transfer calls): a Ray call
+    returning an object reference, or a call in this process returning its result."""
+    key: Hashable = None
+    """Its process (a restarted engine is another one): a transport that keeps a group of its
+    receivers makes a new one when the keys change."""
+    near: bool = True
+    """On the sender's node."""
 
 
-def reach_of(nodes: dict[int, str | None], here: str) -> Where:
-    """Where a sender's receivers are, from each one's node (None: its process is gone): on the
-    sender's node when every live one is, on other nodes when none is, else mixed."""
-    dead = frozenset(i for i, node in nodes.items() if node is None)
-    local = frozenset(i for i, node in nodes.items() if node == here)
-    alive = len(nodes) - len(dead)
-    reach = Reach.SAME_NODE if len(local) == alive else Reach.MIXED if local else Reach.OTHER_NODES
-    return Where(reach, dead, local)
+@dataclass
+class Published:
+    """What one sender's sync delivered."""
+
+    bytes: int = 0
+    in_place: int = 0
+    """Of ``bytes``, those the receivers read where the sender holds them (its shared arena)."""
+    buckets: int = 0
+    largest: int = 0
+    """Bytes of the largest bucket."""
+    dead: set[int] = field(default_factory=set)
+    """Receivers whose process died on the way (they got no later bucket)."""
+    transports: set[str] = field(default_factory=set)
+    """How the bytes travelled (`Transport.name` of each way used)."""
+    shared_memory: bool = False
+    """The bytes travelled through shared memory (receivers read them in place)."""
 
 
 class Transport(ABC):
-    """How buckets travel (see the module docstring)."""
+    """How a rank's weights travel (see the module docstring)."""
 
-    reach: Reach
     name: str
     """What a sync records as its transport (``sync/transport``)."""
 
-    @property
-    def names(self) -> set[str]:
-        """The transports a sync records (a transport made of others names each)."""
-        return {self.name}
-
     def __init__(self, capacity: int, sender: int = 0):
         self.capacity, self.sender = capacity, sender
+
+    @abstractmethod
+    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
+        """One sync of ``outgoing`` to ``receivers`` (none: only join the others' gathers)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the transport holds (buffers, shared slots, groups)."""
+
+
+class BucketTransport(Transport):
+    """Buckets packed by a packer kept from sync to sync and delivered one by one."""
+
+    shared_memory = False
+
+    def __init__(self, capacity: int, sender: int = 0):
+        super().__init__(capacity, sender)
         self._packer: BucketPacker | None = None
 
     @property
     def packer(self) -> BucketPacker:
-        """The packer of this transport's buckets (made once, kept from sync to sync)."""
         if self._packer is None:
             self._packer = self._make_packer()
         return self._packer
@@ -102,40 +114,37 @@ class Transport(ABC):
     def _make_packer(self) -> BucketPacker:
         return BucketPacker(self.capacity, sender=self.sender)
 
-    @abstractmethod
+    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
+        if not receivers:
+            outgoing.join_gathers()
+            return Published()
+        out = self.deliver(self.packer.pack(outgoing.groups(self.packer.capacity)), receivers, timeout_s)
+        if out.buckets:
+            out.transports.add(self.name)
+            out.shared_memory = self.shared_memory
+        return out
+
+    def deliver(
+        self, buckets: Iterable[Bucket], receivers: dict[int, Receiver], timeout_s: float
+    ) -> Published:
+        """Hand each bucket to every receiver as `message` makes it (`publish`)."""
+        return publish(buckets, {i: r.deliver for i, r in receivers.items()}, timeout_s, self)
+
     def message(self, bucket: Bucket) -> Any:
-        """What every receiver is handed for ``bucket``."""
-
-    def send(
-        self, buckets: Iterable[Bucket], receivers: dict[int, Callable[[Any], Any]], timeout_s: float,
-        members: tuple = (),
-    ) -> Published:  # fmt: skip
-        """Deliver ``buckets`` to ``receivers`` (`publish`: each bucket handed to every receiver).
-        ``members`` names the receivers' processes (a transport that keeps state per set of
-        receivers rebuilds it when they change)."""
-        return publish(buckets, receivers, timeout_s, self)
-
-    @property
-    def shared_memory(self) -> bool:
-        """Buckets travel through shared memory (receivers read them in place)."""
-        return False
+        """What every receiver is handed for ``bucket``: the bucket itself."""
+        return bucket
 
     def close(self) -> None:
-        """Release what the transport holds (its packer's buffers; shared slots)."""
         self._packer = None
 
 
-class InProcess(Transport):
-    reach = Reach.IN_PROCESS
+class InProcess(BucketTransport):
     name = "in_process"
 
-    def message(self, bucket: Bucket) -> Any:
-        return bucket
 
-
-class SharedMemory(Transport):
-    reach = Reach.SAME_NODE
+class SharedMemory(BucketTransport):
     name = "shared_memory"
+    shared_memory = True
 
     def __init__(self, capacity: int, sender: int = 0, arena: SharedArena | None = None):
         """``arena``: a CPU trainer's parameters in shared memory (`moe_rl.weight_sync.sender.
@@ -147,27 +156,20 @@ class SharedMemory(Transport):
         slots = SharedSlots(self.capacity, tag=str(self.sender))
         return BucketPacker(self.capacity, sender=self.sender, slots=slots, arena=self.arena)
 
-    def message(self, bucket: Bucket) -> Any:
-        return bucket
-
-    @property
-    def shared_memory(self) -> bool:
-        return True
-
     def close(self) -> None:
-        if self._packer is not None and self._packer.slots is not None:
+        if self._packer is not None:
             self._packer.slots.close()
         super().close()
 
 
-class DeviceIpc(Transport):
+class DeviceIpc(BucketTransport):
     """Buckets in two buffers of the sender's device memory, handed to receivers on its machine by
     IPC handle (see the module docstring). Each buffer is shared once (its handle is kept) and
     again only when it grows; `publish` awaits a bucket's deliveries before its buffer is packed
     again."""
 
-    reach = Reach.SAME_NODE
     name = "device_ipc"
+    shared_memory = True
 
     def __init__(self, capacity: int, sender: int = 0, device: torch.device | str = "cpu"):
         super().__init__(capacity, sender)
@@ -190,22 +192,17 @@ class DeviceIpc(Transport):
             bucket.entries, None, bucket.index, bucket.sender, part=bucket.part, last=bucket.last, ipc=ref
         )
 
-    @property
-    def shared_memory(self) -> bool:
-        return True
-
     def close(self) -> None:
         self._handles = {}
         super().close()
 
 
-class ProcessGroup(Transport):
+class ProcessGroup(BucketTransport):
     """Buckets broadcast to receivers on other nodes in a process group of the sender and its
     receivers (`moe_rl.weight_sync.broadcast`): the bytes cross the network once, straight into
     each receiver's slab, never through Ray's object store. The group is made at the first sync and
-    kept while the receivers are the same processes (``members``)."""
+    kept while the receivers are the same processes (`Receiver.key`)."""
 
-    reach = Reach.OTHER_NODES
     name = "process_group"
 
     def __init__(self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu"):
@@ -219,15 +216,18 @@ class ProcessGroup(Transport):
     def _make_packer(self) -> BucketPacker:
         return BucketPacker(self.capacity, sender=self.sender, buffers=2)  # one packed while one is sent
 
-    def message(self, bucket: Bucket) -> Any:  # buckets are broadcast, never handed over one by one
-        raise NotImplementedError("a process-group transport broadcasts buckets (`send`)")
+    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
+        out = super().send(outgoing, receivers, timeout_s)
+        if receivers and self.group is None:  # the stream stopped early: the rest of the gathers
+            outgoing.join_gathers()
+        return out
 
-    def send(
-        self, buckets: Iterable[Bucket], receivers: dict[int, Callable[[Any], Any]], timeout_s: float,
-        members: tuple = (),
-    ) -> Published:  # fmt: skip
+    def deliver(
+        self, buckets: Iterable[Bucket], receivers: dict[int, Receiver], timeout_s: float
+    ) -> Published:
         """Ask each receiver to join the stream (one call each: they take every bucket of it), then
-        broadcast the buckets; the receivers whose process died on the way."""
+        broadcast the buckets; the receivers whose process died on the way. The stream stops at a
+        broken connection (the caller takes the rest of its buckets' gathers)."""
         from moe_rl.weight_sync.broadcast import (
             BroadcastStream,
             GroupSpec,
@@ -237,7 +237,7 @@ class ProcessGroup(Transport):
         )
 
         order = sorted(receivers)
-        members = tuple(members) or tuple(order)
+        members = tuple(receivers[i].key for i in order)
         fresh = self.group is None or members != self.members
         store = None
         if fresh:  # the store listens before any receiver is told where it is
@@ -246,108 +246,109 @@ class ProcessGroup(Transport):
             self.spec = GroupSpec(self.host, store.port, len(order) + 1, key, self.device, self.sender)
             self.members, self.group = members, None
         joined = [
-            (i, receivers[i](BroadcastStream(self.spec, rank))) for rank, i in enumerate(order, start=1)
+            (i, receivers[i].deliver(BroadcastStream(self.spec, rank)))
+            for rank, i in enumerate(order, start=1)
         ]
         dead = settle(joined, timeout_s)  # each receiver took the stream (it returns at once)
         if (
             dead
         ):  # no stream: the others' break (a kept group closes; a new one fails to form) and are synced again
-            self.group = None
-            gc.collect()
-            for _ in buckets:  # packing still joins the trainer ranks' gathers
-                pass
+            self._drop()
             return Published(dead=dead)
         if fresh:
             self.group = open_group(self.spec, 0, store=store)  # the members meet here, at this store
-        streamed = send_stream(self.group, buckets, self.device, buffers=len(self.packer.buffers))
+        streamed = send_stream(self.group, buckets, self.device, buffers=2)
         if streamed.broken:  # the next sync makes a new group of the live receivers
-            self.group = None
-            gc.collect()  # the broken group's connections close: its live receivers stop waiting
+            self._drop()
             log.warning(
                 "the weight stream of trainer rank %d broke (%s); the engines cut off are synced again",
                 self.sender, streamed.broken.splitlines()[0][:300],
             )  # fmt: skip
+            return Published(bytes=streamed.bytes)
         return Published(bytes=streamed.bytes, buckets=streamed.buckets, largest=streamed.largest)
+
+    def _drop(self) -> None:
+        """Forget the group: its connections close, so its live receivers stop waiting."""
+        self.group = None
+        gc.collect()
 
     def close(self) -> None:
         self.group = None
         super().close()
 
 
-class Mixed(Transport):
-    """Receivers on the sender's node (``local``) and on other nodes at once: every bucket is packed
-    once, into a shared slot; the near receivers read it there (`SharedMemory`) and the far ones
-    take it by the process group's broadcast from that slot (`ProcessGroup`). A slot is reused once
-    its bucket was delivered both ways. Tensors are always written into the slots (no shared arena:
-    what the far receivers are sent must lie in the bucket)."""
+class HostBuckets(Transport):
+    """The ``buckets`` route (see the module docstring): at each sync, by where its receivers are,
+    `SharedMemory` (every one on the sender's node), `ProcessGroup` (none) or both from one packing
+    into shared slots (tensors then always written into the slots: what the far receivers are sent
+    must lie in the bucket). The ways not used by a sync are closed."""
 
-    reach = Reach.MIXED
-    name = "mixed"
+    name = "buckets"
 
     def __init__(
         self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu",
-        local: frozenset[int] = frozenset(),
+        arena: Callable[[], SharedArena | None] = lambda: None,
     ):  # fmt: skip
+        """``arena``: makes the sender's shared arena (`sender.share_parameters`), asked once, at
+        the first sync whose receivers are all near."""
         super().__init__(capacity, sender)
-        self.near = SharedMemory(capacity, sender)
+        self._arena, self._args = arena, (host, device)
+        self._ways: dict[str, Transport] = {}
+
+    def _way(self, kind: str) -> Transport:
+        for other in [k for k in self._ways if k != kind]:
+            self._ways.pop(other).close()
+        if kind not in self._ways:
+            self._ways[kind] = {
+                "near": lambda: SharedMemory(self.capacity, self.sender, self._arena()),
+                "far": lambda: ProcessGroup(self.capacity, self.sender, *self._args),
+                "both": lambda: _Both(self.capacity, self.sender, *self._args),
+            }[kind]()
+        return self._ways[kind]
+
+    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
+        near = any(r.near for r in receivers.values())
+        far = any(not r.near for r in receivers.values())
+        kind = "both" if near and far else "far" if far else "near"
+        return self._way(kind).send(outgoing, receivers, timeout_s)
+
+    def close(self) -> None:
+        for way in self._ways.values():
+            way.close()
+        self._ways = {}
+
+
+class _Both(SharedMemory):
+    """Near and far receivers at once: each bucket packed once into a shared slot, handed to the
+    near receivers there and broadcast from there to the far ones (`ProcessGroup.deliver`)."""
+
+    def __init__(self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu"):
+        super().__init__(capacity, sender)
         self.far = ProcessGroup(capacity, sender, host, device)
-        self.local = frozenset(local)
 
-    @property
-    def names(self) -> set[str]:
-        return {self.near.name, self.far.name}
-
-    def _make_packer(self) -> BucketPacker:
-        return self.near.packer
-
-    def message(self, bucket: Bucket) -> Any:
-        return self.near.message(bucket)
-
-    @property
-    def shared_memory(self) -> bool:
-        return True
-
-    def send(
-        self, buckets: Iterable[Bucket], receivers: dict[int, Callable[[Any], Any]], timeout_s: float,
-        members: tuple = (),
-    ) -> Published:  # fmt: skip
-        """Hand each bucket to the near receivers, then broadcast it to the far ones."""
-        order = sorted(receivers)
-        near = {i: receivers[i] for i in order if i in self.local}
-        far = {i: receivers[i] for i in order if i not in self.local}
-        far_members = (
-            tuple(m for i, m in zip(order, members, strict=True) if i not in self.local) if members else ()
-        )
+    def deliver(
+        self, buckets: Iterable[Bucket], receivers: dict[int, Receiver], timeout_s: float
+    ) -> Published:
+        near = {i: r.deliver for i, r in receivers.items() if r.near}
         out = Published()
-        stream = handed(buckets, near, timeout_s, self.near, out)
-        out.dead |= self.far.send(stream, far, timeout_s, far_members).dead
+        stream = handed(buckets, near, timeout_s, self, out)
+        far = self.far.deliver(stream, {i: r for i, r in receivers.items() if not r.near}, timeout_s)
+        for _ in stream:  # a broken broadcast: the near receivers still take every bucket
+            pass
+        out.dead |= far.dead
+        out.transports.add(self.far.name)
         return out
 
     def close(self) -> None:
         self.far.close()
-        self.near.close()
         super().close()
-
-
-@dataclass
-class Published:
-    """What one sender's stream delivered."""
-
-    bytes: int = 0
-    in_place: int = 0
-    """Of ``bytes``, those the receivers read where the sender holds them (its shared arena)."""
-    buckets: int = 0
-    largest: int = 0
-    """Bytes of the largest bucket."""
-    dead: set[int] = field(default_factory=set)
-    """Receivers whose process died on the way (they got no later bucket)."""
 
 
 def publish(
     buckets: Iterable[Bucket],
     receivers: dict[int, Callable[[Any], Any]],
     timeout_s: float,
-    transport: Transport | None = None,
+    transport: BucketTransport | None = None,
 ) -> Published:
     """Deliver every bucket to every receiver, with at most two buckets in flight: bucket ``i`` is
     handed to all receivers, then the deliveries of bucket ``i - 1`` are awaited, so the packer's
@@ -372,7 +373,7 @@ def handed(
     buckets: Iterable[Bucket],
     receivers: dict[int, Callable[[Any], Any]],
     timeout_s: float,
-    transport: Transport | None,
+    transport: BucketTransport | None,
     out: Published,
 ) -> Iterator[Bucket]:
     """`publish`, bucket by bucket: each bucket (or part) is yielded once every receiver has been

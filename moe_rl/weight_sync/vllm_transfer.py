@@ -12,16 +12,14 @@ backends, their trainer sides used as vLLM ships them:
 
 Both are fed by:
 
-* `TrainerSource`, vLLM's ``WeightSource`` over the trainer's Megatron model: the Hugging Face-
-  named tensors in the engine's dtype (`engine_dtype`), tensor-parallel shards gathered, and, with
-  expert parallelism, each expert all-gathered over the expert-parallel group as it is sent. Rank 0
-  yields every tensor (NCCL), or every rank does (IPC). Every rank iterates it together (the
-  gathers are collectives); its ``metadata()`` is learnt by one pass at the first sync and kept.
-  Both need one pipeline stage (every sending rank sees the whole model).
+* `TrainerSource`, vLLM's ``WeightSource`` over `moe_rl.weight_sync.outgoing.whole_model` in the
+  engine's dtype (`outgoing.engine_dtype`): rank 0 yields every tensor (NCCL), or every rank does
+  (IPC); every rank iterates it together (the gathers are collectives); its ``metadata()`` is learnt
+  by one pass at the first sync and kept.
 * `EngineFanOut`, vLLM's ``VLLMWeightSyncClient`` over every engine of the sync at once (NCCL: each
   engine's workers at their own rank offset in the one group). Each of vLLM's control-plane calls
-  travels to an engine as a `TransferCall`, which the engine process hands to vLLM
-  (`moe_rl.rollout.vllm_engine.VLLMEngine.transfer`).
+  travels to an engine as a `TransferCall`, which the engine takes as a message of the sync
+  (`moe_rl.rollout.vllm_engine.VLLMEngine.receive_bucket`).
 
 The transport runs vLLM's round trip (``start_weight_update``, ``update_weights``,
 ``finish_weight_update``); the engine takes the policy version when the sync's coordinator finishes
@@ -32,30 +30,19 @@ infos, the metadata and the tensors' order are checked against vLLM's own classe
 
 from __future__ import annotations
 
-import re
 import socket
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from moe_rl.weight_sync.transport import Published, Reach, Transport, settle
-
-FLOAT32_WEIGHTS = ("e_score_correction_bias",)
-"""Weights vLLM's models hold in float32 whatever the engine's dtype (DeepSeek-V3's expert-score
-correction bias, which decides the routing): they travel in float32, not rounded to the engine's
-dtype (the contract test against vLLM's model class checks every weight's dtype)."""
+from moe_rl.weight_sync.outgoing import Outgoing, sends, whole_model
+from moe_rl.weight_sync.transport import Published, Receiver, Transport, settle
 
 BUFFERS = 2
 """Packed buffers vLLM's broadcast holds on each side (one filled while one is sent)."""
-
-
-def engine_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor`` in the dtype a vLLM engine of ``dtype`` holds weight ``name`` in."""
-    if tensor.is_floating_point():
-        return tensor.to(torch.float32 if name.endswith(FLOAT32_WEIGHTS) else dtype)
-    return tensor
 
 
 @dataclass(frozen=True)
@@ -139,15 +126,11 @@ class EngineFanOut:
             raise EngineLost(dead, next(iter(calls.values())).method)
 
 
-_EXPERT = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
-
-
 class TrainerSource:
-    """vLLM's ``WeightSource`` over a trainer rank's Megatron model (see the module docstring).
-
-    Trainer rank 0 yields every tensor of the model, and the others nothing but take part in the
-    gathers; with ``every_rank`` each rank yields every tensor. Needs one pipeline stage. Built by
-    `source`, which makes it a subclass of vLLM's ``WeightSource``."""
+    """vLLM's ``WeightSource`` over a trainer rank's Megatron model (see the module docstring):
+    `sender.whole_model` in the engines' ``dtype``, yielded by trainer rank 0 (``every_rank``: by
+    every rank), the others only taking part in the gathers. Built by `source`, which makes it a
+    subclass of vLLM's ``WeightSource``."""
 
     def __init__(
         self, model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device | str,
@@ -169,57 +152,18 @@ class TrainerSource:
         return self._metadata
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for group in self.groups():
-            yield from group
-
-    def groups(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The tensors by Megatron tensor: all the HF pieces of one (of one expert each, for the
-        experts of every expert-parallel rank) in a list. ``dtype`` None keeps the trainer's."""
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
-        from moe_rl.megatron.hf_weights import iter_hf_weight_groups
-
-        if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("sending the whole model from a rank needs one pipeline stage")
-        ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-        group = ps.get_expert_model_parallel_group() if ep > 1 else None
-        local = _num_experts(self.model) // ep
         root = self.every_rank or not dist.is_initialized() or dist.get_rank() == 0
         self.bytes = 0
-        for _, pieces in iter_hf_weight_groups(self.model, select=self.select, copy=False):
-            peers: dict[int, list[tuple[str, torch.Tensor]]] = {}
-            for name, piece in pieces:
-                if self.dtype is not None:
-                    piece = engine_dtype(name, piece, self.dtype)
-                piece = piece.to(self.device)
-                if ep > 1 and _EXPERT.search(name):  # every expert-parallel rank holds its own experts
-                    parts = [torch.empty_like(piece) for _ in range(ep)]
-                    dist.all_gather(parts, piece.contiguous(), group=group)
-                    for rank, part in enumerate(parts):
-                        peers.setdefault(rank, []).append((_peer_expert(name, rank, local), part))
-                else:
-                    peers.setdefault(0, []).append((name, piece))
-            if root:
-                for named in peers.values():
-                    self.bytes += sum(t.numel() * t.element_size() for _, t in named)
-                    yield named
+        for named in whole_model(self.model, self.dtype, self.device, self.select, root):
+            self.bytes += sum(t.numel() * t.element_size() for _, t in named)
+            yield from named
 
-
-def _num_experts(model: torch.nn.Module) -> int:
-    while hasattr(model, "module"):  # DDP and precision wrappers
-        model = model.module
-    return int(getattr(model.config, "num_moe_experts", None) or 1)
-
-
-def _peer_expert(name: str, rank: int, local: int) -> str:
-    """The HF name of the expert that expert-parallel rank ``rank`` holds where this rank holds
-    the one of ``name`` (each rank holds ``local`` consecutive experts, rank 0 the first)."""
-    match = _EXPERT.search(name)
-    if match is None:
-        raise ValueError(f"{name!r} is not an expert's weight")
-    own = int(match.group(2))
-    return f"{name[: match.start(2)]}{own % local + rank * local}{name[match.end(2) :]}"
+    def join_gathers(self) -> None:
+        """A rank that yields nothing takes part in the gathers of one pass."""
+        for _ in self:
+            pass
 
 
 def source(
@@ -233,15 +177,73 @@ def source(
     return cls(model, dtype, device, select, every_rank)
 
 
-class VLLMNccl(Transport):
-    """vLLM's NCCL weight transfer from trainer rank 0 to vLLM engines on other nodes (see the
-    module docstring). The group is opened at the first sync and kept while the engines are the same
-    processes (``members``)."""
+class VLLMTransfer(Transport):
+    """vLLM's trainer-side weight transfer over the whole model (see the module docstring): the
+    source is made at the first sync and kept (its metadata learnt once), vLLM's trainer engine is
+    made again when the engines are other processes (`Receiver.key`)."""
 
     every_rank = False
-    """Only rank 0 yields the tensors (`TrainerSource`)."""
+    """Every rank yields the whole model (else rank 0 alone: `TrainerSource`)."""
 
-    reach = Reach.OTHER_NODES
+    def __init__(self, capacity: int, sender: int = 0):
+        super().__init__(capacity, sender)
+        self.engine: Any = None
+        self.members: tuple = ()
+        self.source: Any = None
+
+    @abstractmethod
+    def _start(self, client: EngineFanOut, weights: Any) -> Any:
+        """vLLM's trainer engine of this backend over ``client`` and ``weights``."""
+
+    def _workers(self) -> int:
+        """vLLM workers of each engine in the transfer."""
+        return 1
+
+    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
+        """Send the whole model to the engines ``receivers`` hands calls to (rank 0's); every other
+        rank takes part in the gathers (``every_rank``: shares its GPU's copy as well)."""
+        if self.source is None:
+            model = outgoing.model
+            select = None if self.every_rank else sends  # IPC: every rank shares the whole model
+            self.source = source(
+                model, torch.bfloat16, next(model.parameters()).device, select, self.every_rank
+            )
+        if not receivers and not self.every_rank:  # (at the first sync also the metadata's pass)
+            self.source.metadata()
+            self.source.join_gathers()
+            return Published()
+        members = tuple(receivers[i].key for i in sorted(receivers))
+        try:
+            if self.engine is None or members != self.members:
+                self.close()
+                client = EngineFanOut(
+                    {i: r.deliver for i, r in receivers.items()}, dict.fromkeys(receivers, self._workers()),
+                    timeout_s,
+                )  # fmt: skip
+                self.engine = self._start(client, self.source)
+                self.members = members
+            self.engine.send_weights()
+        except EngineLost as e:
+            self.close()  # the group is broken; the next sync opens a new one with the live engines
+            return Published(dead=e.dead)
+        if not receivers:  # it shared its GPU's copy; rank 0 reports the sync
+            return Published()
+        chunks = -(-self.source.bytes // self.capacity)  # vLLM's packed buffers, filled one after another
+        return Published(
+            bytes=self.source.bytes, buckets=chunks, largest=min(self.source.bytes, self.capacity),
+            transports={self.name},
+        )  # fmt: skip
+
+    def close(self) -> None:
+        if self.engine is not None:  # (a no-op for vLLM's IPC engine)
+            self.engine.shutdown()
+        self.engine, self.members = None, ()
+
+
+class VLLMNccl(VLLMTransfer):
+    """vLLM's NCCL weight transfer from trainer rank 0 to vLLM engines on other nodes (see the
+    module docstring)."""
+
     name = "vllm_nccl"
 
     def __init__(self, capacity: int, sender: int = 0, host: str | None = None, workers: int = 1):
@@ -250,11 +252,9 @@ class VLLMNccl(Transport):
         super().__init__(capacity, sender)
         self.host = host or socket.gethostbyname(socket.gethostname())
         self.workers = workers
-        self.engine: Any = None
-        self.members: tuple = ()
 
-    def message(self, bucket: Any) -> Any:
-        raise NotImplementedError("vLLM's NCCL transfer sends a source's tensors (`send_source`)")
+    def _workers(self) -> int:
+        return self.workers
 
     def init_info(self, port: int, world_size: int) -> Any:
         """vLLM's trainer init info of a group of ``world_size`` meeting at ``port``."""
@@ -265,36 +265,11 @@ class VLLMNccl(Transport):
             packed_buffer_size_bytes=self.capacity, packed_num_buffers=BUFFERS,
         )  # fmt: skip
 
-    def send_source(
-        self, weights: Any, receivers: dict[int, Callable[[Any], Any]], timeout_s: float, members: tuple = ()
-    ) -> Published:
-        """Send every tensor of ``weights`` (a `source`) to the engines ``receivers`` hands calls to."""
+    def _start(self, client: EngineFanOut, weights: Any) -> Any:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-        members = tuple(members) or tuple(sorted(receivers))
-        try:
-            if self.engine is None or members != self.members:
-                if self.engine is not None:
-                    self.engine.shutdown()
-                client = EngineFanOut(receivers, dict.fromkeys(receivers, self.workers), timeout_s)
-                init = self.init_info(_free_port(), client.world_size)
-                self.engine = None
-                self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
-                    init, client=client, source=weights
-                )
-                self.members = members
-            self.engine.send_weights()
-        except EngineLost as e:
-            self.close()  # the group is broken; the next sync opens a new one with the live engines
-            return Published(dead=e.dead)
-        chunks = -(-weights.bytes // self.capacity)  # vLLM's packed buffers, filled one after another
-        return Published(bytes=weights.bytes, buckets=chunks, largest=min(weights.bytes, self.capacity))
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-        self.engine, self.members = None, ()
-        super().close()
+        init = self.init_info(_free_port(), client.world_size)
+        return NCCLTrainerWeightTransferEngine.trainer_init(init, client=client, source=weights)
 
 
 def _free_port() -> int:
@@ -304,54 +279,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class VLLMIpc(Transport):
+class VLLMIpc(VLLMTransfer):
     """vLLM's CUDA IPC weight transfer from the trainer ranks to vLLM engines on their GPUs (see the
     module docstring). Every rank runs it (it all-gathers the IPC handles over the trainer's group);
     rank 0 drives the engines."""
 
-    reach = Reach.SAME_NODE
     name = "vllm_ipc"
     every_rank = True
-    """Every rank yields the whole model on its GPU (`TrainerSource`)."""
-
-    def __init__(self, capacity: int, sender: int = 0):
-        """``capacity``: bytes of vLLM's packed IPC buffer (one, reused chunk after chunk)."""
-        super().__init__(capacity, sender)
-        self.engine: Any = None
-        self.members: tuple = ()
-
-    def message(self, bucket: Any) -> Any:
-        raise NotImplementedError("vLLM's IPC transfer sends a source's tensors (`send_source`)")
 
     def init_info(self) -> Any:
-        """vLLM's trainer init info of this rank."""
+        """vLLM's trainer init info of this rank (``capacity``: bytes of its packed IPC buffer)."""
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         return IPCTrainerInitInfo(rank=self.sender, packed=True, packed_buffer_size_bytes=self.capacity)
 
-    def send_source(
-        self, weights: Any, receivers: dict[int, Callable[[Any], Any]], timeout_s: float, members: tuple = ()
-    ) -> Published:
-        """Send every tensor of ``weights`` (a `source` of every rank) to the engines ``receivers``
-        hands calls to (rank 0's; the other ranks pass none)."""
+    def _start(self, client: EngineFanOut, weights: Any) -> Any:
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerWeightTransferEngine
 
-        members = tuple(members) or tuple(sorted(receivers))
-        try:
-            if self.engine is None or members != self.members:
-                client = EngineFanOut(receivers, dict.fromkeys(receivers, 1), timeout_s)
-                self.engine = None
-                self.engine = IPCTrainerWeightTransferEngine.trainer_init(
-                    self.init_info(), client=client, source=weights
-                )
-                self.members = members
-            self.engine.send_weights()
-        except EngineLost as e:
-            self.close()
-            return Published(dead=e.dead)
-        chunks = -(-weights.bytes // self.capacity)
-        return Published(bytes=weights.bytes, buckets=chunks, largest=min(weights.bytes, self.capacity))
-
-    def close(self) -> None:
-        self.engine, self.members = None, ()
-        super().close()
+        return IPCTrainerWeightTransferEngine.trainer_init(self.init_info(), client=client, source=weights)

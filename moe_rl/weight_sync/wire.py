@@ -29,7 +29,6 @@ weight on with its last chunk.
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,176 +36,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moe_rl.config.modes import Granularity, QuantMethod
+from moe_rl.config.modes import QuantMethod
 from moe_rl.config.schema import QuantConfig
+from moe_rl.config.sync_plan import WIRE_METHODS
 from moe_rl.device import copy_into
-from moe_rl.quant import fused
-from moe_rl.quant.recipes import FP8_E4M3_MAX, QuantReport, should_quantize
-
-INT8_MAX = 127.0
-WIRE_METHODS = ("fp8", "int8")
-"""Recipes whose quantized bytes travel; the others send the tensor itself."""
+from moe_rl.quant.codec import block_of, dequantize, quantize_into, scale_shape
+from moe_rl.quant.recipes import QuantReport, should_quantize
 
 
 def scale_name(weight_name: str) -> str:
     """Name the scales of ``weight_name`` travel under (vLLM's block-FP8 checkpoint name)."""
     return weight_name.removesuffix(".weight") + ".weight_scale_inv"
-
-
-def _block(cfg: QuantConfig, shape: torch.Size) -> tuple[int, int]:
-    if cfg.granularity == Granularity.BLOCK:
-        return cfg.block_size, cfg.block_size
-    if cfg.granularity == Granularity.CHANNEL:
-        return 1, shape[1]
-    return shape[0], shape[1]
-
-
-def _block_amax(x: Tensor, block: tuple[int, int]) -> Tensor:
-    """``max |x|`` per ``block`` (partial blocks at the edges count their own elements)."""
-    rows, cols = x.shape
-    bo, bi = block
-    pr, pc = -rows % bo, -cols % bi
-    padded = torch.nn.functional.pad(x.abs(), (0, pc, 0, pr))
-    return padded.view((rows + pr) // bo, bo, (cols + pc) // bi, bi).amax(dim=(1, 3))
-
-
-def _scale_shape(shape: torch.Size, block: tuple[int, int]) -> tuple[int, int]:
-    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
-
-
-def _expand(scale: Tensor, block: tuple[int, int], shape: torch.Size) -> Tensor:
-    return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: shape[0], : shape[1]]
-
-
-def quantize_fp8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tuple[int, int]]:
-    """``(e4m3 data, fp32 scales, block)`` of a 2-D weight under an fp8 recipe."""
-    block = _block(cfg, weight.shape)
-    if cfg.granularity == Granularity.BLOCK:
-        from moe_rl.quant.fp8_block import quantize_fp8_block
-
-        data, scale = quantize_fp8_block(weight, cfg.block_size)
-        return data, scale, block
-    x = weight.float()
-    scale = _block_amax(x, block) / FP8_E4M3_MAX
-    full = _expand(scale, block, x.shape)
-    data = torch.where(full > 0, x / full, torch.zeros_like(x)).to(torch.float8_e4m3fn)
-    return data, scale, block
-
-
-def quantize_int8(weight: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor, tuple[int, int]]:
-    """``(int8 data, fp32 scales, block)`` of a 2-D weight: symmetric, ±127, per row or tensor."""
-    block = (
-        (1, weight.shape[1]) if cfg.granularity == Granularity.CHANNEL else (weight.shape[0], weight.shape[1])
-    )
-    x = weight.float()
-    scale = _block_amax(x, block) / INT8_MAX
-    full = _expand(scale, block, x.shape)
-    q = torch.where(full > 0, x / full, torch.zeros_like(x)).round().clamp(-INT8_MAX, INT8_MAX)
-    return q.to(torch.int8), scale, block
-
-
-def dequantize(
-    data: Tensor,
-    scale: Tensor,
-    block: tuple[int, int],
-    out: Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """The values a quantized engine holds: ``data · scale`` blockwise, computed in float32 (the
-    scales broadcast over their blocks, not expanded) and written into ``out`` (a floating tensor of
-    ``data``'s shape and device, e.g. the engine's weight: the float32 values cast to its dtype) or
-    into a new tensor of ``dtype`` (the same values as a float32 result cast to it).
-
-    On CPU a large e4m3 weight of whole blocks is decoded by one fused kernel (`fused.decode`);
-    otherwise this runs over `DECODE_CHUNK_ELEMENTS` at a time through a small scratch that stays in
-    the caches, so the float32 values of a whole weight never exist and ``out`` is written once."""
-    if out is None:
-        out = torch.empty(data.shape, dtype=dtype, device=data.device)
-    elif tuple(out.shape) != tuple(data.shape) or not out.is_floating_point() or out.device != data.device:
-        raise ValueError(
-            f"cannot decode a {tuple(data.shape)} weight on {data.device} into a {out.dtype} "
-            f"{tuple(out.shape)} tensor on {out.device}"
-        )
-    scale = scale.float()
-    if data.numel() == 0:
-        return out
-    rows, cols = data.shape
-    bo, bi = block
-    row_block = torch.arange(rows, device=data.device) // bo
-    if data.device.type != "cpu":  # one pass of whole-tensor ops on an accelerator
-        out.copy_(_scaled_rows(data.float(), scale.index_select(0, row_block), bi))
-        return out
-    if (
-        data.dtype == torch.float8_e4m3fn
-        and fused.usable(data.shape, block, data.device)
-        and fused.decode(data, scale, block, out)
-    ):
-        return out
-    shifted = scale * E4M3_OFFSET
-    bits = _e4m3_bits_decodable(data, shifted)
-    factor = shifted if bits else scale
-    step = max(1, DECODE_CHUNK_ELEMENTS // cols)
-    in_place = out.dtype == torch.float32 and out.is_contiguous()
-    scratch = None if in_place else _scratch(min(rows, step) * cols)
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        values = out[start:stop] if in_place else scratch[: (stop - start) * cols].view(stop - start, cols)
-        if bits:
-            as_int = values.view(torch.int32)
-            as_int.copy_(data[start:stop].view(torch.int8))  # sign-extended: the sign lands in bits 8..31
-            as_int.bitwise_left_shift_(20).bitwise_and_(_F32_SIGN_AND_E4M3_BITS)
-        else:
-            values.copy_(data[start:stop])  # torch's conversion
-        _scaled_rows(values, factor.index_select(0, row_block[start:stop]), bi)
-        if not in_place:
-            out[start:stop].copy_(values)
-    return out
-
-
-DECODE_CHUNK_ELEMENTS = 1 << 20
-"""Elements a CPU decode works on at a time (4 MB of float32 scratch: cache-resident, so its
-integer and scaling passes run at cache speed and only the result goes to memory)."""
-_SCRATCH = threading.local()
-
-
-def _scratch(elements: int) -> Tensor:
-    """This thread's float32 decode scratch, at least ``elements`` long (kept from call to call)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < elements:
-        buf = _SCRATCH.buf = torch.empty(elements, dtype=torch.float32)
-    return buf
-
-
-def _scaled_rows(values: Tensor, scales: Tensor, bi: int) -> Tensor:
-    """``values`` (rows, cols) times ``scales`` (rows, column blocks), each over its ``bi`` columns
-    (the last block may be partial), in place."""
-    rows, cols = values.shape
-    full = cols // bi
-    if full:
-        values[:, : full * bi].view(rows, full, bi).mul_(scales[:, :full, None])
-    if full * bi < cols:
-        values[:, full * bi :].mul_(scales[:, full:])
-    return values
-
-
-E4M3_OFFSET = 2.0**120
-"""An e4m3 byte's sign, exponent and mantissa bits placed where float32 keeps them give its value
-times ``2**-120`` (the exponent biases differ by 127 - 7), subnormals and zero included."""
-_F32_SIGN_AND_E4M3_BITS = -(1 << 31) | 0x07F0_0000  # (int32) sign bit, then 4 + 3 bits from bit 20
-
-
-def _e4m3_bits_decodable(data: Tensor, shifted_scale: Tensor) -> bool:
-    """Whether ``data · scale`` may be computed from e4m3 bits placed into float32 bits (the power of
-    two they are off by, `E4M3_OFFSET`, moved into the scale: ``shifted_scale`` = ``scale ·
-    E4M3_OFFSET``, exact, only the exponent changes).
-    torch converts e4m3 to float one element at a time on CPU (~0.15 G elements/s here); the bits
-    take vectorized integer passes. Not when the moved offset overflows (a scale >= 2**8, or NaN)
-    or a byte is e4m3's NaN (0x7F, 0xFF), which the bits would read as 480."""
-    if data.dtype != torch.float8_e4m3fn:
-        return False
-    if not bool(torch.isfinite(shifted_scale).all()):
-        return False
-    return int(data.view(torch.int8).max()) != 0x7F and int(data.view(torch.uint8).max()) != 0xFF
 
 
 @dataclass(frozen=True, eq=False)
@@ -269,31 +109,11 @@ class WireEncoder:
         self.active = quantized_wire and cfg.method in WIRE_METHODS
         self.report = QuantReport(cfg.name)
 
-    def encode(self, name: str, tensor: Tensor) -> list[tuple[str, Tensor, dict]]:
-        """``[(name, tensor, meta)]`` that travel for one HF tensor."""
-        if not self.active or not should_quantize(name, tensor, self.cfg, self.num_layers):
-            if self.active:
-                self.report.add(name, tensor, None, 16)
-            return [(name, tensor, {})]
-        block = _block(self.cfg, tensor.shape)
-        if self._fused(tensor, block):  # quantized and measured in one fused pass
-            data = torch.empty(tensor.shape, dtype=torch.float8_e4m3fn)
-            scale = torch.empty(_scale_shape(tensor.shape, block), dtype=torch.float32)
-            self._quantize_into(name, tensor, data, scale)
-        else:
-            quantize = quantize_fp8 if self.cfg.method == QuantMethod.FP8 else quantize_int8
-            data, scale, block = quantize(tensor, self.cfg)
-            self.report.add_quantized(name, tensor, *_errors(tensor, data, scale, block), bits=8)
-        meta = {"block": list(block), "scale": scale_name(name)}
-        return [(name, data, meta), (scale_name(name), scale, {"scale_of": name})]
-
-    def encode_group(self, group: Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor, dict]]:
-        return [item for name, tensor in group for item in self.encode(name, tensor)]
-
     def lazy_group(self, group: Iterable[tuple[str, Tensor]]) -> LazyGroup:
-        """`encode_group`, written into the bucket by the packer: quantized data and scales go
-        straight into their place (block FP8 on CPU without any full-size temporary), other tensors
-        are copied there; the `QuantReport` is filled as each piece is written."""
+        """What travels for ``group``, written into the bucket by the packer: a quantized weight as its
+        data and scales (``<name>_scale_inv``), straight into their place (block FP8 on CPU without any
+        full-size temporary), other tensors copied there; the `QuantReport` is filled as each piece is
+        written."""
         pieces: list[Piece] = []
         writers: list[tuple[int, Writer]] = []
         for name, tensor in group:
@@ -301,8 +121,8 @@ class WireEncoder:
                 pieces.append(Piece(name, tensor.dtype, tuple(tensor.shape), {}, tensor))
                 writers.append((1, self._as_is_writer(name, tensor, tensor, last=True)))
                 continue
-            block = _block(self.cfg, tensor.shape)
-            scales = _scale_shape(tensor.shape, block)
+            block = block_of(self.cfg, tensor.shape)
+            scales = scale_shape(tensor.shape, block)
             dtype = torch.float8_e4m3fn if self.cfg.method == QuantMethod.FP8 else torch.int8
             pieces += [
                 Piece(name, dtype, tuple(tensor.shape), {"block": list(block), "scale": scale_name(name)}),
@@ -342,7 +162,7 @@ class WireEncoder:
         """Bytes that travel for ``tensor``: itself, or its 8-bit data and fp32 scales."""
         if not self._quantized(name, tensor):
             return tensor.numel() * tensor.element_size()
-        return tensor.numel() + 4 * math.prod(_scale_shape(tensor.shape, _block(self.cfg, tensor.shape)))
+        return tensor.numel() + 4 * math.prod(scale_shape(tensor.shape, block_of(self.cfg, tensor.shape)))
 
     def _row_chunks(self, name: str, tensor: Tensor, max_bytes: int) -> Iterator[LazyGroup]:
         """``tensor`` in chunks of whole rows (whole blocks of rows when quantized) of at most
@@ -350,8 +170,8 @@ class WireEncoder:
         rows = tensor.shape[0] if tensor.dim() else 1
         quantized = self._quantized(name, tensor)
         if quantized:  # 2-D: a block of rows carries its 8-bit data and a row of fp32 scales
-            block = _block(self.cfg, tensor.shape)
-            per_step = block[0] * tensor.shape[1] + 4 * _scale_shape(tensor.shape, block)[1]
+            block = block_of(self.cfg, tensor.shape)
+            per_step = block[0] * tensor.shape[1] + 4 * scale_shape(tensor.shape, block)[1]
         else:
             block = (1, 1)
             per_step = tensor[:1].numel() * tensor.element_size() if tensor.dim() else tensor.nbytes
@@ -370,7 +190,7 @@ class WireEncoder:
                 yield LazyGroup([piece], self._as_is_writer(name, tensor, part, last))
                 continue
             first, end = start // block[0], -(-stop // block[0])
-            scales = _scale_shape(tensor.shape, block)
+            scales = scale_shape(tensor.shape, block)
             dtype = torch.float8_e4m3fn if self.cfg.method == QuantMethod.FP8 else torch.int8
             data_meta = {"block": list(block), "scale": scale_name(name), **where}
             scale_meta = {"scale_of": name, "rows": [first, end], "shape": list(scales), "chunk": chunk}
@@ -399,66 +219,13 @@ class WireEncoder:
         `QuantReport` with the whole error once ``last`` is written."""
 
         def fill(views: Sequence[Tensor | None]) -> None:
-            err, ref = self._quantize_sums(part, *views)
+            err, ref = quantize_into(part, self.cfg, *views)
             sums[0] += err
             sums[1] += ref
             if last:
                 self.report.add_quantized(name, tensor, sums[0], sums[1], bits=8)
 
         return fill
-
-    def _fused(self, tensor: Tensor, block: tuple[int, int]) -> bool:
-        """Whether ``tensor`` is block-FP8 encoded by the fused CPU kernel (`fused.encode_fp8_block`)."""
-        return (
-            self.cfg.method == QuantMethod.FP8
-            and self.cfg.granularity == Granularity.BLOCK
-            and fused.usable(tensor.shape, block, tensor.device)
-        )
-
-    def _quantize_into(self, name: str, tensor: Tensor, data: Tensor, scale: Tensor) -> None:
-        self.report.add_quantized(name, tensor, *self._quantize_sums(tensor, data, scale), bits=8)
-
-    def _quantize_sums(self, tensor: Tensor, data: Tensor, scale: Tensor) -> tuple[float, float]:
-        """Quantize ``tensor`` into ``data`` and ``scale``; ``(Σ error², Σ original²)``."""
-        block = _block(self.cfg, tensor.shape)
-        if self._fused(tensor, block) and tensor.device == data.device:
-            sums = fused.encode_fp8_block(tensor, self.cfg.block_size, data, scale)
-            if sums is not None:
-                return sums
-        if (
-            self.cfg.method == QuantMethod.FP8
-            and self.cfg.granularity == Granularity.BLOCK
-            and tensor.device == data.device
-        ):
-            from moe_rl.quant.fp8_block import torch_fp8_block
-
-            torch_fp8_block(tensor, self.cfg.block_size, out=(data, scale))  # in place, row blocks at a time
-            sent_data, sent_scale = data, scale
-        else:  # computed on the tensor's device (the Triton kernel on CUDA), then copied in
-            quantize = quantize_fp8 if self.cfg.method == QuantMethod.FP8 else quantize_int8
-            sent_data, sent_scale, block = quantize(tensor, self.cfg)
-            data.copy_(sent_data)
-            scale.copy_(sent_scale)
-        return _errors(tensor, sent_data, sent_scale, block)
-
-
-ERROR_ROWS = 128
-"""Rows per chunk when the sender measures the quantization error (bounded temporaries)."""
-
-
-def _errors(original: Tensor, data: Tensor, scale: Tensor, block: tuple[int, int]) -> tuple[float, float]:
-    """``(Σ (dequantized − original)², Σ original²)``, chunk by chunk of whole row blocks."""
-    step = max(block[0], ERROR_ROWS // block[0] * block[0])
-    err = ref = 0.0
-    for start in range(0, original.shape[0], step):
-        rows = slice(start, start + step)
-        first = start // block[0]
-        part = dequantize(data[rows], scale[first : first + -(-data[rows].shape[0] // block[0])], block)
-        x = original[rows].float().reshape(-1)  # (the weight itself when it is float32: read only)
-        ref += float(torch.dot(x, x))
-        diff = part.reshape(-1).sub_(x)
-        err += float(torch.dot(diff, diff))
-    return err, ref
 
 
 class Rejoin:

@@ -86,7 +86,7 @@ def sent_to_vllm(model) -> dict:
     """What this rank sends by vLLM's NCCL transfer (`moe_rl.weight_sync.vllm_transfer.TrainerSource`,
     as a trainer rank builds it): its metadata, then its tensors (every rank iterates together); and
     what it shares by vLLM's IPC transfer (every rank the whole model)."""
-    from moe_rl.weight_sync.sender import sends
+    from moe_rl.weight_sync.outgoing import sends
     from moe_rl.weight_sync.vllm_transfer import source
 
     weights = source(model, torch.bfloat16, "cpu", select=sends)
@@ -105,12 +105,17 @@ def sent_by_device_ipc(model, rank: int) -> dict:
     only joins the gathers)."""
     import pickle
 
+    from moe_rl.config.modes import SyncRoute
     from moe_rl.config.schema import QuantConfig
+    from moe_rl.config.sync_plan import SyncPlan
     from moe_rl.weight_sync.receiver import decoded
     from moe_rl.weight_sync.sender import RankSender
-    from moe_rl.weight_sync.transport import Reach
+    from moe_rl.weight_sync.transport import Receiver
 
-    sender = RankSender(model, QuantConfig(), num_layers=2, capacity=16 << 10, rank=rank, device_ipc=True)
+    plan = SyncPlan(
+        SyncRoute.DEVICE_IPC, False, "bf16", 16 << 10, "the device route (torch shares CPU buffers)"
+    )
+    sender = RankSender(model, QuantConfig(), num_layers=2, plan=plan, rank=rank)
     out: dict = {"both": [], "alone": []}
     try:
         for key in ("both", "alone"):
@@ -119,8 +124,8 @@ def sent_by_device_ipc(model, rank: int) -> dict:
             def engine(bucket, got=got):
                 got.extend((n, t.clone()) for n, t in decoded(pickle.loads(pickle.dumps(bucket))))
 
-            receivers = {0: engine} if key == "both" or rank == 0 else {}
-            report = sender.send(receivers, Reach.SAME_NODE, quantized_wire=True, timeout_s=60.0)
+            receivers = {0: Receiver(engine)} if key == "both" or rank == 0 else {}
+            report = sender.send(receivers, timeout_s=60.0)
             out[f"{key}_transports"] = sorted(report.transports)
     finally:
         sender.close()

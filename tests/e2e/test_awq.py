@@ -125,10 +125,10 @@ def test_awq_lowers_the_output_error_of_plain_int4_blocks(reference, seed):
 def test_first_sync_calibrates_at_generate_then_on_the_last_rollout(reference):
     _, weights = reference
     engine = MegatronEngine(recipe("quant.exclude_first_layers=1"))
-    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     out = engine.update_weights(iter(weights), 1)
     assert "quant/rel_err" not in out and engine.last_quant_report is None  # deferred: no data yet
-    assert all(torch.equal(before[n], p) for n, p in engine.model.named_parameters())
+    held = dict(iter_hf_weights(engine.model))  # the weights as sent, until the first generate
+    assert all(torch.equal(held[name], tensor) for name, tensor in weights)
 
     batch = engine.generate(PROMPTS, SPEC)
     assert batch.policy_version == 1
@@ -146,7 +146,9 @@ def test_first_sync_calibrates_at_generate_then_on_the_last_rollout(reference):
 
     out = engine.update_weights(iter(weights), 2)  # now calibrated at once, on the last rollout
     assert out["quant/num_quantized"] == report.num_quantized and out["quant/rel_err"] > 0
-    assert engine._awq_pending is None
+    assert engine._arrival.pending is None
+    with pytest.raises(ValueError, match=r"weight sync incomplete: 1 of \d+ tensors never arrived"):
+        engine.update_weights(iter(weights[1:]), 3)  # every recipe's sync is checked complete
 
 
 def test_calibration_budget_and_errors():

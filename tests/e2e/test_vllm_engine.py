@@ -157,7 +157,9 @@ def test_bucketed_sync_reloads_whole_layers_and_sets_the_version_at_the_end(engi
     engine.begin_weight_update(version + 1)
     for bucket in buckets[:whole] + buckets[whole + 1 :]:
         engine.receive_bucket(bucket)
-    with pytest.raises(ValueError, match="weight sync incomplete: layers"):
+    with pytest.raises(
+        ValueError, match=r"weight sync incomplete: 1 of \d+ layers (never arrived|arrived in part)"
+    ):
         engine.finish_weight_update(version + 1)
     chunked = next(i for i, b in enumerate(buckets) if any("rows" in e.meta for e in b.entries))
     engine.begin_weight_update(version + 1)

@@ -55,7 +55,7 @@ class Streams:
     def __init__(self) -> None:
         self.attempts: list[list[int]] = []
 
-    def stream_weights(self, engines: Sequence, quantized_wire: bool, target: SyncTarget) -> SyncReport:
+    def stream_weights(self, engines: Sequence, target: SyncTarget) -> SyncReport:
         self.attempts.append(ray.get([engine.replica.remote() for engine in engines]))
         return SyncReport(bytes=100 * len(self.attempts), buckets=1, senders=1)
 

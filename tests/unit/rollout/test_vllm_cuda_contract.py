@@ -171,9 +171,10 @@ def test_vllms_ipc_transfer_hands_every_colocated_engine_the_trainers_init_info(
                      id="two-pipeline-stages"),
     ],
 )  # fmt: skip
-def test_the_weight_backend_follows_where_engines_run_and_vllm_accepts_it(overrides, backend, tmp_path):
+def test_the_weight_backend_follows_the_sync_plan_and_vllm_accepts_it(overrides, backend, tmp_path):
     """vLLM's NCCL backend has one sender: engines on nodes of their own take it when the trainer has
-    one pipeline stage; otherwise the engine's process takes the buckets and hands them over by IPC."""
+    one pipeline stage (the ``vllm_nccl`` route); colocated, the ``vllm_ipc`` route; with several
+    pipeline stages the engine's process takes the buckets and hands them over by IPC."""
     kwargs, _ = _kwargs("qwen3_30b_a3b.yaml", overrides, H100, tmp_path)
     cfg = engine_config(kwargs)
     assert cfg.weight_transfer_config.backend == backend

@@ -19,7 +19,7 @@ hands vLLM, load into vLLM's own model class, built on CPU.
    handed, so every tensor sent is matched to the parameter it lands in, fused ones included
    (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, every expert into ``w13``/``w2``).
 4. For each quantization recipe ``QUANT``: the buckets a trainer rank streams to the engine (the
-   recipe's `WireEncoder` with the CUDA vLLM engine's ``quantized_wire``), decoded as the engine
+   recipe's `WireEncoder` as the sync plan of a CUDA vLLM engine sets it), decoded as the engine
    decodes them; and, for every linear and expert layer of vLLM's model, the method vLLM's own
    quantization config of the recipe (the engine's ``quantization``) resolves for it.
 """
@@ -34,6 +34,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+BUCKETS_TO_VLLM = ["rollout.engine=vllm", "rollout.sync_transport=buckets"]
+"""A vLLM engine that takes the trainer's buckets (the route of a trainer with several pipeline
+stages)."""
 
 
 def main(recipe: str, quants: list[str]) -> dict:
@@ -64,7 +68,8 @@ def main(recipe: str, quants: list[str]) -> dict:
         raise AssertionError("the IPC and NCCL sources describe different tensors")
     trainer = {name: _described(t) for name, t in iter_hf_weights(model)}
     streamed = {
-        quant: _streamed(model, load_recipe(recipe, [f"rollout.quant={quant}"]).quant) for quant in quants
+        quant: _streamed(model, load_recipe(recipe, [f"rollout.quant={quant}", *BUCKETS_TO_VLLM]))
+        for quant in quants
     }
     torch.distributed.destroy_process_group()  # vLLM builds its own
 
@@ -127,21 +132,21 @@ def _described(tensor: torch.Tensor) -> list:
     return [str(tensor.dtype).split(".")[-1], list(tensor.shape)]
 
 
-def _streamed(model: torch.nn.Module, quant) -> dict[str, dict]:
-    """What a trainer rank's buckets for a CUDA vLLM engine of recipe ``quant`` carry (``travelled``:
-    name -> dtype of every entry) and what the engine decodes from them (`VLLMEngine.receive_bucket`;
-    ``decoded``: name -> [dtype, shape])."""
-    from moe_rl.rollout.capabilities import engine_capabilities
+def _streamed(model: torch.nn.Module, config) -> dict[str, dict]:
+    """What a trainer rank's buckets for a CUDA vLLM engine of ``config`` carry (the ``buckets`` route
+    of its sync plan: ``travelled``, name -> dtype of every entry) and what the engine decodes from
+    them (`VLLMEngine.receive_bucket`; ``decoded``: name -> [dtype, shape])."""
+    from moe_rl.config.sync_plan import sync_plan
+    from moe_rl.weight_sync.buckets import BucketPacker
+    from moe_rl.weight_sync.outgoing import Outgoing, owned
     from moe_rl.weight_sync.receiver import decoded
-    from moe_rl.weight_sync.sender import stream_buckets
     from moe_rl.weight_sync.wire import Rejoin, WireEncoder
 
-    num_layers = model.config.num_layers
-    encoder = WireEncoder(
-        quant, num_layers, quantized_wire=engine_capabilities("vllm", "cuda").quantized_wire
-    )
+    plan = sync_plan(config, "cuda")
+    encoder = WireEncoder(config.quant, model.config.num_layers, quantized_wire=plan.quantized_wire)
+    outgoing = Outgoing(lambda: owned(model), encoder)
     rejoin, travelled, out = Rejoin(), {}, {}
-    for bucket in stream_buckets(model, encoder, 1 << 20):
+    for bucket in BucketPacker(1 << 20).pack(outgoing.groups(1 << 20)):
         travelled.update((entry.name, entry.dtype) for entry in bucket.entries)
         out.update((name, _described(tensor)) for name, tensor in decoded(bucket, rejoin=rejoin))
     rejoin.finish()

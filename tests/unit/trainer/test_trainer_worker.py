@@ -215,21 +215,23 @@ def test_parameters_released_for_a_generation_come_back_for_a_weight_sync(stack_
     """`cluster.offload_params`: an engine restarted during a colocated generation is brought to the
     weights while the parameters are out; the sync takes them back for its span (the engine gets the
     trainer's weights, not emptied storages) and they leave again until the generation ends."""
+    from moe_rl.config.sync_plan import sync_plan
     from moe_rl.rollout.megatron_engine import MegatronEngine
     from moe_rl.weight_sync.sender import RankSender
-    from moe_rl.weight_sync.transport import Reach
+    from moe_rl.weight_sync.transport import Receiver
 
     worker = stack_worker
     before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
     out_bytes = _storage_bytes([*worker.model.parameters(), *_gradients_and_optimizer_state(worker)])
     engine = MegatronEngine(tiny_recipe("rollout.quant=bf16"))  # the worker's model, bf16 on the wire
-    sender = RankSender(worker.model, engine.config.quant, worker.config.model.num_layers, capacity=1 << 20)
+    plan = sync_plan(engine.config, "cpu", in_process=True)
+    sender = RankSender(worker.model, engine.config.quant, worker.config.model.num_layers, plan)
     released = worker.release_memory(params=True)
     try:
         assert all(p.untyped_storage().nbytes() == 0 for p in worker.model.parameters())
         engine.begin_weight_update(7)
         with worker.weights_resident():
-            sender.send({0: engine.receive_bucket}, Reach.IN_PROCESS, quantized_wire=True, timeout_s=10.0)
+            sender.send({0: Receiver(engine.receive_bucket)}, timeout_s=10.0)
         engine.finish_weight_update(7)
         assert [
             n for n, p in worker.model.named_parameters() if p.untyped_storage().nbytes()

@@ -12,8 +12,8 @@ from trainer_testing import tiny_recipe
 from moe_rl.megatron.hf_weights import iter_hf_weights
 from moe_rl.megatron.model import PRECISIONS, build_gpt_model
 from moe_rl.rollout.megatron_engine import MegatronEngine
-from moe_rl.weight_sync.buckets import detach
-from moe_rl.weight_sync.sender import sends, stream_buckets
+from moe_rl.weight_sync.buckets import BucketPacker, detach
+from moe_rl.weight_sync.outgoing import Outgoing, owned, sends
 from moe_rl.weight_sync.wire import WireEncoder
 
 pytestmark = pytest.mark.usefixtures("device")
@@ -27,7 +27,8 @@ def trainer_model():
 
 def _buckets(config, model, capacity: int, quantized: bool = True):
     encoder = WireEncoder(config.quant, config.model.num_layers, quantized_wire=quantized)
-    return [detach(b) for b in stream_buckets(model, encoder, capacity)], encoder
+    outgoing = Outgoing(lambda: owned(model), encoder)  # a trainer rank's, as its sender packs it
+    return [detach(b) for b in BucketPacker(capacity).pack(outgoing.groups(capacity))], encoder
 
 
 def _state(engine: MegatronEngine) -> dict[str, torch.Tensor]:
@@ -138,11 +139,15 @@ def test_a_colocated_sync_by_device_ipc_loads_what_a_whole_sync_loads(trainer_mo
     rewritten with the weights after an update."""
     import pickle
 
+    from moe_rl.config.modes import SyncRoute
+    from moe_rl.config.sync_plan import sync_plan
     from moe_rl.weight_sync.sender import RankSender
-    from moe_rl.weight_sync.transport import DeviceIpc, Reach
+    from moe_rl.weight_sync.transport import DeviceIpc, Receiver
 
     config, model = trainer_model
-    sender = RankSender(model, config.quant, config.model.num_layers, capacity=4 << 10, device_ipc=True)
+    # the device route (CUDA's) on the CPU: torch shares a CPU buffer through shared memory instead
+    plan = dataclasses.replace(sync_plan(config, "cpu"), route=SyncRoute.DEVICE_IPC, bucket_bytes=4 << 10)
+    sender = RankSender(model, config.quant, config.model.num_layers, plan)
     engine, sizes = MegatronEngine(config), []
     saved = [p.detach().clone() for p in model.parameters()]  # the module's model, put back at the end
 
@@ -158,16 +163,17 @@ def test_a_colocated_sync_by_device_ipc_loads_what_a_whole_sync_loads(trainer_mo
                     for p in model.parameters():
                         p.mul_(1.5)
             engine.begin_weight_update(version)
-            report = sender.send({0: deliver}, Reach.SAME_NODE, quantized_wire=True, timeout_s=10.0)
+            report = sender.send({0: Receiver(deliver)}, timeout_s=10.0)
             engine.finish_weight_update(version)
             whole = MegatronEngine(config)
             whole.update_weights(iter_hf_weights(model), version=version)
             for (name, a), b in zip(_state(whole).items(), _state(engine).values()):
                 assert torch.equal(a, b), (version, name)
-            assert isinstance(sender.transport, DeviceIpc) and report.transports == {"device_ipc"}
+            transport = sender.transports[SyncRoute.DEVICE_IPC]
+            assert isinstance(transport, DeviceIpc) and report.transports == {"device_ipc"}
             assert report.buckets > 3 and report.shared_memory
         assert max(sizes) < 4096  # entries and a handle, not the bytes
-        assert len(sender.transport._handles) == 2  # two buffers, each shared once over both syncs
+        assert len(transport._handles) == 2  # two buffers, each shared once over both syncs
     finally:
         sender.close()
         with torch.no_grad():

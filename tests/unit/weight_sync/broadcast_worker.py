@@ -74,25 +74,33 @@ def main(rank: int, spec: GroupSpec, method: str, folder: str, header_bytes: int
     group.barrier().wait()  # no member leaves (closing its connections) while another still works
 
 
-def main_broken(rank: int, spec: GroupSpec, folder: str) -> None:
-    """A stream whose receiver 2 dies at its third bucket: the sender still packs every bucket, and
-    receiver 1 (an engine's `StreamThreads`) learns the stream broke when it waits for its end."""
+def main_broken(rank: int, streams_in, folder: str) -> None:
+    """A sync by the process-group transport whose receiver 2 dies at its third bucket: the sender's
+    stream stops there and the sender takes part in the gathers of every tensor left (as a trainer
+    rank must: the others wait on them); receiver 1 (an engine's `StreamThreads`) learns the stream
+    broke when it waits for its end. ``streams_in``: each receiver's queue, which the sender hands
+    its stream to (as Ray hands an engine its call)."""
     import os
 
-    from moe_rl.weight_sync.broadcast import BroadcastStream, StreamBroken, StreamThreads
+    from moe_rl.weight_sync.broadcast import StreamBroken, StreamThreads
+    from moe_rl.weight_sync.outgoing import Outgoing
+    from moe_rl.weight_sync.transport import ProcessGroup, Receiver
 
-    tensors = [[(f"w{i}", torch.full((256, 1024), float(i)), {})] for i in range(40)]  # 1 MiB each
     if rank == 0:
-        group = open_group(spec, 0)
-        packed = []
+        weights = [(f"w{i}", torch.full((256, 1024), float(i))) for i in range(40)]  # 1 MiB each, held
+        gathered = []  # as a trainer holds its parameters
 
-        def counted(buckets):
-            for bucket in buckets:
-                packed.append(bucket.index)
-                yield bucket
+        def tensors():  # each counted as it is "gathered"
+            for i, item in enumerate(weights):
+                gathered.append(i)
+                yield [item]
 
-        sent = send_stream(group, counted(BucketPacker(1 << 20, buffers=2).pack(iter(tensors))), buffers=2)
-        torch.save({"broken": sent.broken, "packed": len(packed), "sent": sent.buckets}, f"{folder}/rank0.pt")
+        transport = ProcessGroup(1 << 20, host="127.0.0.1")
+        receivers = {r: Receiver(streams_in[r].put, key=r, near=False) for r in (1, 2)}
+        out = transport.send(Outgoing(tensors, WireEncoder(QuantConfig(), 1)), receivers, 60.0)
+        torch.save(
+            {"gathered": len(gathered), "sent": out.buckets, "group": transport.group}, f"{folder}/rank0.pt"
+        )
         return
     landed = []
 
@@ -102,7 +110,7 @@ def main_broken(rank: int, spec: GroupSpec, folder: str) -> None:
             os._exit(0)  # as a crash would
 
     streams = StreamThreads()
-    streams.start(BroadcastStream(spec, rank), on_bucket)
+    streams.start(streams_in[rank].get(timeout=120), on_bucket)
     try:  # a stream still running at the deadline ends as `StreamBroken` naming it ("did not end")
         streams.wait(timeout_s=SURVIVOR_DEADLINE_S)
         error = None

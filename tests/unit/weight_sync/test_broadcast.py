@@ -53,10 +53,10 @@ def test_two_receivers_decode_what_one_process_decodes(method, header_bytes, tmp
 
 
 @pytest.mark.distributed
-def test_a_receiver_that_dies_breaks_the_stream_for_all_and_the_sender_still_packs_every_bucket(tmp_path):
-    spec = GroupSpec("127.0.0.1", _free_port(), 3, "test/broken/", sender=0)
+def test_a_receiver_that_dies_breaks_the_stream_and_the_sender_joins_the_gathers_left(tmp_path):
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=main_broken, args=(rank, spec, str(tmp_path))) for rank in range(3)]
+    streams = {rank: ctx.Queue() for rank in (1, 2)}
+    procs = [ctx.Process(target=main_broken, args=(rank, streams, str(tmp_path))) for rank in range(3)]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -64,7 +64,9 @@ def test_a_receiver_that_dies_breaks_the_stream_for_all_and_the_sender_still_pac
     codes = [proc.exitcode for proc in procs]
     assert codes == [0, 0, 0], f"exit codes {codes} (None: still running after 120 s)"
     sender, survivor = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert sender["broken"] and sender["packed"] == 40 > sender["sent"]  # the trainer ranks' gathers went on
+    # the stream stopped (no buckets reported, the group dropped for the next sync to make anew), and
+    # every tensor was still gathered: the other trainer ranks' collectives went on
+    assert sender["sent"] == 0 and sender["group"] is None and sender["gathered"] == 40
     # the survivor learnt from its own stream that it broke, not by waiting out its deadline
     assert survivor["error"] is not None, "the survivor's stream ended as if it were whole"
     assert survivor["error"].startswith("a weight stream broke: "), survivor["error"]
@@ -74,10 +76,12 @@ def test_a_receiver_that_dies_breaks_the_stream_for_all_and_the_sender_still_pac
 
 @pytest.mark.distributed
 def test_a_mixed_sync_hands_each_bucket_to_near_receivers_and_broadcasts_it_to_far_ones(tmp_path):
-    """`transport.Mixed`: one packing into the shared slots; the near receiver (here in the sender's
-    process) reads each bucket there, the far one (another process) takes the broadcast from the slot;
-    both decode exactly what one process decodes, and the report counts the buckets once."""
-    from moe_rl.weight_sync.transport import Mixed
+    """The ``buckets`` route with receivers on the sender's node and on another (`transport.HostBuckets`):
+    one packing into the shared slots; the near receiver (here in the sender's process) reads each
+    bucket there, the far one (another process) takes the broadcast from the slot; both decode exactly
+    what one process decodes, and the report counts the buckets once."""
+    from moe_rl.weight_sync.outgoing import Outgoing
+    from moe_rl.weight_sync.transport import HostBuckets, Receiver
     from tests.unit.weight_sync.broadcast_worker import far_receiver
 
     ctx = mp.get_context("spawn")
@@ -93,10 +97,12 @@ def test_a_mixed_sync_hands_each_bucket_to_near_receivers_and_broadcasts_it_to_f
             near[name] = tensor.clone()
         return {"bytes": bucket.nbytes}
 
-    transport = Mixed(CAPACITY, host="127.0.0.1", local=frozenset({0}))
+    transport = HostBuckets(CAPACITY, host="127.0.0.1")
+    receivers = {0: Receiver(near_receiver, key="near"), 1: Receiver(streams.put, key="far", near=False)}
     try:
         encoder = WireEncoder(quant("fp8"), num_layers=1, quantized_wire=True)
-        out = transport.send(transport.packer.pack(groups(encoder)), {0: near_receiver, 1: streams.put}, 60.0)
+        outgoing = Outgoing(lambda: ([item] for item in weights()), encoder)
+        out = transport.send(outgoing, receivers, 60.0)
     finally:
         far.join(120)
         transport.close()
@@ -107,4 +113,4 @@ def test_a_mixed_sync_hands_each_bucket_to_near_receivers_and_broadcasts_it_to_f
     assert set(near) == set(got) == set(want)
     for name, tensor in want.items():
         assert torch.equal(near[name], tensor) and torch.equal(got[name], tensor), name
-    assert out.buckets > 2 and not out.dead and transport.names == {"shared_memory", "process_group"}
+    assert out.buckets > 2 and not out.dead and out.transports == {"shared_memory", "process_group"}

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from moe_rl.config.schema import QuantConfig
+from moe_rl.quant import codec
+from moe_rl.quant.codec import dequantize, quant_errors, quantize_fp8, quantize_int8
 from moe_rl.quant.fp8_block import quantize_fp8_block
-from moe_rl.weight_sync import wire
-from moe_rl.weight_sync.buckets import detach, pack_buckets
+from moe_rl.weight_sync.buckets import BucketPacker, detach
 from moe_rl.weight_sync.receiver import bucket_items
-from moe_rl.weight_sync.wire import WireEncoder, decode, dequantize, quantize_int8, scale_name
+from moe_rl.weight_sync.wire import WireEncoder, decode, scale_name
+from tests.unit.weight_sync.sync_testing import encode
 
 FP8_BLOCK = QuantConfig(name="fp8_block128", method="fp8", granularity="block", block_size=4)
 
@@ -29,7 +31,7 @@ def _groups(seed: int = 0):
 
 def test_buckets_keep_groups_whole_and_bytes_exact():
     groups = [[(n, t, {}) for n, t in g] for g in _groups()]
-    buckets = [detach(b) for b in pack_buckets(iter(groups), capacity=300, sender=3)]
+    buckets = [detach(b) for b in BucketPacker(300, sender=3).pack(iter(groups))]
     names = [[e.name for e in b.entries] for b in buckets]
     assert names == [
         ["model.layers.0.self_attn.q_proj.weight"],  # 192 B; the next group (240 B) does not fit
@@ -72,19 +74,19 @@ def test_tensors_of_any_dtype_line_up_after_odd_sized_ones(slotted, tmp_path, mo
 
 def test_a_bucket_is_valid_until_the_next_is_requested():
     groups = [[(f"w{i}", torch.full((4,), float(i)), {})] for i in range(3)]
-    stream = pack_buckets(iter(groups), capacity=16)
+    stream = BucketPacker(16).pack(iter(groups))
     first = next(stream)
     kept = detach(first)
     next(stream)  # reuses the working buffer
     assert dict((e.name, t) for e, t in kept.tensors())["w0"].tolist() == [0.0] * 4
     with pytest.raises(ValueError, match="capacity=0"):
-        next(pack_buckets(iter(groups), capacity=0))
+        next(BucketPacker(0).pack(iter(groups)))
 
 
 def test_fp8_block_wire_is_e4m3_plus_scales_and_decodes_to_the_dequantized_weight():
     weight = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)).bfloat16()
     encoder = WireEncoder(FP8_BLOCK, num_layers=2)
-    items = encoder.encode("model.layers.1.self_attn.o_proj.weight", weight)
+    items = encode(encoder, "model.layers.1.self_attn.o_proj.weight", weight)
     (name, data, meta), (sname, scale, smeta) = items
     assert meta == {"block": [4, 4], "scale": sname} and smeta == {"scale_of": name}
     assert data.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (2, 2)
@@ -100,14 +102,18 @@ def test_fp8_block_wire_is_e4m3_plus_scales_and_decodes_to_the_dequantized_weigh
 def test_excluded_and_non_wire_recipes_travel_as_they_are():
     encoder = WireEncoder(FP8_BLOCK, num_layers=2)
     router = torch.randn(4, 6)
-    assert encoder.encode("model.layers.0.mlp.gate.weight", router) == [
-        ("model.layers.0.mlp.gate.weight", router, {})
-    ]
+    ((name, sent, meta),) = encode(encoder, "model.layers.0.mlp.gate.weight", router)
+    assert (name, meta) == ("model.layers.0.mlp.gate.weight", {}) and _as_it_lies(sent, router)
     awq = WireEncoder(QuantConfig(name="int4_awq", method="int4_awq", granularity="block"), num_layers=2)
     weight = torch.randn(8, 6)
-    assert awq.encode("model.layers.0.mlp.down_proj.weight", weight)[0][1] is weight
+    assert _as_it_lies(encode(awq, "model.layers.0.mlp.down_proj.weight", weight)[0][1], weight)
     off = WireEncoder(FP8_BLOCK, num_layers=2, quantized_wire=False)  # an engine that quantizes itself
-    assert off.encode("model.layers.0.mlp.down_proj.weight", weight)[0][1] is weight
+    assert _as_it_lies(encode(off, "model.layers.0.mlp.down_proj.weight", weight)[0][1], weight)
+
+
+def _as_it_lies(sent: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """``sent`` is ``tensor`` itself, carried where it lies (not copied into the bucket)."""
+    return sent.data_ptr() == tensor.data_ptr() and torch.equal(sent, tensor)
 
 
 @pytest.mark.parametrize("scale", [1.0, 3.7e-3, 1e-30, 255.0, 256.0, float("nan")])
@@ -135,7 +141,7 @@ def test_decoding_chunk_by_chunk_into_a_weight_equals_decoding_it_whole(monkeypa
     chunks, chunks spanning blocks, a partial last block either way and a NaN byte in a later chunk
     give what the whole-tensor computation gives, cast to the weight's dtype, written into it (or
     into a strided view of it); a weight of another shape is refused by name."""
-    monkeypatch.setattr(wire, "DECODE_CHUNK_ELEMENTS", 3 * 42)  # 3 rows of 42 per chunk
+    monkeypatch.setattr(codec, "DECODE_CHUNK_ELEMENTS", 3 * 42)  # 3 rows of 42 per chunk
     codes = torch.arange(256, dtype=torch.uint8)
     data = codes[(codes & 0x7F) != 0x7F].repeat(3)[: 11 * 42].reshape(11, 42)
     scales = torch.rand(3, 5, generator=torch.Generator().manual_seed(0)) + 0.1  # 4x9 blocks
@@ -150,8 +156,8 @@ def test_decoding_chunk_by_chunk_into_a_weight_equals_decoding_it_whole(monkeypa
         assert torch.equal(weight[:, 3:45].nan_to_num(), want.nan_to_num())
         assert int(weight[:, 3:45].isnan().sum()) == int(nan) and not weight[:, :3].any()
         assert torch.equal(dequantize(e4m3, scales, (4, 9)).to(dtype).nan_to_num(), want.nan_to_num())
-    items = WireEncoder(FP8_BLOCK, num_layers=2).encode(
-        "model.layers.0.mlp.down_proj.weight", torch.randn(8, 8)
+    items = encode(
+        WireEncoder(FP8_BLOCK, num_layers=2), "model.layers.0.mlp.down_proj.weight", torch.randn(8, 8)
     )
     target = torch.empty(8, 8, dtype=torch.bfloat16)
     assert dict(decode(items, into={items[0][0]: target}.get))[items[0][0]] is target
@@ -171,7 +177,7 @@ def test_fp8_tensor_and_channel_and_int8(granularity):
     weight = torch.randn(6, 10, generator=torch.Generator().manual_seed(2))
     weight[2] = 0  # a zero row: scale 0 sends zeros, never NaN
     cfg = QuantConfig(name="x", method="fp8", granularity=granularity)
-    items = WireEncoder(cfg, num_layers=1).encode("model.layers.0.mlp.down_proj.weight", weight)
+    items = encode(WireEncoder(cfg, num_layers=1), "model.layers.0.mlp.down_proj.weight", weight)
     values = dict(decode(items))["model.layers.0.mlp.down_proj.weight"]
     assert torch.isfinite(values).all() and (values[2] == 0).all()
     assert items[1][1].shape == ((6, 1) if granularity == "channel" else (1, 1))
@@ -184,8 +190,8 @@ def test_fp8_tensor_and_channel_and_int8(granularity):
 
 
 def test_a_quantized_weight_without_its_scales_is_an_error():
-    items = WireEncoder(FP8_BLOCK, num_layers=2).encode(
-        "model.layers.0.mlp.down_proj.weight", torch.randn(8, 8)
+    items = encode(
+        WireEncoder(FP8_BLOCK, num_layers=2), "model.layers.0.mlp.down_proj.weight", torch.randn(8, 8)
     )
     with pytest.raises(ValueError, match="without its scales"):
         list(decode(items[:1]))
@@ -201,22 +207,29 @@ def test_a_quantized_weight_without_its_scales_is_an_error():
     ],
     ids=lambda c: c.name,
 )
-def test_lazy_groups_write_the_same_bytes_and_report_as_encoded_ones(cfg):
-    """What the sender writes straight into the bucket equals encoding first, then copying."""
+def test_what_the_sender_writes_into_the_bucket_is_the_recipes_quantization(cfg):
+    """Groups written straight into buckets by the packer carry each weight quantized as the recipe's
+    reference quantization gives it (its data and scales), or as it is, and the sync's report has
+    each weight's error once."""
     groups = [[(n, t.bfloat16() if t.dim() == 2 else t) for n, t in g] for g in _groups(1)]
     groups[1][0][1][:4] = 0  # zero blocks
-    eager, lazy = WireEncoder(cfg, num_layers=2), WireEncoder(cfg, num_layers=2)
-    want = [detach(b) for b in pack_buckets((eager.encode_group(g) for g in groups), capacity=200)]
-    got = [detach(b) for b in pack_buckets((lazy.lazy_group(g) for g in groups), capacity=200)]
-    assert [b.entries for b in got] == [b.entries for b in want]
-    for g, w in zip(got, want, strict=True):
-        assert bytes(g.data) == bytes(w.data)
-    assert (lazy.report.num_quantized, lazy.report.bytes_sent) == (
-        eager.report.num_quantized,
-        eager.report.bytes_sent,
-    )
-    assert lazy.report.err_sq == pytest.approx(eager.report.err_sq, rel=1e-6)
-    assert (lazy.report.num_quantized > 0) == (cfg.method != "none")
+    encoder = WireEncoder(cfg, num_layers=2)
+    buckets = [detach(b) for b in BucketPacker(200).pack(encoder.lazy_group(g) for g in groups)]
+    got = {entry.name: value for b in buckets for entry, value in b.tensors()}
+    err = ref = 0.0
+    for name, tensor in (item for g in groups for item in g):
+        if cfg.method == "none" or tensor.dim() != 2 or "embed_tokens" in name:
+            assert torch.equal(got[name], tensor), name
+            continue
+        quantize = quantize_fp8 if cfg.method == "fp8" else quantize_int8
+        data, scale, block = quantize(tensor, cfg)
+        assert torch.equal(got[name].view(torch.uint8), data.view(torch.uint8)), name
+        assert torch.equal(got[scale_name(name)], scale), name
+        e, r = quant_errors(tensor, data, scale, block)
+        err, ref = err + e, ref + r
+    quantized = sum(1 for g in groups for n, t in g if t.dim() == 2 and "embed_tokens" not in n)
+    assert encoder.report.num_quantized == (0 if cfg.method == "none" else quantized)
+    assert encoder.report.err_sq == pytest.approx(err, rel=1e-6)
 
 
 def test_torch_fp8_block_out_must_fit():

@@ -12,9 +12,10 @@ import torch
 
 from moe_rl.config.schema import QuantConfig
 from moe_rl.quant import fused
+from moe_rl.quant.codec import dequantize, quant_errors
 from moe_rl.quant.fp8_block import torch_fp8_block
-from moe_rl.weight_sync import wire
-from moe_rl.weight_sync.wire import WireEncoder, dequantize
+from moe_rl.weight_sync.wire import WireEncoder
+from tests.unit.weight_sync.sync_testing import encode
 
 FP8_BLOCK128 = QuantConfig(name="fp8_block128", method="fp8", granularity="block", block_size=128)
 NAME = "model.layers.0.mlp.experts.0.down_proj.weight"
@@ -45,12 +46,12 @@ def test_fused_encode_and_decode_equal_the_torch_operations(monkeypatch, dtype):
     want_data, want_scale = torch_fp8_block(weight, 128)
 
     encoder = WireEncoder(FP8_BLOCK128, num_layers=2)
-    (_, data, meta), (_, scale, _) = encoder.encode(NAME, weight)
+    (_, data, meta), (_, scale, _) = encode(encoder, NAME, weight)
     assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
     assert torch.equal(scale, want_scale) and bool(
         (scale[1, 2] == 0) & (data[128:256, 256:384].view(torch.uint8) == 0).all()
     )
-    err, ref = wire._errors(weight, want_data, want_scale, (128, 128))
+    err, ref = quant_errors(weight, want_data, want_scale, (128, 128))
     assert encoder.report.err_sq == pytest.approx(err, rel=1e-4)
     assert encoder.report.ref_sq == pytest.approx(ref, rel=1e-4)
 
@@ -60,7 +61,7 @@ def test_fused_encode_and_decode_equal_the_torch_operations(monkeypatch, dtype):
     data.view(torch.uint8)[300, 500] = 0xFF
     scale = scale.clone()
     scale[0, 0] = 1000.0
-    want = data.float() * wire._expand(scale, (128, 128), data.shape)
+    want = data.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
     for out_dtype in (torch.bfloat16, torch.float32):
         wider = torch.zeros(384, 520, dtype=out_dtype)
         assert fused.decode(data, scale, (128, 128), wider[:, 3:515])
@@ -92,12 +93,12 @@ inductor.cpp.cxx = (None, "/nonexistent/c++")
 inductor.compile_threads = 1
 from moe_rl.quant.fp8_block import torch_fp8_block
 from moe_rl.quant import fused
-from moe_rl.weight_sync import wire
+from moe_rl.quant import codec
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s|%(message)s")
 fused.FUSED_MIN_ELEMENTS = 1
 weight = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
 data, scale = torch_fp8_block(weight, 64)
-got = wire.dequantize(data, scale, (64, 64), out=torch.empty(256, 256))
+got = codec.dequantize(data, scale, (64, 64), out=torch.empty(256, 256))
 want = data.float() * scale.repeat_interleave(64, 0).repeat_interleave(64, 1)
 print("enabled", fused.usable((256, 256), (64, 64), torch.device("cpu")), "equal", torch.equal(got, want))
 """

@@ -1,15 +1,21 @@
-"""The sync's typed report and the sender's choice of transport: what every run logs as
-``sync/*`` and ``quant/*`` is named in one place, totals over the sending ranks."""
+"""The sync's typed report and the sender's transports: what every run logs as ``sync/*`` and
+``quant/*`` is named in one place, totals over the sending ranks; one transport per route of the
+run's sync plan, kept from sync to sync."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from moe_rl.config.modes import SyncRoute
 from moe_rl.config.schema import QuantConfig
 from moe_rl.quant.recipes import QuantReport
 from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.sender import RankSender
-from moe_rl.weight_sync.transport import InProcess, Mixed, ProcessGroup, Reach, SharedMemory, Where, reach_of
+from moe_rl.weight_sync.transport import DeviceIpc, HostBuckets, InProcess, ProcessGroup, SharedMemory
+
+TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 
 
 def _quant(num: int) -> QuantReport:
@@ -46,25 +52,28 @@ def test_one_sender_without_shared_memory_makes_the_sync_not_shared():
     assert total.metrics()["sync/shared_memory"] == 0
 
 
-def test_the_sender_picks_its_transport_from_where_the_receivers_are():
-    assert reach_of({0: "a", 1: "a"}, "a") == Where(Reach.SAME_NODE, frozenset(), frozenset({0, 1}))
-    assert reach_of({0: "b", 1: "c"}, "a") == Where(Reach.OTHER_NODES, frozenset(), frozenset())
-    assert reach_of({0: "a", 1: None}, "a") == Where(
-        Reach.SAME_NODE, frozenset({1}), frozenset({0})
-    )  # dead: left out
-    assert reach_of({0: "a", 1: "b", 2: None}, "a") == Where(Reach.MIXED, frozenset({2}), frozenset({0}))
-    sender = RankSender(torch.nn.Linear(4, 4), QuantConfig(), num_layers=1, capacity=1024, host="10.0.0.7")
+def test_the_sender_keeps_one_transport_per_route_and_buckets_go_by_where_the_receivers_are():
+    from moe_rl.config import load_recipe
+    from moe_rl.config.sync_plan import sync_plan
+    from moe_rl.weight_sync.vllm_transfer import VLLMIpc, VLLMNccl
+
+    plan = sync_plan(load_recipe(TINY), "cpu")
+    sender = RankSender(torch.nn.Linear(4, 4), QuantConfig(), 1, plan, host="10.0.0.7")
     kinds = {
-        Reach.SAME_NODE: SharedMemory, Reach.OTHER_NODES: ProcessGroup, Reach.IN_PROCESS: InProcess, Reach.MIXED: Mixed,
+        SyncRoute.BUCKETS: HostBuckets, SyncRoute.IN_PROCESS: InProcess, SyncRoute.DEVICE_IPC: DeviceIpc,
+        SyncRoute.VLLM_NCCL: VLLMNccl, SyncRoute.VLLM_IPC: VLLMIpc,
     }  # fmt: skip
     try:
-        for reach, kind in kinds.items():
-            transport = sender._transport_for(reach, frozenset({0}))
-            assert type(transport) is kind and transport.reach is reach
-            assert sender._transport_for(reach, frozenset({0})) is transport  # kept from sync to sync
-        assert sender._transport_for(Reach.MIXED, frozenset({1})) is not transport  # an engine moved: new
-        assert sender.transport.names == {"shared_memory", "process_group"}
-        assert sender._transport_for(Reach.OTHER_NODES).host == "10.0.0.7"  # the store other nodes reach
+        for route, kind in kinds.items():
+            transport = sender._transport(route)
+            assert type(transport) is kind and transport.capacity == plan.bucket_bytes
+            assert sender._transport(route) is transport  # kept from sync to sync
+        buckets = sender._transport(SyncRoute.BUCKETS)
+        ways = {"near": SharedMemory, "far": ProcessGroup, "both": SharedMemory}
+        for way, kind in ways.items():
+            assert isinstance(buckets._way(way), kind) and list(buckets._ways) == [way]  # the others closed
+        assert buckets._way("both").far.host == "10.0.0.7"  # the store other nodes reach
+        assert sender._transport(SyncRoute.VLLM_NCCL).host == "10.0.0.7"
     finally:
         sender.close()
     shared = SharedMemory(1024)

@@ -1,0 +1,150 @@
+"""What a trainer rank sends in a sync: which rank sends which tensor, the tensors as they leave
+the trainer's model (its own, or the whole model gathered), and each sync's `Outgoing`.
+
+Every rank of the trainer group iterates its tensors together (tensor-parallel shards are
+all-gathered, a collective), and one rank per distinct tensor sends it (`sends`, `owned`):
+
+* a dense tensor (attention, norms, shared experts, embeddings, the LM head): the rank with data-
+  parallel rank 0 (context parallel included) and tensor-parallel rank 0 of its pipeline stage;
+* an expert tensor: the rank with expert-data-parallel rank 0 and expert-tensor-parallel rank 0
+  of its expert-parallel group, so each expert-parallel rank sends its own experts.
+
+So each pipeline stage and each expert-parallel rank sends what it owns, nobody sends a tensor
+twice, and no rank gathers more than one tensor at a time. On the routes that send the whole model
+(`moe_rl.config.sync_plan`: ``device_ipc``, vLLM's transfer) a rank sends every tensor instead
+(`whole_model`): its tensor-parallel shards gathered and, with expert parallelism, each expert
+all-gathered over the expert-parallel group as it is sent.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+
+from moe_rl.weight_sync.wire import LazyGroup, WireEncoder
+
+EXPERT_MARK = ".mlp.experts."
+_EXPERT = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
+
+FLOAT32_WEIGHTS = ("e_score_correction_bias",)
+"""Weights vLLM's models hold in float32 whatever the engine's dtype (DeepSeek-V3's expert-score
+correction bias, which decides the routing): they travel in float32, not rounded to the engine's
+dtype (the contract test against vLLM's model class checks every weight's dtype)."""
+
+
+def engine_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in the dtype a vLLM engine of ``dtype`` holds weight ``name`` in."""
+    if tensor.is_floating_point():
+        return tensor.to(torch.float32 if name.endswith(FLOAT32_WEIGHTS) else dtype)
+    return tensor
+
+
+def sends(megatron_name: str) -> bool:
+    """Whether this rank is the one that sends ``megatron_name`` (see the module docstring)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return True
+    if EXPERT_MARK in megatron_name:
+        return ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+    return (
+        ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        and ps.get_tensor_model_parallel_rank() == 0
+    )
+
+
+Groups = Iterator[list[tuple[str, torch.Tensor]]]
+"""HF-named tensors, one Megatron tensor (all its pieces) at a time."""
+
+
+def owned(model: torch.nn.Module) -> Groups:
+    """The tensors this rank sends (`sends`), as views; every rank iterates (the tensor-parallel
+    gathers are collectives)."""
+    from moe_rl.megatron.hf_weights import iter_hf_weight_groups
+
+    for _, group in iter_hf_weight_groups(model, select=sends, copy=False):  # views; the packer writes
+        yield group
+
+
+def whole_model(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+    select: Callable[[str], bool] | None = None, root: bool = True,
+) -> Groups:  # fmt: skip
+    """Every tensor of the model (see the module docstring), one Megatron tensor at a time (an
+    expert's pieces of one expert-parallel rank each). Every rank iterates it together (the gathers
+    are collectives); only a ``root`` rank yields. ``dtype``: what the tensors are cast to (vLLM's:
+    `engine_dtype`), None: kept; ``device``: where they are gathered (default the
+    model's); ``select(megatron_name)``: the tensors this rank takes part for. Needs one pipeline
+    stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.megatron.hf_weights import iter_hf_weight_groups
+
+    if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("sending the whole model from a rank needs one pipeline stage")
+    device = next(model.parameters()).device if device is None else torch.device(device)
+    ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    group = ps.get_expert_model_parallel_group() if ep > 1 else None
+    local = _num_experts(model) // ep
+    for _, pieces in iter_hf_weight_groups(model, select=select, copy=False):
+        peers: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for name, piece in pieces:
+            piece = (piece if dtype is None else engine_dtype(name, piece, dtype)).to(device)
+            if ep > 1 and _EXPERT.search(name):  # every expert-parallel rank holds its own experts
+                parts = [torch.empty_like(piece) for _ in range(ep)]
+                dist.all_gather(parts, piece.contiguous(), group=group)
+                for rank, part in enumerate(parts):
+                    peers.setdefault(rank, []).append((_peer_expert(name, rank, local), part))
+            else:
+                peers.setdefault(0, []).append((name, piece))
+        if root:
+            yield from peers.values()
+
+
+def _num_experts(model: torch.nn.Module) -> int:
+    while hasattr(model, "module"):  # DDP and precision wrappers
+        model = model.module
+    return int(getattr(model.config, "num_moe_experts", None) or 1)
+
+
+def _peer_expert(name: str, rank: int, local: int) -> str:
+    """The HF name of the expert that expert-parallel rank ``rank`` holds where this rank holds
+    the one of ``name`` (each rank holds ``local`` consecutive experts, rank 0 the first)."""
+    match = _EXPERT.search(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not an expert's weight")
+    own = int(match.group(2))
+    return f"{name[: match.start(2)]}{own % local + rank * local}{name[match.end(2) :]}"
+
+
+class Outgoing:
+    """What one trainer rank sends in one sync: ``tensors`` (`owned` or `whole_model`, started once
+    per sync) encoded by the recipe's ``encoder``, group by group (`groups`), or, for a rank with
+    nothing to deliver, only its part in the gathers (`join_gathers`)."""
+
+    def __init__(
+        self, tensors: Callable[[], Groups], encoder: WireEncoder, model: torch.nn.Module | None = None
+    ):
+        """``model``: the trainer's model (vLLM's transfer reads it itself)."""
+        self._tensors, self.encoder, self.model = tensors, encoder, model
+        self._live: Groups | None = None
+
+    def _stream(self) -> Groups:
+        if self._live is None:
+            self._live = self._tensors()
+        return self._live
+
+    def groups(self, max_bytes: int | None = None) -> Iterator[LazyGroup]:
+        """What travels, one group at a time, written into the bucket by the packer; a tensor larger
+        than ``max_bytes`` in row chunks (`WireEncoder.lazy_groups`)."""
+        for group in self._stream():
+            yield from self.encoder.lazy_groups(group, max_bytes)
+
+    def join_gathers(self) -> None:
+        """Take part in the gathers of this sync without sending anything: every tensor not yet
+        reached (all of them when `groups` was not started) is gathered and dropped."""
+        for _ in self._stream():
+            pass
