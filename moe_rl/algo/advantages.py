@@ -2,7 +2,7 @@
 
 Sequence-level functions take ``rewards`` [S] (one per response) and ``group_ids`` [S] (any
 integer ids; responses with the same id answer the same prompt). They return per-response
-advantages [S]; broadcast to tokens with ``adv[seq_ids]`` (`to_tokens`).
+advantages [S]; broadcast to tokens with ``adv[seq_ids]``.
 
 A group of one response has advantage 0 under every estimator (nothing to compare with) and
 counts as a zero-variance group.
@@ -100,11 +100,6 @@ def zero_variance_groups(rewards: Tensor, group_ids: Tensor) -> ZeroVarianceRepo
     )
 
 
-def to_tokens(seq_values: Tensor, seq_ids: Tensor) -> Tensor:
-    """Broadcast a per-response value [S] to tokens: ``seq_values[seq_ids]``."""
-    return seq_values[seq_ids]
-
-
 def zero_variance_signs(rewards: Tensor, group_ids: Tensor, *, correct_threshold: float = 0.5) -> Tensor:
     """Per response [S] int8: +1 in an all-correct zero-variance group (group reward ≥
     `correct_threshold`), −1 in an all-wrong one, 0 elsewhere. Computed over the whole rollout
@@ -124,9 +119,12 @@ def zvp_shape(
     signs: Tensor,
     alpha: float = 0.1,
 ) -> Tensor:
-    """RL-ZVP's token advantages where `signs` [S] (`zero_variance_signs`) is non-zero:
-    ``α·sg(H_t)`` for +1, ``−α·(max_k H_k − H_t)`` for −1 (max over the response's tokens with
-    `loss_mask` True); `token_advantages` elsewhere."""
+    """RL-ZVP's entropy-guided token advantages for zero-variance groups [arXiv 2509.21880], where
+    `signs` [S] (`zero_variance_signs`, over the whole batch) is non-zero: ``α·sg(H_t)`` for +1
+    (all-correct), ``−α·(max_k H_k − H_t)`` for −1 (all-wrong; max over the response's tokens
+    with `loss_mask` True); `token_advantages` (e.g. GRPO's, 0 on those groups) elsewhere. The
+    trainer applies it per micro-batch once π_old's entropy [T] is known; α is ours at 0.1 (the
+    paper tunes it per model)."""
     check_num_seqs(num_seqs)
     check_tokens(loss_mask, seq_ids, token_advantages=token_advantages, entropy=entropy)
     check_1d("signs", signs, num_seqs)
@@ -135,39 +133,3 @@ def zvp_shape(
     sign = signs[seq_ids]
     shaped = torch.where(sign > 0, alpha * h, -alpha * (h_max - h))
     return torch.where((sign != 0) & loss_mask, shaped, token_advantages)
-
-
-def rl_zvp(
-    token_advantages: Tensor,
-    entropy: Tensor,
-    loss_mask: Tensor,
-    seq_ids: Tensor,
-    *,
-    num_seqs: int,
-    rewards: Tensor,
-    group_ids: Tensor,
-    alpha: float = 0.1,
-    correct_threshold: float = 0.5,
-) -> Tensor:
-    """RL-ZVP entropy-guided advantages for zero-variance groups [arXiv 2509.21880].
-
-    For a response whose group is zero-variance (all rewards equal):
-    all-correct (group reward ≥ `correct_threshold`): ``A_t = α·sg(H_t)``;
-    all-wrong: ``A_t = −α·(max_k H_k − H_t)``, max over the response's tokens with
-    `loss_mask` True. Other responses keep `token_advantages` unchanged. The RL loop applies the
-    same two steps apart: `zero_variance_signs` on the whole batch (driver), `zvp_shape` per
-    micro-batch once π_old's entropy is known (trainer).
-
-    Args:
-        token_advantages: [T] advantages already broadcast to tokens (e.g. GRPO's, 0 on ZVP groups).
-        entropy: [T] token entropy H_t (detached here).
-        rewards, group_ids: [S] per-response rewards and prompt-group ids.
-        alpha: scale α (ours: 0.1; the paper tunes it per model).
-        correct_threshold: reward at or above which a zero-variance group counts as all-correct
-            (0.5 suits {0, 1} rewards).
-    """
-    check_1d("rewards", rewards, num_seqs)
-    signs = zero_variance_signs(rewards, group_ids, correct_threshold=correct_threshold)
-    return zvp_shape(
-        token_advantages, entropy, loss_mask, seq_ids, num_seqs=num_seqs, signs=signs, alpha=alpha
-    )

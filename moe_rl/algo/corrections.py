@@ -34,9 +34,8 @@ from moe_rl.algo._ops import (
     share,
     valid_seqs,
 )
-from moe_rl.algo.modes import Divergence, PolicyMode, RejectionAggregation, TISMode, values
+from moe_rl.algo.modes import Divergence, PolicyMode, RejectionAggregation, values
 
-TIS_MODES = values(TISMode)
 REJECTION_DIVERGENCES = values(Divergence)
 REJECTION_AGGREGATIONS = values(RejectionAggregation)
 CORRECTION_MODES = values(PolicyMode)

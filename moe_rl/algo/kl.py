@@ -107,4 +107,4 @@ def kl_loss(
         f"kl/ref_{estimator}": masked_mean(penalty, loss_mask),
         "kl/ref_k3": masked_mean(kl_k3(logp.detach(), ref_logp.detach()), loss_mask),
     }
-    return LossOutput(coef * loss_sum, denom, metrics, coef * penalty)
+    return LossOutput(coef * loss_sum, denom, metrics)

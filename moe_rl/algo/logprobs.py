@@ -99,7 +99,6 @@ def token_logprobs(
     tokens: Tensor,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    validate: bool = True,
 ) -> Tensor:
     """Log-probability of each sampled token under ``softmax(logits / T)`` (float32; float64 for float64 logits).
 
@@ -112,11 +111,12 @@ def token_logprobs(
         tokens: [...] long sampled ids in ``[0, V)``.
         temperature: the rollout temperature T (> 0).
         chunk_size: rows per chunk.
-        validate: check that every token id is in ``[0, V)`` (one host sync).
+
+    Every token id is checked to be in ``[0, V)`` (one host sync).
     """
     _check_logits(logits, temperature, chunk_size)
     flat = logits.reshape(-1, logits.shape[-1])
-    _check_tokens_in_vocab(tokens, flat.shape[0], flat.shape[1], check_range=validate)
+    _check_tokens_in_vocab(tokens, flat.shape[0], flat.shape[1])
     out = _ChunkedTokenLogprob.apply(flat, tokens.reshape(-1), float(temperature), chunk_size)
     return out.reshape(logits.shape[:-1])
 

@@ -52,13 +52,11 @@ class LossOutput:
         loss_sum: 0-d tensor with grad.
         denom: 0-d float tensor (local count or the given global denominator).
         metrics: name → detached 0-d tensor.
-        token_loss: [T] per-token loss after correction weights, before aggregation.
     """
 
     loss_sum: Tensor
     denom: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
-    token_loss: Tensor | None = None
 
     @property
     def loss(self) -> Tensor:
@@ -102,7 +100,7 @@ def _finish(
         check_1d("weights", weights, token_loss.numel())
         token_loss = token_loss * weights.detach()
     loss_sum, denom = aggregate(token_loss, loss_mask, seq_ids, num_seqs=num_seqs, **agg)
-    return LossOutput(loss_sum, denom, metrics, token_loss)
+    return LossOutput(loss_sum, denom, metrics)
 
 
 def _agg(aggregation: str, global_denom, norm_len, seq_num_tokens) -> dict:
@@ -439,7 +437,7 @@ def _group_mean_aggregate(
     metrics["groups_per_seq"] = (
         groups_per_seq.sum() / valid_seqs(loss_mask, seq_ids, num_seqs).sum().clamp_min(1)
     ).detach()
-    return LossOutput(loss_sum, denom, metrics, loss)
+    return LossOutput(loss_sum, denom, metrics)
 
 
 def dgo_weights(rewards: Tensor, group_ids: Tensor, *, dgo_beta: float = 0.1) -> Tensor:

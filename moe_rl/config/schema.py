@@ -607,8 +607,3 @@ class RecipeConfig:
 CHOICES: dict[str, type[StrEnum]] = choice_fields(RecipeConfig)
 """Every choice field of the recipe and its mode (the one list of valid values), read from the
 field types above: typing a field with a mode makes it a choice the loader checks."""
-
-
-def section_types() -> dict[str, Any]:
-    """The dataclass of each top-level section, by name."""
-    return {name: f.default_factory for name, f in RecipeConfig.__dataclass_fields__.items()}

@@ -3,11 +3,11 @@ name, batch shapes, correction bands. They run before any heavy import, so a bad
 well under a second; every error names the field, its value and what would be valid.
 
 `check_values` tests each field on its own (the `RANGES` table, finite floats, choices, the run
-name); `load_recipe` runs it on everything it loads. `validate_recipe` adds the cross-field checks.
+name); `load_recipe` runs it on everything it loads.
 
-`recipe_rules` states them as rules. The rules of the components that run a recipe (the trainer's
-layout, the engine's capabilities, placement, rewards) live with those components;
-`moe_rl.orchestration.preflight` calls all of them.
+`recipe_rules` states these and the cross-field checks as rules. The rules of the components that
+run a recipe (the trainer's layout, the engine's capabilities, placement, rewards) live with those
+components; `moe_rl.orchestration.preflight` calls all of them.
 """
 
 from __future__ import annotations
@@ -503,11 +503,3 @@ def recipe_rules(config: RecipeConfig) -> list[Rule]:
             return [*rules, Rule(f"recipe {name}", False, str(exc))]
         rules.append(Rule(f"recipe {name}", True, "consistent"))
     return rules
-
-
-def validate_recipe(config: RecipeConfig) -> None:
-    """Every field on its own (`check_values`), then every cross-field check; raise `ConfigError`
-    on the first failure."""
-    for rule in recipe_rules(config):
-        if rule.broken:
-            raise ConfigError(rule.detail)

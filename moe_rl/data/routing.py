@@ -10,7 +10,7 @@ here sorts it. ``encode_routing`` / ``decode_routing`` add an optional lossless 
 disk or the wire (zstd or lz4 through pyarrow, zlib or lzma from the standard library); the
 layer-major layout puts the ids of one layer next to each other, where expert popularity is
 skewed, which lets the compressor find more redundancy. Torch supports uint16 only in part
-(indexing, cat, ``.to`` work; comparisons do not): convert with ``expand_routing`` before math.
+(indexing, cat, ``.to`` work; comparisons do not): convert with ``.long()`` before math.
 """
 
 from __future__ import annotations
@@ -89,11 +89,6 @@ def compact_routing(
             expected=f"0..{num_experts - 1}",
         )
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=_NP_DTYPES[dtype]).copy())
-
-
-def expand_routing(compact: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
-    """Compact routing -> a signed integer tensor for math or Megatron's router replay."""
-    return compact.to(dtype)
 
 
 def encode_routing(

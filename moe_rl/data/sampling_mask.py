@@ -21,12 +21,10 @@ from moe_rl.data.errors import TrajectoryError
 _INT32_MAX = (1 << 31) - 1
 
 
-def csr_from_lists(rows: Sequence[Iterable[int]], *, sort: bool = False) -> tuple[Tensor, Tensor]:
-    """Kept sets (one iterable of token ids per response token) -> ``(ids int32, offsets int64)``.
-
-    ``sort=True`` sorts ids within each row (use it for Python sets, whose order is arbitrary).
-    """
-    rows = [sorted(r) if sort else list(r) for r in rows]
+def csr_from_lists(rows: Sequence[Iterable[int]]) -> tuple[Tensor, Tensor]:
+    """Kept sets (one iterable of token ids per response token, order kept) -> ``(ids int32,
+    offsets int64)``."""
+    rows = [list(r) for r in rows]
     row_lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
     offsets = ragged.offsets_from_lengths(row_lengths)
     flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(offsets[-1]))
@@ -37,19 +35,6 @@ def csr_from_lists(rows: Sequence[Iterable[int]], *, sort: bool = False) -> tupl
             "sampling_mask_ids", "token id out of range", token=row, value=bad, expected=f"0..{_INT32_MAX}"
         )
     return torch.from_numpy(flat.astype(np.int32)), offsets
-
-
-def csr_to_lists(ids: Tensor, offsets: Tensor) -> list[list[int]]:
-    """CSR -> one Python list per row (for tests and debugging)."""
-    flat, bounds = ids.tolist(), offsets.tolist()
-    return [flat[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def csr_to_dense(ids: Tensor, offsets: Tensor, vocab_size: int) -> Tensor:
-    """CSR -> dense bool ``[rows, vocab_size]`` (True = kept). For tests and small vocabularies."""
-    dense = torch.zeros(offsets.numel() - 1, vocab_size, dtype=torch.bool)
-    dense[ragged.row_ids(offsets), ids.to(torch.int64)] = True
-    return dense
 
 
 def csr_contains(ids: Tensor, offsets: Tensor, query: Tensor) -> Tensor:

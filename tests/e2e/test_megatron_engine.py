@@ -70,7 +70,7 @@ def test_batch_is_valid_and_every_sampled_token_is_in_its_mask(bf16_engine, devi
     assert batch.group_ids.tolist() == [g for g in range(8) for _ in range(4)]
     kept_sizes = batch.sampling_mask_offsets.diff()
     assert (kept_sizes <= 8).all() and (kept_sizes >= 1).all()
-    assert not batch.routing_covers_last_token().any()  # last sampled token never forwarded
+    assert (batch.routing_lengths() == batch.sequence_lengths() - 1).all()  # the last token never forwarded
 
 
 def test_routing_equals_a_trainer_forward_with_record(bf16_engine):

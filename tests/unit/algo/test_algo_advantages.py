@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from moe_rl.algo.advantages import dr_grpo, grpo, rl_zvp, rloo, to_tokens, zero_variance_groups
+from moe_rl.algo.advantages import (
+    dr_grpo,
+    grpo,
+    rloo,
+    zero_variance_groups,
+    zero_variance_signs,
+    zvp_shape,
+)
 from tests.unit.algo.algo_testing import seq_ids_for, t
 
 S2 = 1 / math.sqrt(2)  # (1 − 0.5) / std([1, 0]) with the unbiased std √0.5
@@ -56,15 +63,18 @@ def test_zero_variance_report_counts_groups_with_equal_rewards():
 
 
 def test_rl_zvp_hand_values_and_no_gradient_through_entropy():
+    """RL-ZVP as the loop runs it: the signs over the batch, then the shaping per micro-batch."""
     # seq 0: group 0 all-correct; seq 1: group 1 all-wrong; seqs 2, 3: mixed group 2
     lengths = [2, 3, 1, 1]
     seq_ids = seq_ids_for(lengths)
     rewards = t([1.0, 0.0, 1.0, 0.0])
     groups = torch.tensor([0, 1, 2, 2])
-    base = to_tokens(t([0.0, 0.0, 0.7, -0.7]), seq_ids)
+    base = t([0.0, 0.0, 0.7, -0.7])[seq_ids]
     entropy = t([0.5, 2.0, 1.0, 3.0, 0.4, 9.0, 9.0], requires_grad=True)
     mask = torch.tensor([True, True, True, True, False, True, True])  # token 4 not counted
-    got = rl_zvp(base, entropy, mask, seq_ids, num_seqs=4, rewards=rewards, group_ids=groups, alpha=0.1)
+    signs = zero_variance_signs(rewards, groups)
+    assert signs.tolist() == [1, -1, 0, 0] and signs.dtype == torch.int8
+    got = zvp_shape(base, entropy, mask, seq_ids, num_seqs=4, signs=signs, alpha=0.1)
     # all-correct: 0.1·H; all-wrong: −0.1·(max H − H) with max over counted tokens (3.0)
     expected = [0.05, 0.2, -0.1 * (3.0 - 1.0), -0.1 * (3.0 - 3.0), 0.0, 0.7, -0.7]
     torch.testing.assert_close(got, t(expected))

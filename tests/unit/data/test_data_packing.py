@@ -7,8 +7,8 @@ import torch
 
 from moe_rl.data import Sample, TrajectoryBatch, TrajectoryError
 from moe_rl.data.packing import MicroBatch, pack_microbatches, plan_microbatches, split_balanced
-from moe_rl.data.sampling_mask import csr_to_lists
 from moe_rl.data.synthetic import random_batch
+from tests.unit.data.data_testing import csr_to_lists
 
 
 def _expected_versions(spans: list[tuple[int, int]], num_tokens: int) -> list[int]:

@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from moe_rl.data import TrajectoryError
-from moe_rl.data.sampling_mask import (
-    csr_contains,
-    csr_duplicate_rows,
-    csr_from_lists,
-    csr_to_dense,
-    csr_to_lists,
-)
+from moe_rl.data.sampling_mask import csr_contains, csr_duplicate_rows, csr_from_lists
+from tests.unit.data.data_testing import csr_to_lists
 
 ROWS = [[5, 1, 3], [2], [0, 4], [3]]
 
@@ -22,17 +17,6 @@ def test_from_lists_keeps_order_and_round_trips() -> None:
     assert ids.dtype == torch.int32 and offsets.dtype == torch.int64
     assert offsets.tolist() == [0, 3, 4, 6, 7]
     assert csr_to_lists(ids, offsets) == ROWS
-
-
-def test_from_sets_sorted() -> None:
-    ids, offsets = csr_from_lists([{9, 2, 4}, {1}], sort=True)
-    assert csr_to_lists(ids, offsets) == [[2, 4, 9], [1]]
-
-
-def test_dense_matches_rows() -> None:
-    dense = csr_to_dense(*csr_from_lists(ROWS), vocab_size=6)
-    assert dense.shape == (4, 6)
-    assert [torch.nonzero(r).flatten().tolist() for r in dense] == [sorted(r) for r in ROWS]
 
 
 def test_contains_is_per_row() -> None:

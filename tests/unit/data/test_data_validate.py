@@ -14,7 +14,7 @@ VOCAB = 16
 
 def test_hand_built_batch_is_valid(hand_batch: TrajectoryBatch) -> None:
     validate(hand_batch, vocab_size=VOCAB)
-    assert hand_batch.routing_covers_last_token().tolist() == [True, False, True]
+    assert (hand_batch.routing_lengths() - hand_batch.sequence_lengths()).tolist() == [0, -1, 0]  # both valid
     assert hand_batch.token_versions().tolist() == [3, 3, 3, 3, 4]
 
 

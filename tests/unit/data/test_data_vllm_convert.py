@@ -147,7 +147,7 @@ def test_conversion_carries_every_field() -> None:
     assert batch.sample(0).version_spans == [(0, 6), (2, 7)] and batch.sample(1).version_spans == [(0, 7)]
     assert batch.routed_experts is not None and batch.routed_experts.dtype == torch.uint8
     assert (batch.num_moe_layers, batch.topk, batch.num_experts) == (3, 2, 8)
-    assert batch.routing_covers_last_token().tolist() == [False, False, False]
+    assert (batch.routing_lengths() == batch.sequence_lengths() - 1).all()  # the last token not forwarded
     assert batch.sample(0).routed_experts.long().tolist() == _requests()[0].outputs[0].routed_experts.tolist()
     s0 = batch.sample(0)
     assert s0.sampling_mask_ids is not None and s0.sampling_mask_ids.tolist() == [4, 9, 5, 10, 6, 11]
@@ -202,7 +202,7 @@ def test_full_length_routing_is_accepted() -> None:
     routing = np.tile(np.array([[0, 1], [2, 3], [4, 5]]), (4, 1, 1))
     req = RequestOutput("r", None, [1, 2], None, [_completion(0, [3, 4], 2, routed_experts=routing)])
     batch = from_vllm_outputs([req], policy_version=7, quant_recipe="bf16", num_experts=300)
-    assert batch.routing_covers_last_token().tolist() == [True]
+    assert batch.routing_lengths().tolist() == batch.sequence_lengths().tolist() == [4]
     assert batch.routed_experts is not None and batch.routed_experts.dtype == torch.uint16
 
 
