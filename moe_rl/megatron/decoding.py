@@ -288,11 +288,6 @@ class KVCacheDecoder:
                 buffer(layer, layer.val_hidden_size),
             )
 
-    def cache_nbytes(self) -> int:
-        """Bytes the attention layers allocated for the current batch's cache."""
-        buffers = self.context.key_value_memory_dict.values() if self.context is not None else ()
-        return sum(t.numel() * t.element_size() for pair in buffers for t in pair)
-
     def _set_pad(self, pad: list[int]) -> None:
         self.pad = pad
         self._pad = torch.tensor(pad, dtype=torch.int64, device=self.device)

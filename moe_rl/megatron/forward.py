@@ -43,8 +43,8 @@ def packed_seq_params(cu_seqlens: Tensor):
     )
 
 
-def forward_logits(model: torch.nn.Module, micro: MicroBatch, pad_to: int | None = None) -> Tensor:
-    """Logits ``[T, V]`` of the packed micro-batch (last pipeline stage), padding dropped.
+def forward_logits(model: torch.nn.Module, micro: MicroBatch) -> Tensor:
+    """Logits ``[T, V]`` of the packed micro-batch (last pipeline stage), unpadded.
 
     The micro-batch must be on the model's device already (the caller owns that boundary).
 
@@ -53,7 +53,7 @@ def forward_logits(model: torch.nn.Module, micro: MicroBatch, pad_to: int | None
     the vocabulary reductions see the whole vocabulary on every rank.
     """
     check_on_model_device(micro, model)
-    tokens, positions, cu = pad_micro_batch(micro, pad_to)
+    tokens, positions, cu = pad_micro_batch(micro, None)
     logits = model(
         tokens[None], positions[None], attention_mask=None, packed_seq_params=packed_seq_params(cu)
     )

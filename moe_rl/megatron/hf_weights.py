@@ -304,12 +304,12 @@ def _ignorable(name: str, num_layers: int) -> bool:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_tensors: Mapping[str, Tensor], strict: bool = True) -> None:
+def load_hf_weights(model: torch.nn.Module, hf_tensors: Mapping[str, Tensor]) -> None:
     """Copy HF tensors (canonical names) into the Megatron model, in place.
 
     ``hf_tensors`` may be lazy (`SafetensorsReader`): each tensor is read once, when needed.
-    With ``strict`` and a rank that holds the whole model, HF tensors left unused (other than
-    rotary caches and multi-token-prediction layers) are an error, as are missing ones.
+    Missing tensors are an error, and so, on a rank that holds the whole model, are HF tensors
+    left unused (other than rotary caches and multi-token-prediction layers).
     """
     gpt = _unwrap(model)
     used: set[str] = set()
@@ -320,7 +320,7 @@ def load_hf_weights(model: torch.nn.Module, hf_tensors: Mapping[str, Tensor], st
             raise ValueError(f"HF weights lack {missing} needed for Megatron tensor {name!r}")
         _copy_into(gpt, name, target, rule, [hf_tensors[n] for n in rule.hf])
         used.update(rule.hf)
-    if strict and _holds_whole_model(gpt):
+    if _holds_whole_model(gpt):
         extra = [n for n in hf_tensors if n not in used and not _ignorable(n, gpt.config.num_layers)]
         if extra:
             raise ValueError(f"{len(extra)} HF tensors have no Megatron counterpart, e.g. {extra[:5]}")
@@ -424,9 +424,9 @@ class SafetensorsReader(Mapping):
         return len(self._where)
 
 
-def load_hf_checkpoint(model: torch.nn.Module, folder: str | Path, strict: bool = True) -> None:
+def load_hf_checkpoint(model: torch.nn.Module, folder: str | Path) -> None:
     """Load an HF folder's safetensors into the Megatron model (see `load_hf_weights`)."""
-    load_hf_weights(model, SafetensorsReader(folder), strict=strict)
+    load_hf_weights(model, SafetensorsReader(folder))
 
 
 def save_hf_checkpoint(
@@ -434,7 +434,6 @@ def save_hf_checkpoint(
     folder: str | Path,
     hf_config: dict,
     max_shard_bytes: int = 4 << 30,
-    dtype: torch.dtype | None = None,
     select: Callable[[str], bool] | None = None,
 ) -> Path:
     """Write an HF folder loadable by ``from_pretrained`` and vLLM: ``config.json`` plus
@@ -465,7 +464,7 @@ def save_hf_checkpoint(
     size = 0
     for _, group in iter_hf_weight_groups(gpt, select=select):
         for name, tensor in group:
-            tensor = tensor.detach().to("cpu", dtype or tensor.dtype)  # files hold CPU tensors
+            tensor = tensor.detach().cpu()  # files hold CPU tensors, in the model's dtype
             nbytes = tensor.numel() * tensor.element_size()
             if shard and size + nbytes > max_shard_bytes:
                 written.append(_write_shard(folder, rank, len(written), shard, size))

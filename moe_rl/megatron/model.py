@@ -223,7 +223,7 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def _layer_spec(config, use_te: bool, vp_stage: int | None = None, gemm: ExpertGemm = ExpertGemm.SEQUENTIAL):
+def _layer_spec(config, use_te: bool, gemm: ExpertGemm):
     """Megatron's decoder block spec; without transformer-engine, SDPA attention; with
     ``gemm=torch``, the MoE layers' ``SequentialMLP`` becomes `GroupedExperts` (same parameters)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -231,9 +231,7 @@ def _layer_spec(config, use_te: bool, vp_stage: int | None = None, gemm: ExpertG
 
     from moe_rl.megatron.grouped_experts import GroupedExperts
 
-    block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
-    )
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     for layer in block.layer_specs:
         if not use_te:
             layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
@@ -248,7 +246,6 @@ def build_gpt_model(
     parallel: ParallelConfig | None = None,
     trainer: TrainerConfig | None = None,
     seed: int = 1234,
-    vp_stage: int | None = None,
 ):
     """A Megatron ``GPTModel`` MoE for this pipeline stage, initialized from ``seed``.
 
@@ -268,15 +265,14 @@ def build_gpt_model(
         model_parallel_cuda_manual_seed(seed)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(config, use_te, vp_stage, expert_gemm(trainer.expert_gemm)),
+        transformer_layer_spec=_layer_spec(config, use_te, expert_gemm(trainer.expert_gemm)),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        pre_process=ps.is_pipeline_first_stage(),  # no virtual stages (`megatron.rules`)
+        post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=model.rope_theta,
-        vp_stage=vp_stage,
     )
     if cuda_available():
         gpt = gpt.cuda()

@@ -28,17 +28,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ParallelInfo:
-    """Where this process sits in the Megatron layout."""
+    """Where this process sits in the Megatron layout (what the trainer group reports of a rank)."""
 
     rank: int
-    world_size: int
     dp_rank: int
     dp_size: int
-    tp_size: int
     pp_rank: int
-    pp_size: int
-    ep_size: int
-    backend: str
 
 
 def _sizes(parallel: ParallelConfig) -> dict[str, int | None]:
@@ -80,16 +75,15 @@ def _check_matches(parallel: ParallelConfig) -> None:
             )
 
 
-def init_parallel(parallel: ParallelConfig, backend: str | None = None) -> ParallelInfo:
-    """Initialize torch.distributed and Megatron's parallel groups once; later calls check and
-    return the same layout. ``backend`` defaults to nccl with CUDA, gloo without."""
+def init_parallel(parallel: ParallelConfig) -> ParallelInfo:
+    """Initialize torch.distributed (nccl with CUDA, gloo without) and Megatron's parallel groups
+    once; later calls check and return the same layout."""
     from megatron.core import parallel_state as ps
 
     apply_process_shims()
     if cuda_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = backend or ("nccl" if cuda_available() else "gloo")
-    _init_process_group(backend)
+    _init_process_group("nccl" if cuda_available() else "gloo")
     check_layout(parallel, dist.get_world_size())
     if ps.model_parallel_is_initialized():
         _check_matches(parallel)
@@ -104,21 +98,16 @@ def current_info() -> ParallelInfo:
 
     return ParallelInfo(
         rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
-        ep_size=ps.get_expert_model_parallel_world_size(),
-        backend=dist.get_backend(),
     )
 
 
-def teardown_parallel(destroy_process_group: bool = True) -> None:
-    """Destroy Megatron's parallel groups and (unless told not to) the default process group."""
+def teardown_parallel() -> None:
+    """Destroy Megatron's parallel groups and the default process group."""
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    if destroy_process_group and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()

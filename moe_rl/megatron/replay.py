@@ -270,13 +270,6 @@ def _capturing_routing(router, captured: dict[int, Tensor], index: int):
 
 
 @torch.no_grad()
-def natural_topk(router, hidden: Tensor) -> Tensor:
-    """The top-k expert ids ``router`` picks for ``hidden`` without replay, ``[tokens, k]`` int64
-    (one router GEMM, then `select_topk`)."""
-    return select_topk(router, router.gating(hidden.detach()))
-
-
-@torch.no_grad()
 def select_topk(router, logits: Tensor) -> Tensor:
     """The top-k expert ids ``router`` selects from its ``logits`` without replay, ``[tokens, k]``.
 

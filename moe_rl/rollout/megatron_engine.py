@@ -264,7 +264,7 @@ class _AwqCalibrated(_Arrival):
         num_layers = self.config.model.num_layers
         scratch = build_gpt_model(self.config.model, WHOLE_MODEL, self.config.trainer)
         release_router_replay(scratch)
-        load_hf_weights(scratch, weights, strict=True)
+        load_hf_weights(scratch, weights)
         scratch.eval()
         chunks = _calibration_chunks(sequences, cfg.calib_tokens)
 
@@ -278,7 +278,7 @@ class _AwqCalibrated(_Arrival):
 
         effective = awq_effective_weights(scratch, cfg, forward_loop, include)
         del scratch
-        load_hf_weights(engine.model, weights, strict=True)
+        load_hf_weights(engine.model, weights)
         params = dict(engine.model.named_parameters())
         quantized = set()
         for name, value in effective.items():

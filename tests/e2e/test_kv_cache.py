@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.megatron.decoding import KVCacheDecoder, KVCacheSize, kv_bytes_per_slot, kv_cache_unsupported
+from moe_rl.megatron.decoding import (
+    KVCacheDecoder,
+    KVCacheSize,
+    attention_layers,
+    kv_bytes_per_slot,
+    kv_cache_unsupported,
+)
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import Decoding, MegatronEngine
@@ -95,7 +101,9 @@ def test_the_layers_use_the_cache_the_budget_counts(engines):
     decoder = KVCacheDecoder(cached.model, None, cached.device, limit_gib=1.0)
     decoder.prefill(PROMPTS, max_new_tokens=5)
     expected = KVCacheSize(rows=len(PROMPTS), slots=6 + 5 - 1, bytes_per_slot=kv_bytes_per_slot(cached.model))
-    assert decoder.cache_nbytes() == expected.nbytes > 0
+    buffers = decoder.context.key_value_memory_dict
+    assert sorted(buffers) == sorted(layer.layer_number for layer in attention_layers(cached.model))
+    assert sum(t.numel() * t.element_size() for pair in buffers.values() for t in pair) == expected.nbytes > 0
 
 
 def test_a_cache_that_does_not_fit_is_refused_with_its_numbers():

@@ -118,22 +118,15 @@ def test_update_pass_logp_has_grad_and_missing_mask_is_an_error(device):
 
 
 def test_padding_to_a_common_length_changes_nothing(device):
-    """Expert-parallel ranks pad micro-batches to one length; the real tokens' logits stay put."""
-    from moe_rl.megatron.forward import forward_logits
-
+    """Expert-parallel ranks pad micro-batches to one length; the real tokens' log-probs stay put."""
     cfg = tiny_qwen()
     model = build_gpt_model(cfg, seed=14).eval()
     replay = RoutingReplay(model)
     mb = micro_batches(6, 5, cfg, device=device)[0]
-    with torch.no_grad():
-        plain = forward_logits(model, mb.micro)
-        padded = forward_logits(model, mb.micro, pad_to=mb.micro.num_tokens + 7)
     options = PassOptions()
     [unpadded], _ = run_old_pass(model, [mb], options, ReplayMode.R3, replay)
     [out], _ = run_old_pass(model, [mb], options, ReplayMode.R3, replay, pad_to=mb.micro.num_tokens + 7)
-    assert padded.shape == plain.shape
     tol = 1e-5 if device.type == "cpu" else 1e-4
-    torch.testing.assert_close(padded, plain, atol=tol, rtol=tol)
     torch.testing.assert_close(out.old_logp, unpadded.old_logp, atol=tol, rtol=tol)
 
 
