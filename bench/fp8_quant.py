@@ -50,7 +50,7 @@ Result = tuple[torch.Tensor, torch.Tensor]
 
 
 def modelopt_old_path(weight: torch.Tensor, b: int = BLOCK) -> Result:
-    """ModelOpt as `real_quantize_fp8_block` called it before the kernel (a stack: per expert)."""
+    """ModelOpt's `FP8QTensor`, as the sync quantized before the kernel (a stack: per expert)."""
     from modelopt.torch.quantization.qtensor import FP8QTensor
 
     if weight.dim() == 3:

@@ -29,8 +29,7 @@ Paths
   device, so its temporaries stay a few MB whatever the weight's size (ModelOpt makes several
   full-size float32 copies, and is ~100× slower on CPU). Below sm_90 the Triton cast is not the one
   torch does: on sm_89 Triton converts fp32 → e4m3 by rounding to fp16 toward zero first (a double
-  rounding), and older GPUs have no e4m3 at all. ``reference_fp8_block`` runs ModelOpt itself, the
-  reference both paths are tested against.
+  rounding), and older GPUs have no e4m3 at all. Both paths are tested against ModelOpt itself.
 
 Outputs are on the input's device; nothing is moved between devices.
 
@@ -121,14 +120,6 @@ def _empty_result(weight: torch.Tensor, block_size: int) -> tuple[torch.Tensor, 
     return data, scale
 
 
-def _modelopt_2d(weight: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from modelopt.torch.quantization.qtensor import FP8QTensor
-
-    qtensor, scale = FP8QTensor.quantize(weight.float(), block_sizes={-1: block_size, -2: block_size})
-    data = qtensor._quantized_data.view(torch.float8_e4m3fn)
-    return data, scale.reshape(_scale_shape(weight.shape, block_size)).float()
-
-
 def _zero_blocks_to_zero(data: torch.Tensor, scale: torch.Tensor, block_size: int) -> None:
     """The zero-block rule, in place: data of blocks with scale 0 becomes +0 (ModelOpt gives 0/0 = NaN)."""
     zero = scale == 0
@@ -137,29 +128,6 @@ def _zero_blocks_to_zero(data: torch.Tensor, scale: torch.Tensor, block_size: in
     raw, b = data.view(torch.uint8), block_size
     for *lead, r, c in zero.nonzero().tolist():  # block by block: no full-size mask
         raw[(*lead, slice(r * b, (r + 1) * b), slice(c * b, (c + 1) * b))] = 0
-
-
-def reference_fp8_block(
-    weight: torch.Tensor, block_size: int = 128, *, raw: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ModelOpt's block-FP8 quantization of `weight` (2-D, or 3-D looped over its experts).
-
-    The reference `quantize_fp8_block`'s paths are tested against. With ``raw=False`` (default) the
-    zero-block rule of the module docstring is applied (scale 0 → data +0); ``raw=True`` returns
-    exactly what ModelOpt returns (NaN data in all-zero blocks). Runs on `weight`'s device.
-    """
-    _check(weight, block_size)
-    if weight.numel() == 0:
-        return _empty_result(weight, block_size)
-    if weight.dim() == 2:
-        data, scale = _modelopt_2d(weight, block_size)
-    else:
-        parts = [_modelopt_2d(expert, block_size) for expert in weight.unbind(0)]
-        data = torch.stack([d for d, _ in parts])
-        scale = torch.stack([s for _, s in parts])
-    if not raw:
-        _zero_blocks_to_zero(data, scale, block_size)
-    return data, scale
 
 
 CHUNK_ELEMENTS = 1 << 20

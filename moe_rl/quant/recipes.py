@@ -2,9 +2,10 @@
 
 At each weight sync the trainer's weights pass through the recipe of `rollout.quant`:
 
-- engines that run quantized kernels (vLLM CUDA build) get real low-precision tensors
-  (`real_quantize_fp8_block`: e4m3 weights plus one fp32 scale per 128x128 block, the layout of
-  vLLM's block-FP8 linear method, `weight` + `weight_scale_inv`);
+- engines that run quantized kernels (vLLM CUDA build) get real low-precision tensors (block FP8:
+  e4m3 weights plus one fp32 scale per 128x128 block, the layout of vLLM's block-FP8 linear
+  method, `weight` + `weight_scale_inv`, from `moe_rl.quant.fp8_block.quantize_fp8_block` through
+  `moe_rl.quant.codec`);
 - engines that cannot (the Megatron engine on CPU) get fake-quantized weights
   (`fake_quantize`: quantize then dequantize with ModelOpt's `TensorQuantizer`), so they compute
   with exactly the values a quantized engine would hold.
@@ -171,42 +172,6 @@ class WeightQuantizer:
             if report is not None:
                 report.add(name, tensor, sent, _bits(self.cfg))
             yield name, sent
-
-
-def real_quantize_fp8_block(weight: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 weight and fp32 dequantization scales per `block_size`² block (`fp8_block.quantize_fp8_block`).
-
-    Returns `(weight_fp8 [out, in], scale [ceil(out/b), ceil(in/b)])` with
-    `weight ≈ weight_fp8.float() * scale` blockwise: vLLM's block-FP8 `weight` and
-    `weight_scale_inv`, on `weight`'s device. Bit-identical to ModelOpt's `FP8QTensor` (a fused
-    Triton kernel on CUDA, ModelOpt itself elsewhere), except that an all-zero block gets scale 0
-    and data 0 where ModelOpt gives NaN (see `moe_rl.quant.fp8_block`).
-    """
-    from moe_rl.quant.fp8_block import quantize_fp8_block
-
-    if weight.dim() != 2:
-        raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
-    return quantize_fp8_block(weight, block_size)
-
-
-def vllm_fp8_block_weights(
-    named: Iterable[tuple[str, torch.Tensor]], cfg: QuantConfig, num_layers: int, report: QuantReport
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named weights as vLLM's block-FP8 checkpoint layout (`*.weight` + `*.weight_scale_inv`)."""
-    for name, tensor in named:
-        if not should_quantize(name, tensor, cfg, num_layers):
-            report.add(name, tensor, None, 16)
-            yield name, tensor
-            continue
-        data, scale = real_quantize_fp8_block(tensor, cfg.block_size)
-        b = cfg.block_size
-        deq = (
-            data.float()
-            * scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[: data.shape[0], : data.shape[1]]
-        )
-        report.add(name, tensor, deq, 8)
-        yield name, data
-        yield name.removesuffix(".weight") + ".weight_scale_inv", scale
 
 
 def awq_quant_config(cfg: QuantConfig, excluded_modules: Iterable[str]) -> dict:

@@ -28,10 +28,8 @@ from moe_rl.quant.fp8_block import (
     INV_FP8_MAX,
     kernel_configs,
     quantize_fp8_block,
-    reference_fp8_block,
     triton_path_available,
 )
-from moe_rl.quant.recipes import real_quantize_fp8_block
 
 ROOT = Path(__file__).resolve().parents[3]
 FP8 = torch.float8_e4m3fn
@@ -42,7 +40,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def modelopt(weight: torch.Tensor, b: int, cuda_rule: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """ModelOpt's result, called as the old `real_quantize_fp8_block` did (3-D: per expert).
+    """ModelOpt's result on a 2-D weight (3-D: per expert).
 
     ``cuda_rule``: the scales as ModelOpt's ``amax / 448.0`` comes out on CUDA, where torch
     multiplies by the fp32 reciprocal, ``amax * fl(1/448)``, computed on `weight`'s device and
@@ -156,15 +154,6 @@ def test_torch_path_in_row_chunks_is_modelopt(monkeypatch, chunk):
         assert_matches_modelopt(data, scale, w, b)
 
 
-def test_real_quantize_fp8_block_delegates():
-    w = random_weight((200, 300), torch.bfloat16)
-    got, want = real_quantize_fp8_block(w, 128), quantize_fp8_block(w, 128)
-    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-    assert torch.equal(got[1], want[1])
-    with pytest.raises(ValueError, match="2-D"):
-        real_quantize_fp8_block(random_weight((2, 128, 128), torch.bfloat16))
-
-
 def test_zero_blocks_give_scale_0_and_data_0_where_modelopt_gives_nan():
     w = special_weight()
     ref_data, ref_scale = modelopt(w, 128)
@@ -195,16 +184,6 @@ def test_zero_blocks_give_scale_0_and_data_0_where_modelopt_gives_nan():
     data, scale = quantize_fp8_block(stack, 128)
     assert_matches_modelopt(data, scale, stack, 128)
     assert bool((scale[1] == 0).all()) and bool((data[1].view(torch.uint8) == 0).all())
-
-
-def test_reference_raw_is_modelopt_and_default_applies_the_zero_rule():
-    w = special_weight()
-    raw_data, raw_scale = reference_fp8_block(w, 128, raw=True)
-    ref_data, ref_scale = modelopt(w, 128)
-    assert torch.equal(raw_scale.view(torch.int32), ref_scale.view(torch.int32))
-    assert torch.equal(raw_data.view(torch.uint8), ref_data.view(torch.uint8))
-    data, scale = reference_fp8_block(w, 128)
-    assert_matches_modelopt(data, scale, w, 128)
 
 
 def test_stack_equals_its_experts_and_views_equal_copies():
@@ -238,9 +217,8 @@ def test_empty_weight():
     ],
 )
 def test_bad_input_raises_naming_the_value(weight, block_size, message):
-    for fn in (quantize_fp8_block, reference_fp8_block):
-        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            fn(weight, block_size)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        quantize_fp8_block(weight, block_size)
 
 
 def test_cpu_tensors_never_reach_the_kernel(monkeypatch):
@@ -338,9 +316,9 @@ def test_gpu_triton_path_is_modelopt_bit_for_bit(shape, monkeypatch):
     w = _cuda_weight(random_weight(shape, torch.bfloat16))
 
     def no_fallback(*args, **kwargs):
-        raise AssertionError("quantize_fp8_block took the ModelOpt path on CUDA")
+        raise AssertionError("quantize_fp8_block took the torch path on CUDA")
 
-    monkeypatch.setattr(fp8_block, "reference_fp8_block", no_fallback)
+    monkeypatch.setattr(fp8_block, "torch_fp8_block", no_fallback)
     data, scale = quantize_fp8_block(w, 128)
     assert data.is_cuda and scale.is_cuda
     assert_matches_modelopt(data, scale, w, 128)  # ModelOpt on the GPU

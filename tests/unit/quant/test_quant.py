@@ -9,14 +9,13 @@ import pytest
 import torch
 
 from moe_rl.orchestration.preflight import load_checked
+from moe_rl.quant.fp8_block import quantize_fp8_block
 from moe_rl.quant.recipes import (
     FP8_E4M3_MAX,
     QuantReport,
     WeightQuantizer,
     check_quant_supported,
-    real_quantize_fp8_block,
     should_quantize,
-    vllm_fp8_block_weights,
 )
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
@@ -110,7 +109,7 @@ def test_bf16_recipe_sends_everything_unchanged():
 
 def test_fp8_block_real_layout_matches_fake_quantization():
     w = torch.randn(300, 200) * 0.05  # ragged blocks at both edges
-    data, scale = real_quantize_fp8_block(w, 128)
+    data, scale = quantize_fp8_block(w, 128)
     assert data.dtype == torch.float8_e4m3fn and data.shape == w.shape
     assert scale.shape == (3, 2) and scale.dtype == torch.float32
     # scale is the block amax over the e4m3 range
@@ -118,16 +117,6 @@ def test_fp8_block_real_layout_matches_fake_quantization():
     deq = data.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200]
     fake = WeightQuantizer(quant_cfg("fp8_block128"), num_layers=2)._qdq(w)
     torch.testing.assert_close(deq, fake, rtol=1e-6, atol=1e-7)
-
-
-def test_vllm_block_fp8_names_and_report():
-    cfg = quant_cfg("fp8_block128")
-    report = QuantReport(cfg.name)
-    out = dict(vllm_fp8_block_weights(named_weights(), cfg, 2, report))
-    assert out["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
-    assert out["model.layers.1.self_attn.q_proj.weight_scale_inv"].shape == (3, 2)
-    assert out["lm_head.weight"].dtype == torch.float32  # excluded
-    assert 0 < report.rel_err < 0.05 and report.summary()["quant/compression"] > 1.0
 
 
 def test_nvfp4_needs_cuda():
