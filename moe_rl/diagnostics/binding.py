@@ -12,9 +12,6 @@ from moe_rl.config.schema import RecipeConfig
 from moe_rl.diagnostics.results import is_number
 from moe_rl.diagnostics.verdicts import Setup
 
-PROBE_SEED_OFFSET = 7_919
-"""Added to ``run.seed``: diagnostic batches draw from their own random stream."""
-
 
 def setup_of(config: RecipeConfig) -> Setup:
     """What the recipe already switches on (the verdicts recommend only the rest)."""
@@ -49,11 +46,12 @@ def configured_mode(config: RecipeConfig, modes: Mapping[str, Mapping[str, Any]]
 
 
 def sampling_spec(config: RecipeConfig):
-    """The recipe's sampling (n = ``rollout.group_size``), seeded apart from training batches."""
-    from moe_rl.rollout.engine import SamplingSpec
+    """The recipe's sampling (n = ``rollout.group_size``), seeded apart from every rollout of a
+    run (`moe_rl.rollout.engine.sampling_seed` for the zero-update test, ``Purpose.DIAGNOSE``)."""
+    from moe_rl.rollout.engine import Purpose, SamplingSpec, sampling_seed
 
     eos = config.model.eos_token_id
-    spec = SamplingSpec.from_rollout(config.rollout, seed=config.run.seed + PROBE_SEED_OFFSET)
+    spec = SamplingSpec.from_rollout(config.rollout, seed=sampling_seed(config.run.seed, Purpose.DIAGNOSE, 0))
     return dataclasses.replace(spec, stop_token_ids=() if eos is None else (eos,))
 
 

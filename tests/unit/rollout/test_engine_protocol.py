@@ -22,6 +22,7 @@ from moe_rl.rollout.engine import SamplingSpec, check_prompts, expand_group_ids
         ("max_new_tokens", 0),
         ("n", 0),
         ("seed", -1),
+        ("seed", 1 << 63),
         ("stop_token_ids", (3, -1)),
     ],
 )

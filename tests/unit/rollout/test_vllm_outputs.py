@@ -195,7 +195,8 @@ def test_sampling_params_from_spec():
     )
     params = sampling_params(spec, prompt_index=2)
     assert (params.n, params.temperature, params.top_k, params.top_p) == (4, 0.5, 0, 0.9)
-    assert (params.max_tokens, params.seed, params.logprobs, params.detokenize) == (7, 12, 0, False)
+    assert (params.max_tokens, params.logprobs, params.detokenize) == (7, 0, False)
+    assert params.seed == (10 << 16) + 2 * 4  # prompt_seed(10, 2, n=4): the batch's block, prompt 2
     assert params.stop_token_ids == [3]
     assert sampling_params(SamplingSpec(top_k=5), 0).top_k == 5
     assert sampling_params(SamplingSpec(), 3).seed is None
