@@ -31,7 +31,7 @@ from moe_rl.config.modes import ReleaseMemory, RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.sync_plan import sync_rules
 from moe_rl.device import COPY_TUNABLES, DeviceKind, Machine, RunDevice, resolve_device
-from moe_rl.rules import Rule, first_broken
+from moe_rl.rules import Rule
 
 TRAINER_NODE = "moe_rl_trainer_node"
 ROLLOUT_NODE = "moe_rl_rollout_node"
@@ -190,11 +190,6 @@ def _layout_rules(config: RecipeConfig, machine: Machine | None) -> list[Rule]:
              f"rollout.num_engines x tensor_parallel_size = {r.num_engines} x {tp} = {wanted} GPUs, "
              f"{engine_gpus} on {where}"),
     ]  # fmt: skip
-
-
-def check_placement(config: RecipeConfig, machine: Machine | None = None) -> None:
-    """Raise ``ValueError`` with the first broken placement rule."""
-    first_broken(placement_rules(config, machine))
 
 
 def placement_lines(config: RecipeConfig) -> list[str]:

@@ -57,11 +57,6 @@ MachineSpec = Machine | Callable[[], Machine] | None
 when a rule needs it (detecting CUDA imports torch, which a recipe refused for its own
 inconsistency should not wait for); or None for `target_machine`."""
 
-COMPONENTS = ("recipe", "inputs", "reward", "trainer", "engine", "placement")
-"""The components asked, in order. The ones after ``recipe`` assume a consistent recipe."""
-
-NOT_CHECKED = "not checked: the recipe itself is invalid"
-
 
 def target_machine(config: RecipeConfig) -> Machine:
     """The machine a recipe is meant for: CUDA when ``run.device`` says so, or ``auto`` on a
@@ -249,6 +244,8 @@ def _path_rule(name: str, key: str, path: Path, kind: str, here: str) -> Rule:
 def _components(
     config: RecipeConfig, machine: Callable[[], Machine], paths: bool = True, built: list | None = None
 ) -> dict[str, Callable[[], list[Rule]]]:
+    """The components asked, in order, and their rules; the ones after ``recipe`` assume a
+    consistent recipe."""
     return {
         "recipe": lambda: recipe_rules(config),
         "inputs": lambda: input_rules(config, paths, built),
@@ -267,7 +264,7 @@ def preflight(
     built: list[RunInputs] | None = None,
 ) -> list[Section]:
     """Every component's rules on ``config`` against ``machine`` (default: `target_machine`), in
-    `COMPONENTS` order. A recipe that is not consistent in itself gets only its ``recipe`` section
+    `_components` order. A recipe that is not consistent in itself gets only its ``recipe`` section
     (the others assume it is). ``stop_at_first``: stop after the first section that refuses it, so
     a machine given as a function is not detected for a recipe refused before a rule needs it.
     ``paths``: check the input paths and read what they hold (`input_rules`); the inputs read go
@@ -279,13 +276,6 @@ def preflight(
         if section.broken is not None and (stop_at_first or component == "recipe"):
             break
     return sections
-
-
-def findings(config: RecipeConfig, machine: MachineSpec = None, paths: bool = True) -> dict[str, str | None]:
-    """Per component, its refusal of ``config`` (None: accepted; `NOT_CHECKED` after a recipe that
-    is not consistent in itself)."""
-    found = {section.component: section.error() for section in preflight(config, machine, paths=paths)}
-    return {component: found.get(component, NOT_CHECKED) for component in COMPONENTS}
 
 
 def check(config: RecipeConfig, machine: MachineSpec = None, paths: bool = True) -> RunInputs | None:

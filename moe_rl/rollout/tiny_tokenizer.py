@@ -33,14 +33,6 @@ CHAT_TEMPLATE = (
 )
 
 
-def chat_text(user: str, system: str | None = None, thinking_off: bool = False) -> str:
-    """What `CHAT_TEMPLATE` renders for one user turn with the generation prompt."""
-    turns = ([f"<|im_start|>system\n{system}<|im_end|>\n"] if system is not None else []) + [
-        f"<|im_start|>user\n{user}<|im_end|>\n"
-    ]
-    return "".join(turns) + "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if thinking_off else "")
-
-
 def write_chat_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
     """Save the tokenizer into ``folder`` (with ``chat_template=None``: a tokenizer without one)."""
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers

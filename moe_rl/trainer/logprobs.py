@@ -1,7 +1,7 @@
 """What a trainer pass computes from a packed micro-batch's logits: the response tokens'
-log-probs and entropy, the options of a pass, and `routing_mode` for a forward that replays or
-records routing on its own (the diagnostics' measurement). The passes themselves (π_old, π_ref, the
-update) run in `moe_rl.trainer.passes`, through one schedule.
+log-probs and entropy, the options of a pass, and `routing_mode` for a forward that replays a
+trace or captures the natural routing on its own (the diagnostics' measurement). The passes
+themselves (π_old, π_ref, the update) run in `moe_rl.trainer.passes`, through one schedule.
 
 The micro-batch runs as one packed sequence (Megatron ``thd`` layout: tokens ``[1, T]``,
 ``position_ids`` restarting per sample, ``PackedSeqParams`` with ``cu_seqlens``); attention
@@ -81,8 +81,6 @@ class PassOptions:
     chunk_size: int = 1024
     keep_sampling_mask: bool = False
     entropy: bool = False
-    validate_mask: bool = True
-    """Check the kept sets (offsets, ids, sampled id inside); off once a pass has checked them."""
 
 
 @contextmanager
@@ -90,29 +88,18 @@ def routing_mode(
     replay: RoutingReplay | None,
     trace: Tensor | None,
     num_tokens: int,
-    record: bool = False,
     natural: bool = False,
-    sample_of_token: Tensor | None = None,
-    local: bool = False,
 ) -> Iterator[dict]:
-    """Replay ``trace`` (when given; this stage's layers only if ``local``), record, and/or
-    capture natural routing around a forward (and the backward, for the ``logp`` pass)."""
+    """Replay ``trace`` (when given) and/or capture natural routing around a forward."""
     out: dict = {}
     if replay is None:
-        if trace is not None or record:
-            raise ValueError(
-                "routing replay is off (no RoutingReplay) but a trace or recording was asked for"
-            )
+        if trace is not None:
+            raise ValueError("routing replay is off (no RoutingReplay) but a trace was given")
         yield out
         return
-    replay_ctx = (
-        replay.replay(trace, num_tokens, sample_of_token, local) if trace is not None else nullcontext()
-    )
-    record_ctx = replay.record() if record and trace is None else nullcontext()
+    replay_ctx = replay.replay(trace, num_tokens) if trace is not None else nullcontext()
     natural_ctx = replay.natural_routing() if natural else nullcontext()
-    with replay_ctx, record_ctx as recording, natural_ctx as captured:
+    with replay_ctx, natural_ctx as captured:
         yield out
-    if recording is not None:
-        out["recorded"] = recording.topk_idx_TLK
     if captured is not None:
         out["natural"] = captured.topk_idx_TLK

@@ -20,12 +20,12 @@ from moe_rl.trainer import pipeline
 from moe_rl.trainer.batch import TrainMicroBatch
 
 
-def all_reduce_dp(tensor: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
-    """``tensor`` reduced over the data-parallel (× context-parallel) group, in place."""
+def all_reduce_dp(tensor: Tensor) -> Tensor:
+    """``tensor`` summed over the data-parallel (× context-parallel) group, in place."""
     from megatron.core import parallel_state as ps
 
     if dist.is_initialized() and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        dist.all_reduce(tensor, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(tensor, group=ps.get_data_parallel_group(with_context_parallel=True))
     return tensor
 
 

@@ -47,7 +47,6 @@ from moe_rl.algo.modes import PolicyMode
 from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import check_process_device
-from moe_rl.megatron.hf_weights import iter_hf_weights
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.parallel import init_parallel
 from moe_rl.megatron.replay import RoutingReplay
@@ -342,11 +341,6 @@ class TrainerWorker:
     def load_checkpoint(self, directory: str | Path) -> int:
         """Restore everything `save_checkpoint` wrote; returns the step."""
         return checkpoint.load(self, directory)
-
-    # ------------------------------------------------------------------ weights
-    def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Stream this rank's weights with HF names (`hf_weights.iter_hf_weights`)."""
-        return iter_hf_weights(self.model)
 
     def step_time_breakdown(self) -> dict[str, float]:
         """Seconds spent per phase since the worker started (forward, backward, corrections, …)."""

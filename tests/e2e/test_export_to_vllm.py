@@ -65,7 +65,7 @@ def test_export_of_a_trainer_checkpoint_generates_the_trainers_greedy_tokens_in_
     )
     run = tmp_path / "runs" / "tiny_moe_vllm"
     worker = _trainer_checkpoint(config, run)
-    policy = dict(worker.export_hf_weights())
+    policy = dict(iter_hf_weights(worker.model))
     start = dict(iter_hf_weights(worker.reference.model))
     assert any(not torch.equal(policy[name], start[name]) for name in policy)  # the step moved it
     trainer_side = MegatronEngine(config)

@@ -19,7 +19,8 @@ from moe_rl.data.shards import read_trajectories
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rewards.datasets import HFTokenizer
 from moe_rl.rewards.functions import math_answer
-from moe_rl.rollout.tiny_tokenizer import IM_END, chat_text
+from moe_rl.rollout.tiny_tokenizer import IM_END
+from tests.chat_testing import chat_text
 
 pytestmark = pytest.mark.e2e
 

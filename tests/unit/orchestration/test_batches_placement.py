@@ -18,12 +18,12 @@ from moe_rl.orchestration.batches import validate_and_plan
 from moe_rl.orchestration.dispatch import dispatch, merge
 from moe_rl.orchestration.placement import (
     SHARED_GPU,
-    check_placement,
     placement_lines,
     placement_rules,
     plan_placement,
 )
 from moe_rl.orchestration.preflight import load_checked
+from moe_rl.rules import first_broken
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 KIMI = TINY.parent / "kimi_k2.yaml"
@@ -107,11 +107,11 @@ def test_placement_rules_name_what_does_not_fit():
     names = {r.name: r for r in placement_rules(kimi)}
     assert all(r.ok for r in names.values()) and "engine GPUs" in names
     with pytest.raises(ValueError, match=r"engine GPUs: .* 9 x 16 = 144 GPUs, 128 on cluster.rollout_nodes"):
-        check_placement(load_recipe(KIMI, ["rollout.num_engines=9"]))
+        first_broken(placement_rules(load_recipe(KIMI, ["rollout.num_engines=9"])))
     two_ranks = load_recipe(TINY, ["parallel.trainer_world_size=2"])
-    check_placement(two_ranks, Machine(cuda=False))
+    first_broken(placement_rules(two_ranks, Machine(cuda=False)))
     with pytest.raises(ValueError, match="without a GPU count the run gets one GPU"):
-        check_placement(two_ranks, Machine(cuda=True))
+        first_broken(placement_rules(two_ranks, Machine(cuda=True)))
     lines = placement_lines(load_checked(KIMI, paths=False))
     assert lines == [
         "trainer: 384 ranks on 48 node(s) (nodes 0..47), 8 per node, 1 GPU each",

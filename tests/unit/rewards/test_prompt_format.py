@@ -20,7 +20,8 @@ from moe_rl.rewards import ByteTokenizer, PromptSource, RewardScorer
 from moe_rl.rewards.datasets import ChatFormat, DatasetError, HFTokenizer, read_records
 from moe_rl.rewards.registry import build_prompt_source, build_scorer
 from moe_rl.rewards.tasks import EOS, Prompt
-from moe_rl.rollout.tiny_tokenizer import IM_END, chat_text, write_chat_tokenizer
+from moe_rl.rollout.tiny_tokenizer import IM_END, write_chat_tokenizer
+from tests.chat_testing import chat_text
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "recipes" / "tiny_moe.yaml"

@@ -14,6 +14,7 @@ from trainer_testing import TINY_MODEL_OVERRIDES, TINY_RECIPE, micro_batches, ti
 from moe_rl.data.errors import TrajectoryError
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.device import Machine, check_process_device, process_device, resolve_device
+from moe_rl.megatron.hf_weights import iter_hf_weights
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.sampler import sample
@@ -53,12 +54,11 @@ def test_a_worker_step_creates_its_tensors_on_the_worker_device(device):
     assert all(mb.device.type == device.type and mb.old_logp.device.type == device.type for mb in mbs)
     for metrics in (old, first, second):
         assert all(isinstance(value, float) for value in metrics.values())
-    assert all(t.device.type == device.type for _, t in worker.export_hf_weights())
+    assert all(t.device.type == device.type for _, t in iter_hf_weights(worker.model))
 
 
 def test_engine_and_diagnostics_create_their_tensors_on_their_device(device):
     from moe_rl.diagnostics.measure import MeasureParams, measure
-    from moe_rl.megatron.hf_weights import iter_hf_weights
     from moe_rl.rollout.megatron_engine import MegatronEngine
 
     config = load_checked(

@@ -9,6 +9,7 @@ import pytest
 import torch
 from trainer_testing import assert_same, micro_batches, tiny_recipe
 
+from moe_rl.megatron.hf_weights import iter_hf_weights
 from moe_rl.trainer.worker import TrainerWorker
 
 pytestmark = pytest.mark.usefixtures("device")
@@ -40,8 +41,8 @@ def test_stability_stack_step(stack_worker):
     assert second["train/ratio_mean"] != pytest.approx(1.0, abs=1e-7)
 
 
-def test_export_hf_weights_streams_names(stack_worker):
-    names = [name for name, _ in stack_worker.export_hf_weights()]
+def test_hf_weights_of_a_worker_stream_names(stack_worker):
+    names = [name for name, _ in iter_hf_weights(stack_worker.model)]
     assert names[0] == "model.embed_tokens.weight" and "lm_head.weight" in names
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
 
@@ -239,7 +240,7 @@ def test_parameters_released_for_a_generation_come_back_for_a_weight_sync(stack_
     finally:
         worker.restore_memory()
     reference = MegatronEngine(engine.config)
-    reference.update_weights(worker.export_hf_weights(), version=7)
+    reference.update_weights(iter_hf_weights(worker.model), version=7)
     for (name, a), b in zip(engine.model.named_parameters(), reference.model.parameters(), strict=True):
         assert torch.equal(a, b), name
     for name, p in worker.model.named_parameters():
