@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from hf_config_testing import hf_config_to_model_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,7 +21,7 @@ from moe_rl.megatron.hf_weights import (  # noqa: E402
     save_hf_checkpoint,
     split,
 )
-from moe_rl.megatron.model import build_gpt_model, hf_config_to_model_config  # noqa: E402
+from moe_rl.megatron.model import build_gpt_model  # noqa: E402
 
 VOCAB, SEQ = 64, 11
 pytestmark = pytest.mark.usefixtures("device")

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_testing import DEEPSEEK_V3_HF, tiny_deepseek, tiny_qwen
+from hf_config_testing import hf_config_to_model_config
+from trainer_testing import tiny_deepseek, tiny_qwen
 
-from moe_rl.config.schema import ModelConfig
 from moe_rl.megatron.forward import forward_logits
-from moe_rl.megatron.model import (
-    build_gpt_model,
-    hf_config_to_model_config,
-    moe_layer_pattern,
-    transformer_config,
-)
+from moe_rl.megatron.model import build_gpt_model, moe_layer_pattern, transformer_config
 
 
 def _tokens(n: int, vocab: int = 64, seed: int = 0) -> torch.Tensor:
@@ -102,54 +97,6 @@ def test_model_config_errors_name_the_field():
         transformer_config(tiny_qwen(family="deepseek_v3"))
     with pytest.raises(ValueError, match="norm_topk_prob"):
         transformer_config(tiny_deepseek(norm_topk_prob=False))
-
-
-QWEN3_HF = {
-    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-    "rope_theta": 1000000.0, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
-}  # fmt: skip
-
-
-def test_hf_qwen3_config():
-    cfg = hf_config_to_model_config(QWEN3_HF)
-    assert (cfg.family, cfg.attention, cfg.num_experts, cfg.moe_router_topk) == ("qwen3_moe", "gqa", 128, 8)
-    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.moe_ffn_hidden_size) == (4, 128, 768)
-    assert cfg.rope_theta == 1e6 and cfg.norm_topk_prob and cfg.num_layers == 48
-
-
-def test_hf_deepseek_and_kimi_configs():
-    cfg = hf_config_to_model_config(DEEPSEEK_V3_HF)
-    assert (cfg.family, cfg.attention, cfg.first_k_dense_layers, cfg.num_shared_experts) == (
-        "deepseek_v3",
-        "mla",
-        3,
-        1,
-    )
-    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk, cfg.moe_router_topk_scaling_factor) == (
-        8,
-        4,
-        2.5,
-    )
-    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (1536, 512, 64)
-    kimi = hf_config_to_model_config(
-        {**DEEPSEEK_V3_HF, "model_type": "kimi_k2", "n_routed_experts": 384, "n_group": 1, "topk_group": 1}
-    )
-    assert kimi.num_experts == 384 and kimi.moe_router_num_groups is None
-    assert isinstance(kimi, ModelConfig)
-
-
-def test_hf_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="model_type"):
-        hf_config_to_model_config({**QWEN3_HF, "model_type": "llama"})
-    with pytest.raises(ValueError, match="rope scaling 'linear'"):
-        hf_config_to_model_config({**DEEPSEEK_V3_HF, "rope_scaling": {"type": "linear", "factor": 40}})
-    with pytest.raises(ValueError, match="mlp_only_layers"):
-        hf_config_to_model_config({**QWEN3_HF, "mlp_only_layers": [0]})
-    with pytest.raises(ValueError, match="topk_group"):
-        hf_config_to_model_config({**DEEPSEEK_V3_HF, "topk_group": 2})
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
