@@ -350,10 +350,6 @@ class VLLMEngine:
         return not getattr(resources, "engine_dead", False)
 
     # ---- helpers -------------------------------------------------------------------------------
-    def param_sums(self, names: list[str]) -> dict[str, float]:
-        """Sums of vLLM-side parameters by vLLM name (checks and tests)."""
-        return self._require_alive().collective_rpc("moe_rl_param_sums", args=(names,))[0]
-
     def _require_alive(self) -> Any:
         if not self.is_alive():
             raise RuntimeError("the vLLM engine is shut down or dead; create a new VLLMEngine")

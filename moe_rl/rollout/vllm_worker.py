@@ -63,14 +63,6 @@ class WeightSyncExtension:
         stats["load_s"] = time.perf_counter() - start
         return stats
 
-    def moe_rl_param_sums(self, names: list[str]) -> dict[str, float]:
-        """Sum of each named parameter of the loaded (vLLM-side) model, for checks and tests."""
-        params = dict(self.model_runner.get_model().named_parameters())
-        missing = [n for n in names if n not in params]
-        if missing:
-            raise ValueError(f"unknown vLLM parameter names {missing[:5]}; e.g. {list(params)[:5]}")
-        return {n: float(params[n].detach().float().sum()) for n in names}
-
 
 def _layer_prefix(name: str) -> str:
     """``model.layers.<i>.`` of a layer's tensor, ``""`` for the others."""

@@ -119,7 +119,7 @@ def test_weight_sync_zero_lm_head_gives_uniform_logprobs_and_restore_gives_origi
     zeroed = dict(state, **{"lm_head.weight": torch.zeros_like(state["lm_head.weight"])})
     stats = engine.update_weights(zeroed.items(), version=1)
     assert stats["num_tensors"] == len(state) and stats["bytes"] > 0 and stats["seconds"] > 0
-    assert engine.param_sums(["lm_head.weight"]) == {"lm_head.weight": 0.0}
+    # the zeroed LM head arrived: vLLM's own generation finds every token equally likely
     uniform = engine.generate(PROMPTS, SamplingSpec(temperature=1.0, max_new_tokens=8, n=2, seed=0))
     torch.testing.assert_close(
         uniform.rollout_logp, torch.full_like(uniform.rollout_logp, -math.log(VOCAB)), atol=1e-4, rtol=0

@@ -47,11 +47,3 @@ def test_load_safetensors_file_and_bytes(tmp_path):
     worker = _Worker()
     worker.moe_rl_load_safetensors_bytes(save(STATE))
     assert torch.equal(dict(worker.model_runner.loaded)["b.bias"], STATE["b.bias"])
-
-
-def test_param_sums_names_unknown_parameters():
-    worker = _Worker()
-    torch.nn.init.constant_(worker.model_runner.model.weight, 0.5)
-    assert worker.moe_rl_param_sums(["weight"]) == {"weight": 3.0}
-    with pytest.raises(ValueError, match="unknown vLLM parameter names"):
-        worker.moe_rl_param_sums(["lm_head.weight"])
