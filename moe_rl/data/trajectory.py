@@ -16,9 +16,9 @@ Layout decisions
   A sample's trace covers its prompt AND response tokens in sequence order, starting at the first
   prompt token. Its length is either ``prompt_len + response_len`` (the engine also ran the last
   sampled token) or ``prompt_len + response_len - 1`` (vLLM: the last sampled token is never
-  forwarded). Both are valid; ``routing_covers_last_token()`` records which, per sample. The last
-  position's logits predict nothing the loss uses, so the packer fills a missing last row with a
-  copy of the previous one and marks it in ``MicroBatch.routing_valid``.
+  forwarded). Both are valid (``routing_lengths()`` against ``sequence_lengths()`` tells which).
+  The last position's logits predict nothing the loss uses, so the packer fills a missing last row
+  with a copy of the previous one and marks it in ``MicroBatch.routing_valid``.
 * Weight-version spans: per sample, a list of ``(start_token, version)`` over response tokens,
   stored CSR (``version_span_starts``, ``version_span_versions``, ``version_span_offsets``).
   Canonical form: the first span starts at 0, starts and versions strictly increase (adjacent
@@ -190,10 +190,6 @@ class TrajectoryBatch:
         if self.routing_offsets is None:
             raise TrajectoryError("routed_experts", "this batch carries no routing trace")
         return ragged.lengths(self.routing_offsets)
-
-    def routing_covers_last_token(self) -> Tensor:
-        """bool ``[num_samples]``: True where the trace has ``prompt_len + response_len`` rows."""
-        return self.routing_lengths() == self.sequence_lengths()
 
     # ---- versions ----------------------------------------------------------------------------
     def token_versions(self) -> Tensor:

@@ -103,7 +103,7 @@ def test_routing_splits_into_prompt_and_generated_rows():
     outputs = two_requests()
     batch = from_vllm_outputs(outputs, policy_version=5, quant_recipe="bf16", num_experts=EXPERTS)
     assert batch.routing_lengths().tolist() == [4, 5, 2]
-    assert not batch.routing_covers_last_token().any()
+    assert (batch.routing_lengths() == batch.sequence_lengths() - 1).all()
     for i, (req, comp) in enumerate([(0, 0), (0, 1), (1, 0)]):
         source = outputs[req].outputs[comp].routed_experts
         prompt_len = len(outputs[req].prompt_token_ids)
