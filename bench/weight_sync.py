@@ -34,7 +34,7 @@ receiver 84-118 %, two receivers 47-73 % (95-145 % per byte landed); bf16 ``stor
 torch-operation decode); FP8 inline ~5 % (~1 % with torch operations). The first FP8 sync of each
 process compiles the kernels (10-20 s; not timed: the memory pass runs first).
 
-* Sender: this process (the Ray driver, not an actor) does what `TrainerRank.stream_weights` does: a
+* Sender: this process (the Ray driver, not an actor) does what a trainer rank's sender does: a
   `BucketPacker` kept from sync to sync fills each bucket and `weight_sync.transport.publish` hands it to
   every receiver, then waits for the previous bucket's deliveries (at most two buckets in flight). It
   copies tensors into a bucket on one thread (`moe_rl.device.copy_into`), leaving the other core to
@@ -46,8 +46,9 @@ process compiles the kernels (10-20 s; not timed: the memory pass runs first).
   when every engine is on the trainer rank's node: the bucket is written once into a slot, in parts
   of up to 128 MB (`weight_sync.buckets.PART_BYTES`) that are handed to the receivers as each is
   written, so they read a bucket's start while the sender writes the rest; receivers read it in place)
-  and ``store``, Ray's object store (across nodes: what the sender computes is packed into a buffer,
-  then ``ray.put`` copies that buffer and the tensors that travel as they are into the store).
+  and ``store``, Ray's object store (the bench's `ObjectStore` transport, a reference no route takes:
+  what the sender computes is packed into a buffer, then ``ray.put`` copies that buffer and the
+  tensors that travel as they are into the store).
 * Receivers: 1 or 2 Ray actors (``--recv-threads`` threads each; default: the machine's cores shared
   among the receivers, as engines on a node share it) that, like an engine, decode each bucket
   (`moe_rl.weight_sync.receiver.decoded`) into a preallocated, pre-touched tensor of the state: a
@@ -138,6 +139,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root, for moe_rl
 
 from moe_rl.weight_sync.shm import tensor_nbytes  # noqa: E402
+from moe_rl.weight_sync.transport import BucketTransport  # noqa: E402
 
 log = logging.getLogger("bench.weight_sync")
 
@@ -379,30 +381,39 @@ def synthetic_groups(layers: int, experts: int, vocab_rows: int, seed: int = 0) 
 
 RECV_THREADS: int | None = None
 """Threads per receiver (``--recv-threads``); None: the machine's cores shared among the receivers."""
-_PACKERS: dict[tuple[int, str], object] = {}
+_TRANSPORTS: dict[tuple[int, str], BucketTransport] = {}
 TRANSPORTS = ("shm", "store")
 
 
-def packer_for(capacity: int, transport: str, arena=None):
-    """The sender's packer of this bucket size and transport, kept from sync to sync (as `TrainerRank`
-    keeps its): ``shm`` packs into two shared-memory slots and reads the tensors that travel as they
-    are in the state's shared arena, ``store`` packs into one buffer that is put in Ray's object store."""
-    from moe_rl.weight_sync.buckets import BucketPacker
-    from moe_rl.weight_sync.shm import SharedSlots
+class ObjectStore(BucketTransport):
+    """The ``store`` transport: each bucket packed into one buffer and put once in Ray's object store
+    (``ray.put`` copies the buffer and each tensor that travels as the sender holds it,
+    `weight_sync.buckets.Bucket.arrays`), read there by every receiver. No route of a run takes it:
+    it is this bench's reference for a transport through Ray."""
+
+    name = "object_store"
+
+    def message(self, bucket):
+        return ray.put(bucket)
+
+
+def transport_for(capacity: int, transport: str, arena=None) -> BucketTransport:
+    """The sender's transport of this bucket size, kept from sync to sync (as a trainer rank keeps
+    its): ``shm`` is the runtime's `weight_sync.transport.SharedMemory` (two shared-memory slots; the
+    tensors that travel as they are read in the state's shared arena), ``store`` is `ObjectStore`."""
+    from moe_rl.weight_sync.transport import SharedMemory
 
     key = (capacity, transport)
-    if key not in _PACKERS:
-        shm = transport == "shm"
-        slots = SharedSlots(capacity) if shm else None
-        _PACKERS[key] = BucketPacker(capacity, slots=slots, arena=arena if shm else None)
-    return _PACKERS[key]
+    if key not in _TRANSPORTS:
+        made = SharedMemory(capacity, arena=arena) if transport == "shm" else ObjectStore(capacity)
+        _TRANSPORTS[key] = made
+    return _TRANSPORTS[key]
 
 
-def close_packers() -> None:
-    for packer in _PACKERS.values():
-        if packer.slots is not None:
-            packer.slots.close()
-    _PACKERS.clear()
+def close_transports() -> None:
+    for transport in _TRANSPORTS.values():
+        transport.close()
+    _TRANSPORTS.clear()
 
 
 @dataclass
@@ -450,7 +461,7 @@ def tiny_state() -> State:
 
     mb = config.rollout.sync_bucket_mb
     modes = {"inline": [(mb, n, t) for t in TRANSPORTS for n in (1, 2)]}
-    arena = share_parameters(model)  # as `TrainerRank` does before its first sync through shared slots
+    arena = share_parameters(model)  # as `RankSender` does before its first sync through shared slots
     return State("tiny", groups, spec_of(groups()), config.model.num_layers, [mb], modes, arena=arena)
 
 
@@ -533,7 +544,7 @@ def run_sync(
     store: StoreUsage | None,
     arena=None,
 ) -> Run:
-    """One sync: `TrainerRank.stream_weights`'s packer and `publish` loop (at most two buckets in
+    """One sync: a trainer rank's packer and `publish` loop (at most two buckets in
     flight). With ``store`` (the memory pass) the sender and the receivers sample their memory and the
     receivers checksum."""
     from moe_rl.weight_sync.transport import publish
@@ -542,15 +553,17 @@ def run_sync(
     threads = RECV_THREADS or max(1, (os.cpu_count() or 1) // len(receivers))  # the node's cores, shared
     ray.get([r.begin.remote(memory, threads) for r in receivers])
     sampler = PeakSampler(store=store) if memory else contextlib.nullcontext()
-    packer = packer_for(capacity, transport, arena)
+    sender = transport_for(capacity, transport, arena)
+    packer = sender.packer
     with sampler:
         start = time.perf_counter()
-        out = publish(packer.pack(make_groups()), {i: r.receive.remote for i, r in enumerate(receivers)}, 600)
+        handing = {i: r.receive.remote for i, r in enumerate(receivers)}
+        out = publish(packer.pack(make_groups()), handing, 600, sender)
         seconds = time.perf_counter() - start
     ends = ray.get([r.end.remote(memory) for r in receivers])
     slots = packer.slots.nbytes() if packer.slots is not None else 0
-    sender = {**sampler.result, "slots": slots} if memory else {}
-    return Run(seconds, out.bytes, out.buckets, out.largest, sender, ends)
+    peaks = {**sampler.result, "slots": slots} if memory else {}
+    return Run(seconds, out.bytes, out.buckets, out.largest, peaks, ends)
 
 
 def check(run: Run, expected: dict[str, float], label: str) -> None:
@@ -739,7 +752,7 @@ def pg_worker(rank: int, size: int, port: int, quick: bool, capacities: list[int
             if rank == 0:
                 encoder = WireEncoder(QuantConfig(), num_layers=1, quantized_wire=True)
                 lazy = (lg for g in groups for lg in encoder.lazy_groups(g, capacity))
-                send_stream(group, packers[capacity].pack(lazy), buffers=len(packers[capacity].buffers))
+                send_stream(group, packers[capacity].pack(lazy))
             else:
                 rejoin = Rejoin()
 
@@ -968,7 +981,7 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
             baselines.close()
             state.encoded.pop(recipe, None)
         ray.get([r.allocate.remote([]) for r in receivers])
-        close_packers()
+        close_transports()
         gc.collect()
     report(rows, sizes)
 

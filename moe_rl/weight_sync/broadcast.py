@@ -1,18 +1,10 @@
-"""The process-group transport: a sending trainer rank broadcasts its buckets to its engines in a
-``torch.distributed`` group of their own (gloo on CPU; NCCL between GPUs), so weights cross nodes
-once, without a copy through Ray's object store.
-
-The group is the sender (rank 0) and its receivers (ranks 1..n), made outside any default world
-(each member already belongs to one: the trainer rank to Megatron's, an engine to its own):
-a TCP store the sender opens on its node (`GroupSpec`), a prefix per group, and a process group
-over it (`open_group`). It is made at the first sync that needs it and kept while its members stay.
-
-A bucket travels as one small header (its entries and how its bytes are laid out, pickled, in a
-message of fixed size) and its bytes (the packed buffer, then each tensor that travels as the
-sender holds it). An empty header ends the stream. A receiver takes each bucket into one of two
-byte slabs it keeps (alternating), rebuilds the `Bucket` over it and hands it to its
-`WeightReceiver`; the sender's packer reuses its buffer once the broadcast is done. So neither
-side holds more than two buckets' bytes.
+"""The process-group transport's wire: a sending trainer rank (rank 0) broadcasts its buckets in a
+``torch.distributed`` group of its own with its receivers (gloo on CPU, NCCL between GPUs), made
+outside any default world (each member already belongs to one) over a TCP store the sender opens, so
+weights cross nodes once. A bucket travels as a header of fixed size (its entries and the layout of
+its bytes, pickled), then its bytes (the packed buffer, then each tensor that travels as the sender
+holds it); an empty header ends the stream. A receiver takes each bucket into one of two byte slabs,
+so neither side holds more than two buckets' bytes.
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
 from moe_rl.device import transient_bytes
 from moe_rl.weight_sync.buckets import Bucket
@@ -41,39 +34,36 @@ GROUP_TIMEOUT_S = 1800.0
 """How long a member waits for a broadcast of the group."""
 
 JOIN_TIMEOUT_S = 300.0
-"""How long a member waits for the others to form the group (they are asked at once; one that
-never comes, as a process that died, fails the group then)."""
+"""How long a member waits for the others to form the group (one that never comes fails it then)."""
+
+Works = list[tuple[Any, torch.Tensor]]
+"""Broadcasts started, each with the tensor it reads (kept alive until it ends)."""
 
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where the members of one sender's group meet: the sender's TCP store and the group's size."""
+    """Where the members of one sender's group meet: the sender's TCP store, the group's size, its key
+    (the store's prefix: new for every new group), ``cpu`` (gloo) or ``cuda`` (NCCL)."""
 
     host: str
     port: int
     size: int
     key: str
-    """Names the group (the store's prefix): a new group after a member changed gets a new key."""
     device: str = "cpu"
-    """Where the buckets' bytes are broadcast from and to: ``cpu`` (gloo) or ``cuda`` (NCCL)."""
     sender: int = 0
     """The trainer rank that sends (one group per sending rank)."""
 
 
 @dataclass(frozen=True)
 class BroadcastStream:
-    """The message a receiver gets instead of a bucket: join the stream of ``spec`` as ``rank`` and
-    receive every bucket it carries, until the sender ends it."""
+    """The message a receiver gets instead of a bucket: join the stream of ``spec`` as ``rank``."""
 
     spec: GroupSpec
     rank: int
 
 
 def open_store(host: str, size: int) -> Any:
-    """The TCP store a sender's group meets at, listening on a free port (``.port``) chosen as it
-    binds, so no other process can take the port between choosing and binding it."""
-    from torch.distributed import TCPStore
-
+    """The sender's TCP store, on a free port chosen as it binds (``.port``), which no one takes first."""
     joining = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
     return TCPStore(host, 0, size, True, timeout=joining, wait_for_workers=False)
 
@@ -81,10 +71,7 @@ def open_store(host: str, size: int) -> Any:
 def open_group(spec: GroupSpec, rank: int, store: Any = None) -> Any:
     """This member's side of the group of ``spec`` (collective: every member calls it). The sender
     (rank 0) passes the store it opened (`open_store`); the others connect to it."""
-    from torch.distributed import PrefixStore, TCPStore
-
     joining = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
-    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
     if store is None:
         store = TCPStore(spec.host, spec.port, spec.size, rank == 0, timeout=joining)
     store = PrefixStore(spec.key, store)
@@ -92,15 +79,11 @@ def open_group(spec: GroupSpec, rank: int, store: Any = None) -> Any:
         from torch.distributed import ProcessGroupNCCL
 
         return ProcessGroupNCCL(store, rank, spec.size)
-    from torch.distributed import ProcessGroupGloo
-
-    return ProcessGroupGloo(store, rank, spec.size, timeout)
+    return ProcessGroupGloo(store, rank, spec.size, datetime.timedelta(seconds=GROUP_TIMEOUT_S))
 
 
 def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
     """Start broadcasting ``tensor`` from rank 0 (the returned work completes it)."""
-    from torch.distributed import BroadcastOptions
-
     options = BroadcastOptions()
     options.rootRank = 0
     return group.broadcast([tensor], options)
@@ -114,56 +97,49 @@ class Streamed:
     buckets: int = 0
     largest: int = 0
     broken: str | None = None
-    """Why the stream broke (a member's connection was lost: its process died); the others did
-    not get the rest of it."""
+    """Why the stream broke (a member's process died); the others did not get the rest of it."""
+
+    def count(self, bucket: Bucket) -> None:
+        self.bytes += bucket.nbytes
+        self.buckets += int(bucket.last)
+        self.largest = max(self.largest, bucket.nbytes)
 
 
 class StreamBroken(RuntimeError):
-    """A receiver's stream broke before its end: the weights it holds are partly of the new version,
-    so it must take the whole sync again."""
+    """A stream broke before its end: its receiver's weights are partly new; it takes the sync again."""
 
 
-def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu", buffers: int = 1) -> Streamed:
-    """Broadcast every bucket to the group (as rank 0), then the end of the stream. ``buffers``: how
-    many buffers the packer of ``buckets`` alternates (`BucketPacker`). With two the stream is
-    pipelined: the broadcast of bucket ``i`` runs while bucket ``i + 1`` is packed, and bucket
-    ``i - 1``'s has ended before then, so the packer reuses a buffer only when every receiver has its
-    bytes. With one, each broadcast ends before the next bucket is packed.
-
-    When a member's connection breaks (its process died) the stream stops (`Streamed.broken`); the
-    caller takes part in the rest of the trainer ranks' gathers (`sender.Outgoing.join_gathers`)."""
+def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu") -> Streamed:
+    """Broadcast every bucket to the group (as rank 0), then the end of the stream, pipelined over a
+    packer of two buffers: the broadcast of bucket ``i`` runs while bucket ``i + 1`` is packed, and
+    bucket ``i - 1``'s has ended before then, so a buffer is reused only when every receiver has its
+    bytes. A broken connection (a member's process died) stops the stream (`Streamed.broken`); the
+    caller then takes part in the rest of the gathers (`outgoing.Outgoing.join_gathers`)."""
     out = Streamed()
-    before: list[tuple[Any, Any]] = []  # the works of the previous bucket, and what they read
+    before: Works = []  # the previous bucket's
     for bucket in buckets:  # packing this bucket reused the buffer of the one before the previous
-        now: list[tuple[Any, Any]] = []
+        now: Works = []
         try:
             _send_bucket(group, bucket, device, now)
             _wait(before)
             before = now
-            if buffers < 2:
-                _wait(before)
-                before = []
         except RuntimeError as exc:  # the backend's error: a member's connection was lost
             out.broken = str(exc)
-            _settle(before if before is now else before + now)  # then their buffers may go
+            _wait(before + now, broken=True)  # then their buffers may go
             return out
-        out.bytes += bucket.nbytes
-        out.buckets += int(bucket.last)
-        out.largest = max(out.largest, bucket.nbytes)
-    end: list[tuple[Any, Any]] = []
+        out.count(bucket)
+    end: Works = []
     try:
         _wait(before)
         _send_header(group, None, device, end)
         _wait(end)
     except RuntimeError as exc:
         out.broken = str(exc)
-        _settle(before + end)
+        _wait(before + end, broken=True)
     return out
 
 
-def _send_bucket(group: Any, bucket: Bucket, device: str, works: list[tuple[Any, Any]]) -> None:
-    """Start broadcasting ``bucket``: its header, then its bytes (into ``works``, each work and what it
-    reads, as each starts)."""
+def _send_bucket(group: Any, bucket: Bucket, device: str, works: Works) -> None:
     parts = _parts(bucket)
     header = {
         "entries": bucket.entries, "index": bucket.index, "sender": bucket.sender, "part": bucket.part,
@@ -176,21 +152,15 @@ def _send_bucket(group: Any, bucket: Bucket, device: str, works: list[tuple[Any,
             works.append((_broadcast(group, tensor), tensor))
 
 
-def _wait(works: list[tuple[Any, Any]]) -> None:
+def _wait(works: Works, broken: bool = False) -> None:
+    """Wait for ``works`` to end; those of a ``broken`` stream each as it may (one to a lost member fails)."""
     for work, _ in works:
-        work.wait()
-
-
-def _settle(works: list[tuple[Any, Any]]) -> None:
-    """Wait for the works of a broken stream to end, each as it may (a send to a lost member fails)."""
-    for work, _ in works:
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(RuntimeError) if broken else contextlib.nullcontext():
             work.wait()
 
 
 def _parts(bucket: Bucket) -> list[np.ndarray]:
-    """The byte ranges a bucket's tensors lie in: its packed buffer (up to its last entry), then each
-    tensor that travels as the sender holds it (`Bucket.arrays`)."""
+    """The byte ranges of a bucket's tensors: its packed buffer, then each of `Bucket.arrays`."""
     packed = [e for e in bucket.entries if e.source is None and e.array is None]
     end = max((e.offset + e.nbytes for e in packed), default=0)
     head = bucket.data[:end] if end else np.empty(0, dtype=np.uint8)
@@ -209,10 +179,9 @@ def _on(tensor: torch.Tensor, device: str) -> torch.Tensor:
     return tensor if device == "cpu" else tensor.to(device)
 
 
-def _send_header(group: Any, header: dict | None, device: str, works: list[tuple[Any, Any]]) -> None:
+def _send_header(group: Any, header: dict | None, device: str, works: Works) -> None:
     """Start broadcasting a bucket's header: one `HEADER_BYTES` message (the pickled header's
-    length, then as much of it as fits; length 0 ends the stream), and the rest of a longer header
-    in a second one."""
+    length, 0 to end the stream, then as much of it as fits), and the rest in a second one."""
     data = b"" if header is None else pickle.dumps(header)
     head = np.zeros(HEADER_BYTES, dtype=np.uint8)
     head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
@@ -234,13 +203,12 @@ def _landed(work: Any, into: torch.Tensor, view: torch.Tensor) -> None:
 
 @dataclass
 class StreamReceiver:
-    """A receiver's side of one sender's stream: its group and the two byte slabs it takes buckets
-    into (kept from sync to sync)."""
+    """A receiver's side of one sender's stream: its group and its two byte slabs, kept from sync to sync."""
 
     spec: GroupSpec
     rank: int
     group: Any = None
-    slabs: list[torch.Tensor] = field(default_factory=list)
+    slabs: list[torch.Tensor] = field(default_factory=lambda: [torch.empty(0, dtype=torch.uint8)] * 2)
     _turn: int = 0
 
     def join(self) -> None:
@@ -248,10 +216,9 @@ class StreamReceiver:
             self.group = open_group(self.spec, self.rank)
 
     def receive(self, on_bucket: Callable[[Bucket], Any]) -> Streamed:
-        """Take every bucket of the stream and hand it to ``on_bucket`` (a `WeightReceiver`'s
-        ``receive_bucket``, which copies what it keeps), until the sender ends it, pipelined: a
-        thread of this stream takes bucket ``i + 1`` into one slab while bucket ``i``, in the other,
-        is handed on; it takes a slab again only once the bucket in it was handed on."""
+        """Hand every bucket of the stream to ``on_bucket`` (a `WeightReceiver`'s ``receive_bucket``,
+        which copies what it keeps), pipelined: a thread takes bucket ``i + 1`` into one slab while
+        bucket ``i``, in the other, is handed on; a slab is reused only once its bucket was handed on."""
         self.join()
         out = Streamed()
         arrived: queue.Queue = queue.Queue()
@@ -288,16 +255,13 @@ class StreamReceiver:
                     raise bucket
                 on_bucket(bucket)
                 free.release()
-                out.bytes += bucket.nbytes
-                out.buckets += int(bucket.last)
-                out.largest = max(out.largest, bucket.nbytes)
+                out.count(bucket)
         finally:  # after an error the taker may be inside a broadcast: it ends with the group
             stop.set()
             free.release()  # a taker waiting for a slab sees the stop
 
     def _post_bucket(self, header: dict) -> tuple[Bucket, list[Callable[[], None]]]:
-        """The bucket of ``header`` in the next slab, and the waits of its bytes' broadcasts (posted
-        at once here; the bucket is whole when every wait has returned)."""
+        """The bucket of ``header`` in the next slab, and the waits of its bytes' broadcasts."""
         device, sizes = self.spec.device, header["sizes"]
         slab = self._slab(sum(aligned(s) for s in sizes))
         views, works, offset = [], [], 0
@@ -334,9 +298,7 @@ class StreamReceiver:
         return pickle.loads(data)
 
     def _slab(self, nbytes: int) -> torch.Tensor:
-        """One of the two slabs, alternating, grown to ``nbytes`` when smaller (never shrunk)."""
-        while len(self.slabs) < 2:
-            self.slabs.append(torch.empty(0, dtype=torch.uint8))
+        """The next slab, grown to ``nbytes`` when smaller."""
         i, self._turn = self._turn, 1 - self._turn
         if self.slabs[i].numel() < nbytes:
             self.slabs[i] = torch.empty(nbytes, dtype=torch.uint8)
@@ -344,11 +306,10 @@ class StreamReceiver:
 
 
 class StreamThreads:
-    """A receiving process's streams: each sender's stream is taken in a thread of its own (senders
-    stream at once and may wait on each other's collectives, so one receiver must not serve them one
-    after the other); buckets are handed on under one lock; `wait` joins them and raises the first
-    error. The group of each sender is kept from sync to sync (a new key replaces the sender's old
-    group)."""
+    """A receiving process's streams, each sender's in a thread of its own (senders stream at once
+    and may wait on each other's collectives, so they must not be served one after the other);
+    buckets are handed on under one lock; `wait` joins the threads and raises the first error. Each
+    sender's group is kept from sync to sync (a new key replaces it)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

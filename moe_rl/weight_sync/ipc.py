@@ -1,23 +1,15 @@
 """Device memory handed between processes of one machine by torch's own sharing: a sender's bucket
-buffer travels as a handle, and a receiver maps the same memory, so the bytes never leave the
-device.
+buffer travels as a handle (what torch's ``ForkingPickler`` makes of it: on CUDA an IPC handle of the
+allocation, so a trainer rank and the Megatron engine on its GPU exchange weights GPU to GPU; on CPU
+a shared-memory file's name, which is how the CPU tests run the same path), and a receiver maps the
+same memory once per sender slot (`IpcRef.key`), again when the sender hands a new buffer there.
 
-A handle is what torch's multiprocessing pickler (``ForkingPickler``) makes of the buffer tensor:
-on CUDA a CUDA IPC handle of the allocation (`torch.multiprocessing.reductions.reduce_tensor`), so
-a trainer rank and the Megatron engine that share its GPU exchange weights GPU to GPU; on CPU the
-name of a shared-memory file (torch's ``file_system`` sharing), which is how the CPU tests run the
-same path. The receiver maps each buffer once per process and keeps it while the sender keeps
-handing the same buffer (`IpcRef.key`); a new buffer of the same sender slot replaces it.
-
-The sender makes its writes visible before it hands a handle (`ready`), and a receiver is done
-reading before its delivery returns (`ready` again, on its side), so a buffer is reused only
-after every receiver has read it (`moe_rl.weight_sync.transport.publish` awaits the deliveries of a
-bucket before the packer comes back to its buffer).
+The sender makes its writes visible before it hands a handle and a receiver finishes reading before
+its delivery returns (`ready`), so a buffer is reused only after every receiver has read it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import pickle
 from dataclasses import dataclass
@@ -35,23 +27,11 @@ class IpcRef:
     """Where a bucket's bytes lie in a sender's shared device buffer."""
 
     handle: bytes
-    """The buffer as torch's multiprocessing pickler wrote it (see the module docstring)."""
+    """The buffer as torch's multiprocessing pickler wrote it."""
     key: tuple
     """(sender process, buffer slot): a receiver keeps one mapping per key."""
     offset: int
     nbytes: int
-
-
-@contextlib.contextmanager
-def _file_system_sharing():
-    """CPU storages pickled as shared-memory file names, which any process of the machine can open
-    (the default, file descriptors, only reaches a process started by the sender)."""
-    before = torch_mp.get_sharing_strategy()
-    torch_mp.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        torch_mp.set_sharing_strategy(before)
 
 
 def share(buffer: torch.Tensor) -> bytes:
@@ -60,9 +40,14 @@ def share(buffer: torch.Tensor) -> bytes:
     stays the same), so take views of it after sharing it."""
     if not buffer.is_contiguous() or buffer.storage_offset() != 0:
         raise ValueError("only a whole contiguous buffer is shared (not a view into another tensor)")
-    out = io.BytesIO()
-    with _file_system_sharing():
+    out, before = io.BytesIO(), torch_mp.get_sharing_strategy()
+    # CPU storages as shared-memory file names, which any process of the machine can open (the
+    # default, file descriptors, only reaches a process the sender started)
+    torch_mp.set_sharing_strategy("file_system")
+    try:
         ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(buffer)
+    finally:
+        torch_mp.set_sharing_strategy(before)
     return out.getvalue()
 
 

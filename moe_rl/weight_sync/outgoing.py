@@ -1,19 +1,12 @@
-"""What a trainer rank sends in a sync: which rank sends which tensor, the tensors as they leave
-the trainer's model (its own, or the whole model gathered), and each sync's `Outgoing`.
+"""What a trainer rank sends in a sync: which rank sends which tensor (`sends`), the tensors as they
+leave the trainer's model (`owned`, or `whole_model` on the routes that send the whole model from a
+rank: ``device_ipc``, vLLM's transfer), and each sync's `Outgoing`.
 
-Every rank of the trainer group iterates its tensors together (tensor-parallel shards are
-all-gathered, a collective), and one rank per distinct tensor sends it (`sends`, `owned`):
-
-* a dense tensor (attention, norms, shared experts, embeddings, the LM head): the rank with data-
-  parallel rank 0 (context parallel included) and tensor-parallel rank 0 of its pipeline stage;
-* an expert tensor: the rank with expert-data-parallel rank 0 and expert-tensor-parallel rank 0
-  of its expert-parallel group, so each expert-parallel rank sends its own experts.
-
-So each pipeline stage and each expert-parallel rank sends what it owns, nobody sends a tensor
-twice, and no rank gathers more than one tensor at a time. On the routes that send the whole model
-(`moe_rl.config.sync_plan`: ``device_ipc``, vLLM's transfer) a rank sends every tensor instead
-(`whole_model`): its tensor-parallel shards gathered and, with expert parallelism, each expert
-all-gathered over the expert-parallel group as it is sent.
+Every rank iterates its tensors together (tensor-parallel shards are all-gathered, a collective),
+and one rank per distinct tensor sends it: a dense tensor, the rank of data-parallel (context
+parallel included) and tensor-parallel rank 0 of its pipeline stage; an expert tensor, the rank of
+expert-data-parallel and expert-tensor-parallel rank 0 of its expert-parallel group. So no tensor
+is sent twice and no rank gathers more than one tensor at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ import re
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from moe_rl.weight_sync.wire import LazyGroup, WireEncoder
 
@@ -30,8 +24,7 @@ _EXPERT = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
 
 FLOAT32_WEIGHTS = ("e_score_correction_bias",)
 """Weights vLLM's models hold in float32 whatever the engine's dtype (DeepSeek-V3's expert-score
-correction bias, which decides the routing): they travel in float32, not rounded to the engine's
-dtype (the contract test against vLLM's model class checks every weight's dtype)."""
+correction bias, which decides the routing): they travel in float32."""
 
 
 def engine_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -60,8 +53,7 @@ Groups = Iterator[list[tuple[str, torch.Tensor]]]
 
 
 def owned(model: torch.nn.Module) -> Groups:
-    """The tensors this rank sends (`sends`), as views; every rank iterates (the tensor-parallel
-    gathers are collectives)."""
+    """The tensors this rank sends (`sends`), as views; every rank iterates (the gathers are collectives)."""
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
 
     for _, group in iter_hf_weight_groups(model, select=sends, copy=False):  # views; the packer writes
@@ -72,13 +64,12 @@ def whole_model(
     model: torch.nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
     select: Callable[[str], bool] | None = None, root: bool = True,
 ) -> Groups:  # fmt: skip
-    """Every tensor of the model (see the module docstring), one Megatron tensor at a time (an
-    expert's pieces of one expert-parallel rank each). Every rank iterates it together (the gathers
-    are collectives); only a ``root`` rank yields. ``dtype``: what the tensors are cast to (vLLM's:
-    `engine_dtype`), None: kept; ``device``: where they are gathered (default the
-    model's); ``select(megatron_name)``: the tensors this rank takes part for. Needs one pipeline
-    stage."""
-    import torch.distributed as dist
+    """Every tensor of the model, one Megatron tensor at a time: its tensor-parallel shards gathered
+    and, with expert parallelism, each expert all-gathered over the expert-parallel group (the
+    pieces of one expert-parallel rank each). Every rank iterates it together (the gathers are
+    collectives); only a ``root`` rank yields. ``dtype``: what the tensors are cast to (vLLM's:
+    `engine_dtype`), None: kept; ``device``: where they are gathered (default the model's);
+    ``select(megatron_name)``: the tensors this rank takes part for. Needs one pipeline stage."""
     from megatron.core import parallel_state as ps
 
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
@@ -111,8 +102,7 @@ def _num_experts(model: torch.nn.Module) -> int:
 
 
 def _peer_expert(name: str, rank: int, local: int) -> str:
-    """The HF name of the expert that expert-parallel rank ``rank`` holds where this rank holds
-    the one of ``name`` (each rank holds ``local`` consecutive experts, rank 0 the first)."""
+    """The HF name of the expert rank ``rank`` holds where this one holds ``name``'s (``local`` each)."""
     match = _EXPERT.search(name)
     if match is None:
         raise ValueError(f"{name!r} is not an expert's weight")
@@ -121,9 +111,9 @@ def _peer_expert(name: str, rank: int, local: int) -> str:
 
 
 class Outgoing:
-    """What one trainer rank sends in one sync: ``tensors`` (`owned` or `whole_model`, started once
-    per sync) encoded by the recipe's ``encoder``, group by group (`groups`), or, for a rank with
-    nothing to deliver, only its part in the gathers (`join_gathers`)."""
+    """What one trainer rank sends in one sync: ``tensors`` (`owned` or `whole_model`, started once)
+    encoded by the recipe's ``encoder``, group by group (`groups`), or, for a rank with nothing to
+    deliver, only its part in the gathers (`join_gathers`)."""
 
     def __init__(
         self, tensors: Callable[[], Groups], encoder: WireEncoder, model: torch.nn.Module | None = None
@@ -138,13 +128,11 @@ class Outgoing:
         return self._live
 
     def groups(self, max_bytes: int | None = None) -> Iterator[LazyGroup]:
-        """What travels, one group at a time, written into the bucket by the packer; a tensor larger
-        than ``max_bytes`` in row chunks (`WireEncoder.lazy_groups`)."""
+        """What travels, one group at a time (`WireEncoder.lazy_groups`, chunked past ``max_bytes``)."""
         for group in self._stream():
             yield from self.encoder.lazy_groups(group, max_bytes)
 
     def join_gathers(self) -> None:
-        """Take part in the gathers of this sync without sending anything: every tensor not yet
-        reached (all of them when `groups` was not started) is gathered and dropped."""
+        """Take part in the rest of this sync's gathers (all of them before `groups`), sending nothing."""
         for _ in self._stream():
             pass

@@ -1,11 +1,7 @@
-"""The receiving side of a weight sync.
-
-`WeightReceiver` is what every receiver implements — both rollout engines and the probe's
-reference model: a sync begins with the policy version, buckets arrive one by one, and it finishes
-with the version, which the receiver takes only then. `SyncTarget` names which receiver of an
-engine process a sync fills. `ModelReceiver` is the receiving side into a Megatron model (the
-Megatron engine, the reference model): buckets are decoded and loaded as they arrive, and the sync
-is complete only when every tensor of the model has arrived exactly once.
+"""The receiving side of a weight sync: the protocol every receiver implements (`WeightReceiver`:
+both rollout engines and the probe's reference model), a bucket's weights as the values an engine
+computes with (`decoded`), wholes put together over the buckets of a sync (`Assembly`), and the
+receiving side into a Megatron model (`ModelReceiver`).
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ from moe_rl.weight_sync.wire import Rejoin, decode
 
 
 class SyncTarget(StrEnum):
-    """Which receiver of an engine process a sync fills: the engine, or the mismatch probe's
-    full-precision reference model next to it."""
+    """Which receiver of an engine process a sync fills: the engine, or the probe's reference model."""
 
     ENGINE = "engine"
     REFERENCE = "reference"
@@ -33,20 +28,15 @@ class SyncTarget(StrEnum):
 
 @runtime_checkable
 class WeightReceiver(Protocol):
-    """Takes weight syncs: ``begin_weight_update(version)``, ``receive_bucket(bucket)`` for each
-    bucket, ``finish_weight_update(version)``, which checks the sync is complete, takes the
-    version and returns what the receiver measured (numbers, the recipe's name)."""
+    """Takes weight syncs: ``begin_weight_update(version)``, ``receive_bucket`` for each message of the
+    route (a bucket, a stream, a vLLM transfer call), ``finish_weight_update(version)``, which checks
+    the sync is complete, takes the version only then and returns what the receiver measured."""
 
     def begin_weight_update(self, version: int) -> None: ...
 
     def receive_bucket(self, bucket: Bucket) -> dict[str, float]: ...
 
     def finish_weight_update(self, version: int) -> dict[str, Any]: ...
-
-
-def bucket_items(bucket: Bucket) -> list[tuple[str, Tensor, dict]]:
-    """The ``(name, tensor, meta)`` a bucket carries (views into its buffer)."""
-    return [(entry.name, tensor, entry.meta) for entry, tensor in bucket.tensors()]
 
 
 def decoded(
@@ -56,15 +46,11 @@ def decoded(
     dtypes: Mapping[str, torch.dtype] | None = None,
     rejoin: Rejoin | None = None,
 ) -> Iterable[tuple[str, Tensor]]:
-    """A bucket's weights as the values the engine computes with (`wire.decode`), one at a time.
-    With ``device`` what travelled is moved there first (FP8 bytes, not their float32 values) and
-    decoded there; ``into`` gives where a quantized weight's values may be decoded straight into
-    (`ModelReceiver.place`), ``dtypes`` the dtype to decode the others to (`ModelReceiver.dtypes`).
-    ``rejoin``: the receiver's `wire.Rejoin` for this sync, which puts tensors that travel in row
-    chunks back together (a chunked tensor is yielded with its last chunk). A bucket read in its
-    sender's device buffer (`Bucket.ipc`) waits, once the last weight has been taken, for the work
-    queued on that device, so the sender does not overwrite the buffer while it is still read."""
-    items = bucket_items(bucket)
+    """A bucket's weights as the values the engine computes with (`wire.decode`), one at a time; with
+    ``device``, what travelled is moved there first (FP8 bytes, not their float32 values). A bucket
+    in its sender's device buffer waits, after its last weight, for the work queued on that device,
+    so the sender does not overwrite the buffer while it is still read."""
+    items = [(entry.name, tensor, entry.meta) for entry, tensor in bucket.tensors()]
     if device is not None:
         items = [(name, tensor.to(device), meta) for name, tensor, meta in items]
     yield from decode(items, into, dtypes, rejoin)
@@ -74,26 +60,23 @@ def decoded(
 
 class Assembly:
     """Tensors put together into wholes over the buckets of one sync: a whole (a Megatron tensor of
-    its HF pieces, a vLLM layer of its tensors) is handed on as soon as all its parts have arrived,
-    which is one bucket for most (the sender packs a whole together) and later ones for a whole
-    split over buckets. A part still waiting at the end of a bucket is copied unless ``owned`` says
-    it is not a view of the bucket (the sender reuses the bucket's buffer). `finish` names a whole
-    still missing parts and, with ``expected``, one that never came."""
+    its HF pieces, a vLLM layer of its tensors) is handed on as soon as all its parts have arrived
+    (mostly in one bucket: the sender packs a whole together). A part still waiting at the end of a
+    bucket is copied (the sender reuses the bucket's buffer) unless ``owned`` says it is not a view
+    of the bucket."""
 
     def __init__(
         self, wholes: Mapping[str, str], owned: Callable[[str, Tensor], bool] = lambda n, t: False,
         kind: str = "tensors",
     ):  # fmt: skip
-        """``wholes``: each part's name -> the whole it belongs to (every part, every whole);
-        ``kind``: what a whole is, in the errors."""
+        """``wholes``: every part's name -> its whole; ``kind``: what a whole is, in the errors."""
         self.wholes, self.owned, self.kind = dict(wholes), owned, kind
         self.size = Counter(self.wholes.values())
         self.done: set[str] = set()
         self._open: dict[str, dict[str, Tensor]] = {}
 
     def add(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, dict[str, Tensor]]]:
-        """``(whole, its parts)`` of each whole completed by ``named`` (one bucket's parts), as it
-        completes; then the parts left waiting are copied. A part of no whole is refused."""
+        """``(whole, parts)`` of each whole ``named`` (a bucket's parts) completes; a stray part raises."""
         arrived = []
         for name, tensor in named:
             whole = self.wholes.get(name)
@@ -108,8 +91,8 @@ class Assembly:
                 del self._open[whole]
                 self.done.add(whole)
                 yield whole, parts
-        for whole, name in arrived:  # a part waiting for a later bucket: its own copy, not a view of
-            parts = self._open.get(whole)  # this bucket (the sender reuses the buffer)
+        for whole, name in arrived:  # a part waiting for a later bucket: its own copy
+            parts = self._open.get(whole)
             if parts is not None and name in parts and not self.owned(name, parts[name]):
                 parts[name] = parts[name].clone()
 
@@ -130,7 +113,7 @@ class Assembly:
 
 
 class ModelReceiver:
-    """Loads HF-named weights into a Megatron model part by part; `finish` checks completeness."""
+    """Loads HF-named weights into a Megatron model as they arrive; `finish` checks every one came once."""
 
     def __init__(self, model: torch.nn.Module):
         from moe_rl.megatron.hf_weights import hf_dtypes, hf_index
@@ -140,8 +123,16 @@ class ModelReceiver:
         self.dtypes = hf_dtypes(model)
         """HF name -> the dtype of the Megatron tensor it loads into (what a piece that cannot be
         decoded in place is decoded to: the values it will hold, in half the bytes of float32 for bf16)."""
+        self._start({})
+
+    def begin(self) -> None:
+        from moe_rl.megatron.hf_weights import piece_views
+
+        self._start(piece_views(self.model))
+
+    def _start(self, views: dict[str, Tensor]) -> None:
         self.bytes = 0
-        self._views: dict[str, Tensor] = {}
+        self._views = views
         self.in_place: dict[str, Tensor] = {}
         """HF name -> the view of the model it was decoded into, this sync (`place`)."""
         self.rejoin = Rejoin()
@@ -149,26 +140,15 @@ class ModelReceiver:
         self.assembly = Assembly(self.index, self._owned)
         """Megatron tensors put together from their HF pieces (fused QKV, gate/up: several)."""
 
-    def begin(self) -> None:
-        from moe_rl.megatron.hf_weights import piece_views
-
-        self.bytes = 0
-        self._views, self.in_place = piece_views(self.model), {}
-        self.rejoin, self.assembly = Rejoin(), Assembly(self.index, self._owned)
-
     def place(self, name: str) -> Tensor | None:
-        """Where the values of HF tensor ``name`` may be decoded straight into: the view of the
-        model's tensor it fills (`hf_weights.piece_views`), or None (it is then loaded by copy)."""
+        """The model's view HF tensor ``name`` fills, to decode straight into; None: it is loaded by copy."""
         view = self._views.get(name)
         if view is not None:
             self.in_place[name] = view
         return view
 
     def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
-        """Load each Megatron tensor as soon as all its HF pieces have come by (they travel
-        together, in one bucket, unless they are large enough to travel in row chunks), so only one
-        tensor's decoded values are held at a time. A tensor still missing pieces at the end of
-        the sync is an error of `finish`."""
+        """Load each Megatron tensor once all its HF pieces came: one tensor's values are held at a time."""
         from moe_rl.megatron.hf_weights import load_hf_subset
 
         def ours() -> Iterator[tuple[str, Tensor]]:

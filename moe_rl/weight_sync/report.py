@@ -10,8 +10,7 @@ from moe_rl.quant.recipes import QuantReport
 
 @dataclass
 class SyncReport:
-    """One sync: what the senders streamed (totals over the trainer ranks), what the receivers said
-    when it finished, and how long it took."""
+    """One sync: the senders' totals, what the receivers said when it finished, and how long it took."""
 
     version: int = 0
     bytes: int = 0
@@ -44,11 +43,8 @@ class SyncReport:
             self.senders += other.senders
             self.shared_memory = self.shared_memory and other.shared_memory
         if other.quant is not None:
-            self.quant = (
-                QuantReport(other.quant.recipe).merge(other.quant)
-                if self.quant is None
-                else self.quant.merge(other.quant)
-            )
+            base = QuantReport(other.quant.recipe) if self.quant is None else self.quant
+            self.quant = base.merge(other.quant)
         return self
 
     def metrics(self) -> dict[str, float | int | str]:

@@ -1,13 +1,6 @@
-"""The sending side of a weight sync: one trainer rank's `RankSender`.
-
-A CPU rank whose engines share its node keeps its parameters in shared memory (`share_parameters`):
-a tensor that travels as it is (an expert's weight, a norm; not a quantized or gathered one) is then
-read by the engines where the trainer holds it, and only the rest is written into the shared slots.
-
-`RankSender` is one rank's side of every sync: the run's `SyncPlan`, the transport of each route it
-takes (made at its first sync and kept, with its buffers, shared slots and groups), the shared arena,
-and each sync's `moe_rl.weight_sync.outgoing.Outgoing`: what the rank sends (which tensors: `sends`),
-encoded by the quantization recipe, or the gathers a rank with nothing to send takes part in.
+"""The sending side of a weight sync: one trainer rank's `RankSender`; `share_parameters`, which
+moves a CPU rank's parameters into shared memory; `sync_in_process`, a whole sync into a receiver in
+this process.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import torch
 from moe_rl.config.modes import SyncRoute
 from moe_rl.config.schema import QuantConfig
 from moe_rl.config.sync_plan import SyncPlan
-from moe_rl.weight_sync import shm
+from moe_rl.weight_sync import shm, vllm_transfer
 from moe_rl.weight_sync.outgoing import Outgoing, owned, sends, whole_model
 from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.shm import SharedArena, tensor_nbytes
@@ -32,15 +25,14 @@ from moe_rl.weight_sync.wire import WireEncoder
 def share_parameters(
     model: torch.nn.Module, tag: str = "0", select: Callable[[str], bool] | None = None
 ) -> SharedArena | None:
-    """Move ``model``'s CPU parameters (those whose name ``select`` accepts: a rank passes `sends`, so
-    a rank that sends nothing keeps its memory) into one `shm.SharedArena`, in place: each
-    ``param.data`` is replaced by a copy in the arena; the ``Parameter`` objects, which the optimizer,
-    its state and the gradient hooks hold, stay the same. Only a parameter that is the one user of
-    its whole storage moves (not a view into a flat buffer, e.g. Megatron's distributed-optimizer
-    parameter buffer, or storage two parameters share): those keep their memory and travel through
-    the slots as before.
-    Returns the arena (None when nothing moved, or when ``/dev/shm`` has no room for it: then every
-    tensor travels through the slots); the caller keeps it and closes it when done."""
+    """Move ``model``'s CPU parameters (those whose name ``select`` accepts: a rank passes `sends`)
+    into one `shm.SharedArena`, so that its engines on the node read a tensor that travels as it is
+    where the trainer holds it. Each ``param.data`` is replaced by a copy in the arena; the
+    ``Parameter`` objects, which the optimizer, its state and the gradient hooks hold, stay the same.
+    Only a parameter that is the one user of its whole storage moves (not a view into a flat buffer,
+    e.g. Megatron's distributed-optimizer buffer, nor storage two parameters share). Returns the
+    arena, which the caller closes when done; None when nothing moved or ``/dev/shm`` has no room
+    for it (then every tensor travels through the slots)."""
     users: dict[int, list[torch.nn.Parameter]] = {}
     chosen: set[int] = set()
     for name, param in model.named_parameters():  # a tied weight once
@@ -69,15 +61,16 @@ def share_parameters(
 
 
 class RankSender:
-    """One trainer rank's side of every weight sync (see the module docstring)."""
+    """One trainer rank's side of every weight sync: the run's `SyncPlan`, the transport of each
+    route it takes (made at its first sync and kept, with its buffers, shared slots and groups), its
+    shared arena, and each sync's `Outgoing` (which tensors, encoded by the quantization recipe)."""
 
     def __init__(
         self, model: torch.nn.Module, quant: QuantConfig, num_layers: int, plan: SyncPlan, rank: int = 0,
         host: str | None = None, vllm_workers: int = 1,
     ):  # fmt: skip
-        """``host``: the address receivers on other nodes reach this rank at (its process group's
-        store; default: this machine's name resolved). ``vllm_workers``: each engine's vLLM workers,
-        for vLLM's NCCL transfer."""
+        """``host``: the address receivers on other nodes reach this rank at (default: this machine's
+        name resolved); ``vllm_workers``: each engine's vLLM workers (vLLM's NCCL transfer)."""
         self.model, self.quant, self.num_layers, self.plan = model, quant, num_layers, plan
         self.rank, self.host, self.vllm_workers = rank, host, vllm_workers
         self.device = next(model.parameters()).device
@@ -88,25 +81,18 @@ class RankSender:
     def _transport(self, route: SyncRoute) -> Transport:
         """The transport of ``route``, made at its first sync and kept."""
         if route not in self.transports:
-            from moe_rl.weight_sync import vllm_transfer
-
-            capacity, rank = self.plan.bucket_bytes, self.rank
+            capacity, rank, host = self.plan.bucket_bytes, self.rank, self.host
             self.transports[route] = {
                 SyncRoute.IN_PROCESS: lambda: InProcess(capacity, rank),
-                SyncRoute.BUCKETS: lambda: HostBuckets(
-                    capacity, rank, self.host, self.device.type, self._arena
-                ),
+                SyncRoute.BUCKETS: lambda: HostBuckets(capacity, rank, host, self.device.type, self._arena),
                 SyncRoute.DEVICE_IPC: lambda: DeviceIpc(capacity, rank, self.device),
-                SyncRoute.VLLM_NCCL: lambda: vllm_transfer.VLLMNccl(
-                    capacity, rank, self.host, self.vllm_workers
-                ),
+                SyncRoute.VLLM_NCCL: lambda: vllm_transfer.VLLMNccl(capacity, rank, host, self.vllm_workers),
                 SyncRoute.VLLM_IPC: lambda: vllm_transfer.VLLMIpc(capacity, rank),
             }[route]()
         return self.transports[route]
 
     def _arena(self) -> SharedArena | None:
-        """A CPU rank's parameters in shared memory (`share_parameters`), made once, when its
-        receivers are first all on its node."""
+        """This rank's parameters in shared memory (`share_parameters`), made once, on CPU."""
         if not self._shared and self.device.type == "cpu":
             self.arena = share_parameters(self.model, tag=str(self.rank), select=sends)
         self._shared = True
@@ -116,8 +102,7 @@ class RankSender:
         self, receivers: dict[int, Receiver], reference: bool = False, timeout_s: float = 1800.0
     ) -> SyncReport:
         """One sync of this rank's weights to ``receivers`` (the engines, or with ``reference`` the
-        probe's full-precision reference model beside one) by the plan's route; this rank's part of
-        the sync's report. A rank that owns no tensor on a route of owners only joins the gathers."""
+        probe's reference model) by the plan's route; this rank's part of the sync's report."""
         route = self.plan.route_for(reference)
         quantized = self.plan.quantized_wire and not reference
         encoder = WireEncoder(self.quant, self.num_layers, quantized_wire=quantized)
@@ -134,7 +119,7 @@ class RankSender:
 
     @functools.cached_property
     def owns_any(self) -> bool:
-        """Whether this rank sends any tensor (`sends`): one that owns none never contacts the receivers."""
+        """Whether this rank sends any tensor (`sends`)."""
         return any(sends(name) for name, _ in self.model.named_parameters())
 
     def close(self) -> None:
@@ -150,9 +135,8 @@ def sync_in_process(
     receiver: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig, num_layers: int,
     version: int, quantized_wire: bool = True, capacity: int = 64 << 20,
 ) -> SyncReport:  # fmt: skip
-    """A whole sync of ``named_tensors`` (HF names) into a receiver in this process (a
-    `moe_rl.weight_sync.receiver.WeightReceiver`), through what a trainer rank uses: the recipe's
-    encoder, buckets of ``capacity`` bytes, a transport and the receiver protocol."""
+    """A whole sync of ``named_tensors`` (HF names) into a `receiver.WeightReceiver` in this process,
+    through what a trainer rank uses: the recipe's encoder, buckets, a transport, the protocol."""
     encoder = WireEncoder(quant, num_layers, quantized_wire=quantized_wire)
     outgoing = Outgoing(lambda: ([item] for item in named_tensors), encoder)
     receiver.begin_weight_update(version)

@@ -1,27 +1,12 @@
 """Buckets through node-local shared memory: the CPU counterpart of CUDA IPC.
 
-When every receiver runs on the sender's node, the sender packs each bucket straight into one of
-two shared-memory slots (files in ``/dev/shm``, or the temporary folder when ``/dev/shm`` is too
-small) that it keeps from sync to sync, and sends the receivers only the slot's name and the byte
-range written (a bucket goes out in parts, each as soon as it is written, see
-`moe_rl.weight_sync.buckets.BucketPacker`); each receiver maps the slot once and reads the bytes in
-place. So a bucket's bytes are written once by the sender and read once by every receiver, into
-pages that stay mapped in both: no copy into an object store, no page faults on fresh allocations.
-
-A slot is reused two buckets later, after every receiver has returned from that bucket (the sender
-waits for the deliveries of bucket ``i - 1`` before it packs bucket ``i + 1``), so a receiver must
-not keep views of a bucket past its ``receive_bucket`` call: what it keeps longer, it copies. A slot
-that must hold a group larger than itself is replaced by a larger file under a new name (receivers
-map the new one on sight); the sender removes its files when it closes, and files left by a sender
-that died are removed by the next sender started on the node.
-
-A CPU trainer's parameters can live in shared memory too (`SharedArena`): the sender then hands the
-receivers where a tensor that travels as it is already lies (the CPU counterpart of sending CUDA IPC
-handles of the trainer's own tensors), and only what the sender computes (quantized bytes, gathered
-or non-contiguous tensors) is written into a slot. Such a tensor's bytes are copied once, by each
-receiver, instead of twice. The arena is written only by its owner, between syncs (the optimizer
-steps in place); the receivers read it only during a sync, which its sender does not leave before
-every receiver has returned.
+A sender packs each bucket into one of two shared-memory slots it keeps (`SharedSlots`: files in
+``/dev/shm``, else the temporary folder) and sends its receivers on the node only the slot's name
+and byte range (`SlotRef`); each receiver maps the slot once and reads the bytes in place
+(`read_slot`), so a bucket is written once and read once by every receiver. A slot is reused two
+buckets later, once every receiver has returned from that bucket, so a receiver copies what it
+keeps longer. A CPU trainer's parameters can live in shared memory too (`SharedArena`): a tensor
+that travels as it is is then read where the trainer holds it, copied once instead of twice.
 """
 
 from __future__ import annotations
@@ -45,8 +30,7 @@ from moe_rl.device import copy_into
 PREFIX = "moe_rl-sync-"
 SHM_DIR = Path("/dev/shm")
 _GENERATIONS = itertools.count(1)
-"""Slot files get a name never used before in this process: a receiver that mapped an earlier file
-of the same name (now removed) must not mistake it for the new one."""
+"""Slot file names are new to this process: a receiver never mistakes one for a removed file it mapped."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +43,7 @@ class SlotRef:
 
 
 def slot_dir(nbytes: int) -> Path:
-    """``/dev/shm`` when it exists and has room for ``nbytes`` more, else the temporary folder
-    (a file there is still shared through the page cache)."""
+    """``/dev/shm`` with room for ``nbytes`` more, else the temporary folder (shared by the page cache)."""
     if SHM_DIR.is_dir() and shutil.disk_usage(SHM_DIR).free > 2 * nbytes:
         return SHM_DIR
     return Path(tempfile.gettempdir())
@@ -88,6 +71,12 @@ def _alive(pid: int) -> bool:
 class _Slot:
     """One shared file, mapped writable by its sender."""
 
+    @staticmethod
+    def new(name: str, nbytes: int) -> _Slot:
+        folder = slot_dir(nbytes)
+        _remove_stale(folder)
+        return _Slot(folder / f"{PREFIX}{os.getpid()}-{name}-{next(_GENERATIONS)}", nbytes)
+
     def __init__(self, path: Path, nbytes: int):
         self.path, self.nbytes = path, nbytes
         with open(path, "w+b") as f:
@@ -105,34 +94,25 @@ class _Slot:
 
 
 class SharedSlots:
-    """The sender's slots (two by default), each at least ``capacity`` bytes."""
+    """The sender's two slots, each at least ``capacity`` bytes; one too small for a
+    group is replaced by a larger file under a new name. The files go at `close`, or, when the sender
+    died, with the next sender on the node (`_remove_stale`)."""
 
-    def __init__(self, capacity: int, num_slots: int = 2, tag: str = "0"):
-        if capacity <= 0 or num_slots < 2:
-            raise ValueError(
-                f"shared slots need capacity > 0 and at least 2 slots, got {capacity}, {num_slots}"
-            )
+    def __init__(self, capacity: int, tag: str = "0"):
+        if capacity <= 0:
+            raise ValueError(f"shared slots need capacity > 0, got {capacity}")
         self.capacity, self.tag = capacity, tag
-        self._slots: list[_Slot | None] = [None] * num_slots
+        self._slots: list[_Slot | None] = [None, None]
         self._finalizer = weakref.finalize(self, _close_all, self._slots)
 
-    @property
-    def num_slots(self) -> int:
-        return len(self._slots)
-
     def buffer(self, index: int, nbytes: int) -> tuple[np.ndarray, str]:
-        """A writable buffer of ``nbytes`` in slot ``index % num_slots`` and the slot file's path
-        (a new file when the slot was smaller)."""
+        """A writable buffer of ``nbytes`` in slot ``index`` (modulo the slots), and its file's path."""
         i = index % len(self._slots)
         slot = self._slots[i]
         if slot is None or slot.nbytes < nbytes:
             if slot is not None:
                 slot.close()
-            size = max(self.capacity, nbytes)
-            folder = slot_dir(size)
-            _remove_stale(folder)
-            path = folder / f"{PREFIX}{os.getpid()}-{self.tag}-{i}-{next(_GENERATIONS)}"
-            slot = self._slots[i] = _Slot(path, size)
+            slot = self._slots[i] = _Slot.new(f"{self.tag}-{i}", max(self.capacity, nbytes))
         return slot.array[:nbytes], str(slot.path)
 
     def nbytes(self) -> int:
@@ -166,16 +146,16 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
 
 
 class SharedArena:
-    """Tensors in one shared file of their owner (a CPU trainer rank's parameters, see
-    `moe_rl.weight_sync.sender.share_parameters`), which receivers on the node map by name: `locate`
-    says where a tensor lies, so that its bytes need not be copied into a slot to travel."""
+    """Tensors in one shared file of their owner (a CPU trainer rank's parameters:
+    `moe_rl.weight_sync.sender.share_parameters`); `locate` says where a tensor lies, so that its
+    bytes need not be copied into a slot to travel. Only the owner writes it, between syncs (the
+    optimizer steps in place); receivers read it during a sync, which the owner does not leave
+    before every receiver has returned."""
 
     def __init__(self, nbytes: int, tag: str = "0"):
         if nbytes <= 0:
             raise ValueError(f"a shared arena needs nbytes > 0, got {nbytes}")
-        folder = slot_dir(nbytes)
-        _remove_stale(folder)
-        self._slot = _Slot(folder / f"{PREFIX}{os.getpid()}-{tag}-arena-{next(_GENERATIONS)}", nbytes)
+        self._slot = _Slot.new(f"{tag}-arena", nbytes)
         self.path, self.nbytes, self.used = str(self._slot.path), nbytes, 0
         self._base = self._slot.array.ctypes.data
         self._finalizer = weakref.finalize(self, self._slot.close)
@@ -200,8 +180,7 @@ class SharedArena:
         return placed
 
     def locate(self, tensor: torch.Tensor) -> SlotRef | None:
-        """Where ``tensor``'s bytes lie in the arena; None unless it is a contiguous CPU tensor wholly
-        inside it."""
+        """Where ``tensor``'s bytes lie in the arena; None unless it is a contiguous tensor inside it."""
         if self._slot.array is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
             return None
         offset, nbytes = tensor.data_ptr() - self._base, tensor_nbytes(tensor)
@@ -241,7 +220,7 @@ def read_slot(ref: SlotRef) -> np.ndarray:
 
 
 def _forget_replaced(path: str) -> None:
-    """Drop the mappings of earlier files of the same sender slot (same name up to the generation)."""
+    """Drop the mappings of earlier files of the same sender slot (the name but the generation)."""
     stem = path.rsplit("-", 1)[0]
     for old in [p for p in _MAPPED if p.rsplit("-", 1)[0] == stem]:
         del _MAPPED[old]

@@ -1,31 +1,14 @@
-"""How a trainer rank's weights reach its receivers: one interface, one class per way.
-
-Every transport implements `Transport.send`: one sync of a rank's `sender.Outgoing` (its tensors,
-encoded by the rollout recipe) to its receivers; a rank given no receivers only takes part in the
-gathers of the others (`Outgoing.join_gathers`). A transport is made once, for the route of the
-run's `moe_rl.config.sync_plan.SyncPlan`, and keeps its buffers, shared slots and groups from sync
-to sync:
-
-* `InProcess`: the receiver is in the sender's process (the one-process loop): each bucket is
-  handed over as it is, valid until the next one is packed;
-* `SharedMemory`: receivers on the sender's node: buckets are written into the sender's
-  shared-memory slots (`moe_rl.weight_sync.shm`), a CPU trainer's parameters into a shared arena
-  once, and receivers read the bytes where they lie;
-* `ProcessGroup`: receivers on other nodes: the sender and its receivers form a process group of
-  their own (gloo on CPU, NCCL between GPUs) and the buckets are broadcast in it
-  (`moe_rl.weight_sync.broadcast`), crossing the network once, straight into each receiver;
-* `HostBuckets`, the ``buckets`` route: `SharedMemory` to the receivers on the sender's node and
-  `ProcessGroup` to the others, both at once when they are on both (each bucket packed once into a
-  shared slot, read there by the near receivers and broadcast from there to the far ones);
-* `DeviceIpc`, the ``device_ipc`` route: every receiver shares the sender's GPU (a colocated
-  Megatron engine): buckets are packed into two buffers in the sender's device memory, and
-  receivers map them by IPC handle (`moe_rl.weight_sync.ipc`), GPU to GPU;
-* vLLM's own weight transfer (`moe_rl.weight_sync.vllm_transfer`), the ``vllm_nccl`` and
-  ``vllm_ipc`` routes.
+"""How a trainer rank's weights reach its receivers: one interface (`Transport`), one class per way,
+made once for a route of the run's `moe_rl.config.sync_plan.SyncPlan` and kept with its buffers,
+shared slots and groups: `InProcess` (the one-process loop), `HostBuckets` (the ``buckets`` route:
+`SharedMemory` on the sender's node, `ProcessGroup` to other nodes), `DeviceIpc` (the ``device_ipc``
+route: a colocated Megatron engine maps the sender's GPU buffers), and vLLM's own weight transfer
+(`moe_rl.weight_sync.vllm_transfer`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -39,6 +22,7 @@ from typing import Any
 import torch
 
 from moe_rl.weight_sync import ipc
+from moe_rl.weight_sync.broadcast import BroadcastStream, GroupSpec, open_group, open_store, send_stream
 from moe_rl.weight_sync.buckets import Bucket, BucketPacker
 from moe_rl.weight_sync.outgoing import Outgoing
 from moe_rl.weight_sync.shm import SharedArena, SharedSlots
@@ -51,35 +35,29 @@ class Receiver:
     """One receiving process of a sync, as its sender sees it."""
 
     deliver: Callable[[Any], Any]
-    """Hands it a message (a bucket, a stream to join, one of vLLM's transfer calls): a Ray call
-    returning an object reference, or a call in this process returning its result."""
+    """Hands it a message (a bucket, a stream, a vLLM call): a Ray call returning a reference, or a call."""
     key: Hashable = None
-    """Its process (a restarted engine is another one): a transport that keeps a group of its
-    receivers makes a new one when the keys change."""
+    """Its process (a restarted engine is another): a group of receivers is made anew when it changes."""
     near: bool = True
     """On the sender's node."""
 
 
 @dataclass
 class Published:
-    """What one sender's sync delivered."""
+    """What one sender's sync delivered: its part of the sync's `report.SyncReport`."""
 
     bytes: int = 0
     in_place: int = 0
-    """Of ``bytes``, those the receivers read where the sender holds them (its shared arena)."""
     buckets: int = 0
     largest: int = 0
-    """Bytes of the largest bucket."""
     dead: set[int] = field(default_factory=set)
-    """Receivers whose process died on the way (they got no later bucket)."""
     transports: set[str] = field(default_factory=set)
-    """How the bytes travelled (`Transport.name` of each way used)."""
     shared_memory: bool = False
-    """The bytes travelled through shared memory (receivers read them in place)."""
 
 
 class Transport(ABC):
-    """How a rank's weights travel (see the module docstring)."""
+    """How a rank's weights travel: `send` is one sync of a rank's `outgoing.Outgoing` to its
+    receivers; a rank given none only takes part in the others' gathers."""
 
     name: str
     """What a sync records as its transport (``sync/transport``)."""
@@ -97,7 +75,7 @@ class Transport(ABC):
 
 
 class BucketTransport(Transport):
-    """Buckets packed by a packer kept from sync to sync and delivered one by one."""
+    """Buckets packed by a packer kept from sync to sync, each handed on as `message` makes it (`publish`)."""
 
     shared_memory = False
 
@@ -127,7 +105,6 @@ class BucketTransport(Transport):
     def deliver(
         self, buckets: Iterable[Bucket], receivers: dict[int, Receiver], timeout_s: float
     ) -> Published:
-        """Hand each bucket to every receiver as `message` makes it (`publish`)."""
         return publish(buckets, {i: r.deliver for i, r in receivers.items()}, timeout_s, self)
 
     def message(self, bucket: Bucket) -> Any:
@@ -139,16 +116,19 @@ class BucketTransport(Transport):
 
 
 class InProcess(BucketTransport):
+    """Each bucket handed over as it is, valid until the next one is packed."""
+
     name = "in_process"
 
 
 class SharedMemory(BucketTransport):
+    """Buckets written into the sender's shared-memory slots (`shm`), read there by its node's receivers."""
+
     name = "shared_memory"
     shared_memory = True
 
     def __init__(self, capacity: int, sender: int = 0, arena: SharedArena | None = None):
-        """``arena``: a CPU trainer's parameters in shared memory (`moe_rl.weight_sync.sender.
-        share_parameters`): tensors that travel as they are are read where the trainer holds them."""
+        """``arena``: the sender's parameters in shared memory (`sender.share_parameters`)."""
         super().__init__(capacity, sender)
         self.arena = arena
 
@@ -163,10 +143,7 @@ class SharedMemory(BucketTransport):
 
 
 class DeviceIpc(BucketTransport):
-    """Buckets in two buffers of the sender's device memory, handed to receivers on its machine by
-    IPC handle (see the module docstring). Each buffer is shared once (its handle is kept) and
-    again only when it grows; `publish` awaits a bucket's deliveries before its buffer is packed
-    again."""
+    """Buckets in two device buffers of the sender, handed by IPC handle (`ipc`), shared anew once grown."""
 
     name = "device_ipc"
     shared_memory = True
@@ -188,9 +165,7 @@ class DeviceIpc(BucketTransport):
         ipc.ready(self.device)  # the bytes are written before a receiver reads them
         offset = bucket.buffer.data_ptr() - buffer.data_ptr()
         ref = ipc.IpcRef(kept[1], (os.getpid(), self.sender, slot), offset, bucket.buffer.numel())
-        return Bucket(
-            bucket.entries, None, bucket.index, bucket.sender, part=bucket.part, last=bucket.last, ipc=ref
-        )
+        return dataclasses.replace(bucket, buffer=None, ipc=ref)
 
     def close(self) -> None:
         self._handles = {}
@@ -198,10 +173,7 @@ class DeviceIpc(BucketTransport):
 
 
 class ProcessGroup(BucketTransport):
-    """Buckets broadcast to receivers on other nodes in a process group of the sender and its
-    receivers (`moe_rl.weight_sync.broadcast`): the bytes cross the network once, straight into
-    each receiver's slab, never through Ray's object store. The group is made at the first sync and
-    kept while the receivers are the same processes (`Receiver.key`)."""
+    """Buckets broadcast in a group of the sender and its receivers (`broadcast`), kept while they are."""
 
     name = "process_group"
 
@@ -225,17 +197,8 @@ class ProcessGroup(BucketTransport):
     def deliver(
         self, buckets: Iterable[Bucket], receivers: dict[int, Receiver], timeout_s: float
     ) -> Published:
-        """Ask each receiver to join the stream (one call each: they take every bucket of it), then
-        broadcast the buckets; the receivers whose process died on the way. The stream stops at a
-        broken connection (the caller takes the rest of its buckets' gathers)."""
-        from moe_rl.weight_sync.broadcast import (
-            BroadcastStream,
-            GroupSpec,
-            open_group,
-            open_store,
-            send_stream,
-        )
-
+        """Ask each receiver to join the stream (one call each), then broadcast the buckets. The
+        stream stops at a broken connection (`send` then takes the rest of the gathers)."""
         order = sorted(receivers)
         members = tuple(receivers[i].key for i in order)
         fresh = self.group is None or members != self.members
@@ -250,14 +213,12 @@ class ProcessGroup(BucketTransport):
             for rank, i in enumerate(order, start=1)
         ]
         dead = settle(joined, timeout_s)  # each receiver took the stream (it returns at once)
-        if (
-            dead
-        ):  # no stream: the others' break (a kept group closes; a new one fails to form) and are synced again
+        if dead:  # the others' streams break (a kept group closes; a new one fails to form)
             self._drop()
             return Published(dead=dead)
         if fresh:
             self.group = open_group(self.spec, 0, store=store)  # the members meet here, at this store
-        streamed = send_stream(self.group, buckets, self.device, buffers=2)
+        streamed = send_stream(self.group, buckets, self.device)
         if streamed.broken:  # the next sync makes a new group of the live receivers
             self._drop()
             log.warning(
@@ -278,10 +239,8 @@ class ProcessGroup(BucketTransport):
 
 
 class HostBuckets(Transport):
-    """The ``buckets`` route (see the module docstring): at each sync, by where its receivers are,
-    `SharedMemory` (every one on the sender's node), `ProcessGroup` (none) or both from one packing
-    into shared slots (tensors then always written into the slots: what the far receivers are sent
-    must lie in the bucket). The ways not used by a sync are closed."""
+    """The ``buckets`` route: at each sync, by where its receivers are, `SharedMemory` (all on the
+    sender's node), `ProcessGroup` (none) or `_Both`; the ways a sync does not use are closed."""
 
     name = "buckets"
 
@@ -289,8 +248,7 @@ class HostBuckets(Transport):
         self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu",
         arena: Callable[[], SharedArena | None] = lambda: None,
     ):  # fmt: skip
-        """``arena``: makes the sender's shared arena (`sender.share_parameters`), asked once, at
-        the first sync whose receivers are all near."""
+        """``arena``: makes the sender's shared arena (`sender.share_parameters`), at the first near sync."""
         super().__init__(capacity, sender)
         self._arena, self._args = arena, (host, device)
         self._ways: dict[str, Transport] = {}
@@ -319,8 +277,8 @@ class HostBuckets(Transport):
 
 
 class _Both(SharedMemory):
-    """Near and far receivers at once: each bucket packed once into a shared slot, handed to the
-    near receivers there and broadcast from there to the far ones (`ProcessGroup.deliver`)."""
+    """Near and far receivers at once: each bucket packed once into a shared slot (every tensor
+    written there, for the far receivers), read there by the near ones and broadcast to the far."""
 
     def __init__(self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu"):
         super().__init__(capacity, sender)
@@ -350,19 +308,10 @@ def publish(
     timeout_s: float,
     transport: BucketTransport | None = None,
 ) -> Published:
-    """Deliver every bucket to every receiver, with at most two buckets in flight: bucket ``i`` is
-    handed to all receivers, then the deliveries of bucket ``i - 1`` are awaited, so the packer's
-    buffer (or shared slot) of bucket ``i - 1`` is free again when bucket ``i + 1`` is packed.
-
-    A bucket that travels in parts (`buckets.BucketPacker` with shared slots) is handed over part
-    by part as each is written; the deliveries of bucket ``i - 1`` are awaited after the last part
-    of bucket ``i``, so receivers work through their queue of parts while the sender writes ahead.
-
-    ``receivers`` maps a receiver's index to a function that starts its delivery (a Ray call
-    returning an object reference, or a call in this process returning its result). The
-    ``transport`` turns each bucket into what receivers are handed (default: a bucket in a shared
-    slot as itself, any other once into Ray's object store).
-    """
+    """Deliver every bucket to every receiver (``receivers``: index -> `Receiver.deliver`) with at most
+    two buckets in flight: bucket ``i`` (each part as it is written) is handed to all receivers, then
+    the deliveries of bucket ``i - 1`` are awaited, so its buffer or shared slot is free when the
+    packer comes back to it. ``transport.message`` makes what they are handed (default: the bucket)."""
     out = Published()
     for _ in handed(buckets, receivers, timeout_s, transport, out):
         pass
@@ -376,18 +325,14 @@ def handed(
     transport: BucketTransport | None,
     out: Published,
 ) -> Iterator[Bucket]:
-    """`publish`, bucket by bucket: each bucket (or part) is yielded once every receiver has been
-    handed it and the deliveries `publish` awaits before the next one is packed have landed; what
-    was delivered is counted into ``out`` as it goes (complete when the iteration ends)."""
+    """`publish`, bucket by bucket: each bucket (or part) is yielded once every receiver was handed it
+    and the deliveries awaited before the next are done; ``out`` is complete when the iteration ends."""
     alive = dict(receivers)
     in_flight: list[tuple[int, Any]] = []  # deliveries of the previous bucket
     current: list[tuple[int, Any]] = []  # deliveries of this bucket's parts so far
     size = 0
     for bucket in buckets:
-        if transport is not None:
-            message = transport.message(bucket)
-        else:
-            message = bucket if bucket.slot is not None else _in_object_store(bucket)
+        message = bucket if transport is None else transport.message(bucket)
         current += [(i, deliver(message)) for i, deliver in alive.items()]
         out.bytes += bucket.nbytes
         out.in_place += sum(entry.nbytes for entry in bucket.entries if entry.source is not None)
@@ -404,17 +349,8 @@ def handed(
     out.dead |= settle(in_flight + current, timeout_s)
 
 
-def _in_object_store(bucket: Bucket) -> Any:
-    """One copy of `bucket` in Ray's object store, for every receiver. (Buckets in shared slots
-    never go there, so `publish` of those runs without Ray.)"""
-    import ray
-
-    return ray.put(bucket)
-
-
 def settle(flight: list[tuple[int, Any]], timeout_s: float) -> set[int]:
-    """Wait for deliveries (Ray's object references; a delivery in this process is done already);
-    the indices of receivers whose process died."""
+    """Wait for deliveries (Ray object references; the others are done); the receivers whose process died."""
     refs = [(i, ref) for i, ref in flight if type(ref).__name__ == "ObjectRef"]
     if not refs:
         return set()

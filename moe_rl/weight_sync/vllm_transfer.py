@@ -1,31 +1,11 @@
-"""Weights from the trainer's GPUs straight into vLLM engines, through vLLM's own weight-transfer
-backends, their trainer sides used as vLLM ships them:
-
-* NCCL (`VLLMNccl`; engines on nodes of their own): vLLM's ``NCCLTrainerWeightTransferEngine``. The
-  backend has one sender, NCCL rank 0 of a group that holds it and every worker of every engine of
-  the sync; trainer rank 0 sends the whole model.
-* CUDA IPC (`VLLMIpc`; engines colocated on the trainer's GPUs): vLLM's
-  ``IPCTrainerWeightTransferEngine``. Every trainer rank materializes the whole model on its GPU in
-  vLLM's packed buffers and shares them by IPC handle; rank 0 merges the handles of every GPU and
-  hands them to the engines, whose workers map the buffer of their own GPU. Nothing goes through
-  host memory.
-
-Both are fed by:
-
-* `TrainerSource`, vLLM's ``WeightSource`` over `moe_rl.weight_sync.outgoing.whole_model` in the
-  engine's dtype (`outgoing.engine_dtype`): rank 0 yields every tensor (NCCL), or every rank does
-  (IPC); every rank iterates it together (the gathers are collectives); its ``metadata()`` is learnt
-  by one pass at the first sync and kept.
-* `EngineFanOut`, vLLM's ``VLLMWeightSyncClient`` over every engine of the sync at once (NCCL: each
-  engine's workers at their own rank offset in the one group). Each of vLLM's control-plane calls
-  travels to an engine as a `TransferCall`, which the engine takes as a message of the sync
-  (`moe_rl.rollout.vllm_engine.VLLMEngine.receive_bucket`).
-
-The transport runs vLLM's round trip (``start_weight_update``, ``update_weights``,
-``finish_weight_update``); the engine takes the policy version when the sync's coordinator finishes
-it, as with buckets. The bytes travel only on CUDA; on CPU the configuration, the init and update
-infos, the metadata and the tensors' order are checked against vLLM's own classes
-(``tests/unit/rollout``, ``tests/distributed``).
+"""Weights from the trainer's GPUs straight into vLLM engines through vLLM's own weight-transfer
+backends, their trainer sides used as vLLM ships them: `VLLMNccl` (engines on nodes of their own: one
+NCCL group of trainer rank 0 and every engine worker) and `VLLMIpc` (engines on the trainer's GPUs:
+each rank shares the whole model in vLLM's packed buffers by CUDA IPC handle). Both read the model
+through `TrainerSource` and reach the engines through `EngineFanOut`, whose calls an engine takes as
+messages of the sync (`TransferCall`); the engine takes the policy version when the sync's
+coordinator finishes it, as with buckets. The bytes travel only on CUDA; on CPU the configuration,
+the infos, the metadata and the tensors' order are checked against vLLM's own classes.
 """
 
 from __future__ import annotations
@@ -37,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moe_rl.weight_sync.outgoing import Outgoing, sends, whole_model
 from moe_rl.weight_sync.transport import Published, Receiver, Transport, settle
@@ -47,9 +28,7 @@ BUFFERS = 2
 
 @dataclass(frozen=True)
 class TransferCall:
-    """One of vLLM's weight-transfer control-plane calls, as an engine process is handed it:
-    ``method`` is ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` or
-    ``finish_weight_update``; ``payload`` its argument (the init or update info, as a dict)."""
+    """One of vLLM's control-plane calls (`METHODS`) as an engine process is handed it, with its argument."""
 
     method: str
     payload: Any = None
@@ -70,12 +49,10 @@ class EngineLost(RuntimeError):
 
 
 class EngineFanOut:
-    """vLLM's ``VLLMWeightSyncClient`` over several engines (see the module docstring).
-
-    ``receivers`` maps an engine's index to a function that hands it a `TransferCall` (a Ray call
-    returning an object reference, or a call in this process returning its result); ``workers``
-    gives each engine's number of vLLM workers (its tensor-parallel size). Each call goes to every
-    engine at once and returns when all have answered."""
+    """vLLM's ``VLLMWeightSyncClient`` over several engines: each call goes to every engine at once
+    (``receivers``: an engine's index -> what hands it a `TransferCall`, `transport.Receiver.deliver`)
+    and returns when all have answered. ``workers``: each engine's vLLM workers (its tensor-parallel
+    size), placed one engine after another in a group (NCCL)."""
 
     def __init__(
         self,
@@ -92,9 +69,8 @@ class EngineFanOut:
         return 1 + sum(self.workers[i] for i in self.order)
 
     def init_payloads(self, init_info: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """Each engine's init info: vLLM's; for a group (NCCL), with the engine's workers placed
-        after those of the engines before it (vLLM places one engine's workers at ``rank_offset``
-        and on)."""
+        """Each engine's init info: vLLM's, in a group (NCCL) with the engine's workers placed after
+        those of the engines before it (vLLM places one engine's workers from ``rank_offset`` on)."""
         if "rank_offset" not in init_info:  # no group to place workers in (IPC)
             return {i: dict(init_info) for i in self.order}
         if init_info["world_size"] != self.world_size:
@@ -127,17 +103,16 @@ class EngineFanOut:
 
 
 class TrainerSource:
-    """vLLM's ``WeightSource`` over a trainer rank's Megatron model (see the module docstring):
-    `sender.whole_model` in the engines' ``dtype``, yielded by trainer rank 0 (``every_rank``: by
-    every rank), the others only taking part in the gathers. Built by `source`, which makes it a
-    subclass of vLLM's ``WeightSource``."""
+    """vLLM's ``WeightSource`` (made one by `source`) over a trainer rank's Megatron model:
+    `outgoing.whole_model` in the engines' ``dtype``, yielded by trainer rank 0 (``every_rank``: by
+    every rank), the others only taking part in the gathers. Its ``metadata()`` is learnt by one pass
+    at the first sync and kept."""
 
     def __init__(
         self, model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device | str,
         select: Callable[[str], bool] | None = None, every_rank: bool = False,
     ):  # fmt: skip
-        """``select(megatron_name)``: whether this rank sends the tensor (`moe_rl.weight_sync.sender.
-        sends`; every rank by default). ``dtype``: what the tensors are cast to (vLLM's), None: kept."""
+        """``select``: the tensors this rank takes part for; ``dtype``: what they are cast to (None: kept)."""
         self.model, self.dtype, self.device, self.select = model, dtype, torch.device(device), select
         self.every_rank = every_rank
         self._metadata: list | None = None
@@ -152,8 +127,6 @@ class TrainerSource:
         return self._metadata
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        import torch.distributed as dist
-
         root = self.every_rank or not dist.is_initialized() or dist.get_rank() == 0
         self.bytes = 0
         for named in whole_model(self.model, self.dtype, self.device, self.select, root):
@@ -178,12 +151,13 @@ def source(
 
 
 class VLLMTransfer(Transport):
-    """vLLM's trainer-side weight transfer over the whole model (see the module docstring): the
-    source is made at the first sync and kept (its metadata learnt once), vLLM's trainer engine is
-    made again when the engines are other processes (`Receiver.key`)."""
+    """vLLM's trainer-side weight transfer over the whole model: the source is made at the first
+    sync and kept, vLLM's trainer engine again when the engines are other processes (`Receiver.key`)."""
 
     every_rank = False
     """Every rank yields the whole model (else rank 0 alone: `TrainerSource`)."""
+    workers = 1
+    """vLLM workers of each engine."""
 
     def __init__(self, capacity: int, sender: int = 0):
         super().__init__(capacity, sender)
@@ -195,13 +169,8 @@ class VLLMTransfer(Transport):
     def _start(self, client: EngineFanOut, weights: Any) -> Any:
         """vLLM's trainer engine of this backend over ``client`` and ``weights``."""
 
-    def _workers(self) -> int:
-        """vLLM workers of each engine in the transfer."""
-        return 1
-
     def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
-        """Send the whole model to the engines ``receivers`` hands calls to (rank 0's); every other
-        rank takes part in the gathers (``every_rank``: shares its GPU's copy as well)."""
+        """Send the whole model to rank 0's engines; the other ranks join the gathers (or share theirs)."""
         if self.source is None:
             model = outgoing.model
             select = None if self.every_rank else sends  # IPC: every rank shares the whole model
@@ -217,7 +186,7 @@ class VLLMTransfer(Transport):
             if self.engine is None or members != self.members:
                 self.close()
                 client = EngineFanOut(
-                    {i: r.deliver for i, r in receivers.items()}, dict.fromkeys(receivers, self._workers()),
+                    {i: r.deliver for i, r in receivers.items()}, dict.fromkeys(receivers, self.workers),
                     timeout_s,
                 )  # fmt: skip
                 self.engine = self._start(client, self.source)
@@ -241,20 +210,15 @@ class VLLMTransfer(Transport):
 
 
 class VLLMNccl(VLLMTransfer):
-    """vLLM's NCCL weight transfer from trainer rank 0 to vLLM engines on other nodes (see the
-    module docstring)."""
+    """vLLM's ``NCCLTrainerWeightTransferEngine``: trainer rank 0 sends the whole model."""
 
     name = "vllm_nccl"
 
     def __init__(self, capacity: int, sender: int = 0, host: str | None = None, workers: int = 1):
-        """``capacity``: bytes of each of vLLM's packed buffers; ``workers``: each engine's vLLM
-        workers (its tensor-parallel size)."""
+        """``capacity``: bytes of each of vLLM's packed buffers; ``workers``: each engine's TP size."""
         super().__init__(capacity, sender)
         self.host = host or socket.gethostbyname(socket.gethostname())
         self.workers = workers
-
-    def _workers(self) -> int:
-        return self.workers
 
     def init_info(self, port: int, world_size: int) -> Any:
         """vLLM's trainer init info of a group of ``world_size`` meeting at ``port``."""
@@ -268,21 +232,17 @@ class VLLMNccl(VLLMTransfer):
     def _start(self, client: EngineFanOut, weights: Any) -> Any:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-        init = self.init_info(_free_port(), client.world_size)
+        with socket.socket() as s:  # a free port for vLLM's group store (vLLM binds it itself)
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        init = self.init_info(port, client.world_size)
         return NCCLTrainerWeightTransferEngine.trainer_init(init, client=client, source=weights)
 
 
-def _free_port() -> int:
-    """A free port for vLLM's group store (vLLM binds it itself)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class VLLMIpc(VLLMTransfer):
-    """vLLM's CUDA IPC weight transfer from the trainer ranks to vLLM engines on their GPUs (see the
-    module docstring). Every rank runs it (it all-gathers the IPC handles over the trainer's group);
-    rank 0 drives the engines."""
+    """vLLM's ``IPCTrainerWeightTransferEngine``: every rank materializes the whole model on its GPU
+    and shares it (the handles are all-gathered over the trainer's group); rank 0 drives the engines,
+    whose workers map the buffer of their own GPU. Nothing goes through host memory."""
 
     name = "vllm_ipc"
     every_rank = True

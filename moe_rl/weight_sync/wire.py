@@ -1,29 +1,11 @@
-"""The rollout quantization recipe on the wire: what travels for each weight, and what it decodes to.
-
-The sender applies the recipe (`WireEncoder`), so a quantized recipe moves quantized bytes:
-
-* ``fp8`` (``fp8_block128``, ``fp8_tensor``, channel): e4m3 data plus fp32 scales, one per block
-  (the block of ``tensor`` granularity is the whole tensor, of ``channel`` a row). The block-FP8
-  layout is vLLM's (``weight`` + ``weight_scale_inv``) and comes from
-  `moe_rl.quant.fp8_block.quantize_fp8_block` (a fused kernel on CUDA). ``scale = amax / 448``,
-  ``data = e4m3(x / scale)``; a block whose scale is 0 sends zeros.
-* ``int8``: int8 data ``round(x / scale)`` clamped to ±127 and fp32 scales ``amax / 127`` per row
-  (``channel``) or per tensor.
-* everything else (``none``, and the recipes that need the receiver: ``int4_awq`` calibrates on the
-  engine's own rollouts, ``nvfp4`` fake-quantizes there through ModelOpt): the tensor itself.
-
-Weights the recipe leaves alone (routers, embeddings, the LM head, norms, excluded layers) travel as
-they are. `decode` turns what arrived into the values a quantized engine holds (``data · scale``
-blockwise, in float32), which is what an engine that fake-quantizes (the Megatron engine) computes
-with. Engines that quantize themselves (vLLM's online quantization) are sent the tensors as they
-are (``quantized_wire=False``). The sender also fills the sync's `QuantReport` (relative error of
-what the engine will hold, bytes sent). On CPU, block FP8 of a large weight of whole blocks is
-encoded and decoded by the fused kernels of `moe_rl.quant.fused`.
-
-A weight larger than a bucket travels in row chunks (`WireEncoder.lazy_groups`: whole blocks of
-rows when quantized, so each chunk carries exactly the bytes of those rows of the whole weight);
-the receiver's `Rejoin` writes each chunk into the weight (or a tensor of its own) and hands the
-weight on with its last chunk.
+"""The rollout quantization recipe on the wire: what travels for each weight (`WireEncoder`), and what
+it decodes to (`decode`). A recipe of ``WIRE_METHODS`` sends 8-bit data and fp32 scales per block
+(``fp8``, in vLLM's ``weight`` + ``weight_scale_inv`` layout, and ``int8``; numerics of
+`moe_rl.quant.codec`). Every other recipe (``int4_awq``, ``nvfp4``: the receiver applies them), every
+weight the recipe leaves alone (routers, embeddings, the LM head, norms, excluded layers) and every
+sync to engines that quantize themselves (``quantized_wire=False``) sends the tensor itself. `decode`
+gives the values a quantized engine holds (``data · scale`` blockwise), which a fake-quantizing engine
+(Megatron's) computes with. A weight larger than a bucket travels in row chunks (`Rejoin`).
 """
 
 from __future__ import annotations
@@ -58,8 +40,7 @@ class Piece:
     shape: tuple[int, ...]
     meta: dict
     source: Tensor | None = None
-    """The tensor itself, when it travels as it is (a packer may then carry it as it lies instead of
-    copying it: see `moe_rl.weight_sync.buckets.BucketPacker`)."""
+    """The tensor itself, when it travels as it is (then a packer may carry it as it lies)."""
 
     @property
     def nbytes(self) -> int:
@@ -72,10 +53,9 @@ Writer = Callable[[Sequence[Tensor | None]], None]
 
 @dataclass
 class LazyGroup:
-    """A group's pieces and how to write them: ``fill(views)`` writes each piece into its view (a
-    tensor of the piece's dtype and shape in the bucket; None for a piece with a ``source`` that the
-    packer sends where it lies), so what travels is computed straight into the bucket, with no
-    encoded copy of the group besides it."""
+    """A group's pieces and how to write them: ``fill(views)`` writes each piece into its view in the
+    bucket (None for a piece the packer sends where it lies), so what travels is computed straight
+    into the bucket, with no encoded copy of the group besides it."""
 
     pieces: list[Piece]
     fill: Writer
@@ -88,17 +68,13 @@ class LazyGroup:
     def of(items: Sequence[tuple[str, Tensor, dict]]) -> LazyGroup:
         """Tensors that already exist, copied into the bucket as they are."""
         pieces = [Piece(name, t.dtype, tuple(t.shape), meta, t) for name, t, meta in items]
-        return LazyGroup(pieces, lambda views: _copy_all([t for _, t, _ in items], views))
 
+        def fill(views: Sequence[Tensor | None]) -> None:
+            for (_, tensor, _), view in zip(items, views, strict=True):
+                if view is not None:
+                    copy_into(view, tensor)
 
-def _copy_all(tensors: Sequence[Tensor], views: Sequence[Tensor | None]) -> None:
-    for tensor, view in zip(tensors, views, strict=True):
-        _copy_unless_sent_in_place(view, tensor)
-
-
-def _copy_unless_sent_in_place(view: Tensor | None, tensor: Tensor) -> None:
-    if view is not None:
-        copy_into(view, tensor)
+        return LazyGroup(pieces, fill)
 
 
 class WireEncoder:
@@ -110,47 +86,30 @@ class WireEncoder:
         self.report = QuantReport(cfg.name)
 
     def lazy_group(self, group: Iterable[tuple[str, Tensor]]) -> LazyGroup:
-        """What travels for ``group``, written into the bucket by the packer: a quantized weight as its
-        data and scales (``<name>_scale_inv``), straight into their place (block FP8 on CPU without any
-        full-size temporary), other tensors copied there; the `QuantReport` is filled as each piece is
-        written."""
-        pieces: list[Piece] = []
-        writers: list[tuple[int, Writer]] = []
-        for name, tensor in group:
-            if not self._quantized(name, tensor):
-                pieces.append(Piece(name, tensor.dtype, tuple(tensor.shape), {}, tensor))
-                writers.append((1, self._as_is_writer(name, tensor, tensor, last=True)))
-                continue
-            block = block_of(self.cfg, tensor.shape)
-            scales = scale_shape(tensor.shape, block)
-            dtype = torch.float8_e4m3fn if self.cfg.method == QuantMethod.FP8 else torch.int8
-            pieces += [
-                Piece(name, dtype, tuple(tensor.shape), {"block": list(block), "scale": scale_name(name)}),
-                Piece(scale_name(name), torch.float32, scales, {"scale_of": name}),
-            ]
-            writers.append((2, self._quantized_writer(name, tensor, tensor, last=True, sums=[0.0, 0.0])))
+        """What travels for ``group``, written into the bucket by the packer: a quantized weight as
+        its data and scales (``<name>_scale_inv``), quantized straight into their place, other
+        tensors copied there."""
+        made = [self._pieces(name, tensor) for name, tensor in group]
 
         def fill(views: Sequence[Tensor | None]) -> None:
             at = 0
-            for count, write in writers:
-                write(views[at : at + count])
-                at += count
+            for pieces, write in made:
+                write(views[at : at + len(pieces)])
+                at += len(pieces)
 
-        return LazyGroup(pieces, fill)
+        return LazyGroup([piece for pieces, _ in made for piece in pieces], fill)
 
     def lazy_groups(
         self, group: Sequence[tuple[str, Tensor]], max_bytes: int | None = None
     ) -> Iterator[LazyGroup]:
         """`lazy_group` of ``group``, or, when what travels for it is larger than ``max_bytes`` (a
-        bucket's capacity), each of its tensors in row chunks of at most ``max_bytes`` (whole
-        blocks of rows for a quantized one: each chunk's bytes are those of the whole tensor's
-        rows), so no bucket, and no sender buffer, grows past ``max_bytes`` for a large weight. A
-        chunk travels under its tensor's name with ``meta["rows"] = [start, stop]`` and
-        ``meta["shape"]`` (the whole tensor's); the receiver puts the chunks back together
-        (`Rejoin`). The `QuantReport` gets each tensor once, when its last chunk is written."""
+        bucket's capacity), each of its tensors in row chunks of at most ``max_bytes`` (whole blocks
+        of rows when quantized), so no bucket grows past it. A chunk travels under its tensor's name
+        with ``meta["rows"] = [start, stop]``, ``meta["shape"]`` (the whole one's) and ``meta["chunk"]``."""
         group = list(group)
-        if max_bytes is None or sum(self._wire_nbytes(name, tensor) for name, tensor in group) <= max_bytes:
-            yield self.lazy_group(group)
+        whole = self.lazy_group(group)  # nothing is computed before the packer fills it
+        if max_bytes is None or whole.nbytes <= max_bytes:
+            yield whole
             return
         for name, tensor in group:
             yield from self._row_chunks(name, tensor, max_bytes)
@@ -158,18 +117,10 @@ class WireEncoder:
     def _quantized(self, name: str, tensor: Tensor) -> bool:
         return self.active and should_quantize(name, tensor, self.cfg, self.num_layers)
 
-    def _wire_nbytes(self, name: str, tensor: Tensor) -> int:
-        """Bytes that travel for ``tensor``: itself, or its 8-bit data and fp32 scales."""
-        if not self._quantized(name, tensor):
-            return tensor.numel() * tensor.element_size()
-        return tensor.numel() + 4 * math.prod(scale_shape(tensor.shape, block_of(self.cfg, tensor.shape)))
-
     def _row_chunks(self, name: str, tensor: Tensor, max_bytes: int) -> Iterator[LazyGroup]:
-        """``tensor`` in chunks of whole rows (whole blocks of rows when quantized) of at most
-        ``max_bytes`` each (at least one row or block of rows); one group when it fits."""
+        """``tensor`` in row chunks (blocks of rows when quantized) of at most ``max_bytes``, at least one."""
         rows = tensor.shape[0] if tensor.dim() else 1
-        quantized = self._quantized(name, tensor)
-        if quantized:  # 2-D: a block of rows carries its 8-bit data and a row of fp32 scales
+        if self._quantized(name, tensor):  # 2-D: a block of rows carries its 8-bit data and a row of scales
             block = block_of(self.cfg, tensor.shape)
             per_step = block[0] * tensor.shape[1] + 4 * scale_shape(tensor.shape, block)[1]
         else:
@@ -179,71 +130,66 @@ class WireEncoder:
         if step >= rows:
             yield self.lazy_group([(name, tensor)])
             return
-        starts = range(0, rows, step)
         sums = [0.0, 0.0]  # Σ error², Σ original² of the chunks written so far (quantized)
-        for chunk, start in enumerate(starts):
-            stop, last = min(rows, start + step), start + step >= rows
-            part = tensor[start:stop]
+        for chunk, start in enumerate(range(0, rows, step)):
+            yield LazyGroup(*self._pieces(name, tensor, (start, min(rows, start + step), chunk), sums))
+
+    def _pieces(
+        self, name: str, tensor: Tensor, rows: tuple[int, int, int] | None = None, sums: list | None = None
+    ) -> tuple[list[Piece], Writer]:
+        """The pieces that travel for ``tensor``, or with ``rows`` (start, stop, chunk) for that row
+        chunk of it, and their writer. The `QuantReport` gets ``tensor`` once, when its last chunk
+        is written, a quantized one with the error summed over its chunks in ``sums``."""
+        part, where, last = tensor, {}, True
+        if rows is not None:
+            start, stop, chunk = rows
+            part, last = tensor[start:stop], stop >= tensor.shape[0]
             where = {"rows": [start, stop], "shape": list(tensor.shape), "chunk": chunk}
-            if not quantized:
-                piece = Piece(name, tensor.dtype, tuple(part.shape), where, part)
-                yield LazyGroup([piece], self._as_is_writer(name, tensor, part, last))
-                continue
+        if not self._quantized(name, tensor):
+
+            def copy(views: Sequence[Tensor | None]) -> None:
+                if views[0] is not None:  # else it travels where it lies
+                    copy_into(views[0], part)
+                if last and self.active:
+                    self.report.add(name, tensor, None, 16)
+
+            return [Piece(name, tensor.dtype, tuple(part.shape), where, part)], copy
+        block = block_of(self.cfg, tensor.shape)
+        scales = scale_shape(tensor.shape, block)
+        scale_meta, scale_rows = {"scale_of": name}, scales
+        if rows is not None:
             first, end = start // block[0], -(-stop // block[0])
-            scales = scale_shape(tensor.shape, block)
-            dtype = torch.float8_e4m3fn if self.cfg.method == QuantMethod.FP8 else torch.int8
-            data_meta = {"block": list(block), "scale": scale_name(name), **where}
-            scale_meta = {"scale_of": name, "rows": [first, end], "shape": list(scales), "chunk": chunk}
-            pieces = [
-                Piece(name, dtype, tuple(part.shape), data_meta),
-                Piece(scale_name(name), torch.float32, (end - first, scales[1]), scale_meta),
-            ]
-            yield LazyGroup(pieces, self._quantized_writer(name, tensor, part, last, sums))
+            scale_meta |= {"rows": [first, end], "shape": list(scales), "chunk": chunk}
+            scale_rows = (end - first, scales[1])
+        dtype = torch.float8_e4m3fn if self.cfg.method == QuantMethod.FP8 else torch.int8
+        sums = [0.0, 0.0] if sums is None else sums
 
-    def _as_is_writer(self, name: str, tensor: Tensor, part: Tensor, last: bool) -> Writer:
-        """Writes ``part`` (rows of ``tensor``, or all of it) into its view, unless it travels where
-        it lies (no view); ``tensor`` counts as sent as it is once ``last`` is written."""
-
-        def fill(views: Sequence[Tensor | None]) -> None:
-            _copy_unless_sent_in_place(views[0], part)
-            if last and self.active:
-                self.report.add(name, tensor, None, 16)
-
-        return fill
-
-    def _quantized_writer(
-        self, name: str, tensor: Tensor, part: Tensor, last: bool, sums: list[float]
-    ) -> Writer:
-        """Quantizes ``part`` (rows of ``tensor``, or all of it) into its data and scale views,
-        adding its error to ``sums`` (shared by the chunks of ``tensor``); ``tensor`` goes into the
-        `QuantReport` with the whole error once ``last`` is written."""
-
-        def fill(views: Sequence[Tensor | None]) -> None:
+        def quantize(views: Sequence[Tensor | None]) -> None:
             err, ref = quantize_into(part, self.cfg, *views)
             sums[0] += err
             sums[1] += ref
             if last:
                 self.report.add_quantized(name, tensor, sums[0], sums[1], bits=8)
 
-        return fill
+        return [
+            Piece(name, dtype, tuple(part.shape), {"block": list(block), "scale": scale_name(name), **where}),
+            Piece(scale_name(name), torch.float32, scale_rows, scale_meta),
+        ], quantize
 
 
 class Rejoin:
-    """The receiver's side of row chunks (`WireEncoder.lazy_groups`): each chunked tensor is put
-    back together over the buckets of one sync, in the tensor the receiver gives for it (its
-    weight, `decode`'s ``into``) or in a new one, and handed on once its last row has landed. One
-    per receiver, kept from `begin` to `finish` of a sync."""
+    """The receiver's side of row chunks (`WireEncoder.lazy_groups`), one per receiver and sync: each
+    chunked tensor is put back together in the tensor the receiver gives for it (`decode`'s ``into``)
+    or in a new one, and handed on once its last row has landed."""
 
     def __init__(self) -> None:
         self._open: dict[str, tuple[Tensor, list[tuple[int, int]]]] = {}
         """name -> (the whole tensor being filled, the row ranges landed so far)."""
         self._whole: weakref.WeakValueDictionary[str, Tensor] = weakref.WeakValueDictionary()
-        """name -> the whole tensor handed on (memory of the receiver, not of a bucket; not kept
-        alive here)."""
+        """name -> the whole tensor handed on (the receiver's memory, not a bucket's)."""
 
     def target(self, name: str, chunk: Tensor, meta: dict, into: Tensor | None, dtype: torch.dtype) -> Tensor:
-        """Where chunk ``meta["rows"]`` of ``name`` is written: the rows of its whole tensor
-        (``into``, or one made here of ``dtype`` on ``chunk``'s device at the first chunk)."""
+        """Where rows ``meta["rows"]`` of ``name`` go: in its whole tensor (``into``, or one made here)."""
         shape, (start, stop) = tuple(meta["shape"]), meta["rows"]
         if not 0 <= start < stop <= shape[0] or tuple(chunk.shape) != (stop - start, *shape[1:]):
             raise ValueError(
@@ -297,13 +243,11 @@ def decode(
     dtypes: Mapping[str, torch.dtype] | None = None,
     rejoin: Rejoin | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
-    """What arrived -> ``(HF name, values)``: quantized weights dequantized with their scales
-    (which must travel in the same bucket, as the encoder sends them). ``into(name)`` may give the
-    tensor a quantized weight's values are to end up in (the engine's weight, or a view of it): they
-    are decoded straight into it and it is what is yielded. Otherwise they are decoded into a new
-    tensor of ``dtypes[name]`` (the dtype of the weight they will be loaded into), float32 where
-    ``dtypes`` has no entry. A tensor that travels in row chunks is written chunk by chunk into
-    ``into(name)`` (or a new tensor) through ``rejoin`` and yielded with its last chunk."""
+    """What arrived -> ``(HF name, values)``, quantized weights dequantized with their scales (which
+    travel in the same bucket): straight into ``into(name)`` when it gives a tensor (the engine's
+    weight, or a view of it; then that is yielded), else into a new tensor of ``dtypes[name]``
+    (float32 where it has none). A tensor in row chunks is put together through ``rejoin`` (in
+    ``into(name)`` or a new tensor) and yielded with its last chunk."""
     items = list(items)
     scales = {
         (meta["scale_of"], meta.get("chunk")): tensor for _, tensor, meta in items if "scale_of" in meta
@@ -311,48 +255,34 @@ def decode(
     for name, tensor, meta in items:
         if "scale_of" in meta:
             continue
-        if "rows" in meta:
-            whole = _rejoined(name, tensor, meta, scales, into, dtypes, rejoin)
+        chunked, quantized = "rows" in meta, "block" in meta
+        if not (chunked or quantized):
+            yield name, tensor
+            continue
+        if chunked and rejoin is None:
+            raise ValueError(
+                f"weight {name!r} arrived in row chunks, but this receiver keeps no Rejoin state"
+            )
+        scale = scales.get((name, meta.get("chunk")))
+        if quantized and scale is None:
+            where = f" (rows {meta['rows']})" if chunked else ""
+            raise ValueError(f"weight {name!r}{where} arrived quantized without its scales {meta['scale']!r}")
+        target = into(name) if into is not None else None
+        if chunked:
+            dtype = (dtypes or {}).get(name, torch.float32 if quantized else tensor.dtype)
+            rows = rejoin.target(name, tensor, meta, target, dtype)
+            if quantized:
+                dequantize(tensor, scale, tuple(meta["block"]), out=rows)
+            else:  # on the receiver's threads, as an engine copies a weight in (`hf_weights.load_hf_subset`)
+                copy_into(rows, tensor, threads=torch.get_num_threads())
+            whole = rejoin.complete(name)
             if whole is not None:
                 yield name, whole
             continue
-        if "block" not in meta:
-            yield name, tensor
-            continue
-        if (name, None) not in scales:
-            raise ValueError(f"weight {name!r} arrived quantized without its scales {meta['scale']!r}")
-        target = into(name) if into is not None else None
         if target is not None and tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"weight {name!r} arrived with shape {tuple(tensor.shape)}, but the tensor it loads into "
                 f"has shape {tuple(target.shape)}"
             )
         dtype = (dtypes or {}).get(name, torch.float32)
-        yield name, dequantize(tensor, scales[name, None], tuple(meta["block"]), out=target, dtype=dtype)
-
-
-def _rejoined(
-    name: str,
-    chunk: Tensor,
-    meta: dict,
-    scales: Mapping[tuple[str, int | None], Tensor],
-    into: Callable[[str], Tensor | None] | None,
-    dtypes: Mapping[str, torch.dtype] | None,
-    rejoin: Rejoin | None,
-) -> Tensor | None:
-    """Write a row chunk into its whole tensor (decoded when quantized); the whole tensor once
-    complete."""
-    if rejoin is None:
-        raise ValueError(f"weight {name!r} arrived in row chunks, but this receiver keeps no Rejoin state")
-    quantized = "block" in meta
-    if quantized and (name, meta.get("chunk")) not in scales:
-        raise ValueError(
-            f"weight {name!r} (rows {meta['rows']}) arrived quantized without its scales {meta['scale']!r}"
-        )
-    dtype = (dtypes or {}).get(name, torch.float32 if quantized else chunk.dtype)
-    rows = rejoin.target(name, chunk, meta, into(name) if into is not None else None, dtype)
-    if quantized:
-        dequantize(chunk, scales[name, meta.get("chunk")], tuple(meta["block"]), out=rows)
-    else:  # on the receiver's threads, as an engine copies a weight in (`hf_weights.load_hf_subset`)
-        copy_into(rows, chunk, threads=torch.get_num_threads())
-    return rejoin.complete(name)
+        yield name, dequantize(tensor, scale, tuple(meta["block"]), out=target, dtype=dtype)

@@ -147,8 +147,9 @@ def test_bucketed_sync_reloads_whole_layers_and_sets_the_version_at_the_end(engi
     reloaded once all of it arrived; the version moves at the end; a sync that misses a layer is
     refused."""
     from moe_rl.config.schema import QuantConfig
-    from moe_rl.weight_sync.buckets import BucketPacker, detach
+    from moe_rl.weight_sync.buckets import BucketPacker
     from moe_rl.weight_sync.wire import WireEncoder
+    from tests.unit.weight_sync.sync_testing import detach
 
     state = load_state_dict(checkpoint)
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)

@@ -12,9 +12,10 @@ from trainer_testing import tiny_recipe
 from moe_rl.megatron.hf_weights import iter_hf_weights
 from moe_rl.megatron.model import PRECISIONS, build_gpt_model
 from moe_rl.rollout.megatron_engine import MegatronEngine
-from moe_rl.weight_sync.buckets import BucketPacker, detach
+from moe_rl.weight_sync.buckets import BucketPacker
 from moe_rl.weight_sync.outgoing import Outgoing, owned, sends
 from moe_rl.weight_sync.wire import WireEncoder
+from tests.unit.weight_sync.sync_testing import detach
 
 pytestmark = pytest.mark.usefixtures("device")
 

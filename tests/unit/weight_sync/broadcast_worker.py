@@ -42,7 +42,7 @@ def run(rank: int, spec: GroupSpec, method: str, out: dict) -> Any:
     group = open_group(spec, rank) if rank == 0 else None
     if rank == 0:
         encoder = WireEncoder(quant(method), num_layers=1, quantized_wire=True)
-        sent = send_stream(group, BucketPacker(CAPACITY, buffers=2).pack(groups(encoder)), buffers=2)
+        sent = send_stream(group, BucketPacker(CAPACITY, buffers=2).pack(groups(encoder)))
         out[rank] = {"buckets": sent.buckets, "bytes": sent.bytes}
         return group
     receiver = StreamReceiver(spec, rank)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+from dataclasses import replace
+
+import numpy as np
+import torch
 
 
 def in_another_process(code: str, sent: object) -> float:
@@ -26,3 +30,32 @@ def encode(encoder, name: str, tensor):
     group = encoder.lazy_group([(name, tensor)])
     (bucket,) = BucketPacker(max(group.nbytes, 1)).pack(iter([group]))
     return [(entry.name, value, entry.meta) for entry, value in bucket.tensors()]
+
+
+def detach(bucket):
+    """``bucket`` with its own copy of the bytes, those read in an arena included (to keep it past
+    the next one the packer yields)."""
+    from moe_rl.weight_sync.buckets import Bucket
+    from moe_rl.weight_sync.shm import aligned, read_slot
+
+    buffer = np.zeros(sum(aligned(entry.nbytes) for entry in bucket.entries), dtype=np.uint8)
+    entries, at = [], 0
+    for entry in bucket.entries:
+        if entry.source is not None:
+            raw = read_slot(entry.source)
+        elif entry.array is not None:
+            raw = bucket.arrays[entry.array]
+        else:
+            raw = bucket.data[entry.offset :][: entry.nbytes]
+        if isinstance(raw, torch.Tensor):  # copied by torch: no NumPy view of the sender's tensor
+            torch.from_numpy(buffer[at : at + entry.nbytes]).copy_(raw.reshape(-1).view(torch.uint8))
+        else:
+            buffer[at : at + entry.nbytes] = raw
+        entries.append(replace(entry, offset=at, source=None, array=None))
+        at += aligned(entry.nbytes)
+    return Bucket(entries, buffer, bucket.index, bucket.sender, part=bucket.part, last=bucket.last)
+
+
+def bucket_items(bucket) -> list:
+    """The ``(name, tensor, meta)`` a bucket carries (views into its buffer), as `wire.decode` takes them."""
+    return [(entry.name, tensor, entry.meta) for entry, tensor in bucket.tensors()]

@@ -10,10 +10,9 @@ from moe_rl.config.schema import QuantConfig
 from moe_rl.quant import codec
 from moe_rl.quant.codec import dequantize, quant_errors, quantize_fp8, quantize_int8
 from moe_rl.quant.fp8_block import quantize_fp8_block
-from moe_rl.weight_sync.buckets import BucketPacker, detach
-from moe_rl.weight_sync.receiver import bucket_items
+from moe_rl.weight_sync.buckets import BucketPacker
 from moe_rl.weight_sync.wire import WireEncoder, decode, scale_name
-from tests.unit.weight_sync.sync_testing import encode
+from tests.unit.weight_sync.sync_testing import bucket_items, detach, encode
 
 FP8_BLOCK = QuantConfig(name="fp8_block128", method="fp8", granularity="block", block_size=4)
 

@@ -10,9 +10,9 @@ import torch
 
 from moe_rl.config.schema import QuantConfig
 from moe_rl.weight_sync import shm
-from moe_rl.weight_sync.buckets import SLACK, BucketPacker, detach
-from moe_rl.weight_sync.receiver import bucket_items
+from moe_rl.weight_sync.buckets import SLACK, BucketPacker
 from moe_rl.weight_sync.wire import Rejoin, WireEncoder, decode
+from tests.unit.weight_sync.sync_testing import bucket_items, detach
 
 CAPACITY = 256
 RECIPES = [

@@ -11,10 +11,10 @@ import torch
 
 from moe_rl.device import PARALLEL_COPY_BYTES, copy_into
 from moe_rl.weight_sync import shm
-from moe_rl.weight_sync.buckets import BucketPacker, detach
+from moe_rl.weight_sync.buckets import BucketPacker
 from moe_rl.weight_sync.sender import share_parameters
 from moe_rl.weight_sync.wire import LazyGroup, Piece
-from tests.unit.weight_sync.sync_testing import in_another_process
+from tests.unit.weight_sync.sync_testing import detach, in_another_process
 
 
 @pytest.fixture
