@@ -31,7 +31,7 @@ from moe_rl.device import process_device
 from moe_rl.log import LOG_DIR_ENV
 from moe_rl.orchestration.engine_host import EngineHost
 from moe_rl.orchestration.placement import PROCESS_ENV
-from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.transport import Receiver
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from moe_rl.config.modes import Engine
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.weight_sync.receiver import SyncTarget, WeightReceiver
+from moe_rl.weight_sync.protocol import SyncTarget, WeightReceiver
 
 
 class EngineHost:

@@ -32,7 +32,7 @@ from moe_rl.orchestration.sampling import Draw, replica_spec
 from moe_rl.orchestration.seats import Seats
 from moe_rl.rewards.tasks import Prompt
 from moe_rl.weight_sync.broadcast import StreamBroken
-from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.protocol import SyncTarget
 
 log = logging.getLogger("moe_rl.driver")
 

@@ -30,7 +30,7 @@ from moe_rl.orchestration.preflight import RunInputs, build_inputs
 from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
 from moe_rl.orchestration.replicas import Answers, Begun, Finished, Replica
 from moe_rl.orchestration.sampling import Draw, replica_spec
-from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 
 log = logging.getLogger("moe_rl.local")

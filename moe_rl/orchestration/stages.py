@@ -44,7 +44,7 @@ from moe_rl.orchestration.sampling import Draw, Purpose, sampling_seed
 from moe_rl.orchestration.weight_sync import WeightSync
 from moe_rl.rewards.registry import build_prompt_source
 from moe_rl.rewards.tasks import Prompt
-from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.protocol import SyncTarget
 
 log = logging.getLogger("moe_rl.driver")
 

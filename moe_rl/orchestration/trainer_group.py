@@ -22,7 +22,7 @@ from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, TrainerRank
 from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
 from moe_rl.orchestration.seats import Seats
-from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 
 log = logging.getLogger("moe_rl.driver")

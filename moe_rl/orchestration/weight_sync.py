@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from moe_rl.orchestration.replicas import Begun, Finished, Replica
-from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 
 log = logging.getLogger("moe_rl.driver")

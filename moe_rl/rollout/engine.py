@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from moe_rl.config.derived import sampling_truncates
-from moe_rl.weight_sync.receiver import WeightReceiver
+from moe_rl.weight_sync.protocol import WeightReceiver
 
 if TYPE_CHECKING:
     from moe_rl.config.schema import RolloutConfig

@@ -1,15 +1,13 @@
-"""The receiving side of a weight sync: the protocol every receiver implements (`WeightReceiver`:
-both rollout engines and the probe's reference model), a bucket's weights as the values an engine
-computes with (`decoded`), wholes put together over the buckets of a sync (`Assembly`), and the
-receiving side into a Megatron model (`ModelReceiver`).
+"""The receiving side of a weight sync (what every receiver implements is
+`moe_rl.weight_sync.protocol.WeightReceiver`): a bucket's weights as the values an engine computes
+with (`decoded`), wholes put together over the buckets of a sync (`Assembly`), and the receiving side
+into a Megatron model (`ModelReceiver`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -17,26 +15,6 @@ from torch import Tensor
 from moe_rl.weight_sync import ipc
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.wire import Rejoin, decode
-
-
-class SyncTarget(StrEnum):
-    """Which receiver of an engine process a sync fills: the engine, or the probe's reference model."""
-
-    ENGINE = "engine"
-    REFERENCE = "reference"
-
-
-@runtime_checkable
-class WeightReceiver(Protocol):
-    """Takes weight syncs: ``begin_weight_update(version)``, ``receive_bucket`` for each message of the
-    route (a bucket, a stream, a vLLM transfer call), ``finish_weight_update(version)``, which checks
-    the sync is complete, takes the version only then and returns what the receiver measured."""
-
-    def begin_weight_update(self, version: int) -> None: ...
-
-    def receive_bucket(self, bucket: Bucket) -> dict[str, float]: ...
-
-    def finish_weight_update(self, version: int) -> dict[str, Any]: ...
 
 
 def decoded(

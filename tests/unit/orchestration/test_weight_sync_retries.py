@@ -19,7 +19,7 @@ from moe_rl.orchestration.placement import Placement
 from moe_rl.orchestration.seats import Seats
 from moe_rl.orchestration.weight_sync import MAX_STREAM_BREAKS, WeightSync
 from moe_rl.weight_sync.broadcast import StreamBroken
-from moe_rl.weight_sync.receiver import SyncTarget
+from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 
 TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
