@@ -525,6 +525,23 @@ def encoded_for(state: State, recipe: str, capacity: int, cache: dict[int, list[
     return cache[capacity]
 
 
+def as_lazy(encoded: list[Encoded]) -> Iterator:
+    """The state encoded up front as the `weight_sync.wire.LazyGroup` a packer takes: each tensor
+    copied into the bucket (the transport mode's pack), or carried as it lies where the packer may."""
+    from moe_rl.device import copy_into
+    from moe_rl.weight_sync.wire import LazyGroup, Piece
+
+    def one(items: Encoded):
+        def fill(views) -> None:
+            for (_, tensor, _), view in zip(items, views, strict=True):
+                if view is not None:
+                    copy_into(view, tensor)
+
+        return LazyGroup([Piece(name, t.dtype, tuple(t.shape), meta, t) for name, t, meta in items], fill)
+
+    return (one(items) for items in encoded)
+
+
 # ------------------------------------------------------------------------------------------ sync
 @dataclass
 class Run:
@@ -537,7 +554,7 @@ class Run:
 
 
 def run_sync(
-    make_groups: Callable[[], Iterator[Encoded]],
+    make_groups: Callable[[], Iterator],
     capacity: int,
     transport: str,
     receivers: list,
@@ -558,12 +575,20 @@ def run_sync(
     with sampler:
         start = time.perf_counter()
         handing = {i: r.receive.remote for i, r in enumerate(receivers)}
-        out = publish(packer.pack(make_groups()), handing, 600, sender)
+        sizes: dict[int, int] = {}  # bucket index -> its bytes (its parts' together)
+        out = publish(sized(packer.pack(make_groups()), sizes), handing, 600, sender)
         seconds = time.perf_counter() - start
     ends = ray.get([r.end.remote(memory) for r in receivers])
     slots = packer.slots.nbytes() if packer.slots is not None else 0
     peaks = {**sampler.result, "slots": slots} if memory else {}
-    return Run(seconds, out.bytes, out.buckets, out.largest, peaks, ends)
+    return Run(seconds, out.bytes, out.buckets, max(sizes.values(), default=0), peaks, ends)
+
+
+def sized(buckets: Iterator, sizes: dict[int, int]) -> Iterator:
+    """``buckets`` as they come, each one's bytes added to ``sizes`` under its index."""
+    for bucket in buckets:
+        sizes[bucket.index] = sizes.get(bucket.index, 0) + bucket.nbytes
+        yield bucket
 
 
 def check(run: Run, expected: dict[str, float], label: str) -> None:
@@ -946,8 +971,8 @@ def run_all(args: argparse.Namespace, repeat: int) -> None:
                     if mode == "transport":
                         encoded = encoded_for(state, recipe, bucket_mb * MB, chunked)
 
-                        def make_groups(encoded=encoded) -> Iterator[Encoded]:
-                            return iter(encoded)
+                        def make_groups(encoded=encoded) -> Iterator:
+                            return as_lazy(encoded)
                     else:
 
                         def make_groups(

@@ -1,10 +1,6 @@
-"""The process-group transport's wire: a sending trainer rank (rank 0) broadcasts its buckets in a
-``torch.distributed`` group of its own with its receivers (gloo on CPU, NCCL between GPUs), made
-outside any default world (each member already belongs to one) over a TCP store the sender opens, so
-weights cross nodes once. A bucket travels as a header of fixed size (its entries and the layout of
-its bytes, pickled), then its bytes (the packed buffer, then each tensor that travels as the sender
-holds it); an empty header ends the stream. A receiver takes each bucket into one of two byte slabs,
-so neither side holds more than two buckets' bytes.
+"""The process-group transport's wire: a trainer rank broadcasts its buckets in a ``torch.distributed`` group
+of its own with its receivers (gloo or NCCL, outside any default world), so weights cross nodes once: a
+fixed-size header (entries and byte layout, pickled), then the bytes; an empty header ends the stream.
 """
 
 from __future__ import annotations
@@ -35,15 +31,13 @@ GROUP_TIMEOUT_S = 1800.0
 
 JOIN_TIMEOUT_S = 300.0
 """How long a member waits for the others to form the group (one that never comes fails it then)."""
-
-Works = list[tuple[Any, torch.Tensor]]
-"""Broadcasts started, each with the tensor it reads (kept alive until it ends)."""
+_JOINING = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
 class GroupSpec:
     """Where the members of one sender's group meet: the sender's TCP store, the group's size, its key
-    (the store's prefix: new for every new group), ``cpu`` (gloo) or ``cuda`` (NCCL)."""
+    (the store's prefix: new for every new group), ``cpu`` (gloo) or ``cuda`` (NCCL), the sending rank."""
 
     host: str
     port: int
@@ -51,7 +45,6 @@ class GroupSpec:
     key: str
     device: str = "cpu"
     sender: int = 0
-    """The trainer rank that sends (one group per sending rank)."""
 
 
 @dataclass(frozen=True)
@@ -64,16 +57,14 @@ class BroadcastStream:
 
 def open_store(host: str, size: int) -> Any:
     """The sender's TCP store, on a free port chosen as it binds (``.port``), which no one takes first."""
-    joining = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
-    return TCPStore(host, 0, size, True, timeout=joining, wait_for_workers=False)
+    return TCPStore(host, 0, size, True, timeout=_JOINING, wait_for_workers=False)
 
 
 def open_group(spec: GroupSpec, rank: int, store: Any = None) -> Any:
     """This member's side of the group of ``spec`` (collective: every member calls it). The sender
     (rank 0) passes the store it opened (`open_store`); the others connect to it."""
-    joining = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
     if store is None:
-        store = TCPStore(spec.host, spec.port, spec.size, rank == 0, timeout=joining)
+        store = TCPStore(spec.host, spec.port, spec.size, rank == 0, timeout=_JOINING)
     store = PrefixStore(spec.key, store)
     if spec.device == "cuda":
         from torch.distributed import ProcessGroupNCCL
@@ -95,14 +86,12 @@ class Streamed:
 
     bytes: int = 0
     buckets: int = 0
-    largest: int = 0
     broken: str | None = None
     """Why the stream broke (a member's process died); the others did not get the rest of it."""
 
     def count(self, bucket: Bucket) -> None:
         self.bytes += bucket.nbytes
         self.buckets += int(bucket.last)
-        self.largest = max(self.largest, bucket.nbytes)
 
 
 class StreamBroken(RuntimeError):
@@ -110,15 +99,13 @@ class StreamBroken(RuntimeError):
 
 
 def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu") -> Streamed:
-    """Broadcast every bucket to the group (as rank 0), then the end of the stream, pipelined over a
-    packer of two buffers: the broadcast of bucket ``i`` runs while bucket ``i + 1`` is packed, and
-    bucket ``i - 1``'s has ended before then, so a buffer is reused only when every receiver has its
-    bytes. A broken connection (a member's process died) stops the stream (`Streamed.broken`); the
-    caller then takes part in the rest of the gathers (`outgoing.Outgoing.join_gathers`)."""
+    """Broadcast every bucket to the group (as rank 0), then the end of the stream, pipelined over a packer of
+    two buffers: bucket ``i`` is broadcast while ``i + 1`` is packed, once ``i - 1``'s broadcast has ended. A
+    broken connection (a member died) stops the stream (`Streamed.broken`)."""
     out = Streamed()
-    before: Works = []  # the previous bucket's
+    before: list[tuple[Any, Any]] = []  # the works of the previous bucket, and what they read
     for bucket in buckets:  # packing this bucket reused the buffer of the one before the previous
-        now: Works = []
+        now: list[tuple[Any, Any]] = []
         try:
             _send_bucket(group, bucket, device, now)
             _wait(before)
@@ -128,7 +115,7 @@ def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu") -> S
             _wait(before + now, broken=True)  # then their buffers may go
             return out
         out.count(bucket)
-    end: Works = []
+    end: list[tuple[Any, Any]] = []
     try:
         _wait(before)
         _send_header(group, None, device, end)
@@ -139,7 +126,7 @@ def send_stream(group: Any, buckets: Iterable[Bucket], device: str = "cpu") -> S
     return out
 
 
-def _send_bucket(group: Any, bucket: Bucket, device: str, works: Works) -> None:
+def _send_bucket(group: Any, bucket: Bucket, device: str, works: list[tuple[Any, Any]]) -> None:
     parts = _parts(bucket)
     header = {
         "entries": bucket.entries, "index": bucket.index, "sender": bucket.sender, "part": bucket.part,
@@ -152,7 +139,7 @@ def _send_bucket(group: Any, bucket: Bucket, device: str, works: Works) -> None:
             works.append((_broadcast(group, tensor), tensor))
 
 
-def _wait(works: Works, broken: bool = False) -> None:
+def _wait(works: list[tuple[Any, Any]], broken: bool = False) -> None:
     """Wait for ``works`` to end; those of a ``broken`` stream each as it may (one to a lost member fails)."""
     for work, _ in works:
         with contextlib.suppress(RuntimeError) if broken else contextlib.nullcontext():
@@ -179,9 +166,9 @@ def _on(tensor: torch.Tensor, device: str) -> torch.Tensor:
     return tensor if device == "cpu" else tensor.to(device)
 
 
-def _send_header(group: Any, header: dict | None, device: str, works: Works) -> None:
-    """Start broadcasting a bucket's header: one `HEADER_BYTES` message (the pickled header's
-    length, 0 to end the stream, then as much of it as fits), and the rest in a second one."""
+def _send_header(group: Any, header: dict | None, device: str, works: list[tuple[Any, Any]]) -> None:
+    """Start broadcasting a header: one `HEADER_BYTES` message (its length, 0 to end the stream, then as much
+    of it as fits), then the rest."""
     data = b"" if header is None else pickle.dumps(header)
     head = np.zeros(HEADER_BYTES, dtype=np.uint8)
     head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
@@ -216,9 +203,8 @@ class StreamReceiver:
             self.group = open_group(self.spec, self.rank)
 
     def receive(self, on_bucket: Callable[[Bucket], Any]) -> Streamed:
-        """Hand every bucket of the stream to ``on_bucket`` (a `WeightReceiver`'s ``receive_bucket``,
-        which copies what it keeps), pipelined: a thread takes bucket ``i + 1`` into one slab while
-        bucket ``i``, in the other, is handed on; a slab is reused only once its bucket was handed on."""
+        """Hand every bucket of the stream to ``on_bucket`` (which copies what it keeps), while a thread takes
+        the next into the other slab (reused only once its bucket was handed on)."""
         self.join()
         out = Streamed()
         arrived: queue.Queue = queue.Queue()
@@ -298,7 +284,6 @@ class StreamReceiver:
         return pickle.loads(data)
 
     def _slab(self, nbytes: int) -> torch.Tensor:
-        """The next slab, grown to ``nbytes`` when smaller."""
         i, self._turn = self._turn, 1 - self._turn
         if self.slabs[i].numel() < nbytes:
             self.slabs[i] = torch.empty(nbytes, dtype=torch.uint8)
@@ -306,10 +291,9 @@ class StreamReceiver:
 
 
 class StreamThreads:
-    """A receiving process's streams, each sender's in a thread of its own (senders stream at once
-    and may wait on each other's collectives, so they must not be served one after the other);
-    buckets are handed on under one lock; `wait` joins the threads and raises the first error. Each
-    sender's group is kept from sync to sync (a new key replaces it)."""
+    """A receiving process's streams, each sender's in a thread of its own (senders stream at once and
+    may wait on each other's collectives) handing buckets on under one lock; `wait` joins them and
+    raises the first error. Each sender's group is kept from sync to sync (a new key replaces it)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

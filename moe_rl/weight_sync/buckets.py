@@ -1,13 +1,12 @@
-"""Buckets: named tensors packed into one flat byte buffer, the unit a sender hands its receivers. A
-bucket holds whole groups (all the HF pieces of one Megatron tensor, so a receiver can fuse them on
-arrival) up to about ``capacity`` bytes, in buffers the packer keeps from sync to sync, so a sender
-holds at most two buckets' worth of them.
+"""Buckets: named tensors packed into one flat byte buffer, the unit a sender hands its receivers. A bucket
+holds whole groups (all the HF pieces of one Megatron tensor, fused on arrival) up to about ``capacity``
+bytes, in buffers the packer keeps, so a sender holds at most two buckets' worth.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +45,6 @@ class Entry:
     """torch dtype name, e.g. ``float8_e4m3fn``."""
     shape: tuple[int, ...]
     offset: int
-    """Byte offset in the buffer."""
     nbytes: int
     meta: dict = field(default_factory=dict)
     """What the wire format needs to decode it (e.g. the FP8 block shape)."""
@@ -58,26 +56,21 @@ class Entry:
 
 @dataclass
 class Bucket:
-    """Tensors in one flat buffer; `tensors` gives them back as views. A bucket in a shared slot may
-    travel in parts (`BucketPacker`), each a `Bucket` of its own with the bucket's ``index``."""
+    """Tensors in one flat buffer, bucket ``index`` of trainer rank ``sender``'s stream, or a ``part`` of it
+    (`BucketPacker`: ``last`` marks the last); `tensors` gives them back as views."""
 
     entries: list[Entry]
     buffer: np.ndarray | Tensor | None
     """uint8: the written entries at `ALIGN`-ed offsets (a slot or device buffer: mapped at `data`)."""
     index: int = 0
-    """Position in its sender's stream."""
     sender: int = 0
-    """Trainer rank that sent it."""
     slot: SlotRef | None = None
     """The shared-memory slot holding the bytes; then only the entries and this travel."""
     part: int = 0
-    """Position of this part in its bucket (0 for a bucket that travels whole)."""
     last: bool = True
-    """Whether this is the bucket's last part (always, for a bucket that travels whole)."""
     arrays: list[np.ndarray | Tensor] = field(default_factory=list)
-    """Tensors that travel as the sender holds them (flat ``uint8`` views, not packed into the
-    buffer). They stay torch views until pickled (as NumPy arrays, out of band): a NumPy view makes
-    torch mark the parameter's storage as not resizable, which would keep it from leaving device
+    """Tensors that travel as the sender holds them (flat ``uint8`` views), torch views until pickled:
+    a NumPy view would mark the parameter's storage as not resizable, so it could no longer leave
     memory between phases (`moe_rl.offload`)."""
     ipc: IpcRef | None = None
     """Where the bytes lie in the sender's shared device buffer; then only the entries and this travel."""
@@ -127,21 +120,18 @@ def _tensor(buffer: np.ndarray | Tensor) -> Tensor:
 
 
 class BucketPacker:
-    """Packs groups of ``(name, tensor, meta)`` into buckets of at most ``capacity`` bytes, in
-    order, into buffers it keeps from sync to sync (grown for a group larger than ``capacity``,
-    never shrunk). A buffer has `SLACK` bytes beyond ``capacity`` for the padding of the tensors
-    written in it (`ALIGN`); a bucket whose padding would overflow them (many tiny tensors) ends
-    early. Bucket ``i`` is valid until the packer comes back to its buffer:
+    """Packs groups (`wire.LazyGroup`) into buckets of at most ``capacity`` bytes, in order, into
+    buffers it keeps from sync to sync (grown for a larger group, never shrunk), with `SLACK` bytes
+    beyond ``capacity`` for the tensors' padding (a bucket whose padding would overflow them ends
+    early). Bucket ``i`` is valid until the packer comes back to its buffer:
 
-    * without ``slots``: ``buffers`` NumPy buffers (on ``device``: tensors there, which a transport
-      hands by IPC handle), bucket ``i`` in buffer ``i % buffers``. A contiguous CPU tensor that
-      travels as it is (`wire.Piece.source`; not with ``device``) is not written: the bucket
-      carries it as it lies (`Bucket.arrays`);
-    * with ``slots`` (`shm.SharedSlots`): bucket ``i`` in slot ``i % 2``, yielded in parts
-      of about ``part_bytes`` (whole groups; the last marked ``last``), each as soon as it is
-      written, so receivers read the start of a bucket while the sender writes the rest. With
-      ``arena`` (`shm.SharedArena`) a tensor that travels as it is and lies there is not written:
-      its entry points there (it counts towards the bucket's and the part's size, not the slot's).
+    * without ``slots``: bucket ``i`` in buffer ``i % buffers`` (NumPy, or a tensor on ``device``
+      that a transport hands by IPC handle). A contiguous CPU tensor that travels as it is
+      (`wire.Piece.source`) is not written into a NumPy buffer: it is carried as it lies (`Bucket.arrays`);
+    * with ``slots`` (`shm.SharedSlots`): bucket ``i`` in slot ``i % 2``, yielded in parts of about
+      ``part_bytes`` (whole groups), each once written, so receivers read the start of a bucket while
+      the sender writes the rest. A tensor that travels as it is and lies in ``arena``
+      (`shm.SharedArena`) is not written: its entry points there.
     """
 
     def __init__(
@@ -171,7 +161,6 @@ class BucketPacker:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _target(self, index: int, size: int) -> tuple[np.ndarray, str | None]:
-        """Where bucket ``index`` is written, for a bucket of at least ``size`` bytes."""
         size = max(size, self.capacity + SLACK)
         if self.slots is not None:
             return self.slots.buffer(index, size)
@@ -180,10 +169,9 @@ class BucketPacker:
             self.buffers[i] = self._new(size)
         return self.buffers[i], None
 
-    def pack(self, groups: Iterator[LazyGroup | Sequence[tuple[str, Tensor, dict]]]) -> Iterator[Bucket]:
-        """Buckets (or parts of them) of ``groups``: lists of ``(name, tensor, meta)`` (copied in) or
-        `wire.LazyGroup` (written in place). A part is yielded once the next group is known to go
-        into the same bucket, so the last part of a bucket is never empty."""
+    def pack(self, groups: Iterator[LazyGroup]) -> Iterator[Bucket]:
+        """Buckets (or parts) of ``groups``, each written in place; a part is yielded once the next group is
+        known to go into the same bucket (the last part is never empty)."""
         entries: list[Entry] = []
         used = start = count = part = 0  # bytes written into this bucket's buffer; where this part's begin
         size = part_size = 0  # bytes of this bucket and of this part, those not written included
@@ -194,8 +182,7 @@ class BucketPacker:
             slot = SlotRef(path, used - start, start) if path is not None else None
             return Bucket(entries, target[start:used], count, self.sender, slot, part, last, arrays)
 
-        for group in groups:
-            lazy = group if isinstance(group, LazyGroup) else LazyGroup.of(group)
+        for lazy in groups:
             sources = [self._unwritten(piece) for piece in lazy.pieces]
             written = sum(aligned(p.nbytes) for p, at in zip(lazy.pieces, sources, strict=True) if at is None)
             if entries and (size + lazy.nbytes > self.capacity or used + written > target.nbytes):
@@ -228,7 +215,7 @@ class BucketPacker:
             yield bucket(True)
 
     def _unwritten(self, piece: Piece) -> SlotRef | Tensor | None:
-        """Where ``piece`` travels from unwritten (its `SlotRef` in the arena, or itself); None: written."""
+        """How ``piece`` travels unwritten (its `SlotRef` in the arena, or itself as it lies), else None."""
         source = piece.source
         if source is None or source.dtype != piece.dtype or source.numel() == 0:
             return None

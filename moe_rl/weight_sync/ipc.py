@@ -1,11 +1,7 @@
-"""Device memory handed between processes of one machine by torch's own sharing: a sender's bucket
-buffer travels as a handle (what torch's ``ForkingPickler`` makes of it: on CUDA an IPC handle of the
-allocation, so a trainer rank and the Megatron engine on its GPU exchange weights GPU to GPU; on CPU
-a shared-memory file's name, which is how the CPU tests run the same path), and a receiver maps the
-same memory once per sender slot (`IpcRef.key`), again when the sender hands a new buffer there.
-
-The sender makes its writes visible before it hands a handle and a receiver finishes reading before
-its delivery returns (`ready`), so a buffer is reused only after every receiver has read it.
+"""Device memory handed between processes of one machine by torch's own sharing: a sender's bucket buffer
+travels as the handle torch's ``ForkingPickler`` makes of it (CUDA IPC on GPUs; a shared-memory file on CPU,
+so the CPU tests run the same path), mapped once per sender slot by a receiver. Both sides wait for their
+device (`ready`), so a buffer is reused only once every receiver has read it.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ class IpcRef:
     """Where a bucket's bytes lie in a sender's shared device buffer."""
 
     handle: bytes
-    """The buffer as torch's multiprocessing pickler wrote it."""
     key: tuple
     """(sender process, buffer slot): a receiver keeps one mapping per key."""
     offset: int
@@ -35,9 +30,8 @@ class IpcRef:
 
 
 def share(buffer: torch.Tensor) -> bytes:
-    """A handle of ``buffer`` (a whole, contiguous tensor: its storage is what is shared) for other
-    processes of this machine. A CPU buffer moves into shared memory here (once; the tensor object
-    stays the same), so take views of it after sharing it."""
+    """A handle of ``buffer`` (a whole, contiguous tensor) for other processes of this machine. A CPU
+    buffer moves into shared memory here (the tensor object stays), so take views of it after."""
     if not buffer.is_contiguous() or buffer.storage_offset() != 0:
         raise ValueError("only a whole contiguous buffer is shared (not a view into another tensor)")
     out, before = io.BytesIO(), torch_mp.get_sharing_strategy()

@@ -1,16 +1,13 @@
-"""What a trainer rank sends in a sync: which rank sends which tensor (`sends`), the tensors as they
-leave the trainer's model (`owned`, or `whole_model` on the routes that send the whole model from a
-rank: ``device_ipc``, vLLM's transfer), and each sync's `Outgoing`.
-
-Every rank iterates its tensors together (tensor-parallel shards are all-gathered, a collective),
-and one rank per distinct tensor sends it: a dense tensor, the rank of data-parallel (context
-parallel included) and tensor-parallel rank 0 of its pipeline stage; an expert tensor, the rank of
-expert-data-parallel and expert-tensor-parallel rank 0 of its expert-parallel group. So no tensor
-is sent twice and no rank gathers more than one tensor at a time.
+"""What a trainer rank sends in a sync: which rank sends which tensor (`sends`), the tensors as they leave the
+model (`owned`, or `whole_model` on the routes that send a rank's whole model), and each sync's `Outgoing`.
+Every rank iterates its tensors together (tensor-parallel shards are all-gathered) and one rank per tensor
+sends it: a dense one, data-parallel (context parallel included) and tensor-parallel rank 0 of its pipeline
+stage; an expert's, expert-data- and expert-tensor-parallel rank 0 of its expert-parallel group.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 
@@ -23,8 +20,7 @@ EXPERT_MARK = ".mlp.experts."
 _EXPERT = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
 
 FLOAT32_WEIGHTS = ("e_score_correction_bias",)
-"""Weights vLLM's models hold in float32 whatever the engine's dtype (DeepSeek-V3's expert-score
-correction bias, which decides the routing): they travel in float32."""
+"""Weights vLLM holds in float32 whatever the engine's dtype (the expert-score bias that routes)."""
 
 
 def engine_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -64,12 +60,10 @@ def whole_model(
     model: torch.nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
     select: Callable[[str], bool] | None = None, root: bool = True,
 ) -> Groups:  # fmt: skip
-    """Every tensor of the model, one Megatron tensor at a time: its tensor-parallel shards gathered
-    and, with expert parallelism, each expert all-gathered over the expert-parallel group (the
-    pieces of one expert-parallel rank each). Every rank iterates it together (the gathers are
-    collectives); only a ``root`` rank yields. ``dtype``: what the tensors are cast to (vLLM's:
-    `engine_dtype`), None: kept; ``device``: where they are gathered (default the model's);
-    ``select(megatron_name)``: the tensors this rank takes part for. Needs one pipeline stage."""
+    """Every tensor of the model, one Megatron tensor at a time, gathered (each expert over the
+    expert-parallel group, a group of pieces per expert-parallel rank); every rank iterates, a ``root``
+    yields. ``dtype``: what tensors are cast to (None: kept); ``device``: where gathered (the model's);
+    ``select(megatron_name)``: what this rank takes part for. Needs one pipeline stage."""
     from megatron.core import parallel_state as ps
 
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
@@ -102,7 +96,8 @@ def _num_experts(model: torch.nn.Module) -> int:
 
 
 def _peer_expert(name: str, rank: int, local: int) -> str:
-    """The HF name of the expert rank ``rank`` holds where this one holds ``name``'s (``local`` each)."""
+    """The HF name of the expert that expert-parallel rank ``rank`` holds where this rank holds the one of
+    ``name`` (each rank holds ``local`` consecutive experts, rank 0 the first)."""
     match = _EXPERT.search(name)
     if match is None:
         raise ValueError(f"{name!r} is not an expert's weight")
@@ -111,28 +106,25 @@ def _peer_expert(name: str, rank: int, local: int) -> str:
 
 
 class Outgoing:
-    """What one trainer rank sends in one sync: ``tensors`` (`owned` or `whole_model`, started once)
-    encoded by the recipe's ``encoder``, group by group (`groups`), or, for a rank with nothing to
-    deliver, only its part in the gathers (`join_gathers`)."""
+    """What one trainer rank sends in one sync: ``tensors`` (`owned` or `whole_model`, started once) encoded
+    by ``encoder`` (`groups`), or only its part in the gathers (`join_gathers`)."""
 
     def __init__(
         self, tensors: Callable[[], Groups], encoder: WireEncoder, model: torch.nn.Module | None = None
     ):
         """``model``: the trainer's model (vLLM's transfer reads it itself)."""
         self._tensors, self.encoder, self.model = tensors, encoder, model
-        self._live: Groups | None = None
 
+    @functools.cached_property
     def _stream(self) -> Groups:
-        if self._live is None:
-            self._live = self._tensors()
-        return self._live
+        return self._tensors()
 
     def groups(self, max_bytes: int | None = None) -> Iterator[LazyGroup]:
         """What travels, one group at a time (`WireEncoder.lazy_groups`, chunked past ``max_bytes``)."""
-        for group in self._stream():
+        for group in self._stream:
             yield from self.encoder.lazy_groups(group, max_bytes)
 
     def join_gathers(self) -> None:
         """Take part in the rest of this sync's gathers (all of them before `groups`), sending nothing."""
-        for _ in self._stream():
+        for _ in self._stream:
             pass

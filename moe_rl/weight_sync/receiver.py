@@ -1,8 +1,4 @@
-"""The receiving side of a weight sync (what every receiver implements is
-`moe_rl.weight_sync.protocol.WeightReceiver`): a bucket's weights as the values an engine computes
-with (`decoded`), wholes put together over the buckets of a sync (`Assembly`), and the receiving side
-into a Megatron model (`ModelReceiver`).
-"""
+"""The receiving side of a weight sync (`protocol.WeightReceiver`): `decoded`, `Assembly`, `ModelReceiver`."""
 
 from __future__ import annotations
 
@@ -24,10 +20,9 @@ def decoded(
     dtypes: Mapping[str, torch.dtype] | None = None,
     rejoin: Rejoin | None = None,
 ) -> Iterable[tuple[str, Tensor]]:
-    """A bucket's weights as the values the engine computes with (`wire.decode`), one at a time; with
-    ``device``, what travelled is moved there first (FP8 bytes, not their float32 values). A bucket
-    in its sender's device buffer waits, after its last weight, for the work queued on that device,
-    so the sender does not overwrite the buffer while it is still read."""
+    """A bucket's weights as an engine computes with them (`wire.decode`), moved to ``device`` first if given
+    (the FP8 bytes, not their values). A bucket in a sender's device buffer then waits for that device's work,
+    so the buffer is not overwritten while read."""
     items = [(entry.name, tensor, entry.meta) for entry, tensor in bucket.tensors()]
     if device is not None:
         items = [(name, tensor.to(device), meta) for name, tensor, meta in items]
@@ -37,11 +32,9 @@ def decoded(
 
 
 class Assembly:
-    """Tensors put together into wholes over the buckets of one sync: a whole (a Megatron tensor of
-    its HF pieces, a vLLM layer of its tensors) is handed on as soon as all its parts have arrived
-    (mostly in one bucket: the sender packs a whole together). A part still waiting at the end of a
-    bucket is copied (the sender reuses the bucket's buffer) unless ``owned`` says it is not a view
-    of the bucket."""
+    """Wholes (a Megatron tensor of its HF pieces, a vLLM layer of its tensors) put together over the
+    buckets of one sync, each handed on once all its parts arrived. A part still waiting at the end of
+    a bucket is copied (the sender reuses the buffer) unless ``owned`` says it is no view of it."""
 
     def __init__(
         self, wholes: Mapping[str, str], owned: Callable[[str, Tensor], bool] = lambda n, t: False,
@@ -96,8 +89,7 @@ class ModelReceiver:
     def __init__(self, model: torch.nn.Module):
         from moe_rl.megatron.hf_weights import hf_dtypes, hf_index
 
-        self.model = model
-        self.index = hf_index(model)
+        self.model, self.index = model, hf_index(model)
         self.dtypes = hf_dtypes(model)
         """HF name -> the dtype of the Megatron tensor it loads into (what a piece that cannot be
         decoded in place is decoded to: the values it will hold, in half the bytes of float32 for bf16)."""
@@ -113,10 +105,7 @@ class ModelReceiver:
         self._views = views
         self.in_place: dict[str, Tensor] = {}
         """HF name -> the view of the model it was decoded into, this sync (`place`)."""
-        self.rejoin = Rejoin()
-        """Tensors that travel in row chunks, put back together over the buckets of a sync."""
-        self.assembly = Assembly(self.index, self._owned)
-        """Megatron tensors put together from their HF pieces (fused QKV, gate/up: several)."""
+        self.rejoin, self.assembly = Rejoin(), Assembly(self.index, self._owned)
 
     def place(self, name: str) -> Tensor | None:
         """The model's view HF tensor ``name`` fills, to decode straight into; None: it is loaded by copy."""

@@ -14,7 +14,6 @@ class SyncReport:
 
     version: int = 0
     bytes: int = 0
-    """Bytes of every bucket, over all senders."""
     in_place: int = 0
     """Of ``bytes``, those receivers read where the sender holds them (its shared arena)."""
     buckets: int = 0
@@ -56,15 +55,12 @@ class SyncReport:
                 out[key if "/" in key else f"sync/{key}"] = value
         if self.quant is not None:
             out.update(self.quant.summary())
-        out.update(
-            {
-                "sync/bytes": self.bytes,
-                "sync/in_place_bytes": self.in_place,
-                "sync/buckets": self.buckets,
-                "sync/senders": self.senders,
-                "sync/shared_memory": int(self.shared_memory),
-                "sync/transport": ",".join(sorted(self.transports)) or "none",
-                "sync/seconds": self.seconds,
-            }
-        )
-        return out
+        return out | {
+            "sync/bytes": self.bytes,
+            "sync/in_place_bytes": self.in_place,
+            "sync/buckets": self.buckets,
+            "sync/senders": self.senders,
+            "sync/shared_memory": int(self.shared_memory),
+            "sync/transport": ",".join(sorted(self.transports)) or "none",
+            "sync/seconds": self.seconds,
+        }

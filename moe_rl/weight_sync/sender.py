@@ -1,7 +1,4 @@
-"""The sending side of a weight sync: one trainer rank's `RankSender`; `share_parameters`, which
-moves a CPU rank's parameters into shared memory; `sync_in_process`, a whole sync into a receiver in
-this process.
-"""
+"""The sending side of a weight sync: a trainer rank's `RankSender`, `share_parameters`, `sync_in_process`."""
 
 from __future__ import annotations
 
@@ -25,30 +22,22 @@ from moe_rl.weight_sync.wire import WireEncoder
 def share_parameters(
     model: torch.nn.Module, tag: str = "0", select: Callable[[str], bool] | None = None
 ) -> SharedArena | None:
-    """Move ``model``'s CPU parameters (those whose name ``select`` accepts: a rank passes `sends`)
-    into one `shm.SharedArena`, so that its engines on the node read a tensor that travels as it is
-    where the trainer holds it. Each ``param.data`` is replaced by a copy in the arena; the
-    ``Parameter`` objects, which the optimizer, its state and the gradient hooks hold, stay the same.
-    Only a parameter that is the one user of its whole storage moves (not a view into a flat buffer,
-    e.g. Megatron's distributed-optimizer buffer, nor storage two parameters share). Returns the
-    arena, which the caller closes when done; None when nothing moved or ``/dev/shm`` has no room
-    for it (then every tensor travels through the slots)."""
-    users: dict[int, list[torch.nn.Parameter]] = {}
-    chosen: set[int] = set()
+    """Move ``model``'s CPU parameters (those ``select`` accepts) into one `shm.SharedArena`, where its
+    engines on the node read a tensor that travels as it is. Each ``param.data`` is replaced by a copy
+    there; the ``Parameter`` objects (held by the optimizer and the gradient hooks) stay. Only the one
+    user of a whole storage moves (not a view into a flat buffer, nor a shared storage). The arena,
+    which the caller closes; None when nothing moved or ``/dev/shm`` has no room for it."""
+    users: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
     for name, param in model.named_parameters():  # a tied weight once
-        data = param.data
-        if data.device.type == "cpu" and data.numel() > 0:
-            users.setdefault(data.untyped_storage().data_ptr(), []).append(param)
-            if select is None or select(name):
-                chosen.add(id(param))
+        if param.data.device.type == "cpu" and param.data.numel() > 0:
+            users.setdefault(param.data.untyped_storage().data_ptr(), []).append((name, param))
     movable = [
-        group[0]
-        for group in users.values()
-        if len(group) == 1
-        and id(group[0]) in chosen
-        and group[0].data.is_contiguous()
-        and group[0].data.storage_offset() == 0
-        and group[0].data.untyped_storage().nbytes() == tensor_nbytes(group[0])
+        param
+        for name, param in (group[0] for group in users.values() if len(group) == 1)
+        if (select is None or select(name))
+        and param.data.is_contiguous()
+        and param.data.storage_offset() == 0
+        and param.data.untyped_storage().nbytes() == tensor_nbytes(param)
     ]
     total = SharedArena.size_for(movable)
     if not movable or shm.slot_dir(total) != shm.SHM_DIR:
@@ -61,9 +50,8 @@ def share_parameters(
 
 
 class RankSender:
-    """One trainer rank's side of every weight sync: the run's `SyncPlan`, the transport of each
-    route it takes (made at its first sync and kept, with its buffers, shared slots and groups), its
-    shared arena, and each sync's `Outgoing` (which tensors, encoded by the quantization recipe)."""
+    """One trainer rank's side of every weight sync: the run's `SyncPlan`, each route's transport (made at its
+    first sync, kept), the shared arena, each sync's `Outgoing`."""
 
     def __init__(
         self, model: torch.nn.Module, quant: QuantConfig, num_layers: int, plan: SyncPlan, rank: int = 0,
@@ -79,7 +67,6 @@ class RankSender:
         self._shared = False
 
     def _transport(self, route: SyncRoute) -> Transport:
-        """The transport of ``route``, made at its first sync and kept."""
         if route not in self.transports:
             capacity, rank, host = self.plan.bucket_bytes, self.rank, self.host
             self.transports[route] = {
@@ -92,7 +79,6 @@ class RankSender:
         return self.transports[route]
 
     def _arena(self) -> SharedArena | None:
-        """This rank's parameters in shared memory (`share_parameters`), made once, on CPU."""
         if not self._shared and self.device.type == "cpu":
             self.arena = share_parameters(self.model, tag=str(self.rank), select=sends)
         self._shared = True
@@ -135,8 +121,8 @@ def sync_in_process(
     receiver: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig, num_layers: int,
     version: int, quantized_wire: bool = True, capacity: int = 64 << 20,
 ) -> SyncReport:  # fmt: skip
-    """A whole sync of ``named_tensors`` (HF names) into a `receiver.WeightReceiver` in this process,
-    through what a trainer rank uses: the recipe's encoder, buckets, a transport, the protocol."""
+    """A whole sync of ``named_tensors`` (HF names) into a `protocol.WeightReceiver` in this process, through
+    what a trainer rank uses: the recipe's encoder, buckets, a transport, the protocol."""
     encoder = WireEncoder(quant, num_layers, quantized_wire=quantized_wire)
     outgoing = Outgoing(lambda: ([item] for item in named_tensors), encoder)
     receiver.begin_weight_update(version)

@@ -1,12 +1,7 @@
-"""Buckets through node-local shared memory: the CPU counterpart of CUDA IPC.
-
-A sender packs each bucket into one of two shared-memory slots it keeps (`SharedSlots`: files in
-``/dev/shm``, else the temporary folder) and sends its receivers on the node only the slot's name
-and byte range (`SlotRef`); each receiver maps the slot once and reads the bytes in place
-(`read_slot`), so a bucket is written once and read once by every receiver. A slot is reused two
-buckets later, once every receiver has returned from that bucket, so a receiver copies what it
-keeps longer. A CPU trainer's parameters can live in shared memory too (`SharedArena`): a tensor
-that travels as it is is then read where the trainer holds it, copied once instead of twice.
+"""Buckets through node-local shared memory, the CPU counterpart of CUDA IPC: a sender packs each bucket into
+one of its two shared-memory slots (`SharedSlots`) and sends its receivers on the node the slot's name and
+byte range (`SlotRef`), which each maps once and reads in place (`read_slot`). A CPU trainer's parameters can
+lie in shared memory too (`SharedArena`), read there: copied once, not twice.
 """
 
 from __future__ import annotations
@@ -94,9 +89,8 @@ class _Slot:
 
 
 class SharedSlots:
-    """The sender's two slots, each at least ``capacity`` bytes; one too small for a
-    group is replaced by a larger file under a new name. The files go at `close`, or, when the sender
-    died, with the next sender on the node (`_remove_stale`)."""
+    """The sender's two slots of at least ``capacity`` bytes (one too small is replaced by a larger file under
+    a new name); their files go at `close` or, if the sender died, with the next sender on the node."""
 
     def __init__(self, capacity: int, tag: str = "0"):
         if capacity <= 0:
@@ -131,9 +125,8 @@ def _close_all(slots: list[_Slot | None]) -> None:
 
 
 ALIGN = 64
-"""Byte alignment of each tensor in a `SharedArena` and of each tensor written into a bucket
-(`moe_rl.weight_sync.buckets`): a view of any dtype lines up (a float32 scale after an odd-sized
-e4m3 weight) and copies start on a cache line."""
+"""Byte alignment of each tensor in an arena or a bucket: a view of any dtype lines up (a float32
+scale after an odd-sized e4m3 weight) and copies start on a cache line."""
 
 
 def aligned(nbytes: int) -> int:
@@ -146,11 +139,9 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
 
 
 class SharedArena:
-    """Tensors in one shared file of their owner (a CPU trainer rank's parameters:
-    `moe_rl.weight_sync.sender.share_parameters`); `locate` says where a tensor lies, so that its
-    bytes need not be copied into a slot to travel. Only the owner writes it, between syncs (the
-    optimizer steps in place); receivers read it during a sync, which the owner does not leave
-    before every receiver has returned."""
+    """Tensors in one shared file of their owner (`sender.share_parameters`); `locate` says where a
+    tensor lies. Only the owner writes it, between syncs (the optimizer steps in place); receivers
+    read it during a sync, which the owner does not leave before every receiver has returned."""
 
     def __init__(self, nbytes: int, tag: str = "0"):
         if nbytes <= 0:

@@ -1,9 +1,6 @@
-"""How a trainer rank's weights reach its receivers: one interface (`Transport`), one class per way,
-made once for a route of the run's `moe_rl.config.sync_plan.SyncPlan` and kept with its buffers,
-shared slots and groups: `InProcess` (the one-process loop), `HostBuckets` (the ``buckets`` route:
-`SharedMemory` on the sender's node, `ProcessGroup` to other nodes), `DeviceIpc` (the ``device_ipc``
-route: a colocated Megatron engine maps the sender's GPU buffers), and vLLM's own weight transfer
-(`moe_rl.weight_sync.vllm_transfer`).
+"""How a trainer rank's weights reach its receivers: one interface (`Transport`), one class per way, made once
+for a route of the run's `SyncPlan` and kept with its buffers, slots and groups: `InProcess`, `HostBuckets`
+(`SharedMemory` near, `ProcessGroup` far), `DeviceIpc`, and vLLM's transfer (`vllm_transfer`).
 """
 
 from __future__ import annotations
@@ -35,11 +32,15 @@ class Receiver:
     """One receiving process of a sync, as its sender sees it."""
 
     deliver: Callable[[Any], Any]
-    """Hands it a message (a bucket, a stream, a vLLM call): a Ray call returning a reference, or a call."""
+    """Hands it a message (a bucket, a stream, a vLLM call): a Ray call, or a call in this process."""
     key: Hashable = None
     """Its process (a restarted engine is another): a group of receivers is made anew when it changes."""
     near: bool = True
     """On the sender's node."""
+
+
+Receivers = dict[int, Receiver]
+"""A sync's receivers by index."""
 
 
 @dataclass
@@ -49,7 +50,6 @@ class Published:
     bytes: int = 0
     in_place: int = 0
     buckets: int = 0
-    largest: int = 0
     dead: set[int] = field(default_factory=set)
     transports: set[str] = field(default_factory=set)
     shared_memory: bool = False
@@ -66,7 +66,7 @@ class Transport(ABC):
         self.capacity, self.sender = capacity, sender
 
     @abstractmethod
-    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
+    def send(self, outgoing: Outgoing, receivers: Receivers, timeout_s: float) -> Published:
         """One sync of ``outgoing`` to ``receivers`` (none: only join the others' gathers)."""
 
     @abstractmethod
@@ -92,19 +92,17 @@ class BucketTransport(Transport):
     def _make_packer(self) -> BucketPacker:
         return BucketPacker(self.capacity, sender=self.sender)
 
-    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
-        if not receivers:
-            outgoing.join_gathers()
-            return Published()
-        out = self.deliver(self.packer.pack(outgoing.groups(self.packer.capacity)), receivers, timeout_s)
+    def send(self, outgoing: Outgoing, receivers: Receivers, timeout_s: float) -> Published:
+        out = Published()
+        if receivers:
+            out = self.deliver(self.packer.pack(outgoing.groups(self.packer.capacity)), receivers, timeout_s)
+        outgoing.join_gathers()  # all of them without receivers; the rest if the delivery stopped early
         if out.buckets:
             out.transports.add(self.name)
             out.shared_memory = self.shared_memory
         return out
 
-    def deliver(
-        self, buckets: Iterable[Bucket], receivers: dict[int, Receiver], timeout_s: float
-    ) -> Published:
+    def deliver(self, buckets: Iterable[Bucket], receivers: Receivers, timeout_s: float) -> Published:
         return publish(buckets, {i: r.deliver for i, r in receivers.items()}, timeout_s, self)
 
     def message(self, bucket: Bucket) -> Any:
@@ -173,7 +171,7 @@ class DeviceIpc(BucketTransport):
 
 
 class ProcessGroup(BucketTransport):
-    """Buckets broadcast in a group of the sender and its receivers (`broadcast`), kept while they are."""
+    """Buckets broadcast in a group of the sender and its receivers (`broadcast`), kept while they stay."""
 
     name = "process_group"
 
@@ -181,24 +179,13 @@ class ProcessGroup(BucketTransport):
         super().__init__(capacity, sender)
         self.host = host or socket.gethostbyname(socket.gethostname())
         self.device = device
-        self.group: Any = None
-        self.spec: Any = None
-        self.members: tuple = ()
+        self.group, self.spec, self.members = None, None, ()
 
     def _make_packer(self) -> BucketPacker:
         return BucketPacker(self.capacity, sender=self.sender, buffers=2)  # one packed while one is sent
 
-    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
-        out = super().send(outgoing, receivers, timeout_s)
-        if receivers and self.group is None:  # the stream stopped early: the rest of the gathers
-            outgoing.join_gathers()
-        return out
-
-    def deliver(
-        self, buckets: Iterable[Bucket], receivers: dict[int, Receiver], timeout_s: float
-    ) -> Published:
-        """Ask each receiver to join the stream (one call each), then broadcast the buckets. The
-        stream stops at a broken connection (`send` then takes the rest of the gathers)."""
+    def deliver(self, buckets: Iterable[Bucket], receivers: Receivers, timeout_s: float) -> Published:
+        """Ask each receiver to join the stream (one call each), then broadcast the buckets, up to a break."""
         order = sorted(receivers)
         members = tuple(receivers[i].key for i in order)
         fresh = self.group is None or members != self.members
@@ -226,7 +213,7 @@ class ProcessGroup(BucketTransport):
                 self.sender, streamed.broken.splitlines()[0][:300],
             )  # fmt: skip
             return Published(bytes=streamed.bytes)
-        return Published(bytes=streamed.bytes, buckets=streamed.buckets, largest=streamed.largest)
+        return Published(bytes=streamed.bytes, buckets=streamed.buckets)
 
     def _drop(self) -> None:
         """Forget the group: its connections close, so its live receivers stop waiting."""
@@ -239,8 +226,8 @@ class ProcessGroup(BucketTransport):
 
 
 class HostBuckets(Transport):
-    """The ``buckets`` route: at each sync, by where its receivers are, `SharedMemory` (all on the
-    sender's node), `ProcessGroup` (none) or `_Both`; the ways a sync does not use are closed."""
+    """The ``buckets`` route, by where a sync's receivers are: `SharedMemory`, `ProcessGroup` or `_Both` (the
+    ways a sync does not take are closed)."""
 
     name = "buckets"
 
@@ -248,7 +235,7 @@ class HostBuckets(Transport):
         self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu",
         arena: Callable[[], SharedArena | None] = lambda: None,
     ):  # fmt: skip
-        """``arena``: makes the sender's shared arena (`sender.share_parameters`), at the first near sync."""
+        """``arena``: makes the sender's shared arena (`sender.share_parameters`) when all are near."""
         super().__init__(capacity, sender)
         self._arena, self._args = arena, (host, device)
         self._ways: dict[str, Transport] = {}
@@ -264,7 +251,7 @@ class HostBuckets(Transport):
             }[kind]()
         return self._ways[kind]
 
-    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
+    def send(self, outgoing: Outgoing, receivers: Receivers, timeout_s: float) -> Published:
         near = any(r.near for r in receivers.values())
         far = any(not r.near for r in receivers.values())
         kind = "both" if near and far else "far" if far else "near"
@@ -277,16 +264,14 @@ class HostBuckets(Transport):
 
 
 class _Both(SharedMemory):
-    """Near and far receivers at once: each bucket packed once into a shared slot (every tensor
-    written there, for the far receivers), read there by the near ones and broadcast to the far."""
+    """Near and far receivers at once: each bucket packed once into a shared slot (every tensor written), read
+    there by the near ones, broadcast to the far."""
 
     def __init__(self, capacity: int, sender: int = 0, host: str | None = None, device: str = "cpu"):
         super().__init__(capacity, sender)
         self.far = ProcessGroup(capacity, sender, host, device)
 
-    def deliver(
-        self, buckets: Iterable[Bucket], receivers: dict[int, Receiver], timeout_s: float
-    ) -> Published:
+    def deliver(self, buckets: Iterable[Bucket], receivers: Receivers, timeout_s: float) -> Published:
         near = {i: r.deliver for i, r in receivers.items() if r.near}
         out = Published()
         stream = handed(buckets, near, timeout_s, self, out)
@@ -308,10 +293,9 @@ def publish(
     timeout_s: float,
     transport: BucketTransport | None = None,
 ) -> Published:
-    """Deliver every bucket to every receiver (``receivers``: index -> `Receiver.deliver`) with at most
-    two buckets in flight: bucket ``i`` (each part as it is written) is handed to all receivers, then
-    the deliveries of bucket ``i - 1`` are awaited, so its buffer or shared slot is free when the
-    packer comes back to it. ``transport.message`` makes what they are handed (default: the bucket)."""
+    """Deliver every bucket (each part as it is written) to every receiver, as ``transport.message``
+    makes it (default: the bucket), then await the deliveries of the bucket before, so its buffer or
+    shared slot is free when the packer comes back to it: at most two buckets in flight."""
     out = Published()
     for _ in handed(buckets, receivers, timeout_s, transport, out):
         pass
@@ -330,21 +314,16 @@ def handed(
     alive = dict(receivers)
     in_flight: list[tuple[int, Any]] = []  # deliveries of the previous bucket
     current: list[tuple[int, Any]] = []  # deliveries of this bucket's parts so far
-    size = 0
     for bucket in buckets:
         message = bucket if transport is None else transport.message(bucket)
         current += [(i, deliver(message)) for i, deliver in alive.items()]
         out.bytes += bucket.nbytes
         out.in_place += sum(entry.nbytes for entry in bucket.entries if entry.source is not None)
-        size += bucket.nbytes
         if bucket.last:
             out.dead |= settle(in_flight, timeout_s)
             in_flight, current = current, []
-            for i in out.dead:
-                alive.pop(i, None)
+            alive = {i: deliver for i, deliver in alive.items() if i not in out.dead}
             out.buckets += 1
-            out.largest = max(out.largest, size)
-            size = 0
         yield bucket
     out.dead |= settle(in_flight + current, timeout_s)
 

@@ -1,11 +1,7 @@
-"""Weights from the trainer's GPUs straight into vLLM engines through vLLM's own weight-transfer
-backends, their trainer sides used as vLLM ships them: `VLLMNccl` (engines on nodes of their own: one
-NCCL group of trainer rank 0 and every engine worker) and `VLLMIpc` (engines on the trainer's GPUs:
-each rank shares the whole model in vLLM's packed buffers by CUDA IPC handle). Both read the model
-through `TrainerSource` and reach the engines through `EngineFanOut`, whose calls an engine takes as
-messages of the sync (`TransferCall`); the engine takes the policy version when the sync's
-coordinator finishes it, as with buckets. The bytes travel only on CUDA; on CPU the configuration,
-the infos, the metadata and the tensors' order are checked against vLLM's own classes.
+"""Weights from the trainer's GPUs straight into vLLM engines by vLLM's own weight-transfer backends, their
+trainer sides as vLLM ships them (`VLLMNccl`, `VLLMIpc`), over the model as `TrainerSource` and the engines as
+`EngineFanOut`, whose calls an engine takes as messages of the sync (`TransferCall`). The bytes travel only on
+CUDA; on CPU the configuration, infos, metadata and tensor order are checked against vLLM's classes.
 """
 
 from __future__ import annotations
@@ -20,10 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.weight_sync.outgoing import Outgoing, sends, whole_model
-from moe_rl.weight_sync.transport import Published, Receiver, Transport, settle
-
-BUFFERS = 2
-"""Packed buffers vLLM's broadcast holds on each side (one filled while one is sent)."""
+from moe_rl.weight_sync.transport import Published, Receivers, Transport, settle
 
 
 @dataclass(frozen=True)
@@ -50,9 +43,8 @@ class EngineLost(RuntimeError):
 
 class EngineFanOut:
     """vLLM's ``VLLMWeightSyncClient`` over several engines: each call goes to every engine at once
-    (``receivers``: an engine's index -> what hands it a `TransferCall`, `transport.Receiver.deliver`)
-    and returns when all have answered. ``workers``: each engine's vLLM workers (its tensor-parallel
-    size), placed one engine after another in a group (NCCL)."""
+    (``receivers``: `transport.Receiver.deliver` by index) and returns when all have answered;
+    ``workers``: each engine's vLLM workers, placed one engine after another in a group (NCCL)."""
 
     def __init__(
         self,
@@ -69,8 +61,8 @@ class EngineFanOut:
         return 1 + sum(self.workers[i] for i in self.order)
 
     def init_payloads(self, init_info: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """Each engine's init info: vLLM's, in a group (NCCL) with the engine's workers placed after
-        those of the engines before it (vLLM places one engine's workers from ``rank_offset`` on)."""
+        """Each engine's init info: vLLM's, in a group (NCCL) with the engine's workers (vLLM's
+        ``rank_offset``) after those of the engines before it."""
         if "rank_offset" not in init_info:  # no group to place workers in (IPC)
             return {i: dict(init_info) for i in self.order}
         if init_info["world_size"] != self.world_size:
@@ -103,10 +95,8 @@ class EngineFanOut:
 
 
 class TrainerSource:
-    """vLLM's ``WeightSource`` (made one by `source`) over a trainer rank's Megatron model:
-    `outgoing.whole_model` in the engines' ``dtype``, yielded by trainer rank 0 (``every_rank``: by
-    every rank), the others only taking part in the gathers. Its ``metadata()`` is learnt by one pass
-    at the first sync and kept."""
+    """vLLM's ``WeightSource`` (made one by `source`): `outgoing.whole_model` in the engines' ``dtype``,
+    yielded by trainer rank 0 (``every_rank``: by every rank); its metadata learnt by the first pass."""
 
     def __init__(
         self, model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device | str,
@@ -114,8 +104,7 @@ class TrainerSource:
     ):  # fmt: skip
         """``select``: the tensors this rank takes part for; ``dtype``: what they are cast to (None: kept)."""
         self.model, self.dtype, self.device, self.select = model, dtype, torch.device(device), select
-        self.every_rank = every_rank
-        self._metadata: list | None = None
+        self.every_rank, self._metadata = every_rank, None
         self.bytes = 0
         """Bytes the last pass yielded."""
 
@@ -157,26 +146,22 @@ class VLLMTransfer(Transport):
     every_rank = False
     """Every rank yields the whole model (else rank 0 alone: `TrainerSource`)."""
     workers = 1
-    """vLLM workers of each engine."""
 
     def __init__(self, capacity: int, sender: int = 0):
         super().__init__(capacity, sender)
-        self.engine: Any = None
-        self.members: tuple = ()
-        self.source: Any = None
+        self.engine, self.members, self.source = None, (), None
 
     @abstractmethod
     def _start(self, client: EngineFanOut, weights: Any) -> Any:
         """vLLM's trainer engine of this backend over ``client`` and ``weights``."""
 
-    def send(self, outgoing: Outgoing, receivers: dict[int, Receiver], timeout_s: float) -> Published:
+    def send(self, outgoing: Outgoing, receivers: Receivers, timeout_s: float) -> Published:
         """Send the whole model to rank 0's engines; the other ranks join the gathers (or share theirs)."""
         if self.source is None:
             model = outgoing.model
             select = None if self.every_rank else sends  # IPC: every rank shares the whole model
-            self.source = source(
-                model, torch.bfloat16, next(model.parameters()).device, select, self.every_rank
-            )
+            device = next(model.parameters()).device
+            self.source = source(model, torch.bfloat16, device, select, self.every_rank)
         if not receivers and not self.every_rank:  # (at the first sync also the metadata's pass)
             self.source.metadata()
             self.source.join_gathers()
@@ -198,10 +183,7 @@ class VLLMTransfer(Transport):
         if not receivers:  # it shared its GPU's copy; rank 0 reports the sync
             return Published()
         chunks = -(-self.source.bytes // self.capacity)  # vLLM's packed buffers, filled one after another
-        return Published(
-            bytes=self.source.bytes, buckets=chunks, largest=min(self.source.bytes, self.capacity),
-            transports={self.name},
-        )  # fmt: skip
+        return Published(bytes=self.source.bytes, buckets=chunks, transports={self.name})
 
     def close(self) -> None:
         if self.engine is not None:  # (a no-op for vLLM's IPC engine)
@@ -226,7 +208,7 @@ class VLLMNccl(VLLMTransfer):
 
         return NCCLTrainerInitInfo(
             rank=0, master_address=self.host, master_port=port, world_size=world_size, packed=True,
-            packed_buffer_size_bytes=self.capacity, packed_num_buffers=BUFFERS,
+            packed_buffer_size_bytes=self.capacity, packed_num_buffers=2,  # one filled while one is sent
         )  # fmt: skip
 
     def _start(self, client: EngineFanOut, weights: Any) -> Any:
@@ -240,9 +222,8 @@ class VLLMNccl(VLLMTransfer):
 
 
 class VLLMIpc(VLLMTransfer):
-    """vLLM's ``IPCTrainerWeightTransferEngine``: every rank materializes the whole model on its GPU
-    and shares it (the handles are all-gathered over the trainer's group); rank 0 drives the engines,
-    whose workers map the buffer of their own GPU. Nothing goes through host memory."""
+    """vLLM's ``IPCTrainerWeightTransferEngine``: every rank shares the whole model on its GPU by IPC
+    handle; rank 0 drives the engines, whose workers map their own GPU's buffer (no host memory)."""
 
     name = "vllm_ipc"
     every_rank = True

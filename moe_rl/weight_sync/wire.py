@@ -1,11 +1,7 @@
-"""The rollout quantization recipe on the wire: what travels for each weight (`WireEncoder`), and what
-it decodes to (`decode`). A recipe of ``WIRE_METHODS`` sends 8-bit data and fp32 scales per block
-(``fp8``, in vLLM's ``weight`` + ``weight_scale_inv`` layout, and ``int8``; numerics of
-`moe_rl.quant.codec`). Every other recipe (``int4_awq``, ``nvfp4``: the receiver applies them), every
-weight the recipe leaves alone (routers, embeddings, the LM head, norms, excluded layers) and every
-sync to engines that quantize themselves (``quantized_wire=False``) sends the tensor itself. `decode`
-gives the values a quantized engine holds (``data · scale`` blockwise), which a fake-quantizing engine
-(Megatron's) computes with. A weight larger than a bucket travels in row chunks (`Rejoin`).
+"""The rollout quantization recipe on the wire: what travels for each weight (`WireEncoder`) and what it
+decodes to (`decode`, the values a fake-quantizing engine computes with). A recipe of ``WIRE_METHODS`` sends
+8-bit data and fp32 scales per block (`moe_rl.quant.codec`; ``fp8`` in vLLM's ``weight_scale_inv`` layout);
+other recipes, weights it leaves alone and syncs to self-quantizing engines send the tensor itself.
 """
 
 from __future__ import annotations
@@ -47,34 +43,17 @@ class Piece:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-Writer = Callable[[Sequence[Tensor | None]], None]
-"""Writes what travels for a tensor (or rows of it) into its pieces' views in a bucket."""
-
-
 @dataclass
 class LazyGroup:
-    """A group's pieces and how to write them: ``fill(views)`` writes each piece into its view in the
-    bucket (None for a piece the packer sends where it lies), so what travels is computed straight
-    into the bucket, with no encoded copy of the group besides it."""
+    """A group's pieces and how to write them: ``fill(views)`` computes each piece straight into its view in
+    the bucket (None: the packer sends it where it lies)."""
 
     pieces: list[Piece]
-    fill: Writer
+    fill: Callable[[Sequence[Tensor | None]], None]
 
     @property
     def nbytes(self) -> int:
         return sum(piece.nbytes for piece in self.pieces)
-
-    @staticmethod
-    def of(items: Sequence[tuple[str, Tensor, dict]]) -> LazyGroup:
-        """Tensors that already exist, copied into the bucket as they are."""
-        pieces = [Piece(name, t.dtype, tuple(t.shape), meta, t) for name, t, meta in items]
-
-        def fill(views: Sequence[Tensor | None]) -> None:
-            for (_, tensor, _), view in zip(items, views, strict=True):
-                if view is not None:
-                    copy_into(view, tensor)
-
-        return LazyGroup(pieces, fill)
 
 
 class WireEncoder:
@@ -86,9 +65,8 @@ class WireEncoder:
         self.report = QuantReport(cfg.name)
 
     def lazy_group(self, group: Iterable[tuple[str, Tensor]]) -> LazyGroup:
-        """What travels for ``group``, written into the bucket by the packer: a quantized weight as
-        its data and scales (``<name>_scale_inv``), quantized straight into their place, other
-        tensors copied there."""
+        """What travels for ``group``, written into the bucket by the packer: a quantized weight as its data
+        and scales (``<name>_scale_inv``), others as they are."""
         made = [self._pieces(name, tensor) for name, tensor in group]
 
         def fill(views: Sequence[Tensor | None]) -> None:
@@ -102,10 +80,9 @@ class WireEncoder:
     def lazy_groups(
         self, group: Sequence[tuple[str, Tensor]], max_bytes: int | None = None
     ) -> Iterator[LazyGroup]:
-        """`lazy_group` of ``group``, or, when what travels for it is larger than ``max_bytes`` (a
-        bucket's capacity), each of its tensors in row chunks of at most ``max_bytes`` (whole blocks
-        of rows when quantized), so no bucket grows past it. A chunk travels under its tensor's name
-        with ``meta["rows"] = [start, stop]``, ``meta["shape"]`` (the whole one's) and ``meta["chunk"]``."""
+        """`lazy_group` of ``group``, or, when what travels for it is larger than ``max_bytes``, each tensor
+        in row chunks of at most that (whole blocks of rows when quantized) under its name, with
+        ``meta["rows"] = [start, stop]``, ``meta["shape"]`` (the whole's) and ``meta["chunk"]``."""
         group = list(group)
         whole = self.lazy_group(group)  # nothing is computed before the packer fills it
         if max_bytes is None or whole.nbytes <= max_bytes:
@@ -136,10 +113,9 @@ class WireEncoder:
 
     def _pieces(
         self, name: str, tensor: Tensor, rows: tuple[int, int, int] | None = None, sums: list | None = None
-    ) -> tuple[list[Piece], Writer]:
-        """The pieces that travel for ``tensor``, or with ``rows`` (start, stop, chunk) for that row
-        chunk of it, and their writer. The `QuantReport` gets ``tensor`` once, when its last chunk
-        is written, a quantized one with the error summed over its chunks in ``sums``."""
+    ) -> tuple[list[Piece], Callable[[Sequence[Tensor | None]], None]]:
+        """The pieces that travel for ``tensor`` (with ``rows``: start, stop, chunk of it) and their writer,
+        which reports ``tensor`` with its last chunk (the error summed over its chunks in ``sums``)."""
         part, where, last = tensor, {}, True
         if rows is not None:
             start, stop, chunk = rows
@@ -178,9 +154,8 @@ class WireEncoder:
 
 
 class Rejoin:
-    """The receiver's side of row chunks (`WireEncoder.lazy_groups`), one per receiver and sync: each
-    chunked tensor is put back together in the tensor the receiver gives for it (`decode`'s ``into``)
-    or in a new one, and handed on once its last row has landed."""
+    """The receiver's side of row chunks, one per receiver and sync: each tensor put back together in the
+    receiver's tensor (`decode`'s ``into``) or a new one, and handed on once whole."""
 
     def __init__(self) -> None:
         self._open: dict[str, tuple[Tensor, list[tuple[int, int]]]] = {}
@@ -243,11 +218,9 @@ def decode(
     dtypes: Mapping[str, torch.dtype] | None = None,
     rejoin: Rejoin | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
-    """What arrived -> ``(HF name, values)``, quantized weights dequantized with their scales (which
-    travel in the same bucket): straight into ``into(name)`` when it gives a tensor (the engine's
-    weight, or a view of it; then that is yielded), else into a new tensor of ``dtypes[name]``
-    (float32 where it has none). A tensor in row chunks is put together through ``rejoin`` (in
-    ``into(name)`` or a new tensor) and yielded with its last chunk."""
+    """What arrived -> ``(HF name, values)``, quantized weights dequantized with their scales (from the same
+    bucket) into ``into(name)`` when it gives a tensor (then yielded), else into a new one of
+    ``dtypes.get(name, float32)``. A tensor in row chunks is put together by ``rejoin`` and yielded whole."""
     items = list(items)
     scales = {
         (meta["scale_of"], meta.get("chunk")): tensor for _, tensor, meta in items if "scale_of" in meta

@@ -50,8 +50,10 @@ def run(rank: int, spec: GroupSpec, method: str, out: dict) -> Any:
     from moe_rl.weight_sync.wire import Rejoin
 
     rejoin = Rejoin()
+    largest = [0]
 
     def on_bucket(bucket) -> None:
+        largest[0] = max(largest[0], bucket.nbytes)
         if rank == 2:  # a slow receiver: the stream's thread must not take a bucket into a slab in use
             time.sleep(0.02)
         for name, tensor in decoded(bucket, rejoin=rejoin):
@@ -60,7 +62,7 @@ def run(rank: int, spec: GroupSpec, method: str, out: dict) -> Any:
     streamed = receiver.receive(on_bucket)
     rejoin.finish()
     out[rank] = {
-        "buckets": streamed.buckets, "largest": streamed.largest, "slabs": [int(s.numel()) for s in receiver.slabs],
+        "buckets": streamed.buckets, "largest": largest[0], "slabs": [int(s.numel()) for s in receiver.slabs],
         "tensors": got,
     }  # fmt: skip
     return receiver.group

@@ -59,3 +59,20 @@ def detach(bucket):
 def bucket_items(bucket) -> list:
     """The ``(name, tensor, meta)`` a bucket carries (views into its buffer), as `wire.decode` takes them."""
     return [(entry.name, tensor, entry.meta) for entry, tensor in bucket.tensors()]
+
+
+def lazy(groups):
+    """Groups of ``(name, tensor, meta)`` as the `wire.LazyGroup` a packer takes: each tensor copied
+    into the bucket as it is (or, where the packer may, carried as it lies)."""
+    from moe_rl.device import copy_into
+    from moe_rl.weight_sync.wire import LazyGroup, Piece
+
+    def one(items):
+        def fill(views):
+            for (_, tensor, _), view in zip(items, views, strict=True):
+                if view is not None:
+                    copy_into(view, tensor)
+
+        return LazyGroup([Piece(name, t.dtype, tuple(t.shape), meta, t) for name, t, meta in items], fill)
+
+    return (one(items) for items in groups)

@@ -12,7 +12,7 @@ from moe_rl.quant.codec import dequantize, quant_errors, quantize_fp8, quantize_
 from moe_rl.quant.fp8_block import quantize_fp8_block
 from moe_rl.weight_sync.buckets import BucketPacker
 from moe_rl.weight_sync.wire import WireEncoder, decode, scale_name
-from tests.unit.weight_sync.sync_testing import bucket_items, detach, encode
+from tests.unit.weight_sync.sync_testing import bucket_items, detach, encode, lazy
 
 FP8_BLOCK = QuantConfig(name="fp8_block128", method="fp8", granularity="block", block_size=4)
 
@@ -30,7 +30,7 @@ def _groups(seed: int = 0):
 
 def test_buckets_keep_groups_whole_and_bytes_exact():
     groups = [[(n, t, {}) for n, t in g] for g in _groups()]
-    buckets = [detach(b) for b in BucketPacker(300, sender=3).pack(iter(groups))]
+    buckets = [detach(b) for b in BucketPacker(300, sender=3).pack(lazy(groups))]
     names = [[e.name for e in b.entries] for b in buckets]
     assert names == [
         ["model.layers.0.self_attn.q_proj.weight"],  # 192 B; the next group (240 B) does not fit
@@ -73,13 +73,13 @@ def test_tensors_of_any_dtype_line_up_after_odd_sized_ones(slotted, tmp_path, mo
 
 def test_a_bucket_is_valid_until_the_next_is_requested():
     groups = [[(f"w{i}", torch.full((4,), float(i)), {})] for i in range(3)]
-    stream = BucketPacker(16).pack(iter(groups))
+    stream = BucketPacker(16).pack(lazy(groups))
     first = next(stream)
     kept = detach(first)
     next(stream)  # reuses the working buffer
     assert dict((e.name, t) for e, t in kept.tensors())["w0"].tolist() == [0.0] * 4
     with pytest.raises(ValueError, match="capacity=0"):
-        next(BucketPacker(0).pack(iter(groups)))
+        next(BucketPacker(0).pack(lazy(groups)))
 
 
 def test_fp8_block_wire_is_e4m3_plus_scales_and_decodes_to_the_dequantized_weight():

@@ -12,7 +12,7 @@ import torch
 
 from moe_rl.weight_sync import ipc
 from moe_rl.weight_sync.transport import DeviceIpc, Published, handed
-from tests.unit.weight_sync.sync_testing import in_another_process
+from tests.unit.weight_sync.sync_testing import in_another_process, lazy
 
 READ = "print(float(sum(t.double().sum() for _, t in sent.tensors())))"
 """What a receiver in another process reads of the bucket it was sent."""
@@ -25,7 +25,7 @@ def _groups(values: list[float], n: int = 16):
 def _messages(transport: DeviceIpc, groups) -> list:
     """What the receiver is handed, bucket by bucket (`handed`, as `publish` delivers)."""
     out: list = []
-    for _ in handed(transport.packer.pack(iter(groups)), {0: out.append}, 1.0, transport, Published()):
+    for _ in handed(transport.packer.pack(lazy(groups)), {0: out.append}, 1.0, transport, Published()):
         pass
     return out
 

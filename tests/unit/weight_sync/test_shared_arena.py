@@ -14,7 +14,7 @@ from moe_rl.weight_sync import shm
 from moe_rl.weight_sync.buckets import BucketPacker
 from moe_rl.weight_sync.sender import share_parameters
 from moe_rl.weight_sync.wire import LazyGroup, Piece
-from tests.unit.weight_sync.sync_testing import detach, in_another_process
+from tests.unit.weight_sync.sync_testing import detach, in_another_process, lazy
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_in_place_buckets_count_their_bytes_toward_parts_and_buckets(shm_dir):
     packer = BucketPacker(64, slots=slots, part_bytes=32, arena=arena)
     groups = [[(f"w{i}", t, {})] for i, t in enumerate(tensors)]
     delivered = []
-    out = publish(packer.pack(iter(groups)), {0: lambda b: delivered.append(b) or len(delivered)}, 1.0)
+    out = publish(packer.pack(lazy(groups)), {0: lambda b: delivered.append(b) or len(delivered)}, 1.0)
     assert (out.bytes, out.in_place, out.buckets) == (160, 160, 3)
     assert [(b.index, b.part, b.last) for b in delivered] == [(0, 0, False), (0, 1, True), (1, 0, False),
                                                             (1, 1, True), (2, 0, True)]  # fmt: skip

@@ -14,7 +14,7 @@ import torch
 
 from moe_rl.weight_sync import shm
 from moe_rl.weight_sync.buckets import SLACK, Bucket, BucketPacker, aligned
-from tests.unit.weight_sync.sync_testing import in_another_process
+from tests.unit.weight_sync.sync_testing import in_another_process, lazy
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_buckets_alternate_between_two_slots_and_arrive_intact(slots, tmp_path):
     packer = BucketPacker(64, slots=slots)
     groups = _groups([16, 16, 16, 8])  # 64 B, 64 B, 64 B, 32 B: a bucket each
     paths = []
-    for bucket, group in zip(packer.pack(iter(groups)), groups, strict=True):
+    for bucket, group in zip(packer.pack(lazy(groups)), groups, strict=True):
         assert bucket.slot is not None and bucket.slot.nbytes == aligned(bucket.nbytes)
         paths.append(bucket.slot.path)
         got = _received(bucket)
@@ -54,10 +54,10 @@ def test_buckets_alternate_between_two_slots_and_arrive_intact(slots, tmp_path):
 
 def test_an_oversized_group_gets_a_larger_slot_under_a_new_name(slots, tmp_path):
     packer = BucketPacker(64, slots=slots)
-    first = next(packer.pack(iter(_groups([8]))))
+    first = next(packer.pack(lazy(_groups([8]))))
     old = first.slot.path
     _received(first)
-    big = next(packer.pack(iter(_groups([1100]))))  # 4400 B > 64 B + SLACK: slot 0 replaced
+    big = next(packer.pack(lazy(_groups([1100]))))  # 4400 B > 64 B + SLACK: slot 0 replaced
     assert big.slot.path != old and not Path(old).exists() and big.nbytes == 4400
     assert torch.equal(_received(big)["w0"], torch.arange(1100, dtype=torch.float32))
     with pytest.raises(RuntimeError, match="is gone"):
@@ -84,7 +84,7 @@ def test_close_removes_the_files_and_stale_ones_of_dead_senders_go(tmp_path, mon
 
 
 def test_another_process_reads_the_bucket_in_place(slots):
-    bucket = next(BucketPacker(64, slots=slots).pack(iter(_groups([12]))))
+    bucket = next(BucketPacker(64, slots=slots).pack(lazy(_groups([12]))))
     total = in_another_process("print(sum(float(t.sum()) for _, t in sent.tensors()))", bucket)
     assert total == float(torch.arange(12, dtype=torch.float32).sum())
 
@@ -93,12 +93,12 @@ def test_a_new_sender_never_reuses_a_file_name_a_receiver_may_have_mapped(tmp_pa
     monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
     monkeypatch.setattr(shm, "_MAPPED", {})
     first = shm.SharedSlots(32)
-    bucket = next(BucketPacker(32, slots=first).pack(iter(_groups([4]))))
+    bucket = next(BucketPacker(32, slots=first).pack(lazy(_groups([4]))))
     assert float(next(bucket.tensors())[1].sum()) == 6.0
     shm.read_slot(bucket.slot)  # mapped by this "receiver"
     first.close()
     second = shm.SharedSlots(32)  # same tag, same process: a new name all the same
-    again = next(BucketPacker(32, slots=second).pack(iter([[("w", torch.full((4,), 7.0), {})]])))
+    again = next(BucketPacker(32, slots=second).pack(lazy([[("w", torch.full((4,), 7.0), {})]])))
     assert again.slot.path != bucket.slot.path
     assert torch.equal(_received(again)["w"], torch.full((4,), 7.0))
     second.close()
@@ -107,7 +107,7 @@ def test_a_new_sender_never_reuses_a_file_name_a_receiver_may_have_mapped(tmp_pa
 def test_a_bucket_in_a_slot_travels_in_parts_of_whole_groups(slots):
     packer = BucketPacker(64, slots=slots, part_bytes=24)
     groups = _groups([4, 4, 4, 2, 12])  # 16 B, 16 B, 16 B, 8 B, 48 B: buckets of 56 B and 48 B
-    parts = list(packer.pack(iter(groups)))
+    parts = list(packer.pack(lazy(groups)))
     assert [(p.index, p.part, p.last) for p in parts] == [(0, 0, False), (0, 1, True), (1, 0, True)]
     assert [[e.name for e in p.entries] for p in parts] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
     assert [(p.slot.offset, p.slot.nbytes) for p in parts] == [(0, 128), (128, 128), (0, 64)]  # aligned
@@ -122,7 +122,7 @@ def test_a_bucket_in_a_slot_travels_in_parts_of_whole_groups(slots):
 
 def test_a_bucket_without_slots_travels_whole():
     packer = BucketPacker(64, part_bytes=8)
-    parts = [(b.index, b.part, b.last, b.nbytes) for b in packer.pack(iter(_groups([4, 4, 4, 4, 2])))]
+    parts = [(b.index, b.part, b.last, b.nbytes) for b in packer.pack(lazy(_groups([4, 4, 4, 4, 2])))]
     assert parts == [(0, 0, True, 64), (1, 0, True, 8)]
 
 
@@ -141,8 +141,8 @@ def test_publish_frees_a_slot_only_after_every_part_of_its_bucket_was_delivered(
         events.append(("deliver", (bucket.index, bucket.part)))
         return (bucket.index, bucket.part)
 
-    out = transport.publish(packer.pack(iter(_groups([4, 4, 4, 4, 4, 4, 4]))), {0: deliver}, 1.0)
-    assert (out.buckets, out.bytes, out.largest) == (4, 112, 32)
+    out = transport.publish(packer.pack(lazy(_groups([4, 4, 4, 4, 4, 4, 4]))), {0: deliver}, 1.0)
+    assert (out.buckets, out.bytes) == (4, 112)
     assert events == [
         ("deliver", (0, 0)), ("deliver", (0, 1)), ("settle", []),
         ("deliver", (1, 0)), ("deliver", (1, 1)), ("settle", [(0, 0), (0, 1)]),  # before bucket 2 reuses slot 0
