@@ -15,7 +15,10 @@ preflight (`moe_rl.orchestration.preflight`) with every component's rules.
 
 Files are UTF-8. An empty recipe file (nothing, or only comments) is an error, and so is an empty
 quantization recipe (a recipe named by `rollout.quant` must define its `quant` section); an empty
-`defaults:` piece is a placeholder layer and adds nothing.
+`defaults:` piece is a placeholder layer and adds nothing. A file or override whose YAML aliases
+expand it past `MAX_VALUES` values (an "alias bomb": a few lines of nested anchors can stand for
+billions of values) is refused as it is parsed, before anything walks it; a value that refers to
+itself is refused too. Errors show a value only in part (`brief`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import reprlib
 import typing
 from collections.abc import Iterable, Sequence
 from enum import Enum
@@ -37,19 +41,120 @@ from moe_rl.config.schema import CHOICES, RecipeConfig
 from moe_rl.config.validate import check_values
 from moe_rl.errors import ConfigError
 
+MAX_VALUES = 100_000
+"""The most values (scalars, lists and mappings, counted at every use of a YAML alias) one recipe
+file or override may hold: recipes hold hundreds; nested aliases can make a few lines stand for
+billions, which OmegaConf and the checks would build and walk one by one."""
+_SIZE_CAP = 10**15  # sizes are counted up to here (a chain of aliases can grow past any number)
+
+BRIEF_CHARS = 120
+"""The most characters of a value an error message shows (`brief`)."""
+
+
+def brief(value: Any) -> str:
+    """``repr(value)``, cut to `BRIEF_CHARS` characters (with how long it was) for error messages:
+    a long value in a recipe must not make its error line long (nor slow to build: a list is cut
+    before it is printed whole)."""
+    text = _cut(_REPR.repr(value))
+    return (
+        f"{text} ({len(value)} characters)" if isinstance(value, str) and len(value) > BRIEF_CHARS else text
+    )
+
+
+def _cut(text: str, limit: int = BRIEF_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = BRIEF_CHARS
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+
+
+class TooManyValues(yaml.YAMLError):
+    """The document expands to more than `MAX_VALUES` values with its aliases followed, or a value
+    refers to itself; ``key`` is where (dotted keys and list indices; empty: the whole file)."""
+
+    def __init__(self, key: str, line: int, values: int | None):
+        where = f"`{key}`" if key else "a value" if values is None else "the file"
+        if values is None:
+            what = "refers to itself through a YAML alias"
+        else:
+            count = f"{values:,}" if values <= _SIZE_CAP else f"more than {_SIZE_CAP:,}"
+            what = f"expands to {count} values with its YAML aliases followed; a recipe holds at most {MAX_VALUES:,}"
+        super().__init__(f"line {line}: {where} {what}")
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _expanded_sizes(root: yaml.Node) -> dict[int, int]:
+    """How many values each node of a composed document stands for, every alias followed (a node
+    shared through an alias counted at each use), by id; in time linear in the nodes as written.
+    Raises `TooManyValues` for a node that contains itself."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # started, not finished: the ancestors of what is visited
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            open_.discard(id(node))
+            sizes[id(node)] = min(_SIZE_CAP + 1, 1 + sum(sizes[id(c)] for c in _children(node)))
+        elif id(node) in open_:
+            raise TooManyValues("", node.start_mark.line + 1, None)
+        elif id(node) not in sizes:
+            open_.add(id(node))
+            stack.append((node, True))
+            stack += [(child, False) for child in _children(node)]
+    return sizes
+
+
+def _check_size(root: yaml.Node) -> None:
+    """Refuse a document that stands for more than `MAX_VALUES` values, naming the deepest key
+    that alone does."""
+    sizes = _expanded_sizes(root)
+    if sizes[id(root)] <= MAX_VALUES:
+        return
+    node, keys = root, []
+    while True:
+        if isinstance(node, yaml.MappingNode):
+            parts = [(str(k.value) if isinstance(k, yaml.ScalarNode) else "?", v) for k, v in node.value]
+        elif isinstance(node, yaml.SequenceNode):
+            parts = [(f"[{i}]", v) for i, v in enumerate(node.value)]
+        else:
+            parts = []
+        big = [(key, child) for key, child in parts if sizes[id(child)] > MAX_VALUES]
+        if not big:
+            break
+        key, node = big[0]
+        keys.append(key)
+    raise TooManyValues(".".join(keys).replace(".[", "["), node.start_mark.line + 1, sizes[id(node)])
+
 
 class DuplicateKey(yaml.YAMLError):
     """A mapping gives one key twice (YAML would keep the last silently)."""
 
     def __init__(self, key: str, line: int, first: int):
-        super().__init__(f"line {line}: `{key}` is given twice (first at line {first})")
+        super().__init__(f"line {line}: `{_cut(key)}` is given twice (first at line {first})")
         self.key, self.line, self.first = key, line, first
 
 
 class _YamlLoader(yaml.SafeLoader):
     """YAML with 1.2 booleans: only true/false are booleans, so `off`, `on`, `yes`, `no` stay
     strings (`algo.routing_replay: off`); a key given twice in one mapping is an error, not the
-    last one silently winning (a second `rollout:` section would replace the whole first)."""
+    last one silently winning (a second `rollout:` section would replace the whole first); a
+    document whose aliases expand it past `MAX_VALUES` values is refused once composed, before
+    anything is built from it (`_check_size`)."""
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            _check_size(node)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -101,11 +206,22 @@ def _read_yaml(path: Path) -> dict[str, Any] | None:
         data = parse_yaml(_read_text(path))
     except DuplicateKey as exc:
         raise ConfigError(f"{path} {exc}; give each key once") from None
+    except TooManyValues as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from exc
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: where and what (its own message quotes the lines around it)."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return _cut(" ".join(str(exc).split()), 2 * BRIEF_CHARS)
+    context = getattr(exc, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
 
 def _resolve_piece(root: Path, name: str) -> Path:
@@ -125,7 +241,7 @@ def _load_layers(path: Path, root: Path, seen: tuple[Path, ...] = ()) -> list[tu
     data = data or {}  # an empty piece adds nothing
     defaults = data.pop("defaults", [])
     if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
-        raise ConfigError(f"{path}: `defaults` must be a list of recipe piece names, got {defaults!r}")
+        raise ConfigError(f"{path}: `defaults` must be a list of recipe piece names, got {brief(defaults)}")
     layers: list[tuple[Path, dict]] = []
     for piece in defaults:
         layers += _load_layers(_resolve_piece(root, piece), root, (*seen, path))
@@ -176,7 +292,9 @@ def check_keys(data: dict[str, Any], source: str, cls: type = RecipeConfig, path
             if value is None:
                 continue
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: `{path}{key}` is a section; expected a mapping, got {value!r}")
+                raise ConfigError(
+                    f"{source}: `{path}{key}` is a section; expected a mapping, got {brief(value)}"
+                )
             check_keys(value, source, types[key], f"{path}{key}.")
 
 
@@ -186,17 +304,19 @@ def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, Any]:
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override `{item}` is not of the form section.key=value")
+            raise ConfigError(f"override `{_cut(item)}` is not of the form section.key=value")
         try:
             value = parse_yaml(text) if text else None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"override `{item}`: the value is not valid YAML: {exc}") from exc
+            raise ConfigError(
+                f"override `{_cut(item)}`: the value is not valid YAML: {_yaml_problem(exc)}"
+            ) from exc
         *parents, leaf = key.split(".")
         node = out
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override `{item}` conflicts with an earlier override of `{part}`")
+                raise ConfigError(f"override `{_cut(item)}` conflicts with an earlier override of `{part}`")
         node[leaf] = value
     return out
 
@@ -218,7 +338,7 @@ def _typed_modes(data: dict[str, Any], path: str = "") -> dict[str, Any]:
                 value = mode(text)
             except ValueError:
                 valid = ", ".join(member.value for member in mode)
-                raise ConfigError(f"{full}={text!r} is not one of: {valid}") from None
+                raise ConfigError(f"{full}={brief(text)} is not one of: {valid}") from None
         out[key] = value
     return out
 
@@ -242,7 +362,7 @@ def _merge(layers: Iterable[tuple[str, dict[str, Any]]]) -> DictConfig:
         except OmegaConfBaseException as exc:
             key = getattr(exc, "full_key", None) or "?"
             raise ConfigError(
-                f"{source}: `{key}` expects {_expected_type(key)}: {str(exc).splitlines()[0]}"
+                f"{source}: `{key}` expects {_expected_type(key)}: {_cut(str(exc).splitlines()[0], 2 * BRIEF_CHARS)}"
             ) from exc
     return merged  # type: ignore[return-value]
 

@@ -1,0 +1,129 @@
+"""A recipe cannot stall the loader, nor make an error line long: a file whose YAML aliases expand
+it to ~10^8 values (an "alias bomb", a dozen lines of nested anchors) is refused as it is parsed,
+with one line naming the file, the line and the key, wherever it is: the recipe body, a `defaults:`
+piece or the `defaults:` list itself; a value that refers to itself likewise. Before, `config
+check` built the expansion (the `defaults:` one printed half a gigabyte, ~20 s). Each command runs
+in a process of its own under a deadline (`run_cli`'s timeout): a stall fails the test, no
+wall-clock assert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import ConfigError, load_recipe
+from moe_rl.config.loader import BRIEF_CHARS, MAX_VALUES, brief
+from tests.cli_testing import run_cli
+
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+DEADLINE_S = 120  # the loader refuses in well under a second; building the expansion takes minutes
+
+
+def _bomb(levels: int = 8, indent: str = "") -> str:
+    """Anchors nested ``levels`` deep, each a list of ten uses of the one before: the last stands
+    for ~10^levels values."""
+    lines = [f"{indent}l0: &l0 [{', '.join(['x'] * 10)}]"]
+    lines += [f"{indent}l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def _recipes(tmp_path: Path) -> Path:
+    """A recipes folder beside the project's pieces (a user's own recipes compose them)."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    for piece in ("model", "algo", "quant", "tiny_moe.yaml"):
+        (folder / piece).symlink_to(RECIPES / piece)
+    return folder
+
+
+def _one_line(out) -> str:
+    lines = [line for line in out.stderr.splitlines() if not line.startswith("heavy:")]
+    lines += out.stdout.splitlines()
+    assert out.returncode != 0 and len(lines) == 1, (out.returncode, lines[:5])
+    assert "Traceback" not in lines[0] and len(lines[0]) < 600, lines[0][:1000]
+    return lines[0]
+
+
+def test_an_alias_bomb_in_the_recipe_body_is_refused_as_it_is_parsed(tmp_path):
+    recipe = _recipes(tmp_path) / "bomb.yaml"
+    recipe.write_text("defaults:\n  - tiny_moe\nenv:\n  kwargs:\n" + _bomb(indent="    "))
+    out, heavy = run_cli("config", "check", str(recipe), timeout=DEADLINE_S)
+    line = _one_line(out)
+    assert f"{recipe}: line 9: `env.kwargs.l4` expands to 111,111 values" in line, line
+    assert f"a recipe holds at most {MAX_VALUES:,}" in line and not heavy
+
+
+def test_an_alias_bomb_in_a_defaults_piece_stops_train_before_anything_starts(tmp_path):
+    folder = _recipes(tmp_path)
+    (folder / "piece.yaml").write_text("run:\n  name: x\n" + _bomb())
+    recipe = folder / "uses_piece.yaml"
+    recipe.write_text("defaults:\n  - tiny_moe\n  - piece\n")
+    out, heavy = run_cli("train", str(recipe), f"run.output_dir={tmp_path / 'runs'}", timeout=DEADLINE_S)
+    line = _one_line(out)
+    assert f"{folder / 'piece.yaml'}: line 7: `l4` expands to 111,111 values" in line, line
+    assert out.returncode == 2 and not heavy and not (tmp_path / "runs").exists()
+
+
+def test_an_alias_bomb_as_the_defaults_list_is_refused(tmp_path):
+    recipe = _recipes(tmp_path) / "bomb.yaml"
+    recipe.write_text(_bomb() + "defaults: *l7\n")
+    line = _one_line(run_cli("config", "check", str(recipe), timeout=DEADLINE_S)[0])
+    assert f"{recipe}: line 5: `l4` expands to 111,111 values" in line, line
+
+
+def test_an_alias_bomb_in_an_override_is_refused():
+    value = "{" + _bomb().replace("\n", ", ").rstrip(", ") + "}"
+    out, _ = run_cli(
+        "config", "show", str(RECIPES / "tiny_moe.yaml"), f"env.kwargs={value}", timeout=DEADLINE_S
+    )
+    line = _one_line(out)
+    assert (
+        "override `env.kwargs={l0: &l0 [x, x," in line and "line 1: `l4` expands to 111,111 values" in line
+    ), line
+
+
+def test_a_value_that_refers_to_itself_is_refused(tmp_path):
+    recipe = _recipes(tmp_path) / "loop.yaml"
+    recipe.write_text("defaults:\n  - tiny_moe\nenv:\n  kwargs:\n    a: &a [1, *a]\n")
+    line = _one_line(run_cli("config", "check", str(recipe), timeout=DEADLINE_S)[0])
+    assert f"{recipe}: line 5: a value refers to itself through a YAML alias" in line, line
+
+
+def test_a_recipe_just_under_the_bound_loads(tmp_path):
+    """The bound counts values as the aliases expand them: four levels (11,111 values) load whole."""
+    recipe = _recipes(tmp_path) / "fine.yaml"
+    recipe.write_text("defaults:\n  - tiny_moe\nenv:\n  kwargs:\n" + _bomb(levels=4, indent="    "))
+    kwargs = load_recipe(recipe).env.kwargs
+    assert len(kwargs["l3"]) == 10 and kwargs["l3"][9][9][9] == ["x"] * 10
+
+
+LONG = "y" * 5000
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (f"rollout:\n  engine: {LONG}\n", "rollout.engine='yyy"),
+        (f"run: {LONG}\n", "`run` is a section; expected a mapping, got 'yyy"),
+        (f"rollout:\n  batch_size: {LONG}\n", "`rollout.batch_size` expects int: Value 'yyy"),
+        (f"defaults: [{', '.join(['1'] * 5000)}]\n", "`defaults` must be a list of recipe piece names, got [1, 1,"),
+        (f"{LONG[:1000]}: 1\n{LONG[:1000]}: 2\n", "line 4: `yyy"),
+        (f"{LONG}: 1\n", "not valid YAML: line 3, column 5001: could not find expected ':' (while scanning a simple key)"),
+    ],
+    ids=["mode", "section", "int", "defaults", "duplicate-key", "key-too-long"],
+)  # fmt: skip
+def test_an_error_shows_a_long_value_only_in_part(tmp_path, body, expected):
+    recipe = _recipes(tmp_path) / "long.yaml"
+    recipe.write_text(body if body.startswith("defaults") else "defaults:\n  - tiny_moe\n" + body)
+    with pytest.raises(ConfigError) as info:
+        load_recipe(recipe)
+    message = str(info.value)
+    assert expected in message and len(message) < 2 * BRIEF_CHARS + len(str(recipe)) + 120, message[:600]
+
+
+def test_brief_cuts_a_value_and_says_how_long_it_was():
+    assert brief("abc") == "'abc'"
+    text = brief(LONG)
+    assert text.endswith("(5000 characters)") and len(text) < BRIEF_CHARS + 30
+    assert brief(list(range(10_000))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...]"
