@@ -40,6 +40,7 @@ from moe_rl.megatron.compat import (
     te_available,
     token_dispatcher,
 )
+from moe_rl.megatron.rules import HF_ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ YARN_FIELDS = {
 
 def _qwen3_hf_fields(model: ModelConfig) -> dict[str, Any]:
     return {
-        "architectures": ["Qwen3MoeForCausalLM"],
+        "architectures": [HF_ARCHITECTURES[Family.QWEN3_MOE]],
         "model_type": "qwen3_moe",
         "num_key_value_heads": model.num_key_value_heads,
         "head_dim": model.head_dim,
@@ -310,7 +311,7 @@ def _qwen3_hf_fields(model: ModelConfig) -> dict[str, Any]:
 def _deepseek_hf_fields(model: ModelConfig) -> dict[str, Any]:
     grouped = model.moe_router_num_groups is not None
     return {
-        "architectures": ["DeepseekV3ForCausalLM"],
+        "architectures": [HF_ARCHITECTURES[Family.DEEPSEEK_V3]],
         "model_type": "deepseek_v3",
         "num_key_value_heads": model.num_attention_heads,
         "intermediate_size": model.ffn_hidden_size,

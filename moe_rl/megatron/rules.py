@@ -1,14 +1,27 @@
 """The rules of the Megatron layer on a recipe: how the world splits into TP / PP / EP / ETP / CP /
-DP, what the model's shapes must divide, what routing replay can replay. Parallel init and
-`RoutingReplay` enforce them at run time; the trainer's rules (`moe_rl.trainer.rules`) include
-them, and the preflight (`moe_rl.orchestration.preflight`) calls them before anything loads. Imports no torch.
+DP, what the model's shapes must divide, what routing replay can replay, which Hugging Face
+checkpoints it converts (`HF_ARCHITECTURES`, `checkpoint_rule`). Parallel init, `RoutingReplay`
+and the weight loader enforce them at run time; the trainer's rules (`moe_rl.trainer.rules`)
+include the layout's, and the preflight (`moe_rl.orchestration.preflight`) calls them before
+anything loads. Imports no torch.
 """
 
 from __future__ import annotations
 
-from moe_rl.config.modes import Attention, ReplayMode
-from moe_rl.config.schema import ParallelConfig, RecipeConfig
+import json
+from pathlib import Path
+
+from moe_rl.config.modes import Attention, Family, ReplayMode
+from moe_rl.config.schema import ModelConfig, ParallelConfig, RecipeConfig
 from moe_rl.rules import Rule, divisible, first_broken
+
+HF_ARCHITECTURES: dict[Family, str] = {
+    Family.QWEN3_MOE: "Qwen3MoeForCausalLM",
+    Family.DEEPSEEK_V3: "DeepseekV3ForCausalLM",
+}
+"""The Hugging Face architecture of each model family: what the Megatron layer builds for it and
+converts weights of (`moe_rl.megatron.hf_weights`), and what it writes in a ``config.json``
+(`moe_rl.megatron.model.model_config_to_hf_config`). Kimi-K2 is a ``DeepseekV3ForCausalLM``."""
 
 
 def layout_rules(p: ParallelConfig) -> list[Rule]:
@@ -87,3 +100,52 @@ def check_layout(parallel: ParallelConfig, world_size: int) -> None:
     import dataclasses
 
     first_broken(layout_rules(dataclasses.replace(parallel, trainer_world_size=world_size)))
+
+
+def checkpoint_rule(model: ModelConfig, folder: Path) -> Rule:
+    """`model.hf_path` (a folder with ``config.json`` and ``*.safetensors``, as this machine sees
+    it) holds weights the trainer can load for ``model.family``: its ``config.json`` names the
+    family's architecture (`HF_ARCHITECTURES`), and every ``*.safetensors`` file has a safetensors
+    header (read alone, no tensor loaded). Refused, the line names the architecture the folder has
+    and the supported ones: the weights of another architecture would fail to load once the run
+    has started, with names the trainer does not know."""
+    key = f"model.hf_path={folder}"
+    want = HF_ARCHITECTURES[model.family]
+    supported = ", ".join(f"{arch} (model.family={family})" for family, arch in HF_ARCHITECTURES.items())
+    try:
+        hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return Rule("model checkpoint", False, f"{key}: config.json is not JSON ({exc})")
+    except OSError as exc:
+        return Rule("model checkpoint", False, f"{key}: config.json cannot be read ({exc.strerror or exc})")
+    named = hf_config.get("architectures") if isinstance(hf_config, dict) else None
+    if not isinstance(named, list) or want not in named:
+        has = (
+            ", ".join(map(str, named)) if isinstance(named, list) and named
+            else f"no architecture (model_type={hf_config.get('model_type') if isinstance(hf_config, dict) else None})"
+        )  # fmt: skip
+        return Rule(
+            "model checkpoint", False, f"{key}: config.json names {has}",
+            advice=f"the trainer converts {supported}; model.family={model.family} needs {want}",
+        )  # fmt: skip
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem is not None:
+            return Rule(
+                "model checkpoint", False, f"{key}: {path.name} is not a safetensors file ({problem})"
+            )
+    return Rule("model checkpoint", True, f"{key}: {want} for model.family={model.family}")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` has no readable safetensors header (None: it has one). safetensors' own reader
+    opens it and reads the header only; no tensor is loaded, no torch imported."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy"):
+            return None
+    except SafetensorError as exc:
+        return str(exc)
+    except OSError as exc:
+        return exc.strerror or str(exc)

@@ -5,8 +5,8 @@ Each rule lives with the component that enforces it at run time and is returned 
 * ``recipe``: the recipe's own consistency (values, model, batches, algorithm, data, ...) —
   `moe_rl.config.validate.recipe_rules`;
 * ``inputs``: the files a run reads exist, as this machine sees them (the dataset, stored
-  trajectories, the model checkpoint) — `input_rules`; ``paths=False`` (``--skip-path-checks``)
-  leaves them to the machines that run the job;
+  trajectories, the model checkpoint and its architecture) — `input_rules`; ``paths=False``
+  (``--skip-path-checks``) leaves them to the machines that run the job;
 * ``reward``: the synthetic task against the model — `moe_rl.rewards.registry.reward_rules`;
 * ``trainer``: parallel layout, batch packing, routing replay, objectives —
   `moe_rl.trainer.rules.trainer_rules`;
@@ -44,6 +44,7 @@ from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.validate import recipe_rules
 from moe_rl.device import Machine, RunDevice
 from moe_rl.errors import ConfigError, UserError, user_error_of
+from moe_rl.megatron.rules import checkpoint_rule
 from moe_rl.orchestration.placement import placement_rules
 from moe_rl.rewards.registry import reward_rules
 from moe_rl.rollout.capabilities import engine_rules
@@ -114,8 +115,9 @@ SKIP_PATHS = "--skip-path-checks"
 def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs] | None = None) -> list[Rule]:
     """The files a run reads, as this machine sees them (relative paths from where the command
     runs): the dataset of `data.task`, the stored trajectories of `data.trajectories`, the model
-    checkpoint of `model.hf_path` (a folder with ``config.json`` and ``*.safetensors``); a real
-    dataset without `model.hf_path` is warned about (the model would start from random weights).
+    checkpoint of `model.hf_path` (a folder with ``config.json`` and ``*.safetensors``, of an
+    architecture the trainer converts: `moe_rl.megatron.rules.checkpoint_rule`); a real dataset
+    without `model.hf_path` is warned about (the model would start from random weights).
     When they are there, what a user gave is read as the run will read it (`_read_rule`).
     ``paths=False``: none is looked at (they exist only where the job runs)."""
     if not paths:
@@ -170,6 +172,8 @@ def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs]
                 rule.name, False, f"model.hf_path={hf_path}: no *.safetensors weights in the folder ({here})"
             )
         rules.append(rule)
+        if rule.ok:  # what the folder holds: the Megatron layer says what it converts
+            rules.append(checkpoint_rule(config.model, folder))
     if reads_user_inputs(config) and not any(rule.broken for rule in rules):
         rules.append(_read_rule(config, built))
     if config.model.init_from is not None:
