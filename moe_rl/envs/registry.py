@@ -1,15 +1,17 @@
 """`env.name` → a maker of environments: the built-in ones (`ENVIRONMENTS`) or a user class named
-``package.module:Class``, checked when the maker is built (see `build_env_factory`)."""
+``package.module:Class`` (installed, on PYTHONPATH or in the working directory:
+`moe_rl.rewards.functions.import_user_module`), checked when the maker is built (see
+`build_env_factory`)."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from moe_rl.envs.base import Environment, is_int
 from moe_rl.envs.calculator import CalculatorEnv
 from moe_rl.errors import EnvError
+from moe_rl.rewards.functions import import_user_module
 from moe_rl.rewards.tasks import Prompt
 
 ENVIRONMENTS: dict[str, type[Environment]] = {"calculator": CalculatorEnv}
@@ -41,7 +43,7 @@ def _load_class(spec: str) -> type:
             "or `package.module:Class` for your own"
         )
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)  # the working directory too
     except ImportError as exc:
         raise EnvError(f"env.name={spec!r}: cannot import {module_name}: {exc}") from exc
     obj: Any = module

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 from moe_rl.errors import RewardFunctionError
 
@@ -35,6 +39,28 @@ def math_answer(response: str, answer: str) -> float:
     return float(bool(predicted) and verify(gold, predicted, timeout_seconds=seconds))
 
 
+def import_user_module(name: str) -> ModuleType:
+    """The module of a user's `module:function` or `module:Class`, from the installed packages and
+    PYTHONPATH, else from the working directory (a ``name.py`` or ``name/`` there, which `python -m`
+    finds and the `moe-rl` command alone does not): the folder is then added to the end of
+    ``sys.path``. Ray adds the driver's working directory to its workers' path, so the reward
+    worker imports it too. Not found anywhere, the error says where it looked and what to do."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        top, here = name.partition(".")[0], os.getcwd()
+        if exc.name != top:  # found, but it (or what it imports) is not
+            raise
+        if here in sys.path or not ((Path(here) / f"{top}.py").is_file() or (Path(here) / top).is_dir()):
+            raise ModuleNotFoundError(
+                f"no module named {top!r} in the installed packages, PYTHONPATH or the working directory "
+                f"{here}; put {top}.py in the folder you run moe-rl from, or add its folder to PYTHONPATH",
+                name=top,
+            ) from None
+    sys.path.append(here)
+    return importlib.import_module(name)
+
+
 def load_user_function(spec: str) -> TextReward:
     """`package.module:function` → the function (called as `fn(response_text, answer_text)`)."""
     module_name, sep, attr = spec.partition(":")
@@ -43,7 +69,7 @@ def load_user_function(spec: str) -> TextReward:
             f"data.reward={spec!r}: a user reward is given as `package.module:function`"
         )
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)
     except ImportError as exc:
         raise RewardFunctionError(f"data.reward={spec!r}: cannot import {module_name}: {exc}") from exc
     fn = getattr(module, attr, None)
