@@ -31,6 +31,17 @@ def _add_paths_flag(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _sweep_arg(text: str) -> tuple[str, list[str]]:
+    """``KEY=V1,V2,...`` of `plan --sweep`: the recipe key and its values."""
+    key, _, values = text.partition("=")
+    parts = [v.strip() for v in values.split(",")]
+    if not key.strip() or "." not in key or not all(parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected section.key=V1,V2,... (e.g. cluster.rollout_nodes=4,8,16)"
+        )
+    return key.strip(), parts
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-rl", description=__doc__)
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="default INFO")
@@ -105,9 +116,16 @@ def _add_slurm_parsers(sub: argparse._SubParsersAction) -> None:
         help="run this instead of `moe-rl train` (cluster smoke tests); it gets CONFIG [--resume RUN_DIR]",
     )
 
-    plan = sub.add_parser("plan", help="parameters, memory per GPU and parallel constraints of a recipe")
+    plan = sub.add_parser(
+        "plan", help="parameters, memory per GPU, step time by phase and parallel constraints of a recipe"
+    )
     _add_recipe_args(plan)
     plan.add_argument("--nodes", type=int, help="plan for this many nodes in all")
+    plan.add_argument(
+        "--sweep", type=_sweep_arg, metavar="KEY=V1,V2,...",
+        help="one row per value of a recipe key: the step's phases, its time and the verdict "
+        "(cluster.rollout_nodes also sets the engines and nodes, cluster.trainer_nodes the world size)",
+    )  # fmt: skip
     _add_paths_flag(plan)
 
     make_model = sub.add_parser(
@@ -226,7 +244,9 @@ def _submit_command(args: argparse.Namespace) -> int:
 def _plan_command(args: argparse.Namespace) -> int:
     from launch.plan import plan_command
 
-    return plan_command(args.recipe, args.overrides, nodes=args.nodes, paths=args.check_paths)
+    return plan_command(
+        args.recipe, args.overrides, nodes=args.nodes, paths=args.check_paths, sweep=args.sweep
+    )
 
 
 def _make_model_command(args: argparse.Namespace) -> int:

@@ -1,21 +1,9 @@
 """`moe-rl plan`: what a recipe costs and whether Megatron-core and vLLM will accept its layout,
 computed from the recipe alone (no torch, no GPU).
 
-Parameter counts (SwiGLU MLPs, RMSNorm, no linear biases, as in Qwen3-MoE and DeepSeek-V3; the
-projections' sizes are `moe_rl.config.flops`'s, the one home of that arithmetic):
-
-- embedding `V*h`; LM head `V*h` unless tied; final norm `h`;
-- per layer: two norms `2h`, plus attention
-  - GQA: `h*H*d` (q) + `2*h*K*d` (k, v) + `H*d*h` (o) + `2d` (Qwen3's per-head q/k norms);
-  - MLA: q = `h*r_q + r_q + r_q*H*(d_nope+d_rope)` with a query LoRA (else `h*H*(d_nope+d_rope)`),
-    kv = `h*(r_kv+d_rope) + r_kv + r_kv*H*(d_nope+d_v)`, o = `H*d_v*h`;
-- the first `first_k_dense_layers` layers: a dense MLP `3*h*ffn`;
-- every other layer: router `h*E` (+ `E` expert bias), `E` routed experts of `3*h*f_e` each, and
-  `S` shared experts of `3*h*f_e` each.
-
-Active parameters per token: everything except the `E - k` routed experts a token skips in each
-MoE layer. `active` counts the embedding table (Qwen and Kimi report it this way);
-`active_without_embedding` drops the input embedding, as DeepSeek-V3 reports (36.6B).
+Parameter counts are `moe_rl.config.flops.count_params`' (the one home of the projection sizes and
+what they add up to); an engine's weights and KV cache are `moe_rl.config.derived`'s; a step's time
+by phase is `moe_rl.config.step_time`'s.
 
 Memory per GPU (Megatron-core, busiest pipeline stage): weights in the training precision, fp32
 gradient buffers, Adam states of 12 bytes per parameter (fp32 master copy, m and v; 8 without a
@@ -35,125 +23,29 @@ from dataclasses import dataclass
 
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe
 from moe_rl.config.derived import (
+    BF16,
+    FP32,
+    GIB,
     PlacementMode,
+    RolloutMemory,
     data_parallel_size,
     expert_data_parallel_size,
     longest_sequence,
     placement_mode,
     releases_memory,
+    rollout_memory,
+    rollout_weight_bytes,
 )
-from moe_rl.config.flops import attention_weights, mlp_weights
-from moe_rl.config.modes import Attention, Family, Granularity, Precision, QuantMethod
-from moe_rl.config.schema import ModelConfig, QuantConfig
+from moe_rl.config.derived import quant_bytes_per_weight as quant_bytes_per_weight
+from moe_rl.config.flops import ParamCounts, count_params
+from moe_rl.config.flops import attention_params as attention_params
+from moe_rl.config.modes import Attention, Precision
+from moe_rl.config.schema import ModelConfig
+from moe_rl.config.step_time import StepTime, step_time
 from moe_rl.config.sync_plan import SyncPlan, sync_plan
 from moe_rl.device import RunDevice
 from moe_rl.orchestration.preflight import preflight, target_machine
 from moe_rl.rules import Rule
-
-GIB = 1024**3
-BF16 = 2
-FP32 = 4
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameter counts of one model, by component."""
-
-    embedding: int
-    lm_head: int
-    final_norm: int
-    attention_per_layer: int
-    norms_per_layer: int
-    dense_mlp_per_layer: int
-    expert: int
-    shared_experts_per_layer: int
-    router_per_layer: int
-    num_layers: int
-    num_dense_layers: int
-    num_experts: int
-    topk: int
-
-    @property
-    def num_moe_layers(self) -> int:
-        return self.num_layers - self.num_dense_layers
-
-    def layer(self, index: int) -> tuple[int, int]:
-        """(non-expert, routed-expert) parameters of layer `index`."""
-        base = self.attention_per_layer + self.norms_per_layer
-        if index < self.num_dense_layers:
-            return base + self.dense_mlp_per_layer, 0
-        return base + self.router_per_layer + self.shared_experts_per_layer, self.num_experts * self.expert
-
-    def components(self) -> list[tuple[str, int, int]]:
-        """(name, total, active) rows that add up to `total` and `active`."""
-        moe, dense = self.num_moe_layers, self.num_dense_layers
-        return [
-            ("embedding", self.embedding, self.embedding),
-            (
-                "attention",
-                self.num_layers * self.attention_per_layer,
-                self.num_layers * self.attention_per_layer,
-            ),
-            ("dense MLP", dense * self.dense_mlp_per_layer, dense * self.dense_mlp_per_layer),
-            ("routed experts", moe * self.num_experts * self.expert, moe * self.topk * self.expert),
-            ("shared experts", moe * self.shared_experts_per_layer, moe * self.shared_experts_per_layer),
-            ("routers", moe * self.router_per_layer, moe * self.router_per_layer),
-            ("norms", self.norms, self.norms),
-            ("LM head", self.lm_head, self.lm_head),
-        ]
-
-    @property
-    def total(self) -> int:
-        return sum(total for _, total, _ in self.components())
-
-    @property
-    def norms(self) -> int:
-        return self.num_layers * self.norms_per_layer + self.final_norm
-
-    @property
-    def active(self) -> int:
-        return sum(active for _, _, active in self.components())
-
-    @property
-    def active_without_embedding(self) -> int:
-        return self.active - self.embedding
-
-    @property
-    def expert_total(self) -> int:
-        return self.num_moe_layers * self.num_experts * self.expert
-
-
-def attention_params(m: ModelConfig) -> int:
-    """Attention parameters of one layer: the projections (`moe_rl.config.flops.attention_weights`)
-    and their norms, Qwen3's per-head q/k norms (GQA) or the norms of MLA's query and key-value
-    latents."""
-    if m.attention == Attention.GQA:
-        norms = 2 * m.head_dim if m.family == Family.QWEN3_MOE else 0
-    else:
-        norms = (m.q_lora_rank or 0) + m.kv_lora_rank
-    return attention_weights(m) + norms
-
-
-def count_params(m: ModelConfig) -> ParamCounts:
-    """Parameter counts of the model a recipe describes."""
-    h = m.hidden_size
-    expert = mlp_weights(h, m.moe_ffn_hidden_size)
-    moe = m.num_experts > 0
-    return ParamCounts(
-        embedding=m.vocab_size * h,
-        lm_head=0 if m.tie_word_embeddings else m.vocab_size * h,
-        final_norm=h,
-        attention_per_layer=attention_params(m),
-        norms_per_layer=2 * h,
-        dense_mlp_per_layer=mlp_weights(h, m.ffn_hidden_size),
-        expert=expert if moe else 0,
-        shared_experts_per_layer=m.num_shared_experts * expert if moe else 0,
-        router_per_layer=(h * m.num_experts + (m.num_experts if m.moe_router_enable_expert_bias else 0)),
-        num_layers=m.num_layers,
-        num_dense_layers=m.first_k_dense_layers if moe else m.num_layers,
-        num_experts=m.num_experts,
-        topk=m.moe_router_topk if moe else 0,
-    )
 
 
 @dataclass(frozen=True)
@@ -285,67 +177,6 @@ def trainer_memory(config: RecipeConfig, counts: ParamCounts) -> TrainerMemory:
             best = memory
     assert best is not None
     return TrainerMemory(best.params, best.weights, best.grads, best.optimizer, activation_bytes(config))
-
-
-def quant_bytes_per_weight(q: QuantConfig) -> float:
-    """Bytes per quantized weight, scales included: fp8 1 (+ one fp32 scale per block), int8 1,
-    int4-AWQ 0.5 + an fp16 scale per 128, NVFP4 0.5 + an fp8 scale per 16; bf16 otherwise."""
-    if q.method == QuantMethod.FP8:
-        return 1.0 + (FP32 / q.block_size**2 if q.granularity == Granularity.BLOCK else 0.0)
-    if q.method == QuantMethod.INT8:
-        return 1.0
-    if q.method == QuantMethod.INT4_AWQ:
-        return 0.5 + 2 / 128
-    if q.method == QuantMethod.NVFP4:
-        return 0.5 + 1 / 16
-    return float(BF16)
-
-
-def rollout_weight_bytes(config: RecipeConfig, counts: ParamCounts) -> float:
-    """Bytes of one model copy as the engines receive it: quantized linear weights; embeddings,
-    LM head, routers, norms and the excluded first/last layers stay bf16."""
-    q = config.quant
-    kept = counts.embedding + counts.lm_head + counts.final_norm
-    kept += counts.num_layers * counts.norms_per_layer + counts.num_moe_layers * counts.router_per_layer
-    skipped = [i for i in range(counts.num_layers) if i < q.exclude_first_layers]
-    skipped += [i for i in range(counts.num_layers) if i >= counts.num_layers - q.exclude_last_layers]
-    for i in set(skipped):
-        kept += sum(counts.layer(i)) - counts.norms_per_layer
-        kept -= counts.router_per_layer if i >= counts.num_dense_layers else 0
-    return kept * BF16 + (counts.total - kept) * quant_bytes_per_weight(q)
-
-
-def kv_bytes_per_token(m: ModelConfig, rollout_tp: int) -> float:
-    """bf16 KV cache bytes per token on one engine GPU: GQA shards KV heads over TP (replicated
-    when TP > KV heads); MLA caches the latent (r_kv + d_rope) on every TP rank."""
-    if m.attention == Attention.MLA:
-        return m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * BF16
-    heads = max(1, m.num_key_value_heads // rollout_tp)
-    return 2 * m.num_layers * heads * m.head_dim * BF16
-
-
-@dataclass(frozen=True)
-class RolloutMemory:
-    """One engine GPU: weights, the KV budget left by `gpu_memory_utilization`, its token count."""
-
-    weights_per_gpu: float
-    budget_per_gpu: float
-    kv_per_token: float
-
-    @property
-    def kv_per_gpu(self) -> float:
-        return self.budget_per_gpu - self.weights_per_gpu
-
-    @property
-    def kv_tokens(self) -> int:
-        return max(0, int(self.kv_per_gpu // self.kv_per_token))
-
-
-def rollout_memory(config: RecipeConfig, counts: ParamCounts) -> RolloutMemory:
-    r = config.rollout
-    budget = config.cluster.gpu_memory_gib * GIB * r.gpu_memory_utilization
-    weights = rollout_weight_bytes(config, counts) / r.tensor_parallel_size
-    return RolloutMemory(weights, budget, kv_bytes_per_token(config.model, r.tensor_parallel_size))
 
 
 def routing_trace_bytes_per_token(m: ModelConfig) -> int:
@@ -480,6 +311,10 @@ class Plan:
     checks: list[Rule]
     sync: SyncPlan | None = None
     """How every sync moves the weights (None: the recipe's sync route is refused, see `checks`)."""
+    step: StepTime | None = None
+    """The step's time by phase (`moe_rl.config.step_time`); None where it cannot be told."""
+    step_unknown: str = ""
+    """Why there is no step time: a phase that cannot run, a chip `auto` cannot tell (one line)."""
 
     @property
     def failures(self) -> list[Rule]:
@@ -497,7 +332,21 @@ def make_plan(config: RecipeConfig, paths: bool = True) -> Plan:
     checks = constraint_checks(config, paths)
     if config.cluster.gpus_per_node > 0:
         checks += memory_checks(config, trainer, rollout)
-    return Plan(config, counts, trainer, rollout, checks, _sync_plan(config))
+    sync = _sync_plan(config)
+    try:
+        step, unknown = step_time(config, sync, released_bytes(config, trainer)), ""
+    except ConfigError as e:
+        step, unknown = None, str(e)
+    return Plan(config, counts, trainer, rollout, checks, sync, step, unknown)
+
+
+def released_bytes(config: RecipeConfig, trainer: TrainerMemory) -> float:
+    """Bytes per trainer GPU a colocated step on GPUs moves to host memory and back
+    (`colocated_memory`): gradients and optimizer state, and the weights with
+    ``cluster.offload_params``; 0 where nothing is released."""
+    if config.cluster.gpus_per_node == 0 or not releases_memory(config, "cuda"):
+        return 0.0
+    return trainer.grads + trainer.optimizer + (trainer.weights if config.cluster.offload_params else 0.0)
 
 
 def _sync_plan(config: RecipeConfig) -> SyncPlan | None:
@@ -668,6 +517,38 @@ def _checks_table(plan: Plan):
     return table
 
 
+def _seconds(s: float) -> str:
+    if s >= 10:
+        return f"{s:,.1f} s"
+    return f"{s:.2f} s" if s >= 1 else (f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e3:.3f} ms")
+
+
+def _step_table(plan: Plan):
+    """The step's phases: seconds, share of the step, the bound, the numbers behind it."""
+    from rich.table import Table
+
+    t = plan.step
+    e = t.efficiency
+    title = (
+        f"Step time ({t.machine.name}; efficiency: generation {e.generation:.3g}, training MFU "
+        f"{e.train_mfu:.3g}, sync {e.sync:.3g})"
+    )
+    table = Table(title=title)
+    for name, justify in (
+        ("phase", "left"),
+        ("time", "right"),
+        ("share", "right"),
+        ("bound", "left"),
+        ("what", "left"),
+    ):
+        table.add_column(name, justify=justify)
+    for p in t.phases:
+        share = "beside" if p.overlapped else f"{p.seconds / t.seconds:.0%}"
+        table.add_row(p.name, _seconds(p.seconds), share, str(p.bound), p.detail)
+    table.add_row("[bold]step", f"[bold]{_seconds(t.seconds)}", "", "", t.how)
+    return table
+
+
 def shown_detail(rule: Rule) -> str:
     """What a row says: a rule that holds shows its values, one that does not (refused, or a
     warning) its values and the advice that helps (`Rule.advice`)."""
@@ -683,6 +564,10 @@ def render(plan: Plan, console) -> None:
     console.print(_rows_table("Per RL step", _traffic_rows(plan)))
     if plan.sync is not None:
         console.print(_rows_table("Weight sync", _sync_rows(plan)))
+    if plan.step is not None:
+        console.print(_step_table(plan))
+    else:
+        console.print(f"[bold]Step time:[/bold] {plan.step_unknown}")
     console.print(_checks_table(plan))
     if plan.ok:
         console.print("[bold green]PASS")
@@ -690,15 +575,90 @@ def render(plan: Plan, console) -> None:
         console.print("[bold red]FAIL: " + "; ".join(f"{c.name} ({c.detail})" for c in plan.failures))
 
 
-def plan_command(
-    recipe: str, overrides: Sequence[str] = (), nodes: int | None = None, paths: bool = True
+def sweep_overrides(config: RecipeConfig, key: str, value: str) -> list[str]:
+    """Overrides that set ``key`` to ``value`` and what follows from it: the rollout's nodes carry
+    as many engines of the recipe's TP as they hold (on the trainer's GPUs when 0) and the trainer's
+    nodes its world size, the node count both; any other key is set alone."""
+    c, r = config.cluster, config.rollout
+    out = [f"{key}={value}"]
+    if key not in ("cluster.rollout_nodes", "cluster.trainer_nodes") or c.gpus_per_node == 0:
+        return out
+    try:
+        n = int(value)
+    except ValueError:
+        return out
+    if key == "cluster.rollout_nodes":
+        gpus = (n or c.trainer_nodes) * c.gpus_per_node
+        return [
+            *out,
+            f"cluster.nodes={c.trainer_nodes + n}",
+            f"rollout.num_engines={max(1, gpus // r.tensor_parallel_size)}",
+        ]
+    return [
+        *out,
+        f"cluster.nodes={n + c.rollout_nodes}",
+        f"parallel.trainer_world_size={n * c.gpus_per_node}",
+    ]
+
+
+SWEEP_PHASES = (("generation", ("prefill", "decode")), ("π_old + ref", ("π_old", "reference")),
+                ("training", ("training",)), ("sync", ("weight sync",)), ("offload", ("offload",)))  # fmt: skip
+
+
+def sweep_row(plan: Plan) -> list[str]:
+    """One row of `--sweep`: each phase group's seconds, the step, its slowest phase, the verdict."""
+    verdict = "PASS" if plan.ok else f"FAIL: {plan.failures[0].name}"
+    t = plan.step
+    if t is None:
+        return ["–"] * (len(SWEEP_PHASES) + 2) + [plan.step_unknown, verdict]
+    cells = [
+        _seconds(sum(p.seconds for p in t.phases if p.name in names))
+        if any(p.name in names for p in t.phases)
+        else "–"
+        for _, names in SWEEP_PHASES
+    ]
+    return [*cells, _seconds(t.seconds), t.slowest.name, verdict]
+
+
+def sweep_command(
+    recipe: str, overrides: Sequence[str], key: str, values: Sequence[str], paths: bool = True
 ) -> int:
-    """`moe-rl plan`: print the plan of `recipe`; exit code 1 when a constraint fails."""
+    """`moe-rl plan --sweep KEY=V1,V2,...`: one row per value (its phases, step and verdict); exit
+    code 1 when a value's recipe fails a constraint."""
+    from rich.console import Console
+    from rich.table import Table
+
+    base = load_recipe(recipe, overrides)
+    plans = [
+        (v, make_plan(load_recipe(recipe, [*overrides, *sweep_overrides(base, key, v)]), paths))
+        for v in values
+    ]
+    table = Table(title=f"Step time by {key}")
+    for name in (key, *(n for n, _ in SWEEP_PHASES), "step", "slowest", "plan"):
+        table.add_column(name, justify="left" if name in (key, "slowest", "plan") else "right")
+    for value, plan in plans:
+        table.add_row(value, *sweep_row(plan))
+    Console(highlight=False, width=160).print(table)
+    return 0 if all(plan.ok for _, plan in plans) else 1
+
+
+def plan_command(
+    recipe: str,
+    overrides: Sequence[str] = (),
+    nodes: int | None = None,
+    paths: bool = True,
+    sweep: tuple[str, list[str]] | None = None,
+) -> int:
+    """`moe-rl plan`: print the plan of `recipe` (with ``sweep``, a row per value of its key);
+    exit code 1 when a constraint fails."""
     from rich.console import Console
 
     config = load_recipe(recipe, overrides)
     if nodes is not None:
-        config = load_recipe(recipe, [*overrides, *node_overrides(config, nodes, None)])
+        overrides = [*overrides, *node_overrides(config, nodes, None)]
+        config = load_recipe(recipe, overrides)
+    if sweep is not None:
+        return sweep_command(recipe, overrides, sweep[0], sweep[1], paths)
     plan = make_plan(config, paths)
     render(plan, Console(highlight=False, width=140))
     return 0 if plan.ok else 1

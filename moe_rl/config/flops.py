@@ -1,7 +1,7 @@
 """Model FLOPs of a recipe's model, counted from its shape: the one home of the count that the
-training loop's ``perf/tflops`` and ``perf/mfu`` and `bench/trainer_step.py` use, and of the
-projection sizes it is counted from (`attention_weights`, `mlp_weights`), which `moe-rl plan`
-counts parameters with.
+training loop's ``perf/tflops`` and ``perf/mfu``, `bench/trainer_step.py` and `moe-rl plan`'s step
+time use, of the projection sizes it is counted from (`attention_weights`, `mlp_weights`), and of
+the parameter counts by component (`count_params`) that `moe-rl plan` prints and budgets memory with.
 
 A multiply-add is 2 FLOPs. Counted per token of a forward pass: every product with a weight
 matrix (attention projections, GQA or MLA with its low-rank paths; the router; the routed experts
@@ -11,6 +11,21 @@ sees (causal: a sequence of ``s`` tokens has ``s(s+1)/2`` query-key pairs). Norm
 rotary embeddings, softmax and the embedding lookup are left out, as in the usual MFU accounting.
 A backward pass is twice its forward; activation recompute is not counted (model FLOPs, not
 hardware FLOPs).
+
+Parameter counts (SwiGLU MLPs, RMSNorm, no linear biases, as in Qwen3-MoE and DeepSeek-V3):
+
+- embedding `V*h`; LM head `V*h` unless tied; final norm `h`;
+- per layer: two norms `2h`, plus attention
+  - GQA: `h*H*d` (q) + `2*h*K*d` (k, v) + `H*d*h` (o) + `2d` (Qwen3's per-head q/k norms);
+  - MLA: q = `h*r_q + r_q + r_q*H*(d_nope+d_rope)` with a query LoRA (else `h*H*(d_nope+d_rope)`),
+    kv = `h*(r_kv+d_rope) + r_kv + r_kv*H*(d_nope+d_v)`, o = `H*d_v*h`;
+- the first `first_k_dense_layers` layers: a dense MLP `3*h*ffn`;
+- every other layer: router `h*E` (+ `E` expert bias), `E` routed experts of `3*h*f_e` each, and
+  `S` shared experts of `3*h*f_e` each.
+
+Active parameters per token: everything except the `E - k` routed experts a token skips in each
+MoE layer. `active` counts the embedding table (Qwen and Kimi report it this way);
+`active_without_embedding` drops the input embedding, as DeepSeek-V3 reports (36.6B).
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from moe_rl.config.modes import Attention
+from moe_rl.config.modes import Attention, Family
 from moe_rl.config.schema import ModelConfig
 
 BACKWARD_FACTOR = 2.0
@@ -118,4 +133,105 @@ def model_flops(model: ModelConfig) -> ModelFlops:
         dense_mlp=2.0 * dense_layers * mlp_weights(h, model.ffn_hidden_size),
         output=2.0 * h * model.vocab_size,
         per_pair=2.0 * model.num_layers * _pair_flops(model),
+    )
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of one model, by component."""
+
+    embedding: int
+    lm_head: int
+    final_norm: int
+    attention_per_layer: int
+    norms_per_layer: int
+    dense_mlp_per_layer: int
+    expert: int
+    shared_experts_per_layer: int
+    router_per_layer: int
+    num_layers: int
+    num_dense_layers: int
+    num_experts: int
+    topk: int
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    def layer(self, index: int) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters of layer `index`."""
+        base = self.attention_per_layer + self.norms_per_layer
+        if index < self.num_dense_layers:
+            return base + self.dense_mlp_per_layer, 0
+        return base + self.router_per_layer + self.shared_experts_per_layer, self.num_experts * self.expert
+
+    def components(self) -> list[tuple[str, int, int]]:
+        """(name, total, active) rows that add up to `total` and `active`."""
+        moe, dense = self.num_moe_layers, self.num_dense_layers
+        return [
+            ("embedding", self.embedding, self.embedding),
+            (
+                "attention",
+                self.num_layers * self.attention_per_layer,
+                self.num_layers * self.attention_per_layer,
+            ),
+            ("dense MLP", dense * self.dense_mlp_per_layer, dense * self.dense_mlp_per_layer),
+            ("routed experts", moe * self.num_experts * self.expert, moe * self.topk * self.expert),
+            ("shared experts", moe * self.shared_experts_per_layer, moe * self.shared_experts_per_layer),
+            ("routers", moe * self.router_per_layer, moe * self.router_per_layer),
+            ("norms", self.norms, self.norms),
+            ("LM head", self.lm_head, self.lm_head),
+        ]
+
+    @property
+    def total(self) -> int:
+        return sum(total for _, total, _ in self.components())
+
+    @property
+    def norms(self) -> int:
+        return self.num_layers * self.norms_per_layer + self.final_norm
+
+    @property
+    def active(self) -> int:
+        return sum(active for _, _, active in self.components())
+
+    @property
+    def active_without_embedding(self) -> int:
+        return self.active - self.embedding
+
+    @property
+    def expert_total(self) -> int:
+        return self.num_moe_layers * self.num_experts * self.expert
+
+
+def attention_params(m: ModelConfig) -> int:
+    """Attention parameters of one layer: the projections (`moe_rl.config.flops.attention_weights`)
+    and their norms, Qwen3's per-head q/k norms (GQA) or the norms of MLA's query and key-value
+    latents."""
+    if m.attention == Attention.GQA:
+        norms = 2 * m.head_dim if m.family == Family.QWEN3_MOE else 0
+    else:
+        norms = (m.q_lora_rank or 0) + m.kv_lora_rank
+    return attention_weights(m) + norms
+
+
+def count_params(m: ModelConfig) -> ParamCounts:
+    """Parameter counts of the model a recipe describes."""
+    h = m.hidden_size
+    expert = mlp_weights(h, m.moe_ffn_hidden_size)
+    moe = m.num_experts > 0
+    return ParamCounts(
+        embedding=m.vocab_size * h,
+        lm_head=0 if m.tie_word_embeddings else m.vocab_size * h,
+        final_norm=h,
+        attention_per_layer=attention_params(m),
+        norms_per_layer=2 * h,
+        dense_mlp_per_layer=mlp_weights(h, m.ffn_hidden_size),
+        expert=expert if moe else 0,
+        shared_experts_per_layer=m.num_shared_experts * expert if moe else 0,
+        router_per_layer=(h * m.num_experts + (m.num_experts if m.moe_router_enable_expert_bias else 0)),
+        num_layers=m.num_layers,
+        num_dense_layers=m.first_k_dense_layers if moe else m.num_layers,
+        num_experts=m.num_experts,
+        topk=m.moe_router_topk if moe else 0,
     )

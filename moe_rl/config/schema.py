@@ -510,6 +510,21 @@ class SFTConfig:
     """`sft.demonstrations=env`: how many to make (one per prompt)."""
 
 
+class GpuType(StrEnum):
+    """The chip of the cluster's nodes (``cluster.gpu_type``): what `moe-rl plan`'s step time reads
+    peak FLOP/s, memory and link bandwidths of (`moe_rl.config.step_time.MACHINES`)."""
+
+    AUTO = "auto"
+    """``cpu`` without GPUs (``cluster.gpus_per_node`` 0), else the GPU whose memory is
+    ``cluster.gpu_memory_gib`` (80: h100, 140 or 141: h200, 180: b200, 186: gb200)."""
+    H100 = "h100"
+    H200 = "h200"
+    B200 = "b200"
+    GB200 = "gb200"
+    CPU = "cpu"
+    """A CPU machine: the rates measured on the project's own (docs/plan_model.md)."""
+
+
 @dataclass
 class ClusterConfig:
     nodes: int = 1
@@ -552,6 +567,20 @@ class ClusterConfig:
     signal_grace_s: int = 120
     """Seconds before the time limit at which Slurm signals the job (`--signal=B:USR1@N`): the
     driver saves a checkpoint and, with `requeue`, the job requeues itself."""
+    gpu_type: GpuType = GpuType.AUTO
+    """The nodes' chip, whose peak FLOP/s and memory, NVLink, network and host-link bandwidths
+    `moe-rl plan`'s step time reads (`h100`, `h200`, `b200`, `gb200`, `cpu`); `auto`: `cpu` without
+    GPUs, else the GPU whose memory is `gpu_memory_gib` (80: h100, 140 or 141: h200, 180: b200,
+    186: gb200)."""
+    train_mfu: float = 0.103
+    """Model FLOP utilization `moe-rl plan`'s step time assumes for the π_old, reference and training
+    passes, against the chip's dense peak in `trainer.precision` and outside the pipeline's bubble;
+    the default is fitted on a published run (`moe_rl.config.step_time.FITTED`, docs/plan_model.md)."""
+    mean_length_fraction: float = 0.6
+    """The mean rollout sequence (prompt and response) as a fraction of the longest
+    (`data.max_prompt_len` + the response budget) that `moe-rl plan`'s step time assumes: the
+    trainer's tokens and the engines' KV-cache reads scale with it, the decode steps with the
+    longest response."""
 
 
 @dataclass

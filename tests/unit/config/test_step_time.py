@@ -1,0 +1,315 @@
+"""The step-time model (`moe_rl.config.step_time`): every phase of a hand-sized MoE against a hand
+count, the overlap of an asynchronous step, the sync's route and link, the chip a recipe names, and
+the refusals (an unknown chip, a factor out of range, a KV cache that holds no sequence)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import ConfigError, load_recipe
+from moe_rl.config.derived import rollout_memory, rollout_weight_bytes
+from moe_rl.config.flops import count_params
+from moe_rl.config.modes import SyncRoute
+from moe_rl.config.schema import ClusterConfig, GpuType
+from moe_rl.config.step_time import (
+    FITTED,
+    MACHINES,
+    Bound,
+    Efficiency,
+    PhaseCannotRun,
+    experts_touched,
+    machine_of,
+    resharded_sync_cost,
+    step_time,
+    sync_cost,
+)
+from moe_rl.config.sync_plan import SyncPlan, sync_plan
+
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+ONE = Efficiency(1.0, 1.0, 1.0)
+
+# vocab 16, hidden 8, 2 layers of 2 heads of 4 (1 KV head), 4 experts top-1 of width 2, untied head.
+HAND_MODEL = [
+    "model.vocab_size=16", "model.hidden_size=8", "model.num_layers=2", "model.num_attention_heads=2",
+    "model.num_key_value_heads=1", "model.head_dim=4", "model.moe_ffn_hidden_size=2", "model.num_experts=4",
+    "model.moe_router_topk=1", "model.ffn_hidden_size=16",
+]  # fmt: skip
+# one node of 8 H100 (auto from 80 GiB), 2 engines of TP 1, 8 samples (4 prompts of 2), prompts up to
+# 10 and responses up to 20 tokens, the mean half of each; nothing released between phases.
+HAND_CLUSTER = [
+    "cluster.gpus_per_node=8", "cluster.gpu_memory_gib=80", "cluster.release_memory=off",
+    "parallel.trainer_world_size=8", "rollout.quant=bf16", "rollout.batch_size=8", "rollout.group_size=2",
+    "rollout.num_engines=2", "rollout.tensor_parallel_size=1", "rollout.gpu_memory_utilization=0.5",
+    "data.max_prompt_len=10", "rollout.max_new_tokens=20", "cluster.mean_length_fraction=0.5",
+    "trainer.num_mini_batches=1", "algo.kl.coef=0", "run.device=cuda",
+]  # fmt: skip
+H100_BF16, H100_HBM, H100_NVLINK = 989e12, 3350e9, 450e9
+# Hand counts of the model: parameters 128 (embedding) + 128 (head) + 8 (final norm) + 2 layers of
+# (200 attention with q/k norms + 16 norms + 32 router + 4 experts of 48) = 1,144, bf16 2,288 bytes,
+# the experts 768 bytes, the input embedding 256. Forward FLOPs per token: attention 2*2*192, router
+# 2*2*8*4, one expert 2*2*48, output 2*8*16 = 1,344; per causal pair 2*2*(2*2*4) = 64. KV cache per
+# token: K and V of 2 layers x 1 head x 4 in bf16 = 32 bytes.
+PARAMS, WEIGHT_BYTES, EXPERT_BYTES, EMBEDDING_BYTES = 1144, 2288, 768, 256
+PER_TOKEN, PER_PAIR, KV_TOKEN = 1344, 64, 32
+
+
+def _hand(*overrides: str):
+    return load_recipe(RECIPES / "tiny_moe.yaml", [*HAND_MODEL, *HAND_CLUSTER, *overrides])
+
+
+def _step(config, efficiency=ONE, released: float = 0.0):
+    return step_time(config, sync_plan(config, "cuda"), released, efficiency)
+
+
+def test_the_hand_model_counts_as_the_hand_count():
+    config = _hand()
+    counts = count_params(config.model)
+    assert counts.total == PARAMS
+    assert rollout_weight_bytes(config, counts) == WEIGHT_BYTES
+
+
+def test_experts_touched_by_a_batch():
+    assert experts_touched(4, 1, 1) == 1.0
+    assert experts_touched(4, 1, 2) == pytest.approx(4 * (1 - 0.75**2))  # 1.75
+    assert experts_touched(8, 2, 0) == 0.0
+    assert experts_touched(0, 0, 64) == 0.0
+    assert experts_touched(256, 8, 10_000) == pytest.approx(256)
+
+
+def test_generation_by_hand():
+    """4 samples per engine (2 prompts of 2), one wave (the KV cache holds them all), 20 decode steps
+    (the longest response) with 4 * 10/20 = 2 sequences in flight on average."""
+    t = _step(_hand())
+    # prefill: 4 samples x (5 tokens x 1,344 + 5*6/2 pairs x 64) at the bf16 peak
+    assert t.phase("prefill").seconds == pytest.approx(4 * (5 * PER_TOKEN + 15 * PER_PAIR) / H100_BF16)
+    assert t.phase("prefill").bound == Bound.COMPUTE
+    # a step reads the weights but the input embedding and all but the touched share of the experts
+    touched = 1 - 0.75**2  # 2 tokens, top-1 of 4
+    per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + touched * EXPERT_BYTES
+    assert per_step == 1600
+    # each sample reads its KV cache at every step: p*r + r^2/2 = 5*10 + 50 token reads
+    kv = 4 * (5 * 10 + 10**2 / 2) * KV_TOKEN
+    decode = t.phase("decode")
+    assert decode.seconds == pytest.approx((20 * per_step + kv) / H100_HBM)
+    assert decode.bound == Bound.MEMORY
+    assert "20 steps, 2 sequences in flight (1 wave(s) of 4)" in decode.detail
+
+
+def test_decode_is_compute_bound_on_the_cpu():
+    """The tiny recipe on the CPU machine (its measured fp32 rate): 64 samples, prompts of
+    0.6 x 16 and responses of 0.6 x 8 tokens. Per token 2 layers x 2 x (q, k, v, o: 3 x 4,096
+    multiply-adds) + router 2 x 2 x 64 x 8 + 2 experts 2 x 2 x 2 x 12,288 + output 2 x 64 x 16 =
+    151,552 FLOPs; per pair 2 x 2 x 2 x 4 x 16 = 512."""
+    config = load_recipe(RECIPES / "tiny_moe.yaml")
+    t = step_time(config, sync_plan(config, "cpu"), 0.0, ONE)
+    p, r = 0.6 * 16, 0.6 * 8
+    flops = 64 * (r * 151_552 + (p * r + r**2 / 2) * 512)
+    decode = t.phase("decode")
+    assert decode.bound == Bound.COMPUTE
+    assert decode.seconds == pytest.approx(flops / (MACHINES[GpuType.CPU].fp32_tflops * 1e12))
+
+
+def test_waves_when_the_kv_cache_holds_fewer_sequences_than_an_engine_has():
+    """256 samples per engine of a model whose KV cache holds 40 sequences at the mean length: 7
+    waves, each lasting the longest response."""
+    config = load_recipe(
+        RECIPES / "qwen3_30b_a3b.yaml", ["rollout.num_engines=2", "rollout.gpu_memory_utilization=0.5"]
+    )  # fmt: skip
+    counts = count_params(config.model)
+    kv_tokens = rollout_memory(config, counts).kv_tokens
+    mean = 0.6 * (2048 + 8192)
+    wave = int(kv_tokens // mean)
+    n = 256
+    waves = -(-n // wave)
+    t = step_time(config, sync_plan(config, "cuda"), 0.0, ONE)
+    assert 1 < waves < n
+    assert f"{waves * 8192:,} steps" in t.phase("decode").detail
+    assert f"({waves} wave(s) of {wave})" in t.phase("decode").detail
+
+
+def test_continuous_batching_keeps_the_wave_full():
+    """Two steps ahead on nodes of their own the next batch fills finished places: n * r / b steps
+    of b sequences, instead of the longest response per wave."""
+    config = _hand(
+        "cluster.nodes=2", "cluster.trainer_nodes=1", "cluster.rollout_nodes=1", "run.mode=async",
+        "run.async_depth=2", "run.max_staleness=2",
+    )  # fmt: skip
+    t = _step(config)
+    per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + (1 - 0.75**4) * EXPERT_BYTES  # 4 in flight
+    kv = 4 * (5 * 10 + 50) * KV_TOKEN
+    assert t.phase("decode").seconds == pytest.approx((10 * per_step + kv) / H100_HBM)  # 4 * 10 / 4 steps
+
+
+def test_trainer_passes_by_hand():
+    """8 sequences of the mean length 15: per token 1,344 FLOPs, 15*16/2 pairs each of 64; π_old and
+    the reference once, training three times, over 8 GPUs at the bf16 peak and the MFU."""
+    forward = 8 * 15 * PER_TOKEN + 8 * (15 * 16 // 2) * PER_PAIR
+    assert forward == 222_720
+    t = _step(_hand("algo.kl.coef=0.01", "trainer.precision=bf16"), Efficiency(1.0, 0.5, 1.0))
+    rate = 8 * H100_BF16 * 0.5
+    assert t.phase("π_old").seconds == pytest.approx(forward / rate)
+    assert t.phase("reference").seconds == pytest.approx(forward / rate)
+    assert t.phase("training").seconds == pytest.approx(3 * forward / rate)
+    without = _step(_hand(), Efficiency(1.0, 0.5, 1.0))
+    assert [p.name for p in without.phases].count("reference") == 0
+    fp32 = _step(_hand("trainer.precision=fp32"), Efficiency(1.0, 0.5, 1.0))  # TF32 tensor cores
+    assert fp32.phase("π_old").seconds == pytest.approx(forward / (8 * 494.5e12 * 0.5))
+
+
+def test_the_pipeline_bubble_by_hand():
+    """Qwen3-30B-A3B, PP 2: 512 samples / (4 mini-batches x DP 4) = 32 per rank, 32 x 6,144 tokens
+    in micro-batches of 16,384: 12 of them; the bubble is (12 + 2 - 1) / 12."""
+    one = load_recipe(RECIPES / "qwen3_30b_a3b.yaml")
+    two = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", ["parallel.pipeline_model_parallel_size=2"])
+    a, b = step_time(one, sync_plan(one, "cuda"), 0.0, ONE), step_time(two, sync_plan(two, "cuda"), 0.0, ONE)
+    assert b.phase("π_old").seconds / a.phase("π_old").seconds == pytest.approx(13 / 12)
+    assert "pipeline bubble x1.08" in b.phase("training").detail
+
+
+def test_weight_sync_through_the_routes_link():
+    """The hand model's fp32 tensors (1,144 x 4 bytes) to the Megatron engine on the same GPU:
+    gathered over NVLink; buckets to an engine on another node: through its NIC; vLLM's NCCL
+    transfer: bf16 through trainer rank 0's NIC; the CPU: a memory copy."""
+    config = _hand()
+    counts = count_params(config.model)
+    plan = sync_plan(config, "cuda")
+    assert plan.route == SyncRoute.DEVICE_IPC
+    t = _step(config, Efficiency(1.0, 1.0, 0.5))
+    assert t.phase("weight sync").seconds == pytest.approx(PARAMS * 4 / (H100_NVLINK * 0.5))
+    h100 = MACHINES[GpuType.H100]
+    apart = _hand("cluster.nodes=2", "cluster.trainer_nodes=1", "cluster.rollout_nodes=1")
+    buckets = sync_plan(apart, "cuda")
+    assert buckets.route == SyncRoute.BUCKETS
+    cost = sync_cost(apart, counts, buckets, h100)
+    assert (cost.nbytes, cost.gbps, cost.bound) == (PARAMS * 4, 50.0, Bound.NETWORK)
+    colocated = sync_cost(config, counts, SyncPlan(SyncRoute.BUCKETS, False, "", 1 << 20, "test"), h100)
+    assert colocated.gbps == 64.0  # shared memory: the engine GPU's PCIe link
+    vllm = load_recipe(RECIPES / "qwen3_30b_a3b.yaml")
+    nccl = sync_plan(vllm, "cuda")
+    assert nccl.route == SyncRoute.VLLM_NCCL
+    q = count_params(vllm.model)
+    assert sync_cost(vllm, q, nccl, h100).nbytes == q.total * 2
+    wide = sync_cost(
+        load_recipe(RECIPES / "qwen3_30b_a3b.yaml", ["parallel.expert_model_parallel_size=16"]),
+        q, SyncPlan(SyncRoute.VLLM_IPC, False, "", 1 << 20, "test"), h100,
+    )  # fmt: skip
+    assert wide.gbps == 50.0  # an expert group of 16 gathers over the NIC, one of 8 over NVLink
+    narrow = sync_cost(vllm, q, SyncPlan(SyncRoute.VLLM_IPC, False, "", 1 << 20, "test"), h100)
+    assert narrow.gbps == 450.0
+    cpu = load_recipe(RECIPES / "tiny_moe.yaml")
+    tiny = count_params(cpu.model)
+    on_cpu = sync_cost(cpu, tiny, sync_plan(cpu, "cpu"), MACHINES[GpuType.CPU])
+    # the tiny recipe's engine takes fp8_block128 bytes on the wire
+    assert (on_cpu.nbytes, on_cpu.bound) == (rollout_weight_bytes(cpu, tiny), Bound.MEMORY)
+
+
+def test_resharded_sync_moves_each_engine_gpu_its_shard():
+    config = load_recipe(RECIPES / "deepseek_v3.yaml", ["rollout.tensor_parallel_size=32"])
+    counts = count_params(config.model)
+    cost = resharded_sync_cost(config, counts, MACHINES[GpuType.H100])
+    assert cost.nbytes == counts.total * 2 / 32
+    assert cost.gbps == 50.0
+
+
+def test_offload_moves_the_released_bytes_and_the_engine_weights_out_and_back():
+    config = _hand("cluster.release_memory=on")
+    t = _step(config, Efficiency(1.0, 1.0, 0.5), released=1e9)
+    weights = WEIGHT_BYTES  # the engine's weights on its one GPU, at sleep level 1
+    assert t.phase("offload").seconds == pytest.approx(2 * (1e9 + weights) / (64e9 * 0.5))
+    level2 = _step(_hand("cluster.release_memory=on", "cluster.engine_sleep_level=2"), ONE, released=1e9)
+    assert level2.phase("offload").seconds == pytest.approx(2 * 1e9 / 64e9)
+    assert "offload" not in [p.name for p in _step(config).phases]  # nothing released: no phase
+
+
+APART = ["cluster.nodes=2", "cluster.trainer_nodes=1", "cluster.rollout_nodes=1"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "formula"),
+    [
+        ([], lambda g, o, t, s: g + o + t + s),
+        (["run.mode=async"], lambda g, o, t, s: g + o + t + s),  # colocated: the GPUs are shared
+        ([*APART, "run.mode=async"], lambda g, o, t, s: o + max(g, t) + s),
+        ([*APART, "run.mode=async", "rollout.inflight_updates=true"], lambda g, o, t, s: o + max(g, t + s)),
+        ([*APART, "run.mode=async", "run.async_depth=2", "run.max_staleness=2"],
+         lambda g, o, t, s: max(g + s, o + t + s)),
+        ([*APART, "run.mode=async", "run.async_depth=2", "run.max_staleness=2", "rollout.inflight_updates=true"],
+         lambda g, o, t, s: max(g, o + t + s)),
+    ],
+)  # fmt: skip
+def test_how_the_phases_make_the_step(overrides, formula):
+    """Sync adds every phase; async on nodes of their own overlaps the generation with the trainer
+    (module docstring). The factors make each side the longer in turn."""
+    for eff in (Efficiency(1e-6, 1.0, 1.0), Efficiency(1.0, 1e-6, 1.0)):
+        t = _step(_hand("algo.kl.coef=0.01", *overrides), eff)
+        g = t.phase("prefill").seconds + t.phase("decode").seconds
+        o = t.phase("π_old").seconds + t.phase("reference").seconds
+        assert t.seconds == pytest.approx(
+            formula(g, o, t.phase("training").seconds, t.phase("weight sync").seconds)
+        )
+
+
+def test_the_shorter_side_of_an_async_step_is_marked_beside_it():
+    slow_engines = _step(_hand(*APART, "run.mode=async"), Efficiency(1e-6, 1.0, 1.0))
+    assert {p.name for p in slow_engines.phases if p.overlapped} == {"training"}
+    slow_trainer = _step(_hand(*APART, "run.mode=async"), Efficiency(1.0, 1e-6, 1.0))
+    assert {p.name for p in slow_trainer.phases if p.overlapped} == {"prefill", "decode"}
+    assert not any(p.overlapped for p in _step(_hand()).phases)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "memory", "named", "expected"),
+    [(0, 80, GpuType.AUTO, GpuType.CPU), (8, 80, GpuType.AUTO, GpuType.H100), (8, 140, GpuType.AUTO, GpuType.H200),
+     (8, 141, GpuType.AUTO, GpuType.H200), (8, 180, GpuType.AUTO, GpuType.B200), (4, 186, GpuType.AUTO, GpuType.GB200),
+     (8, 96, GpuType.B200, GpuType.B200)],
+)  # fmt: skip
+def test_the_chip_a_recipe_names(gpus, memory, named, expected):
+    config = load_recipe(
+        RECIPES / "tiny_moe.yaml",
+        [f"cluster.gpus_per_node={gpus}", f"cluster.gpu_memory_gib={memory}", f"cluster.gpu_type={named}"],
+    )
+    assert machine_of(config) is MACHINES[expected]
+
+
+def test_an_unknown_chip_is_refused_naming_the_known_ones():
+    with pytest.raises(
+        ConfigError, match=r"^cluster.gpu_type='a100' is not one of: auto, h100, h200, b200, gb200, cpu$"
+    ):
+        load_recipe(RECIPES / "tiny_moe.yaml", ["cluster.gpu_type=a100"])
+    config = load_recipe(RECIPES / "deepseek_v3.yaml", ["cluster.gpu_memory_gib=96"])
+    with pytest.raises(ConfigError) as info:
+        machine_of(config)
+    assert str(info.value) == (
+        "cluster.gpu_type=auto: no known GPU has cluster.gpu_memory_gib=96; set cluster.gpu_type to one of "
+        "h100, h200, b200, gb200, cpu"
+    )
+
+
+@pytest.mark.parametrize(
+    "override", ["cluster.train_mfu=0", "cluster.train_mfu=1.5", "cluster.mean_length_fraction=0"]
+)
+def test_a_factor_out_of_range_is_refused(override):
+    config = load_recipe(RECIPES / "tiny_moe.yaml", [override])
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{key}={value:s}(\.0)? must be in \(0, 1\]$"):
+        step_time(config, sync_plan(config, "cpu"))
+
+
+def test_a_kv_cache_that_holds_no_sequence_stops_the_step_time():
+    config = load_recipe(RECIPES / "kimi_k2.yaml", ["rollout.gpu_memory_utilization=0.43"])
+    with pytest.raises(PhaseCannotRun, match=r"^generation cannot run: the KV cache holds [\d,]+ tokens per engine, "
+                       r"less than the longest sequence \(18,432\)"):  # fmt: skip
+        step_time(config, sync_plan(config, "cuda"))
+    with pytest.raises(PhaseCannotRun, match="sync route is refused"):
+        step_time(load_recipe(RECIPES / "kimi_k2.yaml"), None)
+
+
+def test_the_recipes_mfu_replaces_the_fitted_one_and_defaults_to_it():
+    assert ClusterConfig().train_mfu == FITTED.train_mfu
+    config = load_recipe(RECIPES / "qwen3_30b_a3b.yaml")
+    half = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", [f"cluster.train_mfu={FITTED.train_mfu / 2}"])
+    a, b = step_time(config, sync_plan(config, "cuda")), step_time(half, sync_plan(half, "cuda"))
+    assert b.phase("training").seconds == pytest.approx(2 * a.phase("training").seconds)
+    assert b.phase("decode").seconds == a.phase("decode").seconds
