@@ -337,6 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         log.error("%s", fault)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C before a run's steps (they stop on their own terms)
+        log.warning("%s", str(exc) or "interrupted")
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """`moe-rl train`: resolve the recipe, run the preflight, take the run directory, build the inputs,
-run the RL loop."""
+run the RL loop. A Ctrl-C before the run's first step stops it at once with one line, and a new
+run leaves no half-made run directory behind (`moe_rl.run_dir.unclaim`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +14,8 @@ from typing import TYPE_CHECKING
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from moe_rl.device import machine_here
 from moe_rl.errors import UserError, user_error_of
-from moe_rl.run_dir import RunLock, claim
+from moe_rl.log import close_log_file
+from moe_rl.run_dir import Resume, RunLock, claim, newest_usable, unclaim, writing
 
 if TYPE_CHECKING:
     from moe_rl.orchestration.preflight import RunInputs
@@ -54,35 +57,56 @@ def train(
             overrides = sft_overrides(recipe, overrides)
         config = load_recipe(recipe, overrides)
         run_dir = Path(config.run.output_dir) / config.run.name
-    # every rule and every input read and checked once, before the run directory is touched
-    inputs = check_machine(config)
-    if inputs is None:  # nothing a user gave (a synthetic task): built here
-        from moe_rl.orchestration.preflight import build_inputs
-
-        inputs = build_inputs(config)
+    inputs = _preflight(config)
+    made = not os.path.lexists(run_dir)
     with RunLock(run_dir):
-        if not resume:
-            claim(run_dir, force_new)
-            (run_dir / "config.yaml").write_text(to_yaml(config))
-        if log_level:
-            config = replace(config, logging=replace(config.logging, level=log_level.upper()))
-        log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
-        return _run(config, run_dir, resume is not None, inputs)
+        try:
+            if not resume:
+                claim(run_dir, force_new, starts_from=config.model.init_from)
+                with writing(run_dir / "config.yaml", "the run's recipe"):
+                    (run_dir / "config.yaml").write_text(to_yaml(config))
+            if log_level:
+                config = replace(config, logging=replace(config.logging, level=log_level.upper()))
+            log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)
+            return _run(config, run_dir, resume is not None, inputs)
+        except KeyboardInterrupt as exc:  # one at the run's steps is the driver's (it saves, then returns)
+            if made:
+                close_log_file(run_dir / LOG_FILE)  # the folder goes
+            left = f"--resume {run_dir} continues it" if resume else unclaim(run_dir, made)
+            raise KeyboardInterrupt(f"{str(exc) or 'interrupted while the run started'}; {left}") from None
 
 
-def _run(config: RecipeConfig, run_dir: Path, resume: bool, inputs) -> int:
+def _preflight(config: RecipeConfig) -> RunInputs:
+    """Every rule and every input read and checked once, before the run directory is touched."""
+    try:
+        inputs = check_machine(config)
+        if inputs is None:  # nothing a user gave (a synthetic task): built here
+            from moe_rl.orchestration.preflight import build_inputs
+
+            inputs = build_inputs(config)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(
+            "interrupted during the preflight (the recipe's rules and inputs): nothing was started or written"
+        ) from None
+    return inputs
+
+
+def _run(config: RecipeConfig, run_dir: Path, resume: bool, inputs: RunInputs) -> int:
     """The run, with the terminal kept for the project's messages: library messages and warnings go
-    to `logs/` only (`moe_rl.log`) unless `logging.verbose` or level DEBUG shows them."""
+    to `logs/` only (`moe_rl.log`) unless `logging.verbose` or level DEBUG shows them. A resume's
+    checkpoint is chosen here, before anything starts (`moe_rl.run_dir.newest_usable`)."""
     from moe_rl.log import log_to_file, route_library_logs, setup_logging, shows_libraries
-    from moe_rl.orchestration.driver import run  # imports Ray, which adds a log handler of its own
 
     setup_logging(
         config.logging.level, quiet=not shows_libraries(config.logging.level, config.logging.verbose)
     )
     trace = log_to_file(run_dir / LOG_FILE)
-    route_library_logs()
     try:
-        return run(config, run_dir, resume=resume, inputs=inputs)
+        point = Resume(newest_usable(run_dir)) if resume else None
+        from moe_rl.orchestration.driver import run  # imports Ray, which adds a log handler of its own
+
+        route_library_logs()
+        return run(config, run_dir, resume=point, inputs=inputs)
     except Exception as exc:
         user = user_error_of(exc)
         if user is None:

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moe_rl.errors import FAULTS
+
 if TYPE_CHECKING:
     from rich.progress import Progress
 
@@ -93,18 +95,64 @@ def shows_libraries(level: str | int, verbose: bool) -> bool:
     return verbose or _number(level) <= logging.DEBUG
 
 
+class _LogFile(logging.FileHandler):
+    """A log file (made at its first message). A write the machine refuses (a full disk) is said
+    once, in one line on the terminal, instead of logging's "--- Logging error ---" and a traceback
+    at every message; the messages go on to the terminal as before, and to the file again once it
+    takes them."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, encoding="utf-8", delay=True)  # no empty files
+        self.refused = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)
+        except OSError:  # opening the file (its first message) is outside logging's own guard
+            self.handleError(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            super().handleError(record)
+            return
+        if not self.refused:
+            self.refused = True
+            cause = FAULTS.get(exc.errno) or exc.strerror or str(exc)
+            said = logging.LogRecord("moe_rl.log", logging.WARNING, __file__, 0, "%s: %s; %s", (
+                self.baseFilename, cause, "the messages from here on miss from this file",
+            ), None)  # fmt: skip
+            for handler in logging.getLogger().handlers:
+                if getattr(handler, "_moe_rl", False):  # the terminal (`setup_logging`)
+                    handler.handle(said)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # the last write fails too; said already
+            super().close()
+
+
 def log_to_file(path: str | os.PathLike[str]) -> logging.Logger:
     """Copy every message (the project's and the libraries') to ``path`` (appended), and return a
     logger that writes there only: for tracebacks the terminal should not show."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8", delay=True)  # no empty files
+    handler = _LogFile(path)
     handler.setFormatter(logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S"))
     logging.getLogger().addHandler(handler)
     trace = logging.getLogger("moe_rl.trace")
     trace.propagate = False
     trace.handlers = [handler]
     return trace
+
+
+def close_log_file(path: str | os.PathLike[str]) -> None:
+    """Stop copying messages to ``path`` (`log_to_file`), e.g. before its folder is removed."""
+    root, trace = logging.getLogger(), logging.getLogger("moe_rl.trace")
+    for handler in [h for h in root.handlers if isinstance(h, _LogFile)]:
+        if handler.baseFilename == os.path.abspath(path):
+            root.removeHandler(handler)
+            trace.handlers = [h for h in trace.handlers if h is not handler]
+            handler.close()
 
 
 class _Trimmed(logging.Filter):

@@ -8,12 +8,17 @@
   directory is still the one it locked (`ensure_owned`), so a run whose directory was moved or
   replaced stops rather than write into another run's.
   `claim` refuses a directory that already holds a run unless the user resumes it or asks to start
-  over (``--force-new``).
+  over (``--force-new``), and refuses to start over a directory the run is told to start from.
 * **Checkpoints that prove themselves.** A checkpoint ``checkpoints/step_NNNNNN/`` is complete only
   when its ``manifest.json`` (size and CRC-32 of every file in it) exists; it is written last, and
   atomically (a temporary file renamed). `newest_usable` scans ``checkpoints/`` (``latest`` is only a
   hint), verifies the newest checkpoint against its manifest and falls back to older ones, saying
-  why each newer one was skipped.
+  why each newer one was skipped; a save that never finished (no manifest: a stop, a full disk) was
+  never a checkpoint, and with none sealed a resume starts from step 0. A ``checkpoints/`` that is
+  there but cannot be read (a symbolic link loop, a link to storage that is gone) is an error
+  naming it, never "no checkpoint yet": that would start over and rewrite the run's metrics.
+* **A full disk** (`writing`, `disk_full`): a write into the run directory that the machine refuses
+  is one line naming the file, and what a resume will do.
 * **Its metrics.** `read_metrics` reads ``metrics.jsonl`` back (a torn last line, a write cut
   short, is reported and dropped).
 """
@@ -21,6 +26,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -30,11 +36,12 @@ import shutil
 import socket
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_rl.errors import ConfigError, EnvironmentFault, UserError
+from moe_rl.errors import FAULTS, ConfigError, EnvironmentFault, UserError
 
 log = logging.getLogger("moe_rl.run_dir")
 
@@ -140,21 +147,52 @@ class RunLock:
 
 FULL_BYTES = 64 << 20
 """Free bytes under which a failed write is taken for a full disk (`disk_full`)."""
+AFTER_A_FULL_DISK = (
+    "what the run wrote before stays intact: with space freed, --resume continues from the newest "
+    "sealed checkpoint (from step 0 when there is none; an unsealed one is skipped)"
+)
 
 
-def disk_full(path: Path, writing: str) -> UserError | None:
-    """After a write under ``path`` failed: a one-line `EnvironmentFault` when its device is full
-    (libraries may report it in their own words, e.g. "unexpected pos" from a zip writer)."""
+def disk_full(path: Path, writing: str, said: bool = False) -> UserError | None:
+    """After a write under ``path`` failed: a one-line `EnvironmentFault` when its device is full,
+    as the operating system ``said`` (ENOSPC) or as its free space shows (libraries may report it in
+    their own words, e.g. "unexpected pos" from a zip writer)."""
     try:
-        free = shutil.disk_usage(path).free
+        free = shutil.disk_usage(_nearest_existing(Path(path))).free
     except OSError:
+        free = None
+    if not said and (free is None or free >= FULL_BYTES):
         return None
-    if free >= FULL_BYTES:
-        return None
+    room = "" if free is None else f" ({free / 2**20:.0f} MiB free)"
     return EnvironmentFault(
-        f"{path}: no space left on the device ({free / 2**20:.0f} MiB free) while writing {writing}; what "
-        "the run wrote before stays intact (a resume skips an unsealed checkpoint)"
+        f"{path}: no space left on the device{room} while writing {writing}; {AFTER_A_FULL_DISK}"
     )
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+@contextlib.contextmanager
+def writing(path: Path, what: str) -> Iterator[None]:
+    """Around a write of ``what`` into ``path``: a full device (`disk_full`) or another refusal of
+    the machine (`moe_rl.errors.FAULTS`) becomes one `EnvironmentFault` naming ``path`` (the
+    ``OSError`` of a write to an open file names none); anything else is raised as it is."""
+    try:
+        yield
+    except (UserError, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException, a failed save, is a BaseException
+        code = exc.errno if isinstance(exc, OSError) else None
+        fault = disk_full(path, what, said=code == errno.ENOSPC)
+        if fault is None and code in FAULTS:
+            named = getattr(exc, "filename", None) or path
+            fault = EnvironmentFault(f"{named}: {FAULTS[code]} while writing {what}")
+        if fault is None:
+            raise
+        raise fault from exc
 
 
 def ensure_owned(run_dir: Path) -> None:
@@ -165,33 +203,84 @@ def ensure_owned(run_dir: Path) -> None:
 
 
 def holds_a_run(run_dir: Path) -> bool:
-    return any((Path(run_dir) / name).exists() for name in ("metrics.jsonl", "checkpoints"))
+    return any(os.path.lexists(Path(run_dir) / name) for name in ("metrics.jsonl", "checkpoints"))
 
 
-def claim(run_dir: Path, force_new: bool) -> None:
+def claim(run_dir: Path, force_new: bool, starts_from: str | None = None) -> None:
     """Make ``run_dir`` ready for a new run (its lock already held): refuse one that holds a run,
-    unless ``force_new``, which removes that run's files (logs stay)."""
+    unless ``force_new``, which removes that run's files (logs stay), and refuse that too when the
+    run is to start from a checkpoint in it (``starts_from``, `model.init_from`). Nothing is removed
+    before every check passed (a ``checkpoints/`` that cannot be read is one)."""
     if not holds_a_run(run_dir):
         return
+    steps = [step for step, _ in checkpoints(run_dir)]
     if not force_new:
-        steps = [int(m.group(1)) for m in map(CHECKPOINT.fullmatch, _names(run_dir / "checkpoints")) if m]
         saved = f"checkpoints of steps {sorted(steps)}" if steps else "no checkpoint"
         raise ConfigError(
             f"run directory {run_dir} already holds a run ({saved}); continue it with "
             f"`moe-rl train --resume {run_dir}`, start it over with --force-new (deletes its checkpoints "
             "and metrics), or choose another run.name"
         )
+    if starts_from is not None and _within(Path(starts_from), Path(run_dir)):
+        raise ConfigError(
+            f"model.init_from={starts_from} (--init-from) is in {run_dir}, whose checkpoints --force-new "
+            "deletes before the run would start from them; give the new run another run.name, or copy "
+            "the checkpoint out of the directory first"
+        )
     log.warning("--force-new: removing the earlier run's checkpoints and metrics from %s", run_dir)
     for name in RUN_ARTIFACTS:
         path = Path(run_dir) / name
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+        elif os.path.lexists(path):
+            path.unlink()  # a file, or a link (what it points to stays)
+
+
+def unclaim(run_dir: Path, made: bool) -> str:
+    """Undo a new run stopped before its first step (a Ctrl-C while it started; its lock still
+    held), so that no half-made run is left: the directory goes when this run ``made`` it, else the
+    config.yaml it wrote there (which `--resume` would take for a run). A directory holding a
+    metrics line or a checkpoint is left alone. Returns what was done, in words."""
+    if holds_a_run(run_dir):
+        return f"{run_dir} holds what the run wrote"
+    if made:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return f"removed the run directory {run_dir}"
+    (Path(run_dir) / "config.yaml").unlink(missing_ok=True)
+    return f"nothing of the run is left in {run_dir}"
+
+
+def _within(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+UNREADABLE = {
+    errno.ELOOP: "a symbolic link loop",
+    errno.ENOTDIR: "not a folder",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+"""How `_names` says why a folder cannot be listed."""
 
 
 def _names(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    """The entries of ``folder``; none when nothing is at its path. Something there that cannot be
+    read as a folder (a symbolic link loop, a link to storage that is gone, a file, a folder this
+    process may not read) is an `EnvironmentFault` naming it: taken for "no checkpoint yet", a
+    resume would start over from step 0 and rewrite the run's metrics."""
+    try:
+        return sorted(os.listdir(folder))
+    except FileNotFoundError:
+        if not os.path.islink(folder):
+            return []
+        why = f"a link to {os.readlink(folder)}, which is not there"
+    except OSError as exc:
+        why = UNREADABLE.get(exc.errno) or str(exc.strerror or exc).lower()
+    raise EnvironmentFault(
+        f"{folder}: cannot be read ({why}); the run's checkpoints may be behind it: make it readable, "
+        "or move it away to go on without them"
+    )
 
 
 # --------------------------------------------------------------------------------- checkpoints
@@ -255,9 +344,10 @@ def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def newest_usable(run_dir: Path) -> Usable | None:
-    """The newest complete, intact checkpoint under ``run_dir/checkpoints`` (None: there is none at
-    all). Newer ones that fail verification are reported and skipped; if every one fails, that is
-    an error (resuming from step 0 would overwrite them)."""
+    """The newest complete, intact checkpoint under ``run_dir/checkpoints`` (None: none was ever
+    sealed). Newer ones that fail verification are reported and skipped. A save that never finished
+    (`unsealed`) was never a checkpoint: with nothing older, the run starts from step 0. But when
+    every sealed one fails, that is an error (resuming from step 0 would overwrite them)."""
     folder = Path(run_dir) / "checkpoints"
     skipped = []
     for step, path in checkpoints(run_dir):
@@ -270,12 +360,31 @@ def newest_usable(run_dir: Path) -> Usable | None:
             _check_hint(folder, path.name)
             return Usable(path, step)
         skipped.append((path.name, problem))
-    if skipped:
+    if any(not unsealed(folder / name) for name, _ in skipped):
         reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
         raise ConfigError(
             f"--resume {run_dir}: no usable checkpoint ({reasons}); start over with --force-new or fix the files"
         )
+    for name, why in skipped:
+        log.warning("checkpoint %s is not usable (%s); no checkpoint was sealed before it", name, why)
     return None
+
+
+def unsealed(ckpt: Path) -> bool:
+    """Whether ``ckpt`` is a save that never finished (a readable folder without a manifest: the run
+    stopped or the disk filled while it saved), rather than a sealed checkpoint now damaged."""
+    try:
+        return MANIFEST not in os.listdir(ckpt)
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a resumed run continues, decided once before anything starts: from ``checkpoint``
+    (`newest_usable`), or from step 0 when none was sealed (None)."""
+
+    checkpoint: Usable | None
 
 
 def init_checkpoint(path: Path) -> Path:
@@ -287,7 +396,7 @@ def init_checkpoint(path: Path) -> Path:
         if problem is not None:
             raise UserError(f"{key}: the checkpoint is not usable: {problem}")
         return path / "trainer"
-    if not (path / "checkpoints").is_dir():
+    if not os.path.lexists(path / "checkpoints"):  # there but unreadable: `newest_usable` says why
         raise UserError(
             f"{key}: neither a run directory with checkpoints/ nor a checkpoint folder with trainer/"
         )

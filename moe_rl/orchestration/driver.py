@@ -7,6 +7,7 @@ R2/R3 exist for).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
@@ -23,7 +24,7 @@ from moe_rl.orchestration.metrics import MetricsSink, run_summary
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
 from moe_rl.orchestration.stages import Stages
 from moe_rl.orchestration.workers import ray_workers
-from moe_rl.run_dir import read_metrics, sealed
+from moe_rl.run_dir import Resume, read_metrics, sealed
 
 log = logging.getLogger("moe_rl.driver")
 
@@ -47,38 +48,59 @@ class StopRequest:
         log.warning("signal %d: finishing this step, then saving a checkpoint (again to stop now)", signum)
 
 
-def run(config: RecipeConfig, run_dir: Path, resume: bool = False, inputs: RunInputs | None = None) -> int:
-    """Train `config` in `run_dir`; returns the exit code (0 done, 130 interrupted). ``inputs``:
-    what the preflight built (`moe_rl.orchestration.preflight.build_inputs`; built here when not
-    given). A summary of the run (rewards, mismatch, checkpoints, what to run next) ends it,
-    stopped or not."""
+def run(
+    config: RecipeConfig, run_dir: Path, resume: Resume | None = None, inputs: RunInputs | None = None
+) -> int:
+    """Train `config` in `run_dir`, or continue it from where ``resume`` says; returns the exit code
+    (0 done, 130 interrupted). ``inputs``: what the preflight built
+    (`moe_rl.orchestration.preflight.build_inputs`; built here when not given). A summary of the run
+    (rewards, mismatch, checkpoints, what to run next) ends it, stopped or not."""
     t0 = time.monotonic()
-    started = start_ray(config, run_dir / "logs")
-    stop = StopRequest()
-    stop.install()
-    inputs = inputs or build_inputs(config)
-    stages = Stages(config, run_dir, ray_workers(config, run_dir, inputs), inputs)
-    sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)
-    try:
-        code = train_steps(config, stages, sink, stop, resume)
-    except KeyboardInterrupt:
-        log.warning("stopped at once: no checkpoint of this step; --resume starts from the last one")
-        code = 130
-    finally:
-        sink.close()
-        stages.shutdown()
-        if started:
-            ray.shutdown()
+    with contextlib.ExitStack() as running:  # what started is shut down at the end, however it ends
+        stages, sink, start = start_run(config, run_dir, resume, inputs, running)
+        stop = StopRequest()
+        stop.install()
+        try:
+            code = train_steps(config, stages, sink, stop, start)
+        except KeyboardInterrupt:
+            log.warning("stopped at once: no checkpoint of this step; --resume starts from the last one")
+            code = 130
     records = read_metrics(run_dir) if sink.path.exists() else []
     log.info("%s", run_summary(records, config.run.steps, time.monotonic() - t0, run_dir, sealed(run_dir)))
     return code
 
 
+def start_run(
+    config: RecipeConfig, run_dir: Path, resume: Resume | None, inputs: RunInputs | None,
+    running: contextlib.ExitStack,
+) -> tuple[Stages, MetricsSink, int]:  # fmt: skip
+    """Ray (started here, or joined), the workers, the engines at the starting weights, and the first
+    step: 0, or the one after the checkpoint ``resume`` continues from. A Ctrl-C or SIGTERM meanwhile
+    stops at once (there is nothing to save yet); ``running`` shuts down what started, Ray's
+    processes included, even when it stopped half-way."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # like Ctrl-C, until `StopRequest`
+    try:
+        if not ray.is_initialized():
+            running.callback(ray.shutdown, wait_for_processes=True)
+        start_ray(config, run_dir / "logs")
+        inputs = inputs or build_inputs(config)
+        stages = Stages(config, run_dir, ray_workers(config, run_dir, inputs), inputs)
+        running.callback(stages.shutdown)
+        sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)
+        running.callback(sink.close)
+        start = stages.restore(sink, resume.checkpoint) if resume else stages.start()
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(
+            "interrupted while the run started (Ray, its workers), before its first step"
+        ) from None
+    return stages, sink, start
+
+
 def train_steps(
-    config: RecipeConfig, stages: Stages, sink: MetricsSink, stop: StopRequest, resume: bool
+    config: RecipeConfig, stages: Stages, sink: MetricsSink, stop: StopRequest, start: int
 ) -> int:
-    """The steps from the start (or the checkpoint resumed) to `run.steps` or a stop request."""
-    start = stages.restore(sink) if resume else stages.start()
+    """The steps from ``start`` (0, or the one after the checkpoint resumed) to `run.steps` or a stop
+    request."""
     loop = offline_loop if config.run.mode == RunMode.OFFLINE else online_loop
     with progress(config.logging.progress) as bar:
         task = bar.add_task("RL steps", total=config.run.steps, completed=start, info="")

@@ -3,16 +3,19 @@ optional W&B, a one-line step summary in the log, and a summary of the whole run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import shlex
+import socket
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_rl.run_dir import METRICS, ensure_owned, read_records
+from moe_rl.run_dir import METRICS, ensure_owned, read_records, writing
 
 log = logging.getLogger("moe_rl.metrics")
 
@@ -60,6 +63,48 @@ def _scalar(value: Any) -> float | int | str | None:
     return None
 
 
+class TensorBoardEvents:
+    """TensorBoard scalars, written in the driver's own thread and flushed at each step into an event
+    file made at the first one. (TensorBoard's `SummaryWriter` writes from a thread of its own: a
+    write it fails, on a full disk, printed that thread's traceback and surfaced at a later call.)
+    A write the machine refuses is one line naming the file (`moe_rl.run_dir.writing`)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.path: Path | None = None
+        self._records = None
+        """A `tensorboard.summary.writer.record_writer.RecordWriter` over the open event file."""
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        with writing(self.path or self.folder, "TensorBoard events"):
+            if self._records is None:
+                self._open()
+            for key, value in values.items():
+                summary = Summary(value=[Summary.Value(tag=key, simple_value=float(value))])
+                self._records.write(
+                    Event(wall_time=time.time(), step=step, summary=summary).SerializeToString()
+                )
+            self._records.flush()
+
+    def _open(self) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
+        self.path = self.folder / name
+        self._records = RecordWriter(open(self.path, "wb"))  # noqa: SIM115 (open until `close`)
+        self._records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+
+    def close(self) -> None:
+        if self._records is not None:
+            with contextlib.suppress(OSError):  # a write that failed has said so already
+                self._records.close()
+
+
 class MetricsSink:
     """Writes one record per step; `resume_from(step)` drops records after a checkpoint."""
 
@@ -73,11 +118,7 @@ class MetricsSink:
     ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self.tb = TensorBoardEvents(self.run_dir / "tensorboard") if tensorboard else None
         self.wandb = None
         if wandb_project:
             import wandb  # the key comes from WANDB_API_KEY in the environment, never from files
@@ -94,7 +135,8 @@ class MetricsSink:
         ensure_owned(self.run_dir)
         kept = [json.dumps(record) for record in read_records(self.path) if record["step"] < step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
+        with writing(tmp, "the metrics kept"):
+            tmp.write_text("".join(f"{line}\n" for line in kept))
         os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -105,13 +147,11 @@ class MetricsSink:
                 raise ValueError(f"metric {key!r} is not a scalar: {type(value).__name__}")
             record[key] = scalar
         ensure_owned(self.run_dir)  # this run still holds its directory
-        with self.path.open("a") as f:
+        with writing(self.path, f"the metrics of step {step}"), self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tb is not None:
-            for key, value in numeric.items():
-                self.tb.add_scalar(key, value, step)
-            self.tb.flush()
+            self.tb.write(step, numeric)
         if self.wandb is not None:
             self.wandb.log(numeric, step=step)
         log.info("step %d | %s", step, summary_line(record))

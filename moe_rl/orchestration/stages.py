@@ -117,21 +117,24 @@ class Stages:
         self.sync.run(self.state.version)
         return 0
 
-    def restore(self, sink) -> int:
-        """Continue from the newest complete, intact checkpoint (`run_dir.newest_usable`); metrics
-        and checkpoints after it are dropped only once it has loaded."""
-        usable = run_dir.newest_usable(self.run_dir)
-        if usable is None:  # e.g. a Slurm job requeued before its first checkpoint
+    def restore(self, sink, usable: run_dir.Usable | None) -> int:
+        """Continue from ``usable``, the newest complete, intact checkpoint (`run_dir.newest_usable`,
+        chosen before the run started; None: none was sealed, so from step 0); metrics and the
+        checkpoints after it are dropped or set aside only once it has loaded."""
+        folder = self.run_dir / "checkpoints"
+        if usable is None:  # e.g. a Slurm job requeued before its first checkpoint, a full disk in it
             log.warning("--resume %s: no checkpoint yet; starting from step 0", self.run_dir)
+            start = self.start()
+            run_dir.set_aside_newer(folder, -1)  # saves that never finished
             sink.resume_from(0)
-            return self.start()
+            return start
         state, source = RunState.from_json(json.loads((usable.path / "driver.json").read_text()))
         self.trainer.load_checkpoint(str(usable.path / "trainer"))
         self.source.load_state(source)
         self.state = state
         self.engines.start()
         self.sync.run(state.version)
-        run_dir.set_aside_newer(usable.path.parent, state.step_done)
+        run_dir.set_aside_newer(folder, state.step_done)
         sink.resume_from(state.step_done + 1)
         log.info(
             "resumed from %s at step %d (policy version %d)", usable.path, state.step_done + 1, state.version
@@ -370,18 +373,13 @@ class Stages:
         ckpt = folder / name
         if run_dir.verify(ckpt) is None:  # this step is saved already (a stop right after a checkpoint)
             return
-        (ckpt / run_dir.MANIFEST).unlink(missing_ok=True)  # not complete until sealed again
-        ckpt.mkdir(parents=True, exist_ok=True)
-        try:
+        with run_dir.writing(ckpt, f"checkpoint {name}"):  # a full disk: one line naming it
+            (ckpt / run_dir.MANIFEST).unlink(missing_ok=True)  # not complete until sealed again
+            ckpt.mkdir(parents=True, exist_ok=True)
             self.trainer.save_checkpoint(str(ckpt / "trainer"))
-        except Exception as exc:
-            full = run_dir.disk_full(ckpt, f"checkpoint {name}")
-            if full is not None:
-                raise full from exc
-            raise
-        (ckpt / "driver.json").write_text(json.dumps(self.state.to_json(self.source.state())))
-        run_dir.write_manifest(ckpt)
-        run_dir.mark_latest(folder, name)
+            (ckpt / "driver.json").write_text(json.dumps(self.state.to_json(self.source.state())))
+            run_dir.write_manifest(ckpt)
+            run_dir.mark_latest(folder, name)
         log.info("checkpoint %s", ckpt)
 
     def shutdown(self) -> None:

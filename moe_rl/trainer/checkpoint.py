@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.errors import UserError
+from moe_rl.trainer.reference import PREFIX as REFERENCE_PREFIX
 from moe_rl.trainer.reference import saved_with_reference
 
 log = logging.getLogger("moe_rl.trainer.worker")
@@ -82,10 +83,16 @@ def save(worker, directory: str | Path) -> Path:
     return directory
 
 
+RESUMED = "the resumed run (its config.yaml and the overrides given; a run resumes with its own model)"
+"""Whose model a resumed checkpoint must fit (`load`)."""
+
+
 def load(worker, directory: str | Path) -> int:
-    """Restore everything `save` wrote into ``worker``; returns the step (collective)."""
+    """Restore everything `save` wrote into ``worker``; returns the step (collective). A checkpoint
+    that does not fit the model (`check_fit`) is one error naming the tensors."""
     from megatron.core import dist_checkpointing
 
+    check_fit(worker.model, Path(directory), RESUMED)
     with_reference = worker.reference is not None and saved_with_reference(directory)
     if worker.reference is not None and not with_reference:
         log.warning(
@@ -124,16 +131,14 @@ def load_start_weights(model, config) -> None:
 def load_model_weights(model, trainer_dir: Path, whose: str = "the run's config.yaml") -> None:
     """The policy's weights from a trainer checkpoint into ``model`` (the optimizer state and a
     reference policy's ``reference.`` keys stay unread; Megatron's dist_checkpointing reshards what
-    any layout wrote); a checkpoint that does not fit the model (a tensor it lacks, another shape)
-    is one error naming ``whose`` model it is."""
+    any layout wrote); a checkpoint that does not fit the model (`check_fit`) is one error naming
+    ``whose`` model it is."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
     misfit = f"checkpoint {trainer_dir} does not fit the model of {whose}"
-    absent = _absent_tensors(model, trainer_dir)
-    if absent:
-        raise UserError(f"{misfit}: it lacks {len(absent)} of the model's tensors, e.g. {absent[:3]}")
+    check_fit(model, trainer_dir, whose)
     try:
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(trainer_dir))
     except (CheckpointException, CheckpointingException) as exc:
@@ -145,13 +150,38 @@ def load_model_weights(model, trainer_dir: Path, whose: str = "the run's config.
     model.load_state_dict(state["model"])
 
 
-def _absent_tensors(model, trainer_dir: Path) -> list[str]:
-    """Keys of the model's tensors that the checkpoint does not hold."""
+NOT_POLICY = ("optimizer.", REFERENCE_PREFIX)
+"""Keys of a trainer checkpoint's tensors that are not the policy's."""
+
+
+def check_fit(model, trainer_dir: Path, whose: str) -> None:
+    """Raise one `UserError` when the checkpoint in ``trainer_dir`` does not fit ``model`` (the
+    policy of ``whose`` recipe), from the checkpoint's metadata, before anything is read: tensors of
+    another shape (a changed ``model.*`` size), tensors it lacks or only it holds (a changed layer
+    or expert count); each named by its key, with the two shapes."""
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     request = model.sharded_state_dict()
     apply_factories(request)
-    wanted = {t.key for t in nested_values(request) if isinstance(t, ShardedTensor)}
-    return sorted(wanted - set(load_tensors_metadata(str(trainer_dir))))
+    wanted = {t.key: tuple(t.global_shape) for t in nested_values(request) if isinstance(t, ShardedTensor)}
+    held = {
+        key: tuple(meta.global_shape)
+        for key, meta in load_tensors_metadata(str(trainer_dir)).items()
+        if not key.startswith(NOT_POLICY)
+    }
+    shapes = [
+        f"{k}: {held[k]} in the checkpoint, {wanted[k]} in the model"
+        for k in sorted(wanted.keys() & held.keys())
+        if held[k] != wanted[k]
+    ]
+    absent, extra = sorted(wanted.keys() - held.keys()), sorted(held.keys() - wanted.keys())
+    problems = [
+        f"{len(found)} {what}, e.g. {'; '.join(found[:2])}"
+        for found, what in ((shapes, "tensors of another shape"), (absent, "of the model's tensors missing"),
+                            (extra, "tensors the model lacks"))
+        if found
+    ]  # fmt: skip
+    if problems:
+        raise UserError(f"checkpoint {trainer_dir} does not fit the model of {whose}: {'; '.join(problems)}")

@@ -3,6 +3,7 @@ sealed by a manifest and verified on resume, metrics files with a torn last line
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -223,3 +224,237 @@ def test_a_full_disk_is_said_as_such_and_an_os_refusal_names_its_path(tmp_path, 
     wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system", "/data/runs/x")
     assert str(user_error_of(wrapped)) == "/data/runs/x: the file system is read-only"
     assert user_error_of(OSError(errno.EBADF, "Bad file descriptor")) is None  # a bug, not the machine
+
+
+# ----------------------------------------------------------------- what resume and start-from read
+TINY = "recipes/tiny_moe.yaml"
+
+
+def _cli_train(*args: str) -> str:
+    """`moe-rl train` refusing: its one error line (no traceback, exit code 2)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = [x for x in out.stderr.splitlines() if " E " in x]
+    return line
+
+
+def _a_run(folder: Path) -> Path:
+    """A run directory as `moe-rl train` leaves it: its config.yaml and metrics of two steps."""
+    from moe_rl.config import to_yaml
+    from moe_rl.orchestration.preflight import load_checked
+
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(
+        to_yaml(load_checked(REPO / TINY, [f"run.output_dir={folder.parent}", f"run.name={folder.name}"]))
+    )
+    (folder / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    return folder
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resuming_a_run_whose_checkpoints_are_a_link_loop_is_one_line_and_rewrites_nothing(tmp_path):
+    """Taken for "no checkpoint yet", a resume retrained from step 0 and rewrote metrics.jsonl; now
+    the resume stops with one line naming the folder, before Ray starts."""
+    run = _a_run(tmp_path / "run")
+    (run / "checkpoints").symlink_to("checkpoints")
+    line = _cli_train(TINY, "--resume", str(run))
+    assert f"E moe_rl.cli: {run / 'checkpoints'}: cannot be read (a symbolic link loop); " in line, line
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 1}\n'
+    assert "Started a local Ray instance" not in (run / "logs" / "train.log").read_text()
+
+
+@pytest.mark.parametrize("state", ["link loop", "link to storage that is gone", "a file", "no permission"])
+def test_a_checkpoints_folder_that_cannot_be_read_is_named_never_taken_for_none(tmp_path, monkeypatch, state):
+    """What a resume and --force-new read (`newest_usable`, `claim`): an error naming the folder and
+    why; --force-new deletes nothing. Root reads any folder whatever its mode, so "no permission"
+    is the refusal of the read itself, as the kernel gives it to others."""
+    from moe_rl.errors import EnvironmentFault
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    folder = run / "checkpoints"
+    why = {"link loop": "a symbolic link loop", "a file": "not a folder", "no permission": "permission denied",
+           "link to storage that is gone": f"a link to {tmp_path / 'scratch'}, which is not there"}[state]  # fmt: skip
+    if state == "link loop":
+        folder.symlink_to("checkpoints")
+    elif state == "link to storage that is gone":
+        folder.symlink_to(tmp_path / "scratch")
+    elif state == "a file":
+        folder.write_text("")
+    else:
+        _checkpoint(folder, 1)
+        listdir = os.listdir
+
+        def refused(path):
+            if Path(path) == folder:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return listdir(path)
+
+        monkeypatch.setattr(os, "listdir", refused)
+    before = _files(run)
+    for read in (rd.newest_usable, rd.sealed, lambda r: rd.claim(r, force_new=True)):
+        with pytest.raises(EnvironmentFault) as err:
+            read(run)
+        assert str(err.value).startswith(f"{folder}: cannot be read ({why}); "), err.value
+    assert _files(run) == before
+
+
+@pytest.mark.parametrize("start", ["the run directory", "its checkpoint folder"])
+def test_init_from_its_own_run_with_force_new_is_refused_before_anything_is_deleted(tmp_path, start):
+    """`--init-from RUN --force-new` in RUN itself deleted the checkpoint it was to start from, then
+    failed; now it is refused before any file goes."""
+    run = _a_run(tmp_path / "sft")
+    ckpt = _checkpoint(run / "checkpoints", 3)
+    before = _files(run)
+    init = run if start == "the run directory" else ckpt
+    line = _cli_train(
+        TINY, f"run.output_dir={tmp_path}", "run.name=sft", "--init-from", str(init), "--force-new"
+    )
+    assert (
+        f"E moe_rl.cli: model.init_from={init} (--init-from) is in {run}, whose checkpoints --force-new "
+        in line
+    )
+    assert _files(run) == {**before, rd.LOCK: b""}  # the lock taken, then released clean
+
+
+def test_only_unsealed_checkpoints_resume_from_step_0_and_a_damaged_sealed_one_is_an_error(tmp_path, caplog):
+    """A save cut short (a full disk, a stop) never was a checkpoint: with nothing older a resume
+    starts from step 0, as the full-disk error promises; a sealed one that fails verification still
+    stops it (from step 0 it would be overwritten)."""
+    folder = tmp_path / "checkpoints"
+    cut = _checkpoint(folder, 2)
+    (cut / rd.MANIFEST).unlink()
+    assert rd.unsealed(cut)
+    with caplog.at_level(logging.WARNING):
+        assert rd.newest_usable(tmp_path) is None
+    assert (
+        "checkpoint step_000002 is not usable (no manifest.json (the save did not finish)); no checkpoint"
+        in caplog.text
+    )
+    damaged = _checkpoint(folder, 1)
+    (damaged / "driver.json").write_text("{}")
+    assert not rd.unsealed(damaged)
+    with pytest.raises(
+        ConfigError, match=r"no usable checkpoint \(step_000002: no manifest.json .*; step_000001: "
+    ):
+        rd.newest_usable(tmp_path)
+
+
+# ----------------------------------------------------------------------------------- a full disk
+def _on_a_full_device(path: Path) -> None:
+    """The device under ``path``, a file this process holds open, is full from now on."""
+    fds = Path("/proc/self/fd")
+    (fd,) = [int(f.name) for f in fds.iterdir() if os.path.realpath(f) == str(path)]
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, fd)
+    os.close(full)
+
+
+def test_a_full_disk_under_metrics_or_tensorboard_is_one_line_naming_the_file(tmp_path, capfd):
+    """Before any checkpoint: metrics.jsonl, then TensorBoard's event file, on a full device (writes
+    fail with ENOSPC, as on a full disk). TensorBoard's writer thread printed a traceback of its
+    own before; the writes are the driver's now."""
+    from moe_rl.errors import EnvironmentFault
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    with pytest.raises(EnvironmentFault) as err:
+        sink.log(0, {"reward/mean": 0.5})
+    assert str(err.value).startswith(f"{tmp_path / 'metrics.jsonl'}: no space left on the device")
+    assert str(err.value).endswith(f"while writing the metrics of step 0; {rd.AFTER_A_FULL_DISK}")
+    (tmp_path / "metrics.jsonl").unlink()
+    sink = MetricsSink(tmp_path)
+    sink.log(0, {"reward/mean": 0.5})
+    _on_a_full_device(sink.tb.path)
+    with pytest.raises(EnvironmentFault) as err:
+        sink.log(1, {"reward/mean": 0.6})
+    assert str(err.value).startswith(f"{sink.tb.path}: no space left on the device"), err.value
+    assert "while writing TensorBoard events; " in str(err.value)
+    sink.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]  # metrics.jsonl has it
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_log_file_on_a_full_disk_says_so_once_without_logging_errors(tmp_path, capsys):
+    """logging printed "--- Logging error ---" and a traceback for every message it could not write."""
+    from moe_rl.log import log_to_file, setup_logging
+
+    root = logging.getLogger()
+    state = (root.level, list(root.handlers), [list(h.filters) for h in root.handlers])
+    path = tmp_path / "train.log"
+    path.symlink_to("/dev/full")
+    try:
+        setup_logging("INFO", quiet=True)
+        trace = log_to_file(path)
+        for i in range(3):
+            logging.getLogger("moe_rl.test").info("message %d", i)
+        try:
+            raise ValueError("bad input")
+        except ValueError:
+            trace.exception("the run stopped on bad input")
+    finally:
+        for handler in [h for h in root.handlers if h not in state[1]]:
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(state[0])
+        for handler, filters in zip(state[1], state[2]):
+            handler.filters = filters
+    err = capsys.readouterr().err
+    assert "Logging error" not in err and "Traceback" not in err, err
+    said = [line for line in err.splitlines() if "no space left" in line]
+    assert len(said) == 1 and said[0].endswith(
+        f"W moe_rl.log: {path}: no space left on the device; the messages from here on miss from this file"
+    ), err
+    assert [line[-9:] for line in err.splitlines() if "moe_rl.test" in line] == [
+        f"message {i}" for i in range(3)
+    ]
+
+
+def test_a_checkpoint_cut_by_a_full_disk_is_one_line_and_a_resume_skips_it(tmp_path, monkeypatch):
+    """The real trainer's save on a full device (its first shard file on /dev/full; the device's
+    free space as a full disk shows it): one line naming the checkpoint. The resume then does what
+    the line promises: it skips the unsealed checkpoint (here from step 0, nothing older) and sets
+    it aside, once the start is done."""
+    import shutil
+
+    from moe_rl.errors import EnvironmentFault
+    from moe_rl.orchestration.local import LocalRun
+    from moe_rl.orchestration.preflight import load_checked
+    from tests.unit.trainer.trainer_testing import TINY_MODEL_OVERRIDES, TINY_RECIPE
+
+    local = LocalRun(
+        load_checked(TINY_RECIPE, [*TINY_MODEL_OVERRIDES, "rollout.batch_size=16", "rollout.group_size=4"])
+    )
+    stages = local.stages
+    stages.run_dir = tmp_path
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    record = local.step(0)
+    sink.log(record.pop("step"), record)
+    shard = tmp_path / "checkpoints" / "step_000000" / "trainer" / "__0_0.distcp"
+    shard.parent.mkdir(parents=True)
+    shard.symlink_to("/dev/full")
+    usage = shutil.disk_usage(tmp_path)
+    with monkeypatch.context() as full:
+        full.setattr(shutil, "disk_usage", lambda path: usage._replace(free=3 << 20))
+        with pytest.raises(EnvironmentFault) as err:
+            stages.checkpoint()
+    ckpt = tmp_path / "checkpoints" / "step_000000"
+    assert str(err.value) == (
+        f"{ckpt}: no space left on the device (3 MiB free) while writing checkpoint step_000000; "
+        f"{rd.AFTER_A_FULL_DISK}"
+    )
+    assert rd.unsealed(ckpt) and rd.newest_usable(tmp_path) is None
+    assert stages.restore(sink, None) == 0
+    (aside,) = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert aside.startswith("step_000000.unusable-")
+    assert read_metrics(tmp_path) == []
