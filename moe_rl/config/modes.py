@@ -156,6 +156,17 @@ class ExpertGemm(StrEnum):
     """Megatron's ``SequentialMLP``: one expert module after another."""
 
 
+class EnvOverflow(StrEnum):
+    """``env.overflow``: an environment answer longer than what is left of the trajectory's token
+    budget (`env.max_tokens`) once a token is kept for the model's turn that reads it."""
+
+    TRUNCATE = "truncate"
+    """Its first tokens, as many as fit with one left for the model, are written; the model's turn
+    after it takes the budget's last token, and the trajectory counts in `env/truncated_share`."""
+    REFUSE = "refuse"
+    """The run stops with one line naming the environment, the trajectory and the lengths."""
+
+
 class LogLevel(StrEnum):
     """``logging.level``."""
 

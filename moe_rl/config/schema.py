@@ -27,6 +27,7 @@ from moe_rl.config.modes import (
     Attention,
     Dispatcher,
     Engine,
+    EnvOverflow,
     ExpertGemm,
     Family,
     Granularity,
@@ -496,6 +497,11 @@ class EnvConfig:
     max_tokens: int = 64
     """Token budget of a trajectory's response: the model's turns and the environment's tokens
     together (what the trainer packs after the prompt)."""
+    overflow: EnvOverflow = EnvOverflow.TRUNCATE
+    """An environment answer longer than what is left of `env.max_tokens` (one token kept for the
+    model's turn that reads it): `truncate` writes the tokens that fit, the model writes the last
+    one (counted in `env/truncated_share`); `refuse` stops the run with one line naming the
+    environment and the lengths."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Constructor arguments of the environment, e.g. `{call_bonus: 0.1}` for `calculator`."""
 

@@ -9,9 +9,13 @@ every environment of the turn steps at once (coroutines are awaited together), a
 answers is appended to its context.
 
 A trajectory ends when its environment says ``done`` (finish reason ``stop``), or when it reaches
-``env.max_turns`` model turns or the token budget ``env.max_tokens`` of its response (``length``;
-an observation that would not fit is not appended). Its reward is the sum of its environment's
-step rewards.
+``env.max_turns`` model turns or the token budget ``env.max_tokens`` of its response (``length``).
+An answer is written when a model turn follows it (which computes its positions: the routing trace
+covers them), so not after the last model turn nor when the budget is spent. An answer longer than
+what is left of the budget but one token is what ``env.overflow`` says: ``truncate`` writes the
+tokens that fit, the model then writes the budget's last token (counted in
+``env/truncated_share``); ``refuse`` stops the run with one line. Its reward is the sum of its
+environment's step rewards.
 
 The result is one `TrajectoryBatch` (``moe_rl.data.trajectory``, "Multi-turn trajectories"): the
 first context is the prompt, the rest the response, with ``sampled`` False on environment tokens
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moe_rl.config.modes import EnvOverflow
 from moe_rl.data import ragged
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.envs.base import Environment, StepResult, check_step_result
@@ -47,12 +52,20 @@ TURN_SEED_STRIDE = 104_729
 
 @dataclass(frozen=True)
 class TurnLimits:
-    """How long a trajectory may run (`env.max_turns`, `env.max_tokens`), and the longest first
-    context (`data.max_prompt_len`: the engines and the trainer are sized for it)."""
+    """How long a trajectory may run (`env.max_turns`, `env.max_tokens`), what an answer longer
+    than what is left becomes (`env.overflow`), and the longest first context
+    (`data.max_prompt_len`: the engines and the trainer are sized for it)."""
 
     max_turns: int
     max_tokens: int
     max_prompt_len: int
+    overflow: EnvOverflow = EnvOverflow.TRUNCATE
+
+    @classmethod
+    def of(cls, config: Any) -> TurnLimits:
+        """The limits of a recipe."""
+        env = config.env
+        return cls(env.max_turns, env.max_tokens, config.data.max_prompt_len, env.overflow)
 
 
 @dataclass
@@ -63,6 +76,8 @@ class _Episode:
     group_id: int
     prompt: list[int]
     context: list[int]
+    index: int
+    """The trajectory's place in the rollout's batch."""
     tokens: list[Tensor] = field(default_factory=list)
     sampled: list[Tensor] = field(default_factory=list)
     logp: list[Tensor] = field(default_factory=list)
@@ -75,6 +90,7 @@ class _Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    truncated: bool = False
     finish: str | None = None
 
     @property
@@ -190,7 +206,7 @@ class MultiTurnRollout:
                 raise EnvError(
                     f"{where} with ids outside [0, {self.vocab_size}) (model.vocab_size): {ids[:16]}"
                 )
-            episodes.append(_Episode(env, int(groups[i // n]), ids, list(ids)))
+            episodes.append(_Episode(env, int(groups[i // n]), ids, list(ids), i))
         return episodes, time.perf_counter() - start
 
     def _model_turn(
@@ -215,21 +231,34 @@ class MultiTurnRollout:
         return version
 
     def _answer(self, episode: _Episode, result: StepResult) -> None:
-        """The environment's answer to the episode's last turn: reward, done, or its observation."""
+        """The environment's answer to the episode's last turn: reward, done, or its observation,
+        written whole if it leaves a token of the budget for the model's next turn (which routes it,
+        `routed_experts`), else as `TurnLimits.overflow` says."""
         check_step_result(result, self.vocab_size, f"env {self.env_name}")
         episode.reward += float(result.reward)
         episode.tool_calls += result.tool_calls
         episode.tool_errors += result.tool_errors
         observation = [int(t) for t in result.observation]
+        room = self.limits.max_tokens - episode.used - 1  # what an answer may take: the model needs a token
         if result.done:
             episode.finish = "stop"
-        elif (
-            episode.turns >= self.limits.max_turns
-            or episode.used + len(observation) >= self.limits.max_tokens
-        ):
-            episode.finish = "length"  # no turn left, or no room for one more sampled token
-        else:
+        elif episode.turns >= self.limits.max_turns or room < 0:
+            episode.finish = "length"  # no model turn left to read an answer
+        elif len(observation) <= room:
             episode.add_observation(observation)
+        elif self.limits.overflow == EnvOverflow.REFUSE:
+            raise EnvError(
+                f"env {self.env_name}: an answer of {len(observation)} tokens (trajectory {episode.index}, after "
+                f"model turn {episode.turns}) does not fit env.max_tokens={self.limits.max_tokens} with "
+                f"{episode.used} used (at most {room}: the model's next turn needs one); raise env.max_tokens, "
+                "make the answers shorter, or set env.overflow=truncate"
+            )
+        else:  # the tokens that fit, then the model's last token
+            episode.truncated = True
+            if room == 0:
+                episode.finish = "length"
+            else:
+                episode.add_observation(observation[:room])
 
 
 def _run_all(calls: list[Any]) -> list[Any]:
@@ -253,6 +282,7 @@ def _stats(episodes: list[_Episode], env_seconds: float) -> dict[str, float]:
         "tool_calls": float(sum(e.tool_calls for e in episodes)),
         "tool_errors": float(sum(e.tool_errors for e in episodes)),
         "done": float(sum(e.finish == "stop" for e in episodes)),
+        "truncated": float(sum(e.truncated for e in episodes)),
         "env_seconds": env_seconds,
     }
 
@@ -271,6 +301,7 @@ def env_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
         "env/tool_errors": total["tool_errors"],
         "env/tool_error_share": total["tool_errors"] / max(total["tool_calls"], 1.0),
         "env/done_share": total["done"] / n,
+        "env/truncated_share": total["truncated"] / n,
         "env/seconds": total["env_seconds"],
     }
 
@@ -297,7 +328,4 @@ def rollouts_for(config: Any, engine: Any, env_factory: Any = None) -> SingleTur
         from moe_rl.envs.registry import build_env_factory
 
         env_factory = build_env_factory(env.name, dict(env.kwargs))
-    return MultiTurnRollout(
-        engine, env_factory,
-        TurnLimits(env.max_turns, env.max_tokens, config.data.max_prompt_len), config.model.vocab_size, env.name,
-    )  # fmt: skip
+    return MultiTurnRollout(engine, env_factory, TurnLimits.of(config), config.model.vocab_size, env.name)

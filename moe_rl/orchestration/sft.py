@@ -150,7 +150,7 @@ def _from_env(config) -> TrajectoryBatch:
     source = build_prompt_source(config)
     source.rng.seed(config.run.seed + DEMONSTRATION_SEED_OFFSET)  # not the prompts a run draws
     prompts: list[Prompt] = source.next_batch(config.sft.num_demonstrations)
-    limits = TurnLimits(env.max_turns, env.max_tokens, config.data.max_prompt_len)
+    limits = TurnLimits.of(config)
     rollout = MultiTurnRollout(Demonstrator(demonstrate), make_env, limits, config.model.vocab_size, env.name)
     spec = SamplingSpec(n=1, max_new_tokens=config.rollout.max_new_tokens, temperature=1.0)
     batch, _ = rollout.generate(prompts, spec)

@@ -61,6 +61,7 @@ def test_env_metrics_merge_replicas():
         "tool_calls": 4.0,
         "tool_errors": 1.0,
         "done": 3.0,
+        "truncated": 1.0,
         "env_seconds": 0.5,
     }
     two = {
@@ -69,11 +70,13 @@ def test_env_metrics_merge_replicas():
         "tool_calls": 0.0,
         "tool_errors": 0.0,
         "done": 4.0,
+        "truncated": 0.0,
         "env_seconds": 0.25,
     }
     out = env_metrics([one, two, {}])
     assert out == {
         "env/turns_per_trajectory": 1.5, "env/tool_calls_per_trajectory": 0.5, "env/tool_errors": 1.0,
-        "env/tool_error_share": 0.25, "env/done_share": 0.875, "env/seconds": 0.75,
+        "env/tool_error_share": 0.25, "env/done_share": 0.875, "env/truncated_share": 0.125,
+        "env/seconds": 0.75,
     }  # fmt: skip
     assert env_metrics([{}, {}]) == {}
