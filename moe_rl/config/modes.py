@@ -167,6 +167,27 @@ class EnvOverflow(StrEnum):
     """The run stops with one line naming the environment, the trajectory and the lengths."""
 
 
+class RewardPool(StrEnum):
+    """``data.reward_pool``: where a step's reward calls run, `data.reward_workers` at a time."""
+
+    THREAD = "thread"
+    """Threads of the reward worker: for calls that wait (an HTTP service, an LLM judge, a
+    sandbox); a call past `data.reward_timeout_s` is given up, its thread left to end on its own."""
+    PROCESS = "process"
+    """Processes of their own, each importing the function once: for calls that compute
+    (math-verify on long answers); a call past `data.reward_timeout_s` is killed with its process."""
+
+
+class RewardFailure(StrEnum):
+    """``data.reward_on_failure``: a reward call that raises, returns something other than a finite
+    number or does not return within `data.reward_timeout_s`."""
+
+    STOP = "stop"
+    """The run stops with one line naming the function, the prompt and the cause."""
+    ZERO = "zero"
+    """The response scores 0, counted in `reward/failed`; the run goes on."""
+
+
 class LogLevel(StrEnum):
     """``logging.level``."""
 

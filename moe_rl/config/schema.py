@@ -37,6 +37,8 @@ from moe_rl.config.modes import (
     QuantMethod,
     ReleaseMemory,
     ReplayMode,
+    RewardFailure,
+    RewardPool,
     RopeScaling,
     RunMode,
     ScoreFunction,
@@ -455,8 +457,33 @@ class DataConfig:
     """Prompt source: `synthetic:<task>` (made locally) or `file:<path>` (JSONL / Parquet with
     prompt and answer columns)."""
     reward: str = "synthetic"
-    """`synthetic` (the task's own checker), `math` (math-verify), `exact_match`, or
-    `module:function` for a user function."""
+    """`synthetic` (the task's own checker), `math` (math-verify), `exact_match`, `http` (a reward
+    service at `data.reward_url`), or `module:function` for a user function (`def` or `async def`,
+    called as `fn(response_text, answer_text)`)."""
+    reward_workers: int = 1
+    """Reward calls in flight at once: workers of `data.reward_pool`, or coroutines awaited together
+    for an `async def` function. The synthetic checkers score inline."""
+    reward_pool: RewardPool = RewardPool.THREAD
+    """Where reward calls run: `thread` (calls that wait: HTTP, judges, sandboxes) or `process`
+    (calls that compute; a call past its timeout is killed with its process)."""
+    reward_timeout_s: float | None = 300.0
+    """Longest one reward call may take (for `http`: one request), in seconds; then it fails as
+    `data.reward_on_failure` says. null: no limit."""
+    reward_on_failure: RewardFailure = RewardFailure.STOP
+    """A reward call that raises, returns something other than a finite number or times out: `stop`
+    the run with one line naming the function, the prompt and the cause, or score the response
+    `zero` and count it in `reward/failed`."""
+    reward_url: str | None = None
+    """`data.reward=http`: the service's URL (`http://` or `https://`). Each request POSTs
+    `{"items": [{"prompt", "response", "answer"}, ...]}` and takes `{"rewards": [...]}` back, one
+    number per item."""
+    reward_batch_size: int = 16
+    """`data.reward=http`: responses per request (requests run `data.reward_workers` at a time)."""
+    reward_retries: int = 3
+    """`data.reward=http`: retries of a request that failed with HTTP 5xx or 429, a refused or
+    broken connection or a timeout; other answers fail at once."""
+    reward_backoff_s: float = 1.0
+    """`data.reward=http`: the wait before the first retry, doubled before each next one."""
     prompt_key: str = "prompt"
     """Prompt column of a dataset file."""
     answer_key: str = "answer"

@@ -248,9 +248,15 @@ def _maybe_fail(fault: str, replica: int, call: int) -> None:
             os._exit(1)
 
 
+PROGRESS_GROUP = "progress"
+"""The reward actor's concurrency group of progress questions (`RewardActor.progress`): answered in
+a thread of their own while the actor scores."""
+
+
 class RewardActor:
     """The reward worker as a Ray actor (`moe_rl.orchestration.batches.Rewarder`): rollout batches
-    travel engine → store → trainer ranks, and the driver reads only their summary."""
+    travel engine → store → trainer ranks, and the driver reads only their summary, and, while a
+    scoring runs, its progress (in `PROGRESS_GROUP`)."""
 
     def __init__(self, config: RecipeConfig, scorer=None):
         _setup_process(config, 1, "reward")
@@ -273,6 +279,10 @@ class RewardActor:
         """``(shard refs, summary)`` of a stored batch (offline DGO)."""
         shards, summary = self.rewarder.prepare_stored(batch, version, dp_size)
         return [ray.put(shard) for shard in shards], summary
+
+    def progress(self) -> str | None:
+        """Where the scoring in progress stands (None: none is)."""
+        return self.rewarder.progress()
 
     def dump(self, folder: str, step: int) -> None:
         self.rewarder.dump(folder, step)

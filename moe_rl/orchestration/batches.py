@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,6 +24,9 @@ from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.validate import check_staleness, validate
 from moe_rl.orchestration.dispatch import Dispatch, merge
 from moe_rl.orchestration.dynamic_sampling import GroupPool
+
+if TYPE_CHECKING:
+    from moe_rl.rewards.registry import Scores
 
 
 @dataclass
@@ -109,13 +113,15 @@ def step_scorer(config: RecipeConfig):
     return None if config.env.name else build_scorer(config)
 
 
-def step_rewards(scorer, batch: TrajectoryBatch, prompts: Sequence, group_size: int) -> list[float]:
+def step_rewards(scorer, batch: TrajectoryBatch, prompts: Sequence, group_size: int) -> Scores:
     """The rewards of a rollout batch in prompt order (``group_size`` responses per prompt): the
     scorer's, or the environments' already in the batch (`step_scorer` gave None)."""
+    from moe_rl.rewards.registry import Scores
+
     if scorer is None:
-        return batch.rewards.tolist()
+        return Scores(batch.rewards.tolist())
     per_sample = [p for p in prompts for _ in range(group_size)]
-    return scorer.score_all(per_sample, [s.response_ids.tolist() for s in batch.samples()])
+    return scorer.score_batch(per_sample, [s.response_ids.tolist() for s in batch.samples()], group_size)
 
 
 class Rewarder:
@@ -130,6 +136,8 @@ class Rewarder:
         self.scorer = scorer if scorer is not None else step_scorer(config)
         self._last: TrajectoryBatch | None = None
         self._pool: GroupPool | None = None
+        self._failed = 0
+        """Responses of the step scored 0 because their reward call failed (`reward/failed`)."""
 
     def prepare(
         self, parts: Sequence[TrajectoryBatch], plan: Dispatch, prompts: Sequence, version: int, dp_size: int,
@@ -140,10 +148,13 @@ class Rewarder:
         step's pool) and ``group_ids`` the numbers of the step's groups; a batch not yet full
         answers with no shards and the prompts to generate next (`ScoredSummary.more`)."""
         batch = merge(parts, plan)
-        rewards = step_rewards(self.scorer, batch, prompts, plan.group_size)
+        scores = step_rewards(self.scorer, batch, prompts, plan.group_size)
+        rewards = scores.values
+        self._failed = scores.failed + (self._failed if round_ else 0)  # over the step's rounds
+        scored = {"reward/failed": self._failed} if scores.counted else {}
         algo = self.config.algo
         if not algo.dynamic_sampling:
-            return self._shard(batch, rewards, version, dp_size, engine_metrics(parts))
+            return self._shard(batch, rewards, version, dp_size, {**engine_metrics(parts), **scored})
         r = self.config.rollout
         if round_ == 0 or self._pool is None:
             self._pool = GroupPool(r.batch_size // r.group_size, r.group_size)
@@ -155,7 +166,7 @@ class Rewarder:
         batch, sampled = self._pool.take(torch.as_tensor(list(group_ids), dtype=torch.int64))
         self._pool = None
         return self._shard(
-            batch, batch.rewards.tolist(), version, dp_size, {**engine_metrics(parts), **sampled}
+            batch, batch.rewards.tolist(), version, dp_size, {**engine_metrics(parts), **sampled, **scored}
         )
 
     def prepare_stored(
@@ -175,6 +186,15 @@ class Rewarder:
         self._last = batch
         shards = [] if summary.plan is None else [batch.select(idx) for idx in summary.plan.indices]
         return shards, summary
+
+    def progress(self) -> str | None:
+        """Where the scoring in progress stands (None: none is); asked from another thread."""
+        return None if self.scorer is None else self.scorer.progress_line()
+
+    def shutdown(self) -> None:
+        """End the scorer's worker processes, if any."""
+        if self.scorer is not None:
+            self.scorer.close()
 
     def dump(self, folder: str, step: int) -> None:
         """Write the last sharded batch as trajectory shards (`logging.dump_trajectories`)."""

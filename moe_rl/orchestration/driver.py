@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -22,20 +24,31 @@ from moe_rl.orchestration.actors import start_ray
 from moe_rl.orchestration.loop import offline_loop, online_loop
 from moe_rl.orchestration.metrics import MetricsSink, run_summary
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
-from moe_rl.orchestration.stages import Stages
+from moe_rl.orchestration.stages import Stages, Waiting
 from moe_rl.orchestration.workers import ray_workers
 from moe_rl.run_dir import Resume, read_metrics, sealed
 
 log = logging.getLogger("moe_rl.driver")
 
 
+STOP_GRACE_S = 5.0
+"""After a stop request, how long the driver still waits for a phase running the user's code (the
+reward worker's scoring: `moe_rl.orchestration.stages.Waiting`) before it stops without it."""
+
+
 class StopRequest:
     """Ctrl-C (SIGINT) or SIGTERM (`scancel`, preemption): the first signal lets the current step
     finish, so the checkpoint holds trainer and driver state of the same step; a second one stops
-    at once, without a checkpoint (the run then resumes from the previous one)."""
+    at once, without a checkpoint (the run then resumes from the previous one). A phase running the
+    user's code that has not ended `STOP_GRACE_S` after the first signal (a reward function that
+    hangs) is not waited for longer: the run stops, saying what it waited for (`given_up`)."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.waiting: Callable[[], Waiting | None] = lambda: None
+        """What the driver waits for now (`Stages.waiting`)."""
+        self.given_up: str | None = None
+        """What the run stopped waiting for."""
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -45,7 +58,23 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt(f"signal {signum} again")
         self.requested = True
-        log.warning("signal %d: finishing this step, then saving a checkpoint (again to stop now)", signum)
+        phase = self.waiting()
+        more = f"; {phase.what}: waiting {STOP_GRACE_S:g} s more" if phase is not None else ""
+        log.warning(
+            "signal %d: finishing this step, then saving a checkpoint (again to stop now)%s", signum, more
+        )
+        if phase is not None:
+            timer = threading.Timer(STOP_GRACE_S, self._give_up, (phase,))
+            timer.daemon = True
+            timer.start()
+
+    def _give_up(self, phase: Waiting) -> None:
+        """`STOP_GRACE_S` after the first signal: still waiting for ``phase``, stop waiting (the
+        main thread gets the signal again, as from a second Ctrl-C)."""
+        if self.waiting() is not phase:
+            return
+        self.given_up = f"{phase.what}, for {time.monotonic() - phase.since:.0f} s"
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # wakes a blocked wait too
 
 
 def run(
@@ -60,10 +89,12 @@ def run(
         stages, sink, start = start_run(config, run_dir, resume, inputs, running)
         stop = StopRequest()
         stop.install()
+        stop.waiting = lambda: stages.waiting
         try:
             code = train_steps(config, stages, sink, stop, start)
         except KeyboardInterrupt:
-            log.warning("stopped at once: no checkpoint of this step; --resume starts from the last one")
+            waited = f" while waiting for {stop.given_up}" if stop.given_up else " at once"
+            log.warning("stopped%s: no checkpoint of this step; --resume starts from the last one", waited)
             code = 130
     records = read_metrics(run_dir) if sink.path.exists() else []
     log.info("%s", run_summary(records, config.run.steps, time.monotonic() - t0, run_dir, sealed(run_dir)))

@@ -47,8 +47,12 @@ SUMMARY_KEYS = (
     ("old/routing_agreement", "route {:.3f}"),
     ("train/grad_norm", "gnorm {:.3f}"),
     ("perf/mfu", "mfu {:.1%}"),
+    ("time/reward_s", "scoring {:.1f}s"),  # when it is the step's longest stage
     ("time/step_s", "{:.1f}s"),
 )
+STEP_TIME = "time/step_s"
+"""The whole step's time; every other ``time/*_s`` is one stage's, shown on the step line (when it is
+one of `SUMMARY_KEYS`) only when it is the longest of the step's stages."""
 
 
 def _scalar(value: Any) -> float | int | str | None:
@@ -165,10 +169,18 @@ class MetricsSink:
 
 
 def summary_line(record: Mapping[str, Any]) -> str:
-    parts = [
-        fmt.format(record[key]) for key, fmt in SUMMARY_KEYS if isinstance(record.get(key), (int, float))
-    ]
-    return " | ".join(parts)
+    """The step line: the `SUMMARY_KEYS` a record has; a stage's time only when it is the longest."""
+    return " | ".join(fmt.format(record[key]) for key, fmt in SUMMARY_KEYS if _shown(record, key))
+
+
+def _shown(record: Mapping[str, Any], key: str) -> bool:
+    value = record.get(key)
+    if not isinstance(value, (int, float)):
+        return False
+    if key.startswith("time/") and key != STEP_TIME:  # a stage's time: the longest stage only
+        stages = [v for k, v in record.items() if k.startswith("time/") and k != STEP_TIME]
+        return value >= max(v for v in stages if isinstance(v, (int, float)))
+    return True
 
 
 def run_summary(

@@ -18,7 +18,7 @@ import functools
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,16 @@ class Rounds:
     round: int = 0
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """What the driver waits for in a phase that runs the user's code (the reward worker's
+    scoring), and since when (`time.monotonic`): a stop request waits a little for it, then gives
+    up waiting (`moe_rl.orchestration.driver.StopRequest`)."""
+
+    what: str
+    since: float = field(default_factory=time.monotonic)
+
+
 @dataclass
 class Rollout:
     """A scored rollout batch: its data-parallel shards (on Ray: in the object store) and its summary."""
@@ -110,6 +120,8 @@ class Stages:
         self.state = RunState()
         self.releases = releases_memory(config, resolve_device(config.run.device, Machine.detect()))
         """Colocated phases give memory back (`cluster.release_memory`)."""
+        self.waiting: Waiting | None = None
+        """The phase running the user's code the driver waits for now (None: none)."""
 
     # ------------------------------------------------------------------ start / resume
     def start(self) -> int:
@@ -204,15 +216,27 @@ class Stages:
         validates the batch, checks its staleness and shards it (with dynamic sampling, over the
         step's pool of groups). A batch to train on brings its metrics: rewards, lengths, versions."""
         t0 = time.perf_counter()
-        shards, summary = self.rewarder.prepare(
-            batches, rounds.generation.plan, rounds.prompts, self.state.version, self.trainer.dp_size,
-            rounds.round, [rounds.step * self._groups + i for i in range(self._groups)],
-        )  # fmt: skip
+        responses = len(rounds.prompts) * self.config.rollout.group_size
+        with self._waiting(f"the reward worker to score {responses} responses of step {rounds.step} "
+                           f"(data.reward={self.config.data.reward})"):  # fmt: skip
+            shards, summary = self.rewarder.prepare(
+                batches, rounds.generation.plan, rounds.prompts, self.state.version, self.trainer.dp_size,
+                rounds.round, [rounds.step * self._groups + i for i in range(self._groups)],
+            )  # fmt: skip
         metrics["time/reward_s"] = metrics.get("time/reward_s", 0.0) + time.perf_counter() - t0
         batch = Rollout(shards, summary)
         if batch.trainable:
             metrics.update(self._batch_metrics(rounds, summary))
         return batch
+
+    @contextlib.contextmanager
+    def _waiting(self, what: str):
+        """While the driver waits for ``what``, which runs the user's code (`Waiting`)."""
+        self.waiting = Waiting(what)
+        try:
+            yield
+        finally:
+            self.waiting = None
 
     def _batch_metrics(self, rounds: Rounds, summary: ScoredSummary) -> dict[str, Any]:
         version, rewards = self.state.version, summary.rewards

@@ -17,6 +17,7 @@ batches themselves (`moe_rl.orchestration.local`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from moe_rl.config.derived import PlacementMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.sync_plan import sync_plan
 from moe_rl.device import Machine
-from moe_rl.orchestration.actors import RAY_TIMEOUT_S, RewardActor
+from moe_rl.orchestration.actors import PROGRESS_GROUP, RAY_TIMEOUT_S, RewardActor
 from moe_rl.orchestration.batches import ScoredSummary
 from moe_rl.orchestration.engine_pool import EnginePool
 from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
@@ -34,6 +35,7 @@ from moe_rl.orchestration.preflight import RunInputs
 from moe_rl.orchestration.seats import Seats
 from moe_rl.orchestration.stages import Workers
 from moe_rl.orchestration.trainer_group import TrainerGroup
+from moe_rl.rewards.pool import PROGRESS_S
 
 log = logging.getLogger("moe_rl.driver")
 
@@ -43,7 +45,8 @@ class RayRewarder:
     the object store (their references go to the trainer ranks)."""
 
     def __init__(self, config: RecipeConfig, scorer=None):
-        self.actor = ray.remote(RewardActor).options(num_cpus=0).remote(config, scorer)
+        actor = ray.remote(concurrency_groups={PROGRESS_GROUP: 1})(RewardActor)  # progress while it scores
+        self.actor = actor.options(num_cpus=0).remote(config, scorer)
 
     def prepare(
         self, batch_refs: list, plan, prompts, version: int, dp_size: int, round_: int = 0,
@@ -58,10 +61,20 @@ class RayRewarder:
         shards, summary = self.actor.prepare_stored.remote(ray.put(batch), version, dp_size)
         return self._resolved(shards, summary)
 
-    @staticmethod
-    def _resolved(shards, summary) -> tuple[list, ScoredSummary]:
-        summary = ray.get(summary, timeout=RAY_TIMEOUT_S)
+    def _resolved(self, shards, summary) -> tuple[list, ScoredSummary]:
+        summary = self._awaited(summary)
         return ray.get(shards, timeout=RAY_TIMEOUT_S), summary
+
+    def _awaited(self, ref):
+        """The reward worker's answer; every `PROGRESS_S` it has not come, the scoring's progress
+        on the terminal."""
+        deadline = time.monotonic() + RAY_TIMEOUT_S
+        while not ray.wait([ref], timeout=PROGRESS_S)[0] and time.monotonic() < deadline:
+            asked = self.actor.progress.options(concurrency_group=PROGRESS_GROUP).remote()
+            line = ray.get(asked, timeout=RAY_TIMEOUT_S)
+            if line is not None:
+                log.info("scoring with %s", line)
+        return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
 
     def dump(self, folder: str, step: int) -> None:
         ray.get(self.actor.dump.remote(folder, step), timeout=RAY_TIMEOUT_S)

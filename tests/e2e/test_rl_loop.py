@@ -314,7 +314,7 @@ def test_a_failing_reward_function_stops_the_run_with_one_line(tmp_path):
     assert proc.returncode == 2, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     (line,) = [x for x in out.splitlines() if " E moe_rl" in x or " E launch" in x]
-    assert re.search(r"reward function data.reward=bad_reward:score raised KeyError: '(\d)' \(response .*, "
-                     r"answer '\1'\) \(traceback: .*train.log\)$", line), line  # fmt: skip
+    assert re.search(r"reward function data.reward=bad_reward:score raised KeyError: '(\d)' \(prompt \d+, "
+                     r"response .*, answer '\1'\) \(traceback: .*train.log\)$", line), line  # fmt: skip
     log_file = tmp_path / "badreward" / "logs" / "train.log"
     assert "Traceback" in log_file.read_text() and "KeyError" in log_file.read_text()

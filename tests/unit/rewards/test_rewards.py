@@ -93,10 +93,16 @@ def test_count_up_scores_successors_of_the_previous_token():
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ("raise RuntimeError('no network')", "raised RuntimeError: no network (response 'abc', answer '7')"),
-        ("return float('nan')", "returned nan (float) for answer '7'; it must return a finite number"),
-        ("return 'yes'", "returned 'yes' (str) for answer '7'; it must return a finite number"),
-        ("return None", "returned None (NoneType) for answer '7'"),
+        (
+            "raise RuntimeError('no network')",
+            "raised RuntimeError: no network (prompt 0, response 'abc', answer '7')",
+        ),
+        (
+            "return float('nan')",
+            "returned nan (float); it must return a finite number (prompt 0, response 'abc', ",
+        ),
+        ("return 'yes'", "returned 'yes' (str); it must return a finite number (prompt 0, response 'abc', "),
+        ("return None", "returned None (NoneType); it must return a finite number (prompt 0, "),
     ],
     ids=["raises", "nan", "string", "none"],
 )

@@ -1,0 +1,215 @@
+"""Reward calls at real-world cost (`moe_rl.rewards.pool` through `RewardScorer` and the reward
+worker's `Rewarder`): `data.reward_workers` calls at a time in threads, processes or as coroutines;
+a call past `data.reward_timeout_s` stops the run with one line naming the function, the prompt and
+the cause, or scores 0 and is counted in `reward/failed`; the progress of a scoring in flight.
+
+Concurrency is shown by behaviour, never by timing: every call waits until all of them have
+started (a barrier with a deadline), which only calls running side by side get past."""
+
+from __future__ import annotations
+
+import itertools
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.config.loader import load_recipe
+from moe_rl.config.modes import RewardFailure, RewardPool
+from moe_rl.config.schema import DataConfig
+from moe_rl.data import Sample, TrajectoryBatch
+from moe_rl.errors import RewardFunctionError
+from moe_rl.orchestration.batches import Rewarder
+from moe_rl.orchestration.dispatch import Dispatch
+from moe_rl.rewards import ByteTokenizer, RewardScorer
+from moe_rl.rewards.tasks import EOS, Prompt
+
+REPO = Path(__file__).resolve().parents[3]
+TOK = ByteTokenizer()
+DEADLINE_S = 60.0
+"""The longest a test waits for calls that should all be running, or for a scoring to end."""
+_modules = itertools.count()
+
+BARRIER = {
+    # every call waits at a barrier of as many parties as calls: only calls side by side pass it
+    RewardPool.THREAD: """
+        import threading
+        barrier = threading.Barrier({n}, timeout={deadline})
+        def score(response, answer):
+            barrier.wait()
+            return 1.0
+    """,
+    # coroutines on one event loop: each waits until all have started
+    "async": """
+        import asyncio
+        started = 0
+        async def score(response, answer):
+            global started
+            started += 1
+            async def everyone():
+                while started < {n}:
+                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(everyone(), {deadline})
+            return 1.0
+    """,
+    # processes: each call leaves a file named by its process in the folder its answer names
+    RewardPool.PROCESS: """
+        import os, pathlib, time
+        def score(response, answer):
+            folder = pathlib.Path(answer)
+            (folder / str(os.getpid())).touch()
+            deadline = time.monotonic() + {deadline}
+            while len(list(folder.iterdir())) < {n}:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {{len(list(folder.iterdir()))}} calls started")
+                time.sleep(0.01)
+            return 1.0
+    """,
+}
+
+HANG = """
+    import time
+    def score(response, answer):
+        if answer == "hang":
+            time.sleep(3600)  # never returns within the test
+        return float(response == answer)
+"""
+
+
+def _module(tmp_path: Path, monkeypatch, source: str) -> str:
+    """A user reward module written to ``tmp_path`` and importable: its `module:function`."""
+    name = f"user_reward_pool_{next(_modules)}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{name}:score"
+
+
+def _scorer(spec: str, **keys) -> RewardScorer:
+    return RewardScorer(spec, tokenizer=TOK, data=DataConfig(reward=spec, **keys))
+
+
+def _prompts(answers: list[str], group_size: int) -> tuple[list[Prompt], list[list[int]]]:
+    """Per response: its prompt (``group_size`` responses per answer) and a response saying "7"."""
+    prompts = [Prompt(ids=tuple(TOK.encode_prompt(f"q{i}")), answer=a) for i, a in enumerate(answers)]
+    per_response = [p for p in prompts for _ in range(group_size)]
+    return per_response, [[*TOK.encode("7")[1:], EOS] for _ in per_response]
+
+
+def _within(fn, deadline: float = DEADLINE_S):
+    """``fn()``'s value (or exception), from a thread given ``deadline`` seconds to end."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(deadline)
+    assert not thread.is_alive(), f"the scoring did not end within {deadline} s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+@pytest.mark.parametrize("kind", [RewardPool.THREAD, "async", RewardPool.PROCESS])
+def test_calls_run_side_by_side_up_to_reward_workers(tmp_path, monkeypatch, kind):
+    n = 4
+    spec = _module(tmp_path, monkeypatch, BARRIER[kind].format(n=n, deadline=DEADLINE_S))
+    pool = RewardPool.PROCESS if kind == RewardPool.PROCESS else RewardPool.THREAD
+    scorer = _scorer(spec, reward_workers=n, reward_pool=pool)
+    folder = tmp_path / "started"
+    folder.mkdir()
+    prompts, responses = _prompts([str(folder)], group_size=n)
+    try:
+        assert _within(lambda: scorer.score_batch(prompts, responses, n)).values == [1.0] * n
+    finally:
+        scorer.close()
+    if kind == RewardPool.PROCESS:
+        assert len(list(folder.iterdir())) == n  # n processes of their own
+
+
+def test_one_worker_scores_one_call_at_a_time(tmp_path, monkeypatch):
+    """The control of the barrier above: calls one at a time never all start together."""
+    spec = _module(tmp_path, monkeypatch, BARRIER[RewardPool.THREAD].format(n=2, deadline=1))
+    prompts, responses = _prompts(["7"], group_size=2)
+    with pytest.raises(RewardFunctionError, match=r"raised BrokenBarrierError \(prompt 0, "):
+        _within(lambda: _scorer(spec, reward_workers=1).score_batch(prompts, responses, 2))
+
+
+@pytest.mark.parametrize("pool", list(RewardPool))
+def test_a_hung_reward_stops_with_one_line_naming_function_prompt_and_cause(tmp_path, monkeypatch, pool):
+    spec = _module(tmp_path, monkeypatch, HANG)
+    scorer = _scorer(spec, reward_workers=4, reward_pool=pool, reward_timeout_s=2.0)
+    prompts, responses = _prompts(["7", "hang", "7"], group_size=2)
+    try:
+        with pytest.raises(RewardFunctionError) as err:
+            _within(lambda: scorer.score_batch(prompts, responses, 2))
+    finally:
+        scorer.close()
+    assert str(err.value) == (
+        f"reward function data.reward={spec} did not return within data.reward_timeout_s=2.0 s "
+        "(prompt 1, response '7', answer 'hang')"
+    )
+
+
+def _rewarder(scorer: RewardScorer) -> Rewarder:
+    return Rewarder(load_recipe(REPO / "recipes" / "tiny_moe.yaml", ["model.vocab_size=320"]), scorer)
+
+
+def _prepare(rewarder: Rewarder, prompts: list[Prompt], responses: list[list[int]], group_size: int):
+    """The reward worker's work on one replica's batch of ``responses``: shards and summary."""
+    samples = [
+        Sample(torch.tensor(p.ids), torch.tensor(r), torch.full((len(r),), -0.5), 0.0, i // group_size, "stop", [(0, 0)])
+        for i, (p, r) in enumerate(zip(prompts, responses))
+    ]  # fmt: skip
+    batch = TrajectoryBatch.from_samples(samples, engine="megatron", quant_recipe="bf16", policy_version=0)
+    plan = Dispatch([list(range(len(prompts) // group_size))], group_size)
+    return rewarder.prepare([batch], plan, prompts[::group_size], version=0, dp_size=1)
+
+
+@pytest.mark.parametrize("pool", list(RewardPool))
+def test_a_hung_reward_scores_zero_and_is_counted_in_reward_failed(tmp_path, monkeypatch, pool):
+    spec = _module(tmp_path, monkeypatch, HANG)
+    scorer = _scorer(
+        spec, reward_workers=2, reward_pool=pool, reward_timeout_s=2.0, reward_on_failure=RewardFailure.ZERO
+    )
+    rewarder = _rewarder(scorer)
+    prompts, responses = _prompts(["7", "hang", "8"], group_size=2)
+    try:
+        for _ in range(2):  # a process killed for its timeout is replaced for the next step
+            _, summary = _within(lambda: _prepare(rewarder, prompts, responses, 2))
+            assert summary.rewards.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+            assert summary.metrics["reward/failed"] == 2 and summary.trainable
+    finally:
+        rewarder.shutdown()
+
+
+def test_reward_failed_is_reported_only_where_failures_score_zero(tmp_path, monkeypatch):
+    spec = _module(tmp_path, monkeypatch, HANG)
+    prompts, responses = _prompts(["7"], group_size=2)
+    _, summary = _prepare(_rewarder(_scorer(spec)), prompts, responses, 2)
+    assert "reward/failed" not in summary.metrics
+    zero = _scorer(spec, reward_on_failure=RewardFailure.ZERO)
+    assert _prepare(_rewarder(zero), prompts, responses, 2)[1].metrics["reward/failed"] == 0
+
+
+def test_the_progress_of_a_scoring_in_flight_names_the_calls_and_the_prompt_waited_for(tmp_path, monkeypatch):
+    spec = _module(tmp_path, monkeypatch, HANG)
+    scorer = _scorer(spec, reward_workers=2, reward_timeout_s=30.0, reward_on_failure=RewardFailure.ZERO)
+    rewarder = _rewarder(scorer)
+    prompts, responses = _prompts(["7", "hang"], group_size=2)
+    assert rewarder.progress() is None
+    scoring = threading.Thread(target=lambda: _prepare(rewarder, prompts, responses, 2), daemon=True)
+    scoring.start()
+    line = None
+    for _ in range(int(DEADLINE_S / 0.05)):  # until prompt 0's calls are done and prompt 1's hang
+        line = rewarder.progress()
+        if line is not None and line.startswith(f"data.reward={spec}: 2/4 calls done, 2 running"):
+            break
+        threading.Event().wait(0.05)
+    assert line is not None and "the longest for" in line and "(prompt 1)" in line, line
