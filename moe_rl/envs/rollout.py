@@ -3,8 +3,11 @@
 Engine-agnostic: it drives any `moe_rl.rollout.engine.RolloutEngine` (the Megatron engine, vLLM)
 through its ordinary ``generate`` call, one call per turn for every trajectory still running, each
 with its whole context so far as the prompt (vLLM's prefix cache keeps the shared prefix from being
-recomputed; the Megatron engine prefills it again). A model turn ends at EOS, at one of the
-environment's stop tokens (e.g. the end of a tool call) or after ``rollout.max_new_tokens``. Then
+recomputed; the Megatron engine prefills it again), seeded for its turn (`turn_seed`: no turn draws
+what another turn, step or replica of the run draws). A model turn ends at EOS, at one of the
+environment's stop tokens (e.g. the end of a tool call) or after ``rollout.max_new_tokens``, or
+where the trajectory's budget ends (the call runs as long as the longest turn left, and a response
+past its own trajectory's budget is cut there). Then
 every environment of the turn steps at once (coroutines are awaited together), and what each
 answers is appended to its context.
 
@@ -44,10 +47,7 @@ from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.envs.base import Environment, StepResult, check_step_result
 from moe_rl.errors import EnvError
 from moe_rl.rewards.tasks import Prompt
-from moe_rl.rollout.engine import SamplingSpec
-
-TURN_SEED_STRIDE = 104_729
-"""Seed offset between turns (turn t samples with ``seed + t * stride``): reproducible, distinct."""
+from moe_rl.rollout.engine import SamplingSpec, turn_seed
 
 
 @dataclass(frozen=True)
@@ -212,23 +212,20 @@ class MultiTurnRollout:
     def _model_turn(
         self, live: list[_Episode], sampling: SamplingSpec, stop: tuple[int, ...], turn: int
     ) -> int:
-        """One ``generate`` call per turn length (``rollout.max_new_tokens``, or less where the
-        budget is nearly spent); returns the newest weight version that sampled."""
-        by_length: dict[int, list[_Episode]] = {}
-        for e in live:
-            by_length.setdefault(min(sampling.max_new_tokens, self.limits.max_tokens - e.used), []).append(e)
-        version = 0
-        for g, (length, members) in enumerate(sorted(by_length.items())):
-            seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE + g * len(live)
-            spec = dataclasses.replace(sampling, n=1, max_new_tokens=length, seed=seed, stop_token_ids=stop)
-            batch = self.engine.generate([e.context for e in members], spec)
-            self._last = batch
-            versions = batch.token_versions()
-            for i, e in enumerate(members):
-                r0, r1 = int(batch.response_offsets[i]), int(batch.response_offsets[i + 1])
-                e.add_turn(batch.sample(i), versions[r0:r1])
-            version = max(version, batch.policy_version)
-        return version
+        """One ``generate`` call for every trajectory still running, seeded for the rollout's turn
+        ``turn`` (`turn_seed` of its batch's seed) and as long as the longest turn left to them
+        (``rollout.max_new_tokens``, or less where every budget is nearly spent); a response past
+        its own trajectory's budget is cut there (`_cut`). Returns the weight version that sampled."""
+        lengths = [min(sampling.max_new_tokens, self.limits.max_tokens - e.used) for e in live]
+        seed = None if sampling.seed is None else turn_seed(sampling.seed, turn)
+        spec = dataclasses.replace(sampling, n=1, max_new_tokens=max(lengths), seed=seed, stop_token_ids=stop)
+        batch = self.engine.generate([e.context for e in live], spec)
+        self._last = batch
+        versions = batch.token_versions()
+        for i, (e, length) in enumerate(zip(live, lengths, strict=True)):
+            sample, start = _cut(batch.sample(i), length), int(batch.response_offsets[i])
+            e.add_turn(sample, versions[start : start + sample.response_ids.numel()])
+        return batch.policy_version
 
     def _answer(self, episode: _Episode, result: StepResult) -> None:
         """The environment's answer to the episode's last turn: reward, done, or its observation,
@@ -259,6 +256,28 @@ class MultiTurnRollout:
                 episode.finish = "length"
             else:
                 episode.add_observation(observation[:room])
+
+
+def _cut(sample: Sample, length: int) -> Sample:
+    """``sample``'s first ``length`` response tokens (itself when it has no more): what an engine
+    asked for ``length`` tokens would have sampled, since each token depends on those before it
+    only; finish reason ``length``. Its kept sets and routing trace are cut with it (every kept
+    position was computed: a later token was sampled from it)."""
+    if sample.response_ids.numel() <= length:
+        return sample
+    masks = {}
+    if sample.sampling_mask_ids is not None and sample.sampling_mask_offsets is not None:
+        offsets = sample.sampling_mask_offsets[: length + 1]
+        masks = {
+            "sampling_mask_ids": sample.sampling_mask_ids[: int(offsets[-1])],
+            "sampling_mask_offsets": offsets,
+        }
+    trace = sample.routed_experts
+    return dataclasses.replace(
+        sample, response_ids=sample.response_ids[:length], rollout_logp=sample.rollout_logp[:length],
+        finish_reason="length", version_spans=[(t, v) for t, v in sample.version_spans if t < length],
+        routed_experts=None if trace is None else trace[: sample.prompt_ids.numel() + length], **masks,
+    )  # fmt: skip
 
 
 def _run_all(calls: list[Any]) -> list[Any]:

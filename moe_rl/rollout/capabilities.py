@@ -18,7 +18,7 @@ from moe_rl.config.modes import Attention, Engine, Granularity, QuantMethod, Rep
 from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.device import Machine, resolve_device
 from moe_rl.quant.rules import cuda_rule
-from moe_rl.rollout.engine import EngineCapabilities
+from moe_rl.rollout.engine import EngineCapabilities, seed_rules
 from moe_rl.rules import Rule
 
 logger = logging.getLogger(__name__)
@@ -117,13 +117,15 @@ ENGINE_RULE = "engine capabilities"
 def engine_rules(config: RecipeConfig, machine: Machine | None = None) -> list[Rule]:
     """The rollout engine's rules on ``config`` against ``machine`` (default ``Machine.detect()``):
     first whether the engine can run the recipe there (one fatal rule, whose detail is the first
-    thing it cannot give), then a warning for each ``rollout.return_*`` it would ignore."""
+    thing it cannot give), then a warning for each ``rollout.return_*`` it would ignore, then
+    whether the seeds' ranges cover the recipe (`moe_rl.rollout.engine.seed_rules`)."""
     machine = Machine.detect() if machine is None else machine
     try:
         caps, where = _capable(config, machine)
     except ValueError as exc:
         return [Rule(ENGINE_RULE, False, str(exc))]
-    return [Rule(ENGINE_RULE, True, "the engine can run it"), *_unused_requests(config, caps, where)]
+    rules = [Rule(ENGINE_RULE, True, "the engine can run it"), *_unused_requests(config, caps, where)]
+    return [*rules, *seed_rules(config)]
 
 
 def check_recipe(config: RecipeConfig, machine: Machine | None = None) -> EngineCapabilities:

@@ -7,10 +7,12 @@ routed experts and sampling masks; it takes new weights through the weight-sync 
 buckets arrive, it finishes, and later tokens carry the version); it says up front what it can return
 (``EngineCapabilities``).
 
-It also fixes how rollouts are seeded, so that the layers above (the loop, the diagnostics) and the
-engines draw from one scheme: a batch's seed is `sampling_seed` of (run seed, purpose, step,
-generation round, engine replica), and an engine that seeds each prompt (vLLM) gives prompt i of a
-batch `prompt_seed` of (the batch's seed, i). No two responses of a run are drawn from one seed.
+It also fixes how rollouts are seeded, so that the layers above (the loop, the diagnostics, the
+multi-turn loop) and the engines draw from one scheme: a batch's seed is `sampling_seed` of (run
+seed, purpose, step, generation round, engine replica, turn), an engine that seeds each prompt
+(vLLM) gives prompt i of a batch `prompt_seed` of (the batch's seed, i), and a multi-turn
+rollout's later turns draw from `turn_seed` of (its first turn's seed, the turn). No two responses
+of a run are drawn from one seed.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from moe_rl.config.derived import sampling_truncates
+from moe_rl.rules import Rule
 from moe_rl.weight_sync.protocol import WeightReceiver
 
 if TYPE_CHECKING:
-    from moe_rl.config.schema import RolloutConfig
+    from moe_rl.config.schema import RecipeConfig, RolloutConfig
     from moe_rl.data.trajectory import TrajectoryBatch
 
 
@@ -56,31 +59,72 @@ MAX_PURPOSES = 8
 """Purposes the seeds have room for (`Purpose`)."""
 MAX_ROUNDS = 1 << 8
 """Generation rounds a step can seed (`algo.dynamic_sampling_rounds`)."""
-MAX_REPLICAS = 1 << 12
+MAX_REPLICAS = 1 << 9
 """Engine replicas a round can seed (`rollout.num_engines`)."""
-LOW_ROUNDS, LOW_REPLICAS = 8, 64
-"""Rounds and replicas whose batch seeds differ below ``LOW_WORD`` (on CPU too)."""
+MAX_TURNS = 1 << 7
+"""Model turns a multi-turn rollout can seed (`env.max_turns`)."""
+LOW_ROUNDS, LOW_REPLICAS, LOW_TURNS = 8, 8, 8
+"""Rounds, replicas and turns whose batch seeds differ below ``LOW_WORD`` (on CPU too)."""
 MAX_SAMPLES = 1 << 16
 """Responses (prompts × n) a batch can seed one by one (`prompt_seed`)."""
 
 
-def sampling_seed(run_seed: int, purpose: Purpose, step: int, round_: int = 0, replica: int = 0) -> int:
+def sampling_seed(
+    run_seed: int, purpose: Purpose, step: int, round_: int = 0, replica: int = 0, turn: int = 0
+) -> int:
     """The seed of ``replica``'s batch in generation round ``round_`` of ``step`` of a ``purpose``
-    rollout: ``run_seed · RUN_SEED_STRIDE + step + STEP_SPAN · low + LOW_WORD · high`` (modulo
+    rollout, for its model turn ``turn`` (0 but in a multi-turn rollout's later turns):
+    ``run_seed · RUN_SEED_STRIDE + step + STEP_SPAN · low + LOW_WORD · high`` (modulo
     ``SEED_LIMIT``), where ``low`` numbers (purpose, round mod ``LOW_ROUNDS``, replica mod
-    ``LOW_REPLICAS``) and ``high`` the rest of round and replica, each from 0. A training step's
-    round 0 on replica 0 therefore keeps the seed ``run_seed · RUN_SEED_STRIDE + step``. Within a
-    run no two of these share a seed (the step fills the range below ``STEP_SPAN``, ``low`` the
-    rest of the low word, ``high`` what is above it), and none share their low word, all that a
-    CPU generator reads, among the first ``LOW_ROUNDS`` rounds and ``LOW_REPLICAS`` replicas."""
+    ``LOW_REPLICAS``, turn mod ``LOW_TURNS``) and ``high`` the rest of round, replica and turn, each
+    from 0. A training step's round 0 on replica 0 therefore keeps the seed
+    ``run_seed · RUN_SEED_STRIDE + step``. Within a run no two of these share a seed (the step
+    fills the range below ``STEP_SPAN``, ``low`` the rest of the low word, ``high`` what is above
+    it), and none share their low word, all that a CPU generator reads, among the first
+    ``LOW_ROUNDS`` rounds, ``LOW_REPLICAS`` replicas and ``LOW_TURNS`` turns. The turn is the most
+    significant digit of both: `turn_seed` finds a later turn's seed from the first turn's alone."""
     for name, value, bound in (("step", step, STEP_SPAN), ("generation round", round_, MAX_ROUNDS),
-                               ("engine replica", replica, MAX_REPLICAS)):  # fmt: skip
+                               ("engine replica", replica, MAX_REPLICAS), ("turn", turn, MAX_TURNS)):  # fmt: skip
         if not 0 <= value < bound:
             raise ValueError(f"a sampling seed's {name} must be in [0, {bound}); got {value}")
     purpose_index = list(Purpose).index(Purpose(purpose))
     low = purpose_index + MAX_PURPOSES * (round_ % LOW_ROUNDS + LOW_ROUNDS * (replica % LOW_REPLICAS))
     high = round_ // LOW_ROUNDS + MAX_ROUNDS // LOW_ROUNDS * (replica // LOW_REPLICAS)
-    return (run_seed * RUN_SEED_STRIDE + step + STEP_SPAN * low + LOW_WORD * high) % SEED_LIMIT
+    return turn_seed(
+        (run_seed * RUN_SEED_STRIDE + step + STEP_SPAN * low + LOW_WORD * high) % SEED_LIMIT, turn
+    )
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of model turn ``turn`` of a multi-turn rollout whose first turn is seeded ``seed``
+    (a `sampling_seed` of turn 0): `sampling_seed` of the same key and ``turn``. Each turn is one
+    ``generate`` call over the trajectories still running (`moe_rl.envs.rollout`), so no turn of a
+    run draws what another turn, step, round or replica draws."""
+    if not 0 <= turn < MAX_TURNS:
+        raise ValueError(f"a sampling seed's turn must be in [0, {MAX_TURNS}); got {turn}")
+    low = MAX_PURPOSES * LOW_ROUNDS * LOW_REPLICAS * (turn % LOW_TURNS)
+    high = MAX_ROUNDS // LOW_ROUNDS * (MAX_REPLICAS // LOW_REPLICAS) * (turn // LOW_TURNS)
+    return (seed + STEP_SPAN * low + LOW_WORD * high) % SEED_LIMIT
+
+
+def seed_rules(config: RecipeConfig) -> list[Rule]:
+    """What a recipe asks of the seeds' ranges (`sampling_seed`): its steps, generation rounds,
+    engine replicas and model turns fit, so a run is refused before it starts rather than at the
+    step, round or turn that would leave them."""
+    algo, env = config.algo, config.env
+    rounds = algo.dynamic_sampling_rounds if algo.dynamic_sampling else 1
+    turns = env.max_turns if env.name else 1
+    return [
+        Rule("steps the seeds cover", config.run.steps <= STEP_SPAN, f"run.steps={config.run.steps}",
+             advice=f"the sampling seeds cover {STEP_SPAN} steps"),
+        Rule("rounds the seeds cover", rounds <= MAX_ROUNDS, f"algo.dynamic_sampling_rounds={rounds}",
+             advice=f"the sampling seeds cover {MAX_ROUNDS} generation rounds a step"),
+        Rule("replicas the seeds cover", config.rollout.num_engines <= MAX_REPLICAS,
+             f"rollout.num_engines={config.rollout.num_engines}",
+             advice=f"the sampling seeds cover {MAX_REPLICAS} engine replicas"),
+        Rule("turns the seeds cover", turns <= MAX_TURNS, f"env.max_turns={turns}",
+             advice=f"the sampling seeds cover {MAX_TURNS} model turns a trajectory"),
+    ]  # fmt: skip
 
 
 def prompt_seed(seed: int, prompt_index: int, n: int) -> int:

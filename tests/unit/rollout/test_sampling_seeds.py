@@ -1,11 +1,14 @@
 """A rollout's seeds come from one function of (run seed, purpose, step, generation round, engine
-replica), and a prompt's from one function of (its batch's seed, its index): a training step's
-first round on replica 0 keeps the seed ``run seed · 100003 + step``, and no two responses of a run
-share a seed, vLLM's per-response seeds (the prompt's seed + j) included; on CPU, whose generator
-reads a seed's low 32 bits only, a step's purposes and its first rounds and replicas still draw
-apart. (With one stride for rounds and replicas, round r+1 on replica k took round r's seed on
-replica k+1; with a prompt's seed the batch's + its index, prompt 1 of step s drew what prompt 0 of
-step s+1 drew; with slots 2**32 apart, every slot of a step drew alike on CPU.)"""
+replica, turn), and a prompt's from one function of (its batch's seed, its index): a training
+step's first round on replica 0 keeps the seed ``run seed · 100003 + step``, and no two responses
+of a run share a seed, vLLM's per-response seeds (the prompt's seed + j) and a multi-turn rollout's
+later turns included; on CPU, whose generator reads a seed's low 32 bits only, a step's purposes
+and its first rounds, replicas and turns still draw apart. (With one stride for rounds and
+replicas, round r+1 on replica k took round r's seed on replica k+1; with a prompt's seed the
+batch's + its index, prompt 1 of step s drew what prompt 0 of step s+1 drew; with slots 2**32
+apart, every slot of a step drew alike on CPU; with a turn's seed the batch's + turn · 104729 +
+its length group · the trajectories running, a step's second length group drew what a later
+step's first turn drew.)"""
 
 from __future__ import annotations
 
@@ -17,21 +20,25 @@ import torch
 from moe_rl.rollout.engine import (
     LOW_REPLICAS,
     LOW_ROUNDS,
+    LOW_TURNS,
     LOW_WORD,
     MAX_PURPOSES,
     MAX_REPLICAS,
     MAX_ROUNDS,
     MAX_SAMPLES,
+    MAX_TURNS,
     SEED_LIMIT,
     STEP_SPAN,
     Purpose,
     prompt_seed,
     sampling_seed,
+    turn_seed,
 )
 
 STEPS = [0, 1, 2, 100_002, 100_003, 500_000, STEP_SPAN - 2, STEP_SPAN - 1]
 ROUNDS = [0, 1, 2, LOW_ROUNDS - 1, LOW_ROUNDS, LOW_ROUNDS + 1, MAX_ROUNDS - 1]
 REPLICAS = [0, 1, 2, LOW_REPLICAS - 1, LOW_REPLICAS, LOW_REPLICAS + 1, MAX_REPLICAS - 1]
+TURNS = [0, 1, 2, LOW_TURNS - 1, LOW_TURNS, LOW_TURNS + 1, MAX_TURNS - 1]
 
 
 def test_a_training_steps_first_round_on_the_first_replica_keeps_its_seed():
@@ -99,9 +106,44 @@ def test_the_seed_ranges_fit():
     """What the layout rests on: the step and the low slot digits fill the low word, the high
     digits fit above it, a run's batch seeds times a batch's responses fit an int64."""
     assert len(Purpose) <= MAX_PURPOSES
-    assert STEP_SPAN * MAX_PURPOSES * LOW_ROUNDS * LOW_REPLICAS == LOW_WORD
-    high = (MAX_ROUNDS // LOW_ROUNDS) * (MAX_REPLICAS // LOW_REPLICAS)
+    assert STEP_SPAN * MAX_PURPOSES * LOW_ROUNDS * LOW_REPLICAS * LOW_TURNS == LOW_WORD
+    high = (MAX_ROUNDS // LOW_ROUNDS) * (MAX_REPLICAS // LOW_REPLICAS) * (MAX_TURNS // LOW_TURNS)
     assert LOW_WORD * high * MAX_SAMPLES <= SEED_LIMIT == 1 << 63
+
+
+def test_a_later_turns_seed_follows_from_the_first_turns_alone():
+    """The multi-turn loop knows its batch's seed, not the key: `turn_seed` of it is the key's."""
+    for key in itertools.product(Purpose, STEPS[:3] + STEPS[-1:], ROUNDS[:2] + ROUNDS[-1:], REPLICAS[::3]):
+        first = sampling_seed(7, *key)
+        assert turn_seed(first, 0) == first
+        assert [turn_seed(first, t) for t in TURNS] == [sampling_seed(7, *key, turn=t) for t in TURNS]
+
+
+def test_no_turn_of_a_run_draws_another_keys_seed():
+    """Every turn of every key against every other: distinct; and the earlier scheme's collision
+    (step s's second length group, 8 trajectories running, seeded step s + 8's first turn) is gone."""
+    keys = list(itertools.product(Purpose, STEPS[:4] + STEPS[-2:], ROUNDS[::2], REPLICAS[::2], TURNS))
+    seeds = {sampling_seed(7, *key) for key in keys}
+    assert len(seeds) == len(keys)
+    step = sampling_seed(7, Purpose.TRAIN, 5)
+    assert step + 0 * 104_729 + 1 * 8 == sampling_seed(7, Purpose.TRAIN, 13)  # what the earlier scheme did
+    assert all(
+        turn_seed(step, t) != sampling_seed(7, Purpose.TRAIN, 5 + k) for t in range(1, 9) for k in range(64)
+    )
+
+
+def test_on_cpu_the_first_turns_draw_apart():
+    keys = list(itertools.product([Purpose.TRAIN, Purpose.EVAL], STEPS, range(LOW_ROUNDS), [0, LOW_REPLICAS - 1],
+                                  range(LOW_TURNS)))  # fmt: skip
+    assert len({sampling_seed(7, *key) % LOW_WORD for key in keys}) == len(keys)
+
+
+def test_no_response_of_a_multi_turn_rollout_shares_a_seed():
+    """vLLM's per-response seeds of every turn's call (n = 1, one prompt per trajectory running)."""
+    prompts = [0, 1, MAX_SAMPLES - 1]
+    keys = list(itertools.product([Purpose.TRAIN], STEPS[:3], ROUNDS[:2], REPLICAS[:2], TURNS))
+    seeds = [prompt_seed(sampling_seed(1234, *key), i, 1) for key in keys for i in prompts]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < SEED_LIMIT for s in seeds)
 
 
 @pytest.mark.parametrize(
@@ -109,12 +151,15 @@ def test_the_seed_ranges_fit():
     [
         ((STEP_SPAN, 0, 0), r"step must be in \[0, 1048576\); got 1048576"),
         ((0, MAX_ROUNDS, 0), r"generation round must be in \[0, 256\); got 256"),
-        ((0, 0, -1), r"engine replica must be in \[0, 4096\); got -1"),
+        ((0, 0, -1), r"engine replica must be in \[0, 512\); got -1"),
+        ((0, 0, 0, MAX_TURNS), r"turn must be in \[0, 128\); got 128"),
     ],
 )
 def test_a_key_outside_the_seeds_range_is_refused(key, message):
     with pytest.raises(ValueError, match=message):
         sampling_seed(1, Purpose.TRAIN, *key)
+    with pytest.raises(ValueError, match=r"turn must be in \[0, 128\); got -1"):
+        turn_seed(5, -1)
 
 
 def test_a_batch_with_more_responses_than_it_can_seed_is_refused():
