@@ -6,6 +6,31 @@ it was raised: in the driver or, through Ray, in a worker."""
 from __future__ import annotations
 
 import errno
+import reprlib
+from typing import Any
+
+BRIEF_CHARS = 120
+"""The most characters of a value a one-line error shows (`brief`, `clip`)."""
+
+
+def brief(value: Any) -> str:
+    """``repr(value)`` for an error line, cut to `BRIEF_CHARS` characters (a string's length said):
+    a long value must not make the line long, nor slow to build (a long list is cut before it is
+    printed whole)."""
+    text = clip(_REPR.repr(value))
+    return (
+        f"{text} ({len(value)} characters)" if isinstance(value, str) and len(value) > BRIEF_CHARS else text
+    )
+
+
+def clip(text: str, limit: int = BRIEF_CHARS) -> str:
+    """``text`` cut to ``limit`` characters for an error line."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = BRIEF_CHARS
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
 
 
 class UserError(ValueError):

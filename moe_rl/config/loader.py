@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-import reprlib
 import typing
 from collections.abc import Iterable, Sequence
 from enum import Enum
@@ -39,35 +38,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.config.schema import CHOICES, RecipeConfig
 from moe_rl.config.validate import check_values
-from moe_rl.errors import ConfigError
+from moe_rl.errors import BRIEF_CHARS, ConfigError, brief, clip
 
 MAX_VALUES = 100_000
 """The most values (scalars, lists and mappings, counted at every use of a YAML alias) one recipe
 file or override may hold: recipes hold hundreds; nested aliases can make a few lines stand for
 billions, which OmegaConf and the checks would build and walk one by one."""
 _SIZE_CAP = 10**15  # sizes are counted up to here (a chain of aliases can grow past any number)
-
-BRIEF_CHARS = 120
-"""The most characters of a value an error message shows (`brief`)."""
-
-
-def brief(value: Any) -> str:
-    """``repr(value)``, cut to `BRIEF_CHARS` characters (with how long it was) for error messages:
-    a long value in a recipe must not make its error line long (nor slow to build: a list is cut
-    before it is printed whole)."""
-    text = _cut(_REPR.repr(value))
-    return (
-        f"{text} ({len(value)} characters)" if isinstance(value, str) and len(value) > BRIEF_CHARS else text
-    )
-
-
-def _cut(text: str, limit: int = BRIEF_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = BRIEF_CHARS
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
 
 
 class TooManyValues(yaml.YAMLError):
@@ -139,7 +116,7 @@ class DuplicateKey(yaml.YAMLError):
     """A mapping gives one key twice (YAML would keep the last silently)."""
 
     def __init__(self, key: str, line: int, first: int):
-        super().__init__(f"line {line}: `{_cut(key)}` is given twice (first at line {first})")
+        super().__init__(f"line {line}: `{clip(key)}` is given twice (first at line {first})")
         self.key, self.line, self.first = key, line, first
 
 
@@ -188,9 +165,17 @@ def recipes_root(recipe: Path) -> Path:
     return recipe.resolve().parent
 
 
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a file; False too for a name the system cannot look up (too long)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def _read_text(path: Path) -> str:
-    if not path.is_file():
-        raise ConfigError(f"recipe file not found: {path}")
+    if not _is_file(path):
+        raise ConfigError(f"recipe file not found: {clip(str(path), 2 * BRIEF_CHARS)}")
     raw = path.read_bytes()
     try:
         return raw.decode("utf-8")
@@ -219,7 +204,7 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     """PyYAML's error on one line: where and what (its own message quotes the lines around it)."""
     mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
     if mark is None or problem is None:
-        return _cut(" ".join(str(exc).split()), 2 * BRIEF_CHARS)
+        return clip(" ".join(str(exc).split()), 2 * BRIEF_CHARS)
     context = getattr(exc, "context", None)
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
@@ -304,19 +289,19 @@ def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, Any]:
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override `{_cut(item)}` is not of the form section.key=value")
+            raise ConfigError(f"override `{clip(item)}` is not of the form section.key=value")
         try:
             value = parse_yaml(text) if text else None
         except yaml.YAMLError as exc:
             raise ConfigError(
-                f"override `{_cut(item)}`: the value is not valid YAML: {_yaml_problem(exc)}"
+                f"override `{clip(item)}`: the value is not valid YAML: {_yaml_problem(exc)}"
             ) from exc
         *parents, leaf = key.split(".")
         node = out
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override `{_cut(item)}` conflicts with an earlier override of `{part}`")
+                raise ConfigError(f"override `{clip(item)}` conflicts with an earlier override of `{part}`")
         node[leaf] = value
     return out
 
@@ -362,17 +347,17 @@ def _merge(layers: Iterable[tuple[str, dict[str, Any]]]) -> DictConfig:
         except OmegaConfBaseException as exc:
             key = getattr(exc, "full_key", None) or "?"
             raise ConfigError(
-                f"{source}: `{key}` expects {_expected_type(key)}: {_cut(str(exc).splitlines()[0], 2 * BRIEF_CHARS)}"
+                f"{source}: `{key}` expects {_expected_type(key)}: {clip(str(exc).splitlines()[0], 2 * BRIEF_CHARS)}"
             ) from exc
     return merged  # type: ignore[return-value]
 
 
 def _quant_layer(root: Path, name: str) -> tuple[str, dict[str, Any]]:
     path = root / "quant" / f"{name}.yaml"
-    if not path.is_file():
+    if not _is_file(path):
         available = sorted(p.stem for p in (root / "quant").glob("*.yaml"))
         raise ConfigError(
-            f"rollout.quant: no quantization recipe `{name}` in {root / 'quant'} "
+            f"rollout.quant: no quantization recipe `{clip(name)}` in {root / 'quant'} "
             f"(available: {', '.join(available) or 'none'})"
         )
     data = _read_yaml(path)
@@ -402,7 +387,7 @@ def load_recipe(recipe: str | Path, overrides: Sequence[str] = ()) -> RecipeConf
     layers.append(("override", cli))
     first = _merge(layers)
     quant_name = first.rollout.quant
-    if (root / "quant" / f"{quant_name}.yaml").is_file() or first.quant.name != quant_name:
+    if _is_file(root / "quant" / f"{quant_name}.yaml") or first.quant.name != quant_name:
         layers.insert(0, _quant_layer(root, quant_name))
     # else: a resolved recipe (e.g. a run directory's config.yaml) that carries its quant section
     merged = _merge(layers)

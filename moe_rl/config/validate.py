@@ -26,7 +26,7 @@ from moe_rl.config.derived import longest_sequence, response_limit_key
 from moe_rl.config.modes import Attention, Engine, ReplayMode, RopeScaling, RunMode
 from moe_rl.config.schema import CHOICES as MODES
 from moe_rl.config.schema import ModelConfig, RecipeConfig
-from moe_rl.errors import ConfigError
+from moe_rl.errors import ConfigError, brief
 from moe_rl.rules import Rule
 
 CHOICES: dict[str, tuple[str, ...]] = {path: tuple(m.value for m in mode) for path, mode in MODES.items()}
@@ -142,7 +142,7 @@ def check_text(field: str, value: str | None) -> None:
     line of a script."""
     _require(
         value is None or not _CONTROL.search(value),
-        f"{field}={value!r} contains a control character (newline, tab, ...)",
+        f"{field}={brief(value)} contains a control character (newline, tab, ...)",
     )
 
 
@@ -160,13 +160,13 @@ def _check_finite(config: RecipeConfig) -> None:
 def _check_choices(config: RecipeConfig) -> None:
     for path, valid in CHOICES.items():
         value = _get(config, path)
-        _require(value in valid, f"{path}={value!r} is not one of: {', '.join(valid)}")
+        _require(value in valid, f"{path}={brief(value)} is not one of: {', '.join(valid)}")
 
 
 def _check_ranges(config: RecipeConfig) -> None:
     for path, bound in RANGES.items():
         value = _get(config, path)
-        _require(bound.ok(value), f"{path}={value!r} must be {bound.text}")
+        _require(bound.ok(value), f"{path}={brief(value)} must be {bound.text}")
 
 
 def _check_run_name(name: str) -> None:
@@ -174,12 +174,12 @@ def _check_run_name(name: str) -> None:
     check_text("run.name", name)
     _require(
         name not in ("", ".", "..") and "/" not in name and "\\" not in name,
-        f"run.name={name!r} must be a plain folder name inside run.output_dir (no `/` or `\\`; "
+        f"run.name={brief(name)} must be a plain folder name inside run.output_dir (no `/` or `\\`; "
         "not empty, `.` or `..`)",
     )
     _require(
         "%" not in name,
-        f"run.name={name!r} must not contain `%`: sbatch and srun expand %j, %N, ... in the job's log paths",
+        f"run.name={brief(name)} must not contain `%`: sbatch and srun expand %j, %N, ... in the job's log paths",
     )
 
 
@@ -190,7 +190,7 @@ def check_slurm_time(text: str) -> None:
     """``cluster.time`` in a form sbatch reads: ``minutes``, ``minutes:seconds``,
     ``hours:minutes:seconds``, ``days-hours``, ``days-hours:minutes``, ``days-hours:minutes:seconds``;
     every field after the first within its clock range, and more than nothing."""
-    where = f"cluster.time={text!r}"
+    where = f"cluster.time={brief(text)}"
     if text.strip().upper() in ("UNLIMITED", "INFINITE"):
         return
     match = _SLURM_TIME.fullmatch(text.strip())
@@ -371,7 +371,7 @@ def _check_quant(config: RecipeConfig) -> None:
     q = config.quant
     _require(
         q.name == config.rollout.quant,
-        f"quant.name={q.name!r} differs from rollout.quant={config.rollout.quant!r}: "
+        f"quant.name={brief(q.name)} differs from rollout.quant={brief(config.rollout.quant)}: "
         "switch recipes with rollout.quant=NAME",
     )
 
@@ -416,7 +416,7 @@ def prompt_template_fields(template: str) -> tuple[str, ...]:
     """The record fields a `data.prompt_template` names, in order (``{question}`` and
     ``{question!r:>10}`` name ``question``); a template that does not parse, uses a positional
     field (``{}``, ``{0}``), an attribute or an index, or names no field is a `ConfigError`."""
-    where = f"data.prompt_template={template!r}"
+    where = f"data.prompt_template={brief(template)}"
     try:
         names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:

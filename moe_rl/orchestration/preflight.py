@@ -43,7 +43,7 @@ from moe_rl.config.modes import Attention, Family, RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.validate import recipe_rules
 from moe_rl.device import Machine, RunDevice
-from moe_rl.errors import ConfigError, UserError, user_error_of
+from moe_rl.errors import BRIEF_CHARS, ConfigError, UserError, clip, user_error_of
 from moe_rl.megatron.rules import checkpoint_rule
 from moe_rl.orchestration.placement import placement_rules
 from moe_rl.rewards.registry import reward_rules
@@ -156,7 +156,7 @@ def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs]
         folder = Path(hf_path)
         rule = _path_rule("model checkpoint exists", f"model.hf_path={hf_path}", folder, "folder", here)
         if (
-            not folder.exists()
+            _missing(folder)
             and config.model.family == Family.QWEN3_MOE
             and config.model.attention == Attention.GQA
         ):
@@ -233,13 +233,26 @@ def _read_rule(config: RecipeConfig, built: list[RunInputs] | None) -> Rule:
     return Rule("inputs read", True, "; ".join(read))
 
 
+def _missing(path: Path) -> bool:
+    """``path`` does not exist (a name the system cannot look up is not called missing)."""
+    try:
+        return not path.exists()
+    except OSError:
+        return False
+
+
 def _path_rule(name: str, key: str, path: Path, kind: str, here: str) -> Rule:
-    if not path.exists():
-        return Rule(name, False, f"{key}: no such {'file or folder' if kind == 'any' else kind} ({here})")
-    if kind == "file" and path.is_dir():
-        return Rule(name, False, f"{key}: is a folder, not a file ({here})")
-    if kind == "folder" and not path.is_dir():
-        return Rule(name, False, f"{key}: is a file, not a folder ({here})")
+    """``path`` (given as ``key``, cut for the line) exists as a ``kind`` and can be read."""
+    key = clip(key, 2 * BRIEF_CHARS)
+    try:
+        if not path.exists():
+            return Rule(name, False, f"{key}: no such {'file or folder' if kind == 'any' else kind} ({here})")
+        if kind == "file" and path.is_dir():
+            return Rule(name, False, f"{key}: is a folder, not a file ({here})")
+        if kind == "folder" and not path.is_dir():
+            return Rule(name, False, f"{key}: is a file, not a folder ({here})")
+    except OSError as exc:  # a name the system cannot look up (too long, ...)
+        return Rule(name, False, f"{key}: {(exc.strerror or str(exc)).lower()} ({here})")
     if not os.access(path, os.R_OK):
         return Rule(name, False, f"{key}: cannot be read (permission denied)")
     return Rule(name, True, f"{key}: found")

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import ConfigError, load_recipe
-from moe_rl.config.loader import BRIEF_CHARS, MAX_VALUES, brief
+from moe_rl.config.loader import MAX_VALUES
+from moe_rl.errors import BRIEF_CHARS, brief
+from moe_rl.orchestration.preflight import load_checked
 from tests.cli_testing import run_cli
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
@@ -127,3 +129,23 @@ def test_brief_cuts_a_value_and_says_how_long_it_was():
     text = brief(LONG)
     assert text.endswith("(5000 characters)") and len(text) < BRIEF_CHARS + 30
     assert brief(list(range(10_000))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...]"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (f"run.name={LONG}/x", "run.name='yyy"),
+        (f"cluster.time={LONG}", "cluster.time='yyy"),
+        (f"rollout.quant={LONG}", "rollout.quant: no quantization recipe `yyy"),
+        (f"data.task=file:{LONG}", "data.task=file:yyy"),
+        (f"model.hf_path={LONG}", "model.hf_path=yyy"),
+    ],
+    ids=["run-name", "slurm-time", "quant-recipe", "dataset-path", "model-path"],
+)
+def test_a_long_value_given_on_the_command_line_is_one_short_line(override, expected):
+    """The recipe's checks and the preflight's (a path too long to look up is said so, no
+    traceback) show a long value only in part."""
+    with pytest.raises(ConfigError) as info:
+        load_checked(RECIPES / "tiny_moe.yaml", [override])
+    message = str(info.value)
+    assert message.startswith(expected) and "\n" not in message and len(message) < 500, message[:600]
