@@ -204,7 +204,7 @@ def _config_command(args: argparse.Namespace) -> int:
         sys.stdout.write(render_recipe_docs())
         return 0
     failed = 0
-    recipes = [r for r in args.recipes if "=" not in r or Path(r).is_file()]
+    recipes = [r for r in args.recipes if "=" not in r or _is_file(r)]
     overrides = [r for r in args.recipes if r not in recipes]  # `section.key=value`, for every recipe
     for recipe in recipes:
         try:
@@ -214,6 +214,15 @@ def _config_command(args: argparse.Namespace) -> int:
             failed += 1
             sys.stdout.write(f"FAIL  {recipe}: {exc}\n")
     return 1 if failed else 0
+
+
+def _is_file(path: str) -> bool:
+    """Whether ``path`` names a file (an argument no file system takes as a name, say an override
+    longer than a name may be, is not one)."""
+    try:
+        return Path(path).is_file()
+    except OSError:
+        return False
 
 
 def _train_command(args: argparse.Namespace) -> int:

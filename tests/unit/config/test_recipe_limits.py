@@ -149,3 +149,10 @@ def test_a_long_value_given_on_the_command_line_is_one_short_line(override, expe
         load_checked(RECIPES / "tiny_moe.yaml", [override])
     message = str(info.value)
     assert message.startswith(expected) and "\n" not in message and len(message) < 500, message[:600]
+
+
+def test_config_check_takes_an_override_longer_than_a_file_name():
+    """`config check` tells recipes from overrides by looking for a file of that name: an override no
+    file system takes as a name is an override, not a traceback."""
+    out, _ = run_cli("config", "check", "recipes/tiny_moe.yaml", f"run.name={'x' * 300}", timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("OK    recipes/tiny_moe.yaml"), out.stderr[-2000:]
