@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 from launch.plan import make_plan  # noqa: E402
 from moe_rl.config import RecipeConfig, load_recipe  # noqa: E402
 from moe_rl.config.flops import count_params  # noqa: E402
-from moe_rl.config.schema import GpuType  # noqa: E402
+from moe_rl.config.modes import GpuType  # noqa: E402
 from moe_rl.config.step_time import (  # noqa: E402
     FITTED,
     MACHINES,

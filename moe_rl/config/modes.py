@@ -61,6 +61,21 @@ class Engine(StrEnum):
     VLLM = "vllm"
 
 
+class GpuType(StrEnum):
+    """The chip of the cluster's nodes (``cluster.gpu_type``): what `moe-rl plan`'s step time reads
+    peak FLOP/s, memory and link bandwidths of (`moe_rl.config.step_time.MACHINES`)."""
+
+    AUTO = "auto"
+    """``cpu`` without GPUs (``cluster.gpus_per_node`` 0), else the GPU whose memory is
+    ``cluster.gpu_memory_gib`` (80: h100, 140 or 141: h200, 180: b200, 186: gb200)."""
+    H100 = "h100"
+    H200 = "h200"
+    B200 = "b200"
+    GB200 = "gb200"
+    CPU = "cpu"
+    """A CPU machine: the rates measured on the project's own (docs/plan_model.md)."""
+
+
 class SyncRoute(StrEnum):
     """``rollout.sync_transport``: how the weights travel from the trainer to the engines at every
     sync (`moe_rl.config.sync_plan`)."""

@@ -30,6 +30,7 @@ from moe_rl.config.modes import (
     EnvOverflow,
     ExpertGemm,
     Family,
+    GpuType,
     Granularity,
     LogLevel,
     LrDecay,
@@ -541,21 +542,6 @@ class SFTConfig:
     of `data.task`); null: `env` when the recipe has an environment. Set by `moe-rl sft` only."""
     num_demonstrations: int = 1024
     """`sft.demonstrations=env`: how many to make (one per prompt)."""
-
-
-class GpuType(StrEnum):
-    """The chip of the cluster's nodes (``cluster.gpu_type``): what `moe-rl plan`'s step time reads
-    peak FLOP/s, memory and link bandwidths of (`moe_rl.config.step_time.MACHINES`)."""
-
-    AUTO = "auto"
-    """``cpu`` without GPUs (``cluster.gpus_per_node`` 0), else the GPU whose memory is
-    ``cluster.gpu_memory_gib`` (80: h100, 140 or 141: h200, 180: b200, 186: gb200)."""
-    H100 = "h100"
-    H200 = "h200"
-    B200 = "b200"
-    GB200 = "gb200"
-    CPU = "cpu"
-    """A CPU machine: the rates measured on the project's own (docs/plan_model.md)."""
 
 
 @dataclass

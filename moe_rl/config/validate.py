@@ -74,6 +74,7 @@ RANGES: dict[str, Bound] = {
             "rollout.sync_bucket_mb", "rollout.max_model_len", "rollout.megatron_kv_cache_gib"),
     "rollout.top_k": Bound(lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
     **_each(UNIT_TO_ONE, "rollout.top_p", "rollout.gpu_memory_utilization"),
+    **_each(UNIT_TO_ONE, "cluster.train_mfu", "cluster.mean_length_fraction"),
     **_each(POSITIVE, "quant.block_size", "quant.calib_tokens"),
     **_each(NON_NEGATIVE, "quant.exclude_first_layers", "quant.exclude_last_layers"),
     **_each(UNIT_FROM_ZERO, "algo.clip_eps_low", "algo.gspo_eps_low"),
