@@ -23,7 +23,9 @@ recipe on the CPU is compared phase by phase with the `time/*` metrics of
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,7 @@ from moe_rl.config.step_time import (  # noqa: E402
     MACHINES,
     Efficiency,
     StepTime,
+    SyncCost,
     machine_of,
     resharded_sync_cost,
     step_time,
@@ -206,9 +209,14 @@ def run_overrides(run: NemoRun) -> list[str]:
         f"trainer.num_mini_batches={max(1, run.samples // run.train_batch)}",
         f"trainer.max_tokens_per_microbatch={run.max_len}", "algo.kl.coef=0.01",
         f"cluster.mean_length_fraction={run.avg_len / run.max_len:.4f}",
+        f"trainer.recompute_activations={run.model != Q30}",
     ]  # fmt: skip
-    if run.off_policy:  # NeMo-RL's trainer overlaps all of its step with the generation: our depth >= 2
-        out += ["run.mode=async", "run.async_depth=2", "run.max_staleness=8", "rollout.inflight_updates=true"]
+    if run.off_policy:  # N steps off: NeMo-RL's trainer overlaps all of its step with the generation,
+        # and a trajectory may be N versions old, so the engines hold the prompts of the step in
+        # generation and of the N after it (in-flight weight updates never drain them): our depth N + 1
+        depth = run.off_policy + 1
+        out += ["run.mode=async", f"run.async_depth={depth}", f"run.max_staleness={depth}",
+                "rollout.inflight_updates=true"]  # fmt: skip
     return out
 
 
@@ -227,11 +235,16 @@ def run_config(run: NemoRun | Refit, overrides: list[str] | None = None) -> Reci
 def predict(run: NemoRun, eff: Efficiency) -> StepTime:
     """The model's step for a published run: its refit resharded, its colocated phases releasing
     everything the trainer holds (NeMo-RL offloads the optimizer and the weights)."""
+    config, sync, released = _run_inputs(run)
+    return step_time(config, sync, released, eff)
+
+
+@functools.cache
+def _run_inputs(run: NemoRun) -> tuple[RecipeConfig, SyncCost, float]:
     config = run_config(run)
     plan = make_plan(config, paths=False)
     released = plan.trainer.static if run.gen_gpus == 0 else 0.0
-    sync = resharded_sync_cost(config, count_params(config.model), machine_of(config))
-    return step_time(config, sync, released, eff)
+    return config, resharded_sync_cost(config, count_params(config.model), machine_of(config)), released
 
 
 def predict_refit(refit: Refit, eff: Efficiency) -> float:
@@ -241,29 +254,42 @@ def predict_refit(refit: Refit, eff: Efficiency) -> float:
 
 
 def fit(name: str = SHIPPED) -> Efficiency:
-    """The three factors from the three figures of one configuration (`CALIBRATIONS`). Each
-    phase's time is its time at efficiency 1 over its factor, so: the refit fixes η_sync; the
-    overlapped step is the longer of its generation and its trainer side, each tried in turn; the
-    serial step, the sum of every phase, then fixes the other factor. Of the splits that reproduce
-    both steps, the one whose MFU is nearest the configuration's measured one."""
+    """The three factors from the three figures of one configuration (`CALIBRATIONS`). The refit
+    fixes η_sync. A phase's time is its work at efficiency 1 over its factor plus what no factor
+    scales (the collectives' latency and bytes), so for each MFU the serial step, the sum of every
+    phase, fixes η_gen; the MFUs at which the overlapped step (the run mode's overlap of the two
+    sides) then matches its figure are found along a scan and refined by bisection. Of those, the
+    one nearest the configuration's measured MFU."""
     c = CALIBRATIONS[name]
     refit = next(r for r in REFITS if r.label == c.refit)
     serial = next(r for r in STEPS if r.label == c.serial)
     overlapped = next(r for r in STEPS if r.label == c.overlapped)
     sync = predict_refit(refit, Efficiency(1.0, 1.0, 1.0)) / refit.seconds
-    unit = Efficiency(1.0, 1.0, sync)
-    s, o = predict(serial, unit), predict(overlapped, unit)
-    rest_s = s.seconds - _generation_s(s) - _passes_s(s)  # the offload and the sync, already at η_sync
-    rest_o = o.phase("weight sync").seconds
+
+    def eta_gen(mfu: float) -> float:  # the serial step's generation is ``a / η + b``
+        one, half = predict(serial, Efficiency(1.0, mfu, sync)), predict(serial, Efficiency(0.5, mfu, sync))
+        a = _generation_s(half) - _generation_s(one)
+        rest = one.seconds - _generation_s(one) + (_generation_s(one) - a)
+        return a / (serial.seconds - rest) if serial.seconds > rest else -1.0
+
+    def miss(mfu: float) -> float:
+        eta = eta_gen(mfu)
+        return (
+            predict(overlapped, Efficiency(eta, mfu, sync)).seconds - overlapped.seconds
+            if eta > 0
+            else math.nan
+        )
+
+    grid = [10 ** (-3 + 3 * i / 240) for i in range(241)]  # MFU from 0.001 to 1
+    values = [miss(x) for x in grid]
     candidates = []
-    eta_gen = _generation_s(o) / overlapped.seconds  # generation is the overlapped step's longer side
-    mfu = _passes_s(s) / (serial.seconds - rest_s - _generation_s(s) / eta_gen)
-    if mfu > 0 and _passes_s(o) / mfu + rest_o <= overlapped.seconds * (1 + 1e-9):
-        candidates.append(Efficiency(eta_gen, mfu, sync))
-    mfu = _passes_s(o) / (overlapped.seconds - rest_o)  # the trainer's side is
-    eta_gen = _generation_s(s) / (serial.seconds - rest_s - _passes_s(s) / mfu)
-    if eta_gen > 0 and _generation_s(o) / eta_gen <= overlapped.seconds * (1 + 1e-9):
-        candidates.append(Efficiency(eta_gen, mfu, sync))
+    for (lo, a), (hi, b) in zip(zip(grid, values), zip(grid[1:], values[1:]), strict=False):
+        if math.isnan(a) or math.isnan(b) or (a > 0) == (b > 0):
+            continue
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if (miss(mid) > 0) == (a > 0) else (lo, mid)
+        candidates.append(Efficiency(eta_gen(lo), lo, sync))
     if not candidates:
         raise SystemExit(f"no factors reproduce the figures of {name}")
     return min(candidates, key=lambda e: abs(e.train_mfu - c.measured_mfu))

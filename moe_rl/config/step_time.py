@@ -142,7 +142,7 @@ class Efficiency:
     """Weight sync and offload: of the link's bandwidth."""
 
 
-FITTED = Efficiency(generation=0.436, train_mfu=0.103, sync=0.175)
+FITTED = Efficiency(generation=0.445, train_mfu=0.112, sync=0.175)
 """Fitted on one published configuration, NeMo-RL v0.6's Qwen3-30B-A3B GRPO on four nodes of 8 H100
 (on-policy on 32 GPUs 192 s a step, one step off policy on 16 + 16 GPUs 152 s, its refit 0.74-1.00 s),
 docs/plan_model.md; `bench/plan_model.py --fit` fits them again."""
@@ -230,6 +230,56 @@ def transfer_seconds(nbytes: float, gbps: float, eff: float) -> float:
     return nbytes / (gbps * GIGA * eff)
 
 
+# NCCL's own latency model (src/graph/tuning.cc, ncclTopoTuneModel: baseLat and hwLat, µs), for
+# its LL protocol (the one it picks for the small messages of a decode step): a base latency per
+# algorithm, plus a hop latency per step of the ring or level of the tree, NVLink within a node
+# (×1.8 when the communicator spans nodes) and the network between nodes.
+NCCL_BASE_US = {"ring": 3.6, "tree": 4.4}
+NCCL_NVLINK_HOP_US = {"ring": 0.47, "tree": 0.52}
+NCCL_NET_HOP_US = {"ring": 2.7, "tree": 5.0}
+NCCL_MULTI_NODE_INTRA = 1.8
+
+
+def allreduce_latency_us(ranks: int, domain: int) -> float:
+    """NCCL's modelled latency of one all-reduce over ``ranks`` GPUs, ``domain`` of them sharing
+    NVLink (a node): the lower of its ring (``2(n − 1)`` steps, ``2(nodes − 1)`` of them over the
+    network) and its tree (``2((n/nodes − 1)`` NVLink hops ``+ log2(nodes)`` network hops)``)."""
+    if ranks <= 1:
+        return 0.0
+    per_node = min(ranks, max(domain, 1))
+    nodes = math.ceil(ranks / per_node)
+    intra = {a: NCCL_NVLINK_HOP_US[a] * (NCCL_MULTI_NODE_INTRA if nodes > 1 else 1.0) for a in NCCL_BASE_US}
+    ring_steps, ring_net = 2 * (ranks - 1), 2 * (nodes - 1)
+    ring = NCCL_BASE_US["ring"] + (ring_steps - ring_net) * intra["ring"] + ring_net * NCCL_NET_HOP_US["ring"]
+    tree = NCCL_BASE_US["tree"] + 2 * (
+        (per_node - 1) * intra["tree"] + math.log2(nodes) * NCCL_NET_HOP_US["tree"]
+    )
+    return min(ring, tree)
+
+
+def allreduce_seconds(nbytes: float, ranks: int, machine: Machine) -> float:
+    """One all-reduce of ``nbytes`` over ``ranks`` GPUs: NCCL's latency (`allreduce_latency_us`)
+    plus the ring's ``2(n − 1)/n`` of the bytes through each GPU's link (NVLink within one NVLink
+    domain, else its NIC) at the link's datasheet rate."""
+    if ranks <= 1:
+        return 0.0
+    gbps = machine.nvlink_gbps if ranks <= machine.nvlink_domain else machine.network_gbps
+    bus = 2 * (ranks - 1) / ranks * nbytes
+    return allreduce_latency_us(ranks, machine.nvlink_domain) * 1e-6 + bus / (gbps * GIGA)
+
+
+def alltoall_seconds(nbytes: float, group: int, machine: Machine) -> float:
+    """Each GPU of an expert-parallel ``group`` sending ``nbytes`` spread evenly over the group: the
+    share bound for GPUs outside its NVLink domain through its NIC, the rest over NVLink, both at
+    once (the longer), at the links' datasheet rates."""
+    if group <= 1:
+        return 0.0
+    inside = min(group, machine.nvlink_domain) / group
+    return max(
+        nbytes * inside / (machine.nvlink_gbps * GIGA), nbytes * (1 - inside) / (machine.network_gbps * GIGA)
+    )
+
+
 @dataclass(frozen=True)
 class Lengths:
     """A rollout's token counts: longest, and the mean prompt and response."""
@@ -288,11 +338,13 @@ def _generation(config: RecipeConfig, counts: ParamCounts, machine: Machine, eff
                 f"longest sequence ({lens.longest:,}); raise rollout.gpu_memory_utilization or "
                 "rollout.tensor_parallel_size, or shorten the sequences"
             )
-        wave = max(1, min(n, int(kv_tokens // lens.mean)))
+        held = max(1, int(kv_tokens // lens.mean))
     else:
-        wave = n
+        held = n * max(1, config.run.async_depth)
+    wave = min(n, held)
     waves = math.ceil(n / wave)
-    if continuous_batching(config):  # the next batch's prompts fill the places of finished sequences
+    if continuous_batching(config):  # the batches of the next async_depth steps fill finished places
+        wave = min(n * config.run.async_depth, held)
         in_flight, steps = float(wave), math.ceil(n * lens.response / wave)
     else:  # a wave lasts its longest response while its sequences finish
         in_flight, steps = n / waves * lens.response / lens.max_response, waves * lens.max_response
@@ -300,9 +352,15 @@ def _generation(config: RecipeConfig, counts: ParamCounts, machine: Machine, eff
     prefill_flops = (
         n * (lens.prompt * flops.per_token + lens.prompt * (lens.prompt + 1) / 2 * flops.per_pair) / tp
     )
+    # tensor parallelism: two all-reduces of the hidden state a layer (after attention and after
+    # the MLP), over the prompt's tokens at prefill, over the sequences in flight at every decode step
+    act = m.hidden_size * BF16
+    reduces = 2 * m.num_layers if on_gpu else 0
+    prefill_comm = reduces * allreduce_seconds(n * lens.prompt * act, tp, machine)
     prefill = Phase(
-        "prefill", prefill_flops / (peak * eff), Bound.COMPUTE,
-        f"{_flop(prefill_flops)} per engine {device} ({n} samples x {lens.prompt:,.0f} prompt tokens)",
+        "prefill", prefill_flops / (peak * eff) + prefill_comm, Bound.COMPUTE,
+        f"{_flop(prefill_flops)} per engine {device} ({n} samples x {lens.prompt:,.0f} prompt tokens)"
+        + (f" + {reduces} TP all-reduces ({prefill_comm:.3g} s)" if prefill_comm else ""),
     )  # fmt: skip
     total = rollout_weight_bytes(config, counts)
     experts = rollout_expert_bytes(config, counts)
@@ -315,12 +373,19 @@ def _generation(config: RecipeConfig, counts: ParamCounts, machine: Machine, eff
     memory_s = memory_bytes / (machine.memory_gbps * GIGA * eff)
     compute_s = decode_flops / (peak * eff)
     bound = Bound.MEMORY if memory_s >= compute_s else Bound.COMPUTE
+    step_comm = reduces * allreduce_seconds(in_flight * act, tp, machine)
+    span = "nodes" if tp > machine.nvlink_domain else "NVLink"
     decode = Phase(
-        "decode", max(memory_s, compute_s), bound,
+        "decode", max(memory_s, compute_s) + steps * step_comm, bound,
         f"{steps:,} steps, {in_flight:,.0f} sequences in flight"
         + (" (continuous batching)" if continuous_batching(config) else f" ({waves} wave(s) of {wave})")
         + f": {_bytes(per_step)} of weights a step ({touched:.0%} of the experts) + "
-        f"{_bytes(token_reads * kv_token)} of KV-cache reads per {device}",
+        f"{_bytes(token_reads * kv_token)} of KV-cache reads per {device}"
+        + (
+            f" + {reduces} TP-{tp} all-reduces a step over {span} ({step_comm * 1e6:,.0f} µs)"
+            if step_comm
+            else ""
+        ),
     )  # fmt: skip
     return [prefill, decode]
 
@@ -353,14 +418,31 @@ def _trainer_passes(config: RecipeConfig, machine: Machine, mfu: float) -> list[
     bubble = (micro + pp - 1) / micro
     gpus = f"{p.trainer_world_size} GPU(s)" if config.cluster.gpus_per_node else "the CPU"
     where = f"{gpus} at {mfu:.1%} MFU" + (f", pipeline bubble x{bubble:.2f}" if pp > 1 else "")
-    passes = [("π_old", 1.0)]
+    # expert parallelism: every MoE layer sends each token's hidden state to its top-k experts and
+    # back (dispatch and combine); a GPU holds PP/world of the tokens and num_moe_layers/PP layers.
+    # A forward moves it once, a backward once more (the gradients), a recompute once more.
+    counts = count_params(config.model)
+    ep_group = p.expert_model_parallel_size * p.expert_tensor_parallel_size
+    a2a_bytes = 2 * n * lens.mean * counts.num_moe_layers * counts.topk * config.model.hidden_size * BF16
+    a2a = (
+        alltoall_seconds(a2a_bytes / max(p.trainer_world_size, 1), ep_group, machine) if ep_group > 1 else 0.0
+    )
+    recompute = t.recompute_activations
+    # (model FLOPs, all-to-alls) per pass: a backward is two forwards; a full recompute of the
+    # activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    # Transformer Models") runs the forward again during the backward: 4 forwards, not 3
+    passes = [("π_old", 1.0, 1.0)]
     if config.algo.kl.coef > 0:
-        passes.append(("reference", 1.0))
-    passes.append(("training", 3.0))
-    return [
-        Phase(name, k * forward * bubble / rate, Bound.COMPUTE, f"{_flop(k * forward)} on {where}")
-        for name, k in passes
-    ]
+        passes.append(("reference", 1.0, 1.0))
+    passes.append(("training", 4.0 if recompute else 3.0, 3.0 if recompute else 2.0))
+    phases = []
+    for name, k, moves in passes:
+        extra = (" (with the activation recompute)" if recompute and name == "training" else "") + (
+            f" + {moves * a2a * bubble:.3g} s of EP-{p.expert_model_parallel_size} all-to-all" if a2a else ""
+        )
+        seconds = (k * forward / rate + moves * a2a) * bubble
+        phases.append(Phase(name, seconds, Bound.COMPUTE, f"{_flop(k * forward)} on {where}{extra}"))
+    return phases
 
 
 def sync_bytes(config: RecipeConfig, counts: ParamCounts, sync: SyncPlan) -> float:

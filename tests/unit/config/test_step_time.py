@@ -4,6 +4,7 @@ the refusals (an unknown chip, a factor out of range, a KV cache that holds no s
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ from moe_rl.config.step_time import (
     Bound,
     Efficiency,
     PhaseCannotRun,
+    allreduce_latency_us,
+    allreduce_seconds,
+    alltoall_seconds,
     experts_touched,
     machine_of,
     resharded_sync_cost,
@@ -129,17 +133,35 @@ def test_waves_when_the_kv_cache_holds_fewer_sequences_than_an_engine_has():
     assert f"({waves} wave(s) of {wave})" in t.phase("decode").detail
 
 
-def test_continuous_batching_keeps_the_wave_full():
-    """Two steps ahead on nodes of their own the next batch fills finished places: n * r / b steps
-    of b sequences, instead of the longest response per wave."""
+@pytest.mark.parametrize(("depth", "in_flight", "steps"), [(2, 8, 5), (3, 12, 4)])
+def test_continuous_batching_keeps_the_wave_full(depth, in_flight, steps):
+    """``depth`` steps ahead on nodes of their own the engine holds the prompts of ``depth``
+    batches (4 samples each; its KV cache holds far more) and the next batch fills finished places:
+    ceil(n * r / b) steps of b sequences, instead of the longest response per wave."""
     config = _hand(
         "cluster.nodes=2", "cluster.trainer_nodes=1", "cluster.rollout_nodes=1", "run.mode=async",
-        "run.async_depth=2", "run.max_staleness=2",
+        f"run.async_depth={depth}", f"run.max_staleness={depth}",
     )  # fmt: skip
     t = _step(config)
-    per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + (1 - 0.75**4) * EXPERT_BYTES  # 4 in flight
+    per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + (1 - 0.75**in_flight) * EXPERT_BYTES
     kv = 4 * (5 * 10 + 50) * KV_TOKEN
-    assert t.phase("decode").seconds == pytest.approx((10 * per_step + kv) / H100_HBM)  # 4 * 10 / 4 steps
+    assert t.phase("decode").seconds == pytest.approx((steps * per_step + kv) / H100_HBM)  # ceil(4 * 10 / b)
+    assert f"{steps} steps, {in_flight} sequences in flight (continuous batching)" in t.phase("decode").detail
+
+
+def test_continuous_batching_is_bounded_by_the_kv_cache():
+    """Qwen3-30B-A3B, 8 engines of TP 2 on 16 H100 at 0.8 of the memory, 256 samples each and 64
+    batches ahead: the engine holds what its KV cache holds at the mean length, not 64 x 256."""
+    config = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", [
+        "cluster.nodes=4", "cluster.trainer_nodes=2", "cluster.rollout_nodes=2", "rollout.num_engines=8",
+        "rollout.tensor_parallel_size=2", "rollout.batch_size=2048", "rollout.gpu_memory_utilization=0.8",
+        "run.mode=async", "run.async_depth=64", "run.max_staleness=64",
+    ])  # fmt: skip
+    held = int(rollout_memory(config, count_params(config.model)).kv_tokens // (0.6 * (2048 + 8192)))
+    assert 0 < held < 256
+    t = step_time(config, sync_plan(config, "cuda"), 0.0, ONE)
+    steps = math.ceil(256 * 0.6 * 8192 / held)
+    assert f"{steps:,} steps, {held} sequences in flight" in t.phase("decode").detail
 
 
 def test_trainer_passes_by_hand():
@@ -313,3 +335,71 @@ def test_the_recipes_mfu_replaces_the_fitted_one_and_defaults_to_it():
     a, b = step_time(config, sync_plan(config, "cuda")), step_time(half, sync_plan(half, "cuda"))
     assert b.phase("training").seconds == pytest.approx(2 * a.phase("training").seconds)
     assert b.phase("decode").seconds == a.phase("decode").seconds
+
+
+# NCCL's latency model for the LL protocol (src/graph/tuning.cc): base 3.6 µs (ring) / 4.4 (tree);
+# a hop 0.47 / 0.52 µs over NVLink (x1.8 across nodes), 2.7 / 5.0 over the network.
+@pytest.mark.parametrize(
+    ("ranks", "domain", "expected"),
+    [
+        (1, 8, 0.0),
+        (2, 8, 3.6 + 2 * 0.47),  # ring: 2 NVLink steps (tree: 4.4 + 2 * 0.52)
+        (8, 8, 3.6 + 14 * 0.47),  # ring: 14 NVLink steps (tree: 4.4 + 2 * 7 * 0.52 = 11.68)
+        (32, 8, 4.4 + 2 * (7 * 0.52 * 1.8 + 2 * 5.0)),  # tree over 4 nodes (ring: 67.2)
+        (32, 72, 3.6 + 62 * 0.47),  # one NVLink domain: ring (tree: 4.4 + 62 * 0.52 = 36.64)
+        (16, 8, 4.4 + 2 * (7 * 0.52 * 1.8 + 1 * 5.0)),  # tree over 2 nodes (ring: 3.6 + 28*.846 + 2*2.7)
+    ],
+)
+def test_allreduce_latency_as_nccl_models_it(ranks, domain, expected):
+    assert allreduce_latency_us(ranks, domain) == pytest.approx(expected)
+
+
+def test_allreduce_and_alltoall_seconds_by_hand():
+    h100, gb200 = MACHINES[GpuType.H100], MACHINES[GpuType.GB200]
+    # 1 MB over 32 H100 (4 nodes): the tree's latency + 2 * 31/32 of it through the 50 GB/s NIC
+    assert allreduce_seconds(1e6, 32, h100) == pytest.approx(37.504e-6 + 2 * 31 / 32 * 1e6 / 50e9)
+    # over 2 GPUs of a node: the ring's latency + 2 * 1/2 of it over NVLink (450 GB/s)
+    assert allreduce_seconds(1e6, 2, h100) == pytest.approx(4.54e-6 + 1e6 / 450e9)
+    # 32 GB200 share one NVLink domain (900 GB/s)
+    assert allreduce_seconds(1e6, 32, gb200) == pytest.approx(32.74e-6 + 2 * 31 / 32 * 1e6 / 900e9)
+    assert allreduce_seconds(1e6, 1, h100) == 0.0
+    # an all-to-all of 1 GB per GPU: within a node over NVLink; EP 16 over 2 nodes: half through the NIC
+    assert alltoall_seconds(1e9, 8, h100) == pytest.approx(1e9 / 450e9)
+    assert alltoall_seconds(1e9, 16, h100) == pytest.approx(0.5e9 / 50e9)
+    assert alltoall_seconds(1e9, 64, h100) == pytest.approx(56 / 64 * 1e9 / 50e9)
+    assert alltoall_seconds(1e9, 64, gb200) == pytest.approx(1e9 / 900e9)
+    assert alltoall_seconds(1e9, 1, h100) == 0.0
+
+
+def test_tensor_parallel_all_reduces_by_hand():
+    """The hand model on engines of TP 2: each GPU reads half the weights (800 bytes a step) and the
+    whole KV cache (its one KV head replicated); every decode step adds 2 layers x 2 all-reduces of
+    the 2 sequences in flight (2 x 8 x 2 bytes) over NVLink, the prefill 4 of its 4 x 5 tokens."""
+    t = _step(_hand("rollout.tensor_parallel_size=2"))
+    reduce_step = 3.6e-6 + 2 * 0.47e-6 + (2 * 8 * 2) / 450e9
+    memory = (20 * 800 + 4 * (5 * 10 + 50) * KV_TOKEN) / H100_HBM
+    assert t.phase("decode").seconds == pytest.approx(memory + 20 * 4 * reduce_step)
+    assert "4 TP-2 all-reduces a step over NVLink (18 µs)" in t.phase("decode").detail
+    prefill = 4 * (5 * PER_TOKEN + 15 * PER_PAIR) / 2 / H100_BF16
+    assert t.phase("prefill").seconds == pytest.approx(prefill + 4 * (4.54e-6 + (4 * 5 * 8 * 2) / 450e9))
+    # TP 1: no all-reduce
+    assert "all-reduce" not in _step(_hand()).phase("decode").detail
+
+
+def test_activation_recompute_and_expert_all_to_all_by_hand():
+    """Recompute: training is 4 forwards, not 3. EP 4 on one node of 8: each of the 8 sequences'
+    15 tokens goes to its top-1 expert and back (its hidden state of 8 in bf16) in each of 2 MoE
+    layers: 2 x 8 x 15 x 2 x 1 x 8 x 2 = 7,680 bytes, 960 per GPU over NVLink, once a forward,
+    twice a backward and three times with the recompute."""
+    forward = 8 * 15 * PER_TOKEN + 8 * (15 * 16 // 2) * PER_PAIR
+    rate = 8 * H100_BF16
+    a2a = 960 / 450e9
+    t = _step(_hand("parallel.expert_model_parallel_size=4", "trainer.recompute_activations=true",
+                    "trainer.precision=bf16"))  # fmt: skip
+    assert t.phase("π_old").seconds == pytest.approx(forward / rate + a2a)
+    assert t.phase("training").seconds == pytest.approx(4 * forward / rate + 3 * a2a)
+    assert "with the activation recompute" in t.phase("training").detail
+    plain = _step(_hand("parallel.expert_model_parallel_size=4", "trainer.precision=bf16"))
+    assert plain.phase("training").seconds == pytest.approx(3 * forward / rate + 2 * a2a)
+    none = _step(_hand("trainer.precision=bf16"))  # EP 1: no all-to-all
+    assert none.phase("training").seconds == pytest.approx(3 * forward / rate)
