@@ -387,10 +387,11 @@ class Resume:
     checkpoint: Usable | None
 
 
-def init_checkpoint(path: Path) -> Path:
-    """The trainer state a run starts from (`model.init_from`): ``path`` is one checkpoint folder
-    (complete and intact), or a run directory whose newest usable checkpoint is taken."""
-    key = f"model.init_from={path}"
+def init_checkpoint(path: Path, key: str | None = None) -> Path:
+    """The trainer state a run starts from (`model.init_from`, `critic.init_from`: ``key`` names
+    it, the first by default): ``path`` is one checkpoint folder (complete and intact), or a run
+    directory whose newest usable checkpoint is taken."""
+    key = key or f"model.init_from={path}"
     if (path / "trainer").is_dir():
         problem = verify(path)
         if problem is not None:

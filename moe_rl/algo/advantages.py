@@ -1,4 +1,5 @@
-"""Group-relative advantages, the zero-variance-group report and RL-ZVP shaping.
+"""Group-relative advantages, the responses' scores of the token-level estimators, the
+zero-variance-group report and RL-ZVP shaping.
 
 Sequence-level functions take ``rewards`` [S] (one per response) and ``group_ids`` [S] (any
 integer ids; responses with the same id answer the same prompt). They return per-response
@@ -65,6 +66,14 @@ def rloo(rewards: Tensor, group_ids: Tensor) -> Tensor:
     mean, count = _group_mean_count(rewards, inverse, num_groups)
     n = count[inverse]
     return (rewards - mean[inverse]) * n / (n - 1).clamp_min(1.0)
+
+
+def outcome(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Each response's own reward, ``s_i = R_i``: the score GAE and REINFORCE++ place on a response's
+    last token (the trainer turns it into token advantages, `moe_rl.algo.returns`). `group_ids` is
+    read only to check it: these estimators compare nothing within a group."""
+    _groups(rewards, group_ids)
+    return rewards.clone()
 
 
 @dataclass

@@ -24,11 +24,17 @@ class Objective(StrEnum):
 
 
 class Advantage(StrEnum):
-    """The advantage estimator (``algo.advantage``)."""
+    """The advantage estimator (``algo.advantage``): group-relative ones the driver computes per
+    response (``grpo``, ``dr_grpo``, ``rloo``), or token-level ones the trainer computes in the π_old
+    pass from each response's score (``gae`` with a critic, ``reinforce_pp`` and its group-baseline
+    variant ``reinforce_pp_baseline``)."""
 
     GRPO = "grpo"
     DR_GRPO = "dr_grpo"
     RLOO = "rloo"
+    GAE = "gae"
+    REINFORCE_PP = "reinforce_pp"
+    REINFORCE_PP_BASELINE = "reinforce_pp_baseline"
 
 
 class Aggregation(StrEnum):
@@ -83,6 +89,20 @@ class RejectionAggregation(StrEnum):
     SEQ_SUM = "seq_sum"
     SEQ_MEAN = "seq_mean"
     SEQ_MAX = "seq_max"
+
+
+TOKEN_ADVANTAGES: tuple[Advantage, ...] = (
+    Advantage.GAE,
+    Advantage.REINFORCE_PP,
+    Advantage.REINFORCE_PP_BASELINE,
+)
+"""Estimators the trainer computes per token in the π_old pass (token rewards, returns, the batch
+whitening); the driver hands it each response's score."""
+
+GROUP_ADVANTAGES: tuple[Advantage, ...] = (
+    Advantage.GRPO, Advantage.DR_GRPO, Advantage.RLOO, Advantage.REINFORCE_PP_BASELINE,
+)  # fmt: skip
+"""Estimators that compare a response with the others of its group (a group of one trains nothing)."""
 
 
 def values(mode: type[StrEnum]) -> tuple[str, ...]:

@@ -15,7 +15,10 @@ never a keyword dropped at a call.
 
 * ``algo.objective`` with its hyper-parameters and ``algo.aggregation``: `bind_objective`, and for
   the trainer `bind_recipe_objective` (`TRAINED_AS`; a dual-clip floor <= 1 is off);
-* ``algo.advantage``: `bind_advantage`; ``algo.kl``: `bind_kl_loss` (`KL_AGGREGATION`);
+* ``algo.advantage``: `bind_advantage` (the driver's per-response part, `DRIVER_FUNCS`) and, for the
+  token-level estimators, `bind_token_advantage` (the trainer's part, `TOKEN_FUNCS`, with ``algo.gae``
+  and ``algo.kl.in_reward``); ``algo.kl``: `bind_kl_loss` (`KL_AGGREGATION`); the critic's loss:
+  `bind_value_loss`;
 * ``algo.corrections`` and ``algo.policy_mode``: `bind_corrections`, a `CorrectionStack`.
 
 Objectives are called alike, with the keywords of `OBJECTIVE_CALL` (``logp=, old_logp=,
@@ -38,6 +41,7 @@ from typing import Any, TypeVar
 from moe_rl.algo.modes import (
     OWN_AGGREGATIONS,
     SHARED_AGGREGATIONS,
+    TOKEN_ADVANTAGES,
     Advantage,
     Aggregation,
     Divergence,
@@ -246,12 +250,71 @@ def bind_recipe_objective(
     return bind_objective(trained, params, aggregation=aggregation, norm_len=norm_len)
 
 
+DRIVER_FUNCS: dict[Advantage, str] = {
+    Advantage.GRPO: "grpo",
+    Advantage.DR_GRPO: "dr_grpo",
+    Advantage.RLOO: "rloo",
+    Advantage.GAE: "outcome",
+    Advantage.REINFORCE_PP: "outcome",
+    Advantage.REINFORCE_PP_BASELINE: "dr_grpo",
+}
+"""``algo.advantage`` → what the driver computes per response over the whole batch
+(`moe_rl.algo.advantages`): the advantage of a group estimator, or the score a token-level one
+(`TOKEN_ADVANTAGES`) places on the response's last token: its reward (GAE, REINFORCE++), its reward
+less its group's mean (REINFORCE++'s group-baseline variant)."""
+
+TOKEN_FUNCS: dict[Advantage, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    Advantage.GAE: ("gae_estimate", ("gamma", "lam"), ("values",)),
+    Advantage.REINFORCE_PP: ("reinforce_pp_estimate", ("gamma",), ()),
+    Advantage.REINFORCE_PP_BASELINE: ("reinforce_pp_estimate", ("gamma",), ()),
+}
+"""The token-level estimators → their function (`moe_rl.algo.returns`), the ``algo.gae`` fields it
+binds and the inputs it reads beside the common ones (`TOKEN_CALL`)."""
+
+TOKEN_CALL = ("scores", "seq_ids", "num_seqs", "old_logp", "ref_logp", "values")
+"""The keywords a bound token-level estimator is called with (``values``: the critic's, GAE's alone)."""
+
+VALUE_INPUTS = ("values", "old_values", "returns", "loss_mask", "seq_ids", "num_seqs")
+"""The inputs of the critic's loss (`moe_rl.algo.value.value_loss`)."""
+
+
 def bind_advantage(advantage: Advantage) -> Bound:
-    """Advantage estimator `advantage`: ``f(rewards=[S], group_ids=[S]) -> [S]``. The recipe sets no
-    hyper-parameter of theirs (GRPO's ε is the function's own)."""
+    """The driver's part of estimator `advantage` (`DRIVER_FUNCS`): ``f(rewards=[S], group_ids=[S])
+    -> [S]``. The recipe sets no hyper-parameter of theirs (GRPO's ε is the function's own)."""
     advantage = _member("algo.advantage", advantage, Advantage)
-    func = _load("moe_rl.algo.advantages", advantage.value)
+    func = _load("moe_rl.algo.advantages", DRIVER_FUNCS[advantage])
     return bind(func, {}, ("rewards", "group_ids"), f"advantage {advantage.value!r}")
+
+
+def bind_token_advantage(
+    advantage: Advantage, gae: Mapping[str, Any], kl_coef: float, kl_estimator: KLEstimator, in_reward: bool
+) -> Bound | None:
+    """The trainer's part of a token-level estimator (`TOKEN_FUNCS`; None for a group one):
+    ``f(scores=[S], seq_ids=, num_seqs=, old_logp=, ref_logp=, values=) -> TokenReturns``, with its
+    ``algo.gae`` fields (`gae`, a plain dict of the section) and, with ``algo.kl.in_reward``, the KL
+    penalty's coefficient and estimator bound (without it the coefficient bound is 0: no KL in the
+    reward)."""
+    advantage = _member("algo.advantage", advantage, Advantage)
+    if advantage not in TOKEN_ADVANTAGES:
+        return None
+    estimator = _member("algo.kl.estimator", kl_estimator, KLEstimator)
+    name, fields, extra = TOKEN_FUNCS[advantage]
+    missing = sorted(set(fields) - set(gae))
+    if missing:
+        raise ValueError(f"the algo.gae section lacks {missing}, which advantage {advantage.value!r} binds")
+    coef = float(kl_coef) if in_reward else 0.0
+    bound = {**{f: gae[f] for f in fields}, "kl_coef": coef, "kl_estimator": estimator}
+    inputs = ("scores", "seq_ids", "num_seqs", "old_logp", "ref_logp", *extra)
+    func = _load("moe_rl.algo.returns", name)
+    return bind(func, bound, inputs, f"advantage {advantage.value!r}", call=TOKEN_CALL)
+
+
+def bind_value_loss(clip: float) -> Bound:
+    """The critic's clipped value loss (`moe_rl.algo.value.value_loss`) with the value clip bound
+    (``critic.clip``): ``f(values=, old_values=, returns=, loss_mask=, seq_ids=, num_seqs=) ->
+    LossOutput``."""
+    func = _load("moe_rl.algo.value", "value_loss")
+    return bind(func, {"clip": clip}, VALUE_INPUTS, "critic value loss")
 
 
 def denominator_aggregation(aggregation: Aggregation) -> Aggregation:

@@ -255,10 +255,13 @@ def _unknown_key(key: str, cls: type, path: str, source: str) -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if not close:  # maybe the key belongs to another section: match on the last component
         paths = _all_paths(RecipeConfig)
-        by_leaf = {p.rsplit(".", 1)[-1]: p for p in reversed(paths)}
-        leaf = difflib.get_close_matches(key, list(by_leaf), n=1, cutoff=0.8)
-        close = [by_leaf[leaf[0]]] if leaf else difflib.get_close_matches(full, paths, n=1, cutoff=0.6)
-        hint = f"; did you mean `{close[0]}`?" if close else ""
+        leaves = sorted({p.rsplit(".", 1)[-1] for p in paths})
+        leaf = difflib.get_close_matches(key, leaves, n=1, cutoff=0.8)
+        if leaf:  # every section that holds it (`lr`: critic.lr, trainer.lr)
+            close = [p for p in paths if p.rsplit(".", 1)[-1] == leaf[0]]
+        else:
+            close = difflib.get_close_matches(full, paths, n=1, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else ""
     else:
         hint = f"; did you mean `{path}{close[0]}`?"
     where = path.rstrip(".") or "the top level"

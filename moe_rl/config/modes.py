@@ -18,6 +18,14 @@ from enum import Enum, StrEnum
 from typing import Any
 
 
+class CriticInit(StrEnum):
+    """``critic.init``: where the critic's body starts."""
+
+    POLICY = "policy"
+    CONFIG = "config"
+    CHECKPOINT = "checkpoint"
+
+
 class RunMode(StrEnum):
     """``run.mode``: on-policy, one-step-off-policy, or offline (DGO)."""
 

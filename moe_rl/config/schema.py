@@ -25,6 +25,7 @@ from moe_rl.algo.modes import (
 )
 from moe_rl.config.modes import (
     Attention,
+    CriticInit,
     Dispatcher,
     Engine,
     EnvOverflow,
@@ -353,6 +354,19 @@ class KLConfig:
     offload_reference: bool = False
     """Keep the reference model's weights in (pinned) host memory between old-logp passes and copy
     them to the GPU for each pass; on a CPU trainer there is nothing to offload (no effect)."""
+    in_reward: bool = False
+    """Put the KL penalty into the token rewards (``r_t -= coef·kl_t`` at π_old, as REINFORCE++ and
+    PPO with a critic define it) instead of into the loss; only with a token-level
+    `algo.advantage` (`gae`, `reinforce_pp`, `reinforce_pp_baseline`)."""
+
+
+@dataclass
+class GAEConfig:
+    gamma: float = 1.0
+    """Discount γ of the token rewards along a response (`gae` and the REINFORCE++ returns)."""
+    lam: float = 1.0
+    """GAE's λ (`algo.advantage=gae`): 1 gives the Monte-Carlo return less the value, 0 the one-step
+    temporal difference."""
 
 
 @dataclass
@@ -360,7 +374,12 @@ class AlgoConfig:
     objective: Objective = Objective.PPO_CLIP
     """`ppo_clip`, `gspo`, `gspo_token`, `cispo`, `reinforce`, `espo`, `dgo`."""
     advantage: Advantage = Advantage.GRPO
-    """`grpo`, `dr_grpo`, `rloo`."""
+    """Group estimators `grpo`, `dr_grpo`, `rloo`, computed by the driver per response; or
+    token-level ones the trainer computes at the π_old pass and whitens over the batch: `gae` (PPO
+    with a critic, the `critic:` section), `reinforce_pp` (REINFORCE++: discounted returns of the
+    token rewards), `reinforce_pp_baseline` (REINFORCE++ from each reward less its group's mean)."""
+    gae: GAEConfig = field(default_factory=GAEConfig)
+    """Discount and λ of the token-level estimators."""
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
     """`token_mean`, `seq_mean_token_sum`, `seq_mean_token_mean`, `seq_mean_token_sum_norm`, or, for
     ESPO only, its own `seq_mean_group_mean` (token-mean within an entropy group, mean over the
@@ -404,6 +423,28 @@ class AlgoConfig:
     """KL penalty."""
     corrections: CorrectionsConfig = field(default_factory=CorrectionsConfig)
     """Corrections for training-inference mismatch and off-policyness."""
+
+
+@dataclass
+class CriticConfig:
+    init: CriticInit = CriticInit.POLICY
+    """Where the critic's body starts (`algo.advantage=gae` trains one): `policy` (the policy's
+    starting weights, as the trainer loads them), `config` (its own initialization from
+    `run.seed` + 1) or `checkpoint` (the policy weights of the trainer checkpoint `critic.init_from`
+    names: a run directory or a `checkpoints/step_N` folder). The value head starts at zero."""
+    init_from: str | None = None
+    """The checkpoint of `critic.init=checkpoint`."""
+    lr: float = 1e-5
+    """The critic's learning rate (constant; Adam with the trainer's betas and epsilon)."""
+    weight_decay: float = 0.0
+    """The critic's AdamW weight decay."""
+    grad_clip: float = 1.0
+    """The critic's gradient-norm clip (0: none)."""
+    clip: float = 0.5
+    """Value clip ε of the clipped value loss: a value moves at most ε from its π_old-pass value
+    before the loss stops rewarding it (.inf: the plain squared error)."""
+    warmup_steps: int = 0
+    """Optimizer steps at the start in which only the critic trains (the policy's weights stay)."""
 
 
 @dataclass
@@ -638,6 +679,8 @@ class RecipeConfig:
     """Rollout weight quantization (filled from `recipes/quant/<rollout.quant>.yaml`)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Objective, advantages and corrections."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model of PPO with a critic (`algo.advantage=gae`); unread otherwise."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Optimization."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -21,9 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moe_rl.algo.modes import Aggregation, Objective
+from moe_rl.algo.modes import (
+    GROUP_ADVANTAGES,
+    TOKEN_ADVANTAGES,
+    Advantage,
+    Aggregation,
+    KLEstimator,
+    Objective,
+)
 from moe_rl.config.derived import longest_sequence, response_limit_key
-from moe_rl.config.modes import Attention, Engine, ReplayMode, RopeScaling, RunMode
+from moe_rl.config.modes import Attention, CriticInit, Engine, ReplayMode, RopeScaling, RunMode
 from moe_rl.config.schema import CHOICES as MODES
 from moe_rl.config.schema import ModelConfig, RecipeConfig
 from moe_rl.errors import ConfigError, brief
@@ -83,6 +90,9 @@ RANGES: dict[str, Bound] = {
     **_each(POSITIVE, "algo.espo_num_groups", "algo.dgo_beta", "algo.corrections.tis.cap",
             "algo.dynamic_sampling_rounds"),
     "algo.kl.coef": NON_NEGATIVE,
+    **_each(Bound(lambda v: 0 <= v <= 1, "in [0, 1]"), "algo.gae.gamma", "algo.gae.lam"),
+    **_each(POSITIVE, "critic.lr", "critic.clip"),
+    **_each(NON_NEGATIVE, "critic.weight_decay", "critic.grad_clip", "critic.warmup_steps"),
     **_each(POSITIVE, "trainer.lr", "trainer.num_mini_batches", "trainer.max_tokens_per_microbatch",
             "trainer.logprob_chunk_size", "trainer.adam_eps"),
     **_each(NON_NEGATIVE, "trainer.min_lr", "trainer.lr_warmup_steps", "trainer.weight_decay",
@@ -105,6 +115,7 @@ UNBOUNDED: tuple[str, ...] = (
     "algo.corrections.icepop.high",
     "algo.corrections.rejection.low",
     "algo.corrections.rejection.high",
+    "critic.clip",
 )
 """Float fields where .inf / -.inf means "no bound" (as in `moe_rl.algo.corrections`); every other
 float field must be finite."""
@@ -300,10 +311,10 @@ def _check_batches(config: RecipeConfig) -> None:
         f"rollout.batch_size={r.batch_size} must be divisible by rollout.group_size={r.group_size}",
     )
     _require(
-        r.group_size >= 2,
+        r.group_size >= 2 or config.algo.advantage not in GROUP_ADVANTAGES,
         f"rollout.group_size={r.group_size}: algo.advantage={config.algo.advantage} compares each response "
         "with the others of its group, so a group of one has advantage 0 and trains nothing; use "
-        "rollout.group_size >= 2",
+        "rollout.group_size >= 2, or algo.advantage=gae or reinforce_pp",
     )
     sft = config.sft.demonstrations
     _require(
@@ -360,11 +371,47 @@ def _check_algo(config: RecipeConfig) -> None:
         f"algo.objective={a.objective} with run.mode={config.run.mode}: DGO is the offline objective "
         "(run.mode=offline) and offline runs train DGO",
     )
+    _check_token_advantages(config)
     if config.run.mode == RunMode.OFFLINE:
         _require(
             a.routing_replay != ReplayMode.R3 and not c.keep_sampling_mask,
             "run.mode=offline trains on stored trajectories: use algo.routing_replay=off|r2 and "
             "algo.corrections.keep_sampling_mask=false",
+        )
+
+
+def _check_token_advantages(config: RecipeConfig) -> None:
+    """The token-level estimators (`TOKEN_ADVANTAGES`), the critic and the KL in the reward."""
+    a, critic = config.algo, config.critic
+    token = a.advantage in TOKEN_ADVANTAGES
+    _require(
+        not a.kl.in_reward or (token and a.kl.coef > 0),
+        f"algo.kl.in_reward=true with algo.advantage={a.advantage} and algo.kl.coef={a.kl.coef}: the KL enters "
+        "the token rewards of gae, reinforce_pp or reinforce_pp_baseline, with a coefficient > 0",
+    )
+    _require(
+        not a.kl.in_reward or a.kl.estimator != KLEstimator.K3_IS,
+        "algo.kl.in_reward=true with algo.kl.estimator=k3_is: k3_is weighs by π_θ/π_old, which is 1 at the "
+        "π_old pass where the rewards are made; use k1, k2, k3 or abs",
+    )
+    if not token:
+        return
+    _require(
+        not a.dynamic_sampling and not a.zero_variance_shaping,
+        f"algo.advantage={a.advantage} with algo.dynamic_sampling={a.dynamic_sampling} and "
+        f"algo.zero_variance_shaping={a.zero_variance_shaping}: both act on groups of equal rewards, which "
+        "a token-level estimator does not compare; use a group estimator (grpo, dr_grpo, rloo) or turn them off",
+    )
+    _require(
+        config.run.mode != RunMode.OFFLINE,
+        f"algo.advantage={a.advantage} with run.mode=offline: the offline objective (DGO) weighs stored "
+        "samples by their rewards; token-level advantages are for online runs",
+    )
+    if a.advantage == Advantage.GAE:
+        _require(
+            (critic.init == CriticInit.CHECKPOINT) == (critic.init_from is not None),
+            f"critic.init={critic.init} with critic.init_from={brief(critic.init_from)}: a checkpoint is "
+            "named exactly when critic.init=checkpoint",
         )
 
 

@@ -51,6 +51,11 @@ class TrainMicroBatch:
     """Optimizer steps the trainer had taken when it computed ``old_logp``."""
     old_routing_metrics: dict | None = None
     """Routing agreement of the π_old pass (trainer-natural vs replayed routing)."""
+    old_values: Tensor | None = None
+    """float32 ``[R]``: the critic's values at each response token's state, from the π_old pass
+    (``algo.advantage=gae``)."""
+    returns: Tensor | None = None
+    """float32 ``[R]``: the critic's regression target (GAE's λ-returns), from the π_old pass."""
     zvp_sign: Tensor | None = None
     """int8 ``[S]``: RL-ZVP sign of each sample of this micro-batch (+1 all-correct zero-variance
     group, −1 all-wrong, 0 other); the π_old pass shapes ``advantages`` with it once π_old's
@@ -118,10 +123,12 @@ class TrainMicroBatch:
         return torch.repeat_interleave(self.micro.sample_indices, lengths, output_size=self.micro.num_tokens)
 
 
-_TENSOR_FIELDS = ("advantages", "old_logp", "old_entropy", "ref_logp", "recorded_routing", "zvp_sign")
+_TENSOR_FIELDS = (
+    "advantages", "old_logp", "old_entropy", "ref_logp", "recorded_routing", "old_values", "returns", "zvp_sign",
+)  # fmt: skip
 _OLD_FIELDS = {
     "advantages", "old_logp", "old_entropy", "ref_logp", "recorded_routing", "old_weights_version",
-    "old_routing_metrics",
+    "old_routing_metrics", "old_values", "returns",
 }  # fmt: skip
 
 

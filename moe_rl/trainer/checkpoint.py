@@ -1,5 +1,5 @@
 """A trainer rank's checkpoint: model, optimizer, schedule, RNG, step and, with a KL penalty, the
-reference policy, through Megatron ``dist_checkpointing`` (every rank writes and reads its own
+reference policy, with a critic its weights, optimizer, schedule and step (``critic.`` keys), through Megatron ``dist_checkpointing`` (every rank writes and reads its own
 shards; any trainer layout reads any other's).
 
 The reference policy is saved next to the policy (``reference.`` keys), so a resumed run keeps the
@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.errors import UserError
+from moe_rl.trainer.critic import PREFIX as CRITIC_PREFIX
+from moe_rl.trainer.critic import saved_with_critic
 from moe_rl.trainer.reference import PREFIX as REFERENCE_PREFIX
 from moe_rl.trainer.reference import saved_with_reference
 
@@ -47,7 +49,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         get_cuda_rng_tracker().set_states(state["cuda_tracker"])
 
 
-def _sharded_state(worker, is_loading: bool, reference: bool = True) -> dict:
+def _sharded_state(worker, is_loading: bool, reference: bool = True, critic: bool = True) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_sd = worker.model.sharded_state_dict()
@@ -61,6 +63,8 @@ def _sharded_state(worker, is_loading: bool, reference: bool = True) -> dict:
     }
     if reference and worker.reference is not None:
         state["reference"] = worker.reference.sharded_state_dict()
+    if critic and worker.critic is not None:
+        state["critic"] = worker.critic.sharded_state_dict(is_loading)
     return state
 
 
@@ -99,10 +103,20 @@ def load(worker, directory: str | Path) -> int:
             "checkpoint %s holds no reference policy (saved with algo.kl.coef=0): the reference is "
             "the starting weights of this run's model.hf_path or run.seed", directory,
         )  # fmt: skip
+    with_critic = worker.critic is not None and saved_with_critic(directory)
+    if worker.critic is not None and not with_critic:
+        log.warning(
+            "checkpoint %s holds no critic (saved by a run without one): the critic starts afresh "
+            "(critic.init=%s)", directory, worker.config.critic.init,
+        )  # fmt: skip
     with _reference_resident(worker):
-        state = dist_checkpointing.load(_sharded_state(worker, True, with_reference), str(directory))
+        state = dist_checkpointing.load(
+            _sharded_state(worker, True, with_reference, with_critic), str(directory)
+        )
         if with_reference:
             worker.reference.load_sharded(state["reference"])
+        if with_critic:
+            worker.critic.load_sharded(state["critic"])
     worker.model.load_state_dict(state["model"])
     worker.optimizer.load_state_dict(state["optimizer"])
     worker.scheduler.load_state_dict(state["scheduler"])
@@ -150,7 +164,28 @@ def load_model_weights(model, trainer_dir: Path, whose: str = "the run's config.
     model.load_state_dict(state["model"])
 
 
-NOT_POLICY = ("optimizer.", REFERENCE_PREFIX)
+def critic_start(config, policy):
+    """The policy-shaped model whose body a critic starts from (``critic.init``): the policy with
+    its starting weights (`policy`), a model holding the policy weights of the trainer checkpoint
+    ``critic.init_from`` names (`checkpoint`), or None (`config`: the critic's own initialization)."""
+    from moe_rl.config.modes import CriticInit
+    from moe_rl.megatron.model import build_gpt_model
+    from moe_rl.run_dir import init_checkpoint
+
+    critic = config.critic
+    if critic.init == CriticInit.POLICY:
+        return policy
+    if critic.init == CriticInit.CONFIG:
+        return None
+    key = f"critic.init_from={critic.init_from}"
+    trainer_dir = init_checkpoint(Path(critic.init_from), key=key)
+    model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
+    load_model_weights(model, trainer_dir, key)
+    log.info("the critic starts from the weights of %s", trainer_dir.parent)
+    return model
+
+
+NOT_POLICY = ("optimizer.", REFERENCE_PREFIX, CRITIC_PREFIX)
 """Keys of a trainer checkpoint's tensors that are not the policy's."""
 
 

@@ -2,7 +2,8 @@
 
 `TrainerLoss.of` binds the objective (with `moe_rl.algo.registry.bind_recipe_objective`: DGO
 trains as REINFORCE over its weights, a dual-clip floor <= 1 is off), the corrections, the KL
-penalty and the aggregation whose count divides the loss (an objective's own aggregation, ESPO's
+penalty (in the loss, or with ``algo.kl.in_reward`` in a token-level estimator's rewards), a
+token-level estimator's returns and the aggregation whose count divides the loss (an objective's own aggregation, ESPO's
 groups, counts responses), so no pass decides any of it again. It hands the registry the recipe's
 typed modes and every value (the schema holds the defaults); the registry checks each function
 takes what it binds, so a mismatch stops the run at start. `micro_loss` is one micro-batch's
@@ -41,6 +42,9 @@ class TrainerLoss:
     denominator: Aggregation
     """The aggregation whose count divides the loss (`registry.denominator_aggregation`)."""
     vocab_size: int
+    returns: registry.Bound | None = None
+    """A token-level estimator's part at the π_old pass (`registry.bind_token_advantage`: GAE,
+    REINFORCE++), else None (the driver's per-response advantages are the loss's)."""
 
     @classmethod
     def of(cls, config: RecipeConfig) -> TrainerLoss:
@@ -54,10 +58,13 @@ class TrainerLoss:
             ),
             corrections=registry.bind_corrections(corrections, algo.policy_mode),
             kl=registry.bind_kl_loss(kl.estimator, kl.coef, algo.aggregation, norm_len)
-            if kl.coef > 0
+            if kl.coef > 0 and not kl.in_reward
             else None,
             denominator=registry.denominator_aggregation(algo.aggregation),
             vocab_size=config.model.vocab_size,
+            returns=registry.bind_token_advantage(
+                algo.advantage, dataclasses.asdict(algo.gae), kl.coef, kl.estimator, kl.in_reward
+            ),
         )
 
     def local_denominator(self, mb: TrainMicroBatch, device: torch.device) -> Tensor:

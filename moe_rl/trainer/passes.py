@@ -63,6 +63,9 @@ class Hooks:
     before: Callable[[TrainMicroBatch], None]
     after: Callable[[TrainMicroBatch], None]
     on_logits: Callable[[TrainMicroBatch, Tensor], Tensor]
+    gather: Callable[[Tensor], Tensor] = whole_vocab
+    """What makes the model's output whole on every rank: the vocabulary's shards gathered (a
+    critic's values are whole already)."""
 
 
 def run_schedule(
@@ -79,8 +82,9 @@ def run_schedule(
     if pipelined:
         with timer.section("forward_backward"):
             pipeline.run_schedule(
-                model, micro_batches, forward_only, hooks.before, hooks.after, hooks.on_logits, pad_length
-            )
+                model, micro_batches, forward_only, hooks.before, hooks.after, hooks.on_logits, pad_length,
+                hooks.gather,
+            )  # fmt: skip
         return
     for mb in micro_batches:
         check_on_model_device(mb.micro, model)
@@ -91,7 +95,7 @@ def run_schedule(
                 tokens[None], positions[None], attention_mask=None, packed_seq_params=packed_seq_params(cu)
             )
             hooks.after(mb)
-            output = whole_vocab(output)
+            output = hooks.gather(output)
             logits = output.reshape(-1, output.shape[-1])[: mb.micro.num_tokens]
         loss = hooks.on_logits(mb, logits)
         if not forward_only:
@@ -338,6 +342,27 @@ def update_pass(
         if ctx.replay is not None:
             ctx.replay.clear()
     return loss_sum, [found[id(mb)] for mb in mini_batch]
+
+
+def value_pass(
+    ctx: PassContext, model: torch.nn.Module, micro_batches: Sequence[TrainMicroBatch], forward_only: bool,
+    on_values: Callable[[TrainMicroBatch, Tensor], Tensor],
+) -> None:  # fmt: skip
+    """A critic's pass (`moe_rl.trainer.critic`): ``on_values(mb, values [R])`` on the last stage
+    with the value at each response token's state (the output at the position before the token,
+    where the policy's logits predict it), returning what the backward starts from. The critic
+    routes by its own routers: no replay, no capture."""
+
+    def on_output(mb: TrainMicroBatch, output: Tensor) -> Tensor:
+        return on_values(mb, output[:, 0].index_select(0, mb.micro.response_positions - 1))
+
+    def nothing(mb: TrainMicroBatch) -> None:
+        return None
+
+    hooks = Hooks(nothing, nothing, on_output, gather=lambda output: output)
+    run_schedule(
+        model, micro_batches, forward_only, hooks, ctx.padded(micro_batches), ctx.timer, ctx.pipelined
+    )
 
 
 def shape_zero_variance(alpha: float) -> Callable[[TrainMicroBatch, Tensor | None], tuple[Tensor, dict]]:

@@ -48,12 +48,14 @@ def run_schedule(
     after_forward: Callable[[TrainMicroBatch], None],
     on_logits: Callable[[TrainMicroBatch, Tensor], Tensor],
     pad_length: Callable[[TrainMicroBatch], int | None],
+    gather: Callable[[Tensor], Tensor] = whole_vocab,
 ) -> None:
     """Run the 1F1B schedule over ``micro_batches`` (forward only, or forward and backward).
 
     ``before_forward`` / ``after_forward`` run around each micro-batch's forward on every stage;
     ``on_logits(mb, logits[T, V])`` runs on the last stage and returns the micro-batch's loss sum
-    (what the backward starts from; ignored when ``forward_only``).
+    (what the backward starts from; ignored when ``forward_only``). ``gather`` makes the last
+    stage's output whole (the vocabulary's shards gathered, or a critic's values as they are).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -61,7 +63,7 @@ def run_schedule(
     config.variable_seq_lengths = True
 
     def loss_func(mb: TrainMicroBatch, output: Tensor):
-        output = whole_vocab(output)
+        output = gather(output)
         logits = output.reshape(-1, output.shape[-1])[: mb.micro.num_tokens]
         loss_sum = on_logits(mb, logits)
         return loss_sum, torch.ones((), dtype=torch.int, device=logits.device), {}

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe_rl.algo.modes import PolicyMode
+from moe_rl.algo.modes import Advantage, PolicyMode
 from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import check_process_device
@@ -53,11 +53,13 @@ from moe_rl.megatron.replay import RoutingReplay
 from moe_rl.offload import GIB, Offload, resident_bytes
 from moe_rl.trainer import checkpoint, passes, pipeline, update
 from moe_rl.trainer.batch import PreparedBatch, TrainerBatch, TrainMicroBatch, regroup
+from moe_rl.trainer.critic import Critic
 from moe_rl.trainer.logprobs import PassOptions
 from moe_rl.trainer.loss import TrainerLoss
 from moe_rl.trainer.optim import build_optimizer, build_scheduler, optimizer_state_tensors
 from moe_rl.trainer.perf import RankPerf, sequence_lengths, synchronize
 from moe_rl.trainer.reference import ReferencePolicy
+from moe_rl.trainer.returns import token_returns
 from moe_rl.trainer.rules import check_trainer
 
 log = logging.getLogger(__name__)
@@ -78,10 +80,20 @@ class TrainerWorker:
         checkpoint.load_start_weights(self.model, config)  # e.g. an SFT run's: the optimizer afresh
         kl = config.algo.kl
         self.reference = ReferencePolicy.of_policy(self.model, config, self.device) if kl.coef > 0 else None
-        self.ddp = self._wrap_ddp(self.model)
         trainer = config.trainer
-        self.optimizer = build_optimizer([self.ddp], trainer, config.parallel.use_distributed_optimizer)
         steps = total_steps or config.run.steps * trainer.num_mini_batches
+        self.critic = (
+            Critic(
+                config,
+                checkpoint.critic_start(config, self.model),
+                self._wrap_ddp,
+                steps + config.critic.warmup_steps,
+            )
+            if config.algo.advantage == Advantage.GAE
+            else None
+        )
+        self.ddp = self._wrap_ddp(self.model)
+        self.optimizer = build_optimizer([self.ddp], trainer, config.parallel.use_distributed_optimizer)
         self.scheduler = build_scheduler(self.optimizer, trainer, steps)
         replay = RoutingReplay(self.model) if config.algo.routing_replay != ReplayMode.OFF else None
         self.loss = TrainerLoss.of(config)
@@ -141,7 +153,7 @@ class TrainerWorker:
         prepared, metrics = self.compute_old_logp(flat)
         synchronize(self.device)
         lengths = sequence_lengths(mb.micro.cu_seqlens for mb in flat)
-        forwards = 1 + (self.reference is not None)  # π_old, and π_ref with a KL penalty
+        forwards = 1 + (self.reference is not None) + (self.critic is not None)  # π_old, π_ref, V
         metrics["perf/old_logp_tflop"] = self.perf.tflop(lengths, forwards)
         metrics["perf/old_logp_s"] = time.perf_counter() - t0
         return PreparedBatch(regroup(prepared, [len(mini) for mini in packed]), metrics)
@@ -171,8 +183,10 @@ class TrainerWorker:
         if self._offload is not None:
             raise RuntimeError("trainer memory released twice without a restore")
         self._offload = Offload("trainer")
-        self._offload.add(optimizer_state_tensors(self.optimizer))
+        self._offload.add(self._optimizer_states())
         self._offload.add(self._grad_buffers())
+        if self.critic is not None:  # the critic's weights too: no weight sync reads them
+            self._offload.add(self.critic.model.parameters())
         if params:  # apart, so that a weight sync can take them back for a while (`weights_resident`)
             held = {h.storage.data_ptr() for h in self._offload.held}
             self._offload_params = Offload("trainer parameters")
@@ -218,13 +232,21 @@ class TrainerWorker:
         its parameters, gradient buffers and optimizer state as they are now."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
+        critic = [] if self.critic is None else list(self.critic.model.parameters())
         return resident_bytes(
-            [*self.model.parameters(), *self._grad_buffers(), *optimizer_state_tensors(self.optimizer)]
+            [*self.model.parameters(), *critic, *self._grad_buffers(), *self._optimizer_states()]
         )
 
     def _grad_buffers(self) -> list[Tensor]:
-        """Megatron's gradient buffers (dense and expert-parallel): every ``main_grad`` views one."""
-        return [buffer.grad_data for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers]
+        """Megatron's gradient buffers (dense and expert-parallel; the critic's too): every
+        ``main_grad`` views one."""
+        critic = [] if self.critic is None else self.critic.grad_buffers()
+        return [buffer.grad_data for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers] + critic
+
+    def _optimizer_states(self) -> list[Tensor]:
+        """The optimizers' state tensors (the policy's, and the critic's)."""
+        critic = [] if self.critic is None else optimizer_state_tensors(self.critic.optimizer)
+        return optimizer_state_tensors(self.optimizer) + critic
 
     # ------------------------------------------------------------------ π_old (and π_ref)
     def compute_old_logp(
@@ -248,7 +270,13 @@ class TrainerWorker:
         if self.reference is not None:
             with self.timer.section("ref_logp"), self.reference.resident():
                 prepared = passes.reference_pass(self.passes, self.reference, prepared)
-        metrics = update.reduce_metrics(found, "old/", self.device)
+        returns: dict[str, float] = {}
+        if self.loss.returns is not None:
+            with self.timer.section("returns"):
+                values = self.critic.values(self.passes, prepared) if self.critic is not None else {}
+                if not self.pipelined or pipeline.is_last_stage():  # π_old lives with the logits
+                    prepared, returns = token_returns(self.loss.returns, prepared, values, self.device)
+        metrics = update.reduce_metrics(found, "old/", self.device) | returns
         if self.pipelined:
             metrics = pipeline.merge_stage_metrics(metrics, self._num_moe_layers)
         return prepared, metrics
@@ -310,8 +338,21 @@ class TrainerWorker:
         return loss_sum, denom, metrics
 
     def train_step(self, mini_batch: Sequence[TrainMicroBatch]) -> dict[str, float]:
-        """One optimizer step on a mini-batch of micro-batches (this rank's share); metrics."""
+        """One optimizer step on a mini-batch of micro-batches (this rank's share), then the
+        critic's on the same mini-batch; metrics. In the critic's warm-up (``critic.warmup_steps``)
+        the critic's step is the only one."""
         mini_batch = self._to_device(mini_batch)
+        if self.critic is None:
+            return self._policy_step(mini_batch)
+        warm_up = self.critic.step < self.config.critic.warmup_steps
+        result = {"train/policy_frozen": 1.0} if warm_up else self._policy_step(mini_batch)
+        with self.timer.section("critic"):
+            critic = self.critic.train_step(self.passes, mini_batch, self.device)
+        if self.pipelined:
+            critic = pipeline.merge_stage_metrics(critic, 0)
+        return result | critic
+
+    def _policy_step(self, mini_batch: Sequence[TrainMicroBatch]) -> dict[str, float]:
         loss_sum, global_denom, metrics = self.accumulate_gradients(mini_batch)
         lr_scale = (
             update.vcpo_scale(mini_batch, self.device, self.pipelined)

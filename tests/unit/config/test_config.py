@@ -76,7 +76,7 @@ def test_quant_recipe_switch_is_one_override():
     ("overrides", "expected"),
     [
         pytest.param(["trainer.lrr=1"], "did you mean `trainer.lr`", id="misspelt-key"),
-        pytest.param(["lr=1"], "did you mean `trainer.lr`", id="key-without-section"),
+        pytest.param(["lr=1"], "did you mean `critic.lr` or `trainer.lr`", id="key-without-section"),
         pytest.param(["algo.corrections.icepop.hgh=3"], "algo.corrections.icepop.high", id="nested-key"),
         pytest.param(["trainer.lr=abc"], "`trainer.lr` expects float", id="wrong-type"),
         pytest.param(["rollout.batch_size=1.5"], "`rollout.batch_size` expects int", id="float-for-int"),
