@@ -17,10 +17,12 @@ activation recompute only each layer's input is kept.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moe_rl.algo.modes import Advantage
 from moe_rl.config import ConfigError, RecipeConfig, load_recipe
 from moe_rl.config.derived import (
     BF16,
@@ -90,10 +92,12 @@ class TrainerMemory:
     grads: float
     optimizer: float
     activations: float
+    critic: float = 0.0
+    """The critic's weights, gradients and Adam state (``algo.advantage=gae``), 0 without one."""
 
     @property
     def static(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.grads + self.optimizer + self.critic
 
     @property
     def total(self) -> float:
@@ -159,7 +163,18 @@ def activation_bytes(config: RecipeConfig) -> float:
 
 
 def trainer_memory(config: RecipeConfig, counts: ParamCounts) -> TrainerMemory:
-    """Weights, gradients, optimizer states and activations on the busiest trainer GPU."""
+    """Weights, gradients, optimizer states and activations on the busiest trainer GPU, and with
+    a critic its weights, gradients and optimizer states (the policy's model with a value head of
+    ``hidden_size`` weights for the LM head, on the same ranks)."""
+    static = _static_memory(config, counts)
+    critic = 0.0
+    if config.algo.advantage == Advantage.GAE:
+        critic = _static_memory(config, dataclasses.replace(counts, lm_head=config.model.hidden_size)).static
+    return dataclasses.replace(static, activations=activation_bytes(config), critic=critic)
+
+
+def _static_memory(config: RecipeConfig, counts: ParamCounts) -> TrainerMemory:
+    """Weights, gradients and optimizer states of ``counts``'s model on the busiest trainer GPU."""
     lay = layout(config)
     fp32_training = config.trainer.precision == Precision.FP32
     weight_bytes = FP32 if fp32_training else BF16
@@ -176,7 +191,7 @@ def trainer_memory(config: RecipeConfig, counts: ParamCounts) -> TrainerMemory:
         if best is None or memory.static > best.static:
             best = memory
     assert best is not None
-    return TrainerMemory(best.params, best.weights, best.grads, best.optimizer, activation_bytes(config))
+    return best
 
 
 def routing_trace_bytes_per_token(m: ModelConfig) -> int:
@@ -346,7 +361,8 @@ def released_bytes(config: RecipeConfig, trainer: TrainerMemory) -> float:
     ``cluster.offload_params``; 0 where nothing is released."""
     if config.cluster.gpus_per_node == 0 or not releases_memory(config, "cuda"):
         return 0.0
-    return trainer.grads + trainer.optimizer + (trainer.weights if config.cluster.offload_params else 0.0)
+    held = trainer.grads + trainer.optimizer + trainer.critic  # the critic's weights too: no sync reads them
+    return held + (trainer.weights if config.cluster.offload_params else 0.0)
 
 
 def _sync_plan(config: RecipeConfig) -> SyncPlan | None:
@@ -426,6 +442,7 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
         ("  weights", _gib(t.weights)),
         ("  gradients (fp32)", _gib(t.grads)),
         ("  optimizer (Adam)", _gib(t.optimizer)),
+        *([("  critic (weights, grads, Adam)", _gib(t.critic))] if t.critic else []),
         ("  activations (estimate)", _gib(t.activations)),
         ("  total", f"{_gib(t.total)} of {plan.config.cluster.gpu_memory_gib:g} GiB"),
         ("rollout weights / GPU", _gib(r.weights_per_gpu)),

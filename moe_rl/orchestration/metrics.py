@@ -46,6 +46,7 @@ SUMMARY_KEYS = (
     ("train/icepop_masked_frac", "icepop {:.2%}"),
     ("old/routing_agreement", "route {:.3f}"),
     ("train/grad_norm", "gnorm {:.3f}"),
+    ("critic/loss", "vloss {:.3f}"),  # with a critic
     ("perf/mfu", "mfu {:.1%}"),
     ("time/reward_s", "scoring {:.1f}s"),  # when it is the step's longest stage
     ("time/step_s", "{:.1f}s"),

@@ -177,12 +177,14 @@ def test_tiny_run_learns_and_writes_every_metric(tmp_path):
 
 
 SCALED_OUT = ["parallel.trainer_world_size=2", "rollout.num_engines=2"]
+PPO = ["algo.advantage=gae", "rollout.group_size=1", "critic.lr=5e-3"]
+"""PPO with a critic: the resume restores the critic's weights, optimizer and step too."""
 
 
 @pytest.mark.parametrize(
     ("sig", "layout"),
-    [(signal.SIGINT, SCALED_OUT), (signal.SIGTERM, [])],
-    ids=["ctrl-c-dp2-two-engines", "sigterm-one-rank"],
+    [(signal.SIGINT, SCALED_OUT), (signal.SIGTERM, PPO)],
+    ids=["ctrl-c-dp2-two-engines", "sigterm-one-rank-ppo"],
 )
 def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig, layout):
     """Interrupted, then its newest checkpoint damaged (truncated / 4 KiB overwritten), `latest`
@@ -194,6 +196,7 @@ def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path, sig, l
     straight = _train([*common, "run.name=straight"], tmp_path)
     _finish(straight)
     reference = _metrics(tmp_path / "straight")
+    assert ("critic/loss" in reference[0]) == (layout == PPO)
 
     interrupted = _train([*common, "run.name=cut", "run.checkpoint_every=1"], tmp_path)
     metrics = tmp_path / "cut" / "metrics.jsonl"

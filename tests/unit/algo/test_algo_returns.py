@@ -62,7 +62,9 @@ def test_whitening_from_sums_added_over_parts():
     expected = (x - 2.5) / math.sqrt(5 / 3 + 1e-8)
     sums = whiten_sums(x[:2], mask[:2]) + whiten_sums(x[2:], mask[2:])
     assert sums.tolist() == [4.0, 10.0, 30.0]
-    torch.testing.assert_close(torch.cat([whiten(x[:2], mask[:2], sums), whiten(x[2:], mask[2:], sums)]), expected)
+    torch.testing.assert_close(
+        torch.cat([whiten(x[:2], mask[:2], sums), whiten(x[2:], mask[2:], sums)]), expected
+    )
     # an uncounted token is 0 and does not move the statistics
     masked = torch.tensor([True, True, False, True, True])
     x5 = t([1.0, 2.0, 99.0, 3.0, 4.0])
@@ -80,7 +82,7 @@ def test_reinforce_pp_advantage_statistics_equal_a_hand_computation():
     rewards, groups = t([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
     seq_ids = seq_ids_for([2, 1, 2, 1])
     old, ref = t([-1.0, -2.0, -1.0, -0.5, -0.5, -3.0]), t([-1.5, -1.0, -1.0, -1.5, -0.5, -2.0])
-    kl = [0.5, -1.0, 0.0, 1.0, 0.0, -1.0]  # old − ref
+    # old − ref = [0.5, -1.0, 0.0, 1.0, 0.0, -1.0] (k1)
     # token rewards: −0.1·kl, and the response's score on its last token
     r = [-0.05, 1 + 0.1, 0.0, -0.1, 1 + 0.0, 1 + 0.1]
     g = [r[0] + r[1], r[1], r[2], r[3] + r[4], r[4], r[5]]  # γ = 1: returns-to-go per response
@@ -124,14 +126,25 @@ def test_gae_estimate_without_kl_needs_no_reference_and_refuses_k3_is():
 def test_token_advantage_bindings():
     groups = torch.tensor([0, 0])
     for adv in (Advantage.GRPO, Advantage.DR_GRPO, Advantage.RLOO):
-        assert registry.bind_token_advantage(adv, {"gamma": 1.0, "lam": 1.0}, 0.1, KLEstimator.K1, True) is None
+        assert (
+            registry.bind_token_advantage(adv, {"gamma": 1.0, "lam": 1.0}, 0.1, KLEstimator.K1, True) is None
+        )
     assert outcome(t([0.25, 1.0]), groups).tolist() == [0.25, 1.0]
-    gae_bound = registry.bind_token_advantage(Advantage.GAE, {"gamma": 0.9, "lam": 0.5}, 0.3, KLEstimator.K3, False)
-    assert dict(gae_bound.values) == {"gamma": 0.9, "lam": 0.5, "kl_coef": 0.0, "kl_estimator": KLEstimator.K3}
+    gae_bound = registry.bind_token_advantage(
+        Advantage.GAE, {"gamma": 0.9, "lam": 0.5}, 0.3, KLEstimator.K3, False
+    )
+    assert dict(gae_bound.values) == {
+        "gamma": 0.9,
+        "lam": 0.5,
+        "kl_coef": 0.0,
+        "kl_estimator": KLEstimator.K3,
+    }
     assert "values" in gae_bound.inputs
     with pytest.raises(ValueError, match=r"needs inputs \['values'\]"):
         gae_bound(scores=t([1.0]), seq_ids=seq_ids_for([1]), num_seqs=1)
-    pp = registry.bind_token_advantage(Advantage.REINFORCE_PP, {"gamma": 1.0, "lam": 1.0}, 0.3, KLEstimator.K1, True)
+    pp = registry.bind_token_advantage(
+        Advantage.REINFORCE_PP, {"gamma": 1.0, "lam": 1.0}, 0.3, KLEstimator.K1, True
+    )
     assert pp.values["kl_coef"] == 0.3 and "values" not in pp.inputs
     assert registry.DRIVER_FUNCS[Advantage.REINFORCE_PP_BASELINE] == "dr_grpo"
     torch.testing.assert_close(dr_grpo(t([1.0, 0.0]), groups), t([0.5, -0.5]))
@@ -143,7 +156,9 @@ def test_value_loss_hand_values_clip_and_gradient():
     so the clipped term counts and its gradient is 0 (the clip saturates). Token 1: V = 0.45 moved
     −0.05, inside the clip: ½(0.45 − 0.2)² = 0.03125, gradient V − R = 0.25."""
     values = t([1.0, 0.45], requires_grad=True)
-    out = value_loss(values, t([0.8, 0.5]), t([2.0, 0.2]), all_true(2), seq_ids_for([1, 1]), num_seqs=2, clip=0.1)
+    out = value_loss(
+        values, t([0.8, 0.5]), t([2.0, 0.2]), all_true(2), seq_ids_for([1, 1]), num_seqs=2, clip=0.1
+    )
     assert float(out.loss_sum.detach()) == pytest.approx(0.5 * 1.21 + 0.03125)
     assert float(out.denom) == 2.0
     assert float(out.metrics["clip_frac"]) == 0.5
@@ -215,7 +230,7 @@ def test_gae_with_lambda_zero_is_the_td_error_and_returns_are_advantage_plus_val
 @SETTINGS
 @given(b=responses(), cut=st.integers(0, 45))
 def test_whitening_does_not_depend_on_how_the_batch_is_split(b, cut):
-    lengths, x, _ = b
+    _, x, _ = b
     cut = min(cut, x.numel())
     mask = all_true(x.numel())
     whole = whiten(x, mask, whiten_sums(x, mask))

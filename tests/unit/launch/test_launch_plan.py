@@ -275,3 +275,34 @@ def test_plan_counts_attention_with_the_flops_projection_sizes():
         assert model_flops(m).attention == 2 * m.num_layers * attention_weights(m)
         counts = count_params(m)
         assert counts.expert == mlp_weights(m.hidden_size, m.moe_ffn_hidden_size)
+
+
+def test_a_critic_adds_its_weights_gradients_and_adam_state():
+    """With algo.advantage=gae the trainer GPU also holds the critic: the policy's parameters with a
+    value head (hidden_size weights) for the LM head, in the same bytes per parameter; the plan's
+    memory table shows the row, the total and the colocated release include it."""
+    from launch.plan import _memory_rows, layout, released_bytes, trainer_memory
+
+    grpo = load_recipe(REPO / "recipes" / "qwen3_30b_a3b.yaml")
+    ppo = load_recipe(REPO / "recipes" / "qwen3_30b_a3b.yaml", ["algo.advantage=gae", "rollout.group_size=1"])
+    counts = count_params(grpo.model)
+    policy, with_critic = trainer_memory(grpo, counts), trainer_memory(ppo, counts)
+    assert policy.critic == 0 and with_critic.critic > 0
+    lay = layout(grpo)
+    assert lay.pp == 1 and grpo.parallel.use_distributed_optimizer
+    # a dense parameter: bf16 weight, fp32 gradient, Adam's 12 bytes over the data-parallel ranks
+    dense_bytes = 2 + 4 + 12 / lay.dp
+    head_change = (counts.lm_head - grpo.model.hidden_size) / lay.tp
+    assert with_critic.critic == pytest.approx(policy.static - head_change * dense_bytes, rel=1e-9)
+    assert with_critic.total == pytest.approx(policy.total + with_critic.critic)
+    colocated = load_recipe(
+        REPO / "recipes" / "qwen3_30b_a3b.yaml",
+        ["algo.advantage=gae", "rollout.group_size=1", "cluster.rollout_nodes=0"],
+    )
+    assert released_bytes(colocated, policy) > 0
+    assert released_bytes(colocated, with_critic) - released_bytes(colocated, policy) == pytest.approx(
+        with_critic.critic
+    )
+    rows = dict(_memory_rows(make_plan(ppo, paths=False)))
+    assert "  critic (weights, grads, Adam)" in rows
+    assert "  critic (weights, grads, Adam)" not in dict(_memory_rows(make_plan(grpo, paths=False)))

@@ -180,3 +180,31 @@ def test_reinforce_pp_returns_carry_the_kl_in_the_reward(estimator):
     )
     assert metrics["returns/mean"] == pytest.approx(float(returns.mean()), rel=1e-5)
     assert "train/kl" not in worker.train_step(prepared)
+
+
+def test_a_ppo_checkpoint_gives_the_policy_alone(tmp_path):
+    """What `moe-rl export` and `model.init_from` read of a checkpoint with a critic: the policy's
+    weights (the critic's ``critic.`` keys and its optimizer stay unread), equal to the trainer's;
+    and a critic started from that checkpoint (critic.init=checkpoint) takes the policy's body."""
+    from moe_rl.megatron.model import build_gpt_model
+    from moe_rl.run_dir import write_manifest
+    from moe_rl.trainer.checkpoint import load_model_weights
+
+    config = tiny_recipe(*PPO, "algo.routing_replay=off")
+    worker = TrainerWorker(config)
+    _steps(worker, _batches(config, seed=4), 1)
+    folder = worker.save_checkpoint(tmp_path / "ckpt" / "trainer")
+    write_manifest(tmp_path / "ckpt")
+    policy = build_gpt_model(config.model, config.parallel, config.trainer, seed=99)
+    load_model_weights(policy, folder)
+    for name, value in worker.model.state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(policy.state_dict()[name], value), name
+    started = TrainerWorker(
+        tiny_recipe(*PPO, "critic.init=checkpoint", f"critic.init_from={tmp_path / 'ckpt'}")
+    )
+    trained = {k: v for k, v in worker.model.state_dict().items() if not k.startswith(HEAD)}
+    body = started.critic.model.state_dict()
+    assert all(
+        torch.equal(body[k], v) for k, v in trained.items() if torch.is_tensor(v) and v.is_floating_point()
+    )
