@@ -25,14 +25,24 @@ trainer rank alike):
   sequences finish). Every token reads its sequence's KV cache so far (MLA's latent whole on every
   TP rank, GQA's heads split over TP: ``derived.kv_bytes_per_token``): ``n_e·(p·r + r²/2)`` token
   reads. Time: the bytes over the HBM bandwidth times ``η_gen``, or the decode FLOPs over the peak
-  times ``η_gen``, whichever is longer.
+  times ``η_gen``, whichever is longer; plus, with ``TP`` > 1, every step's two all-reduces a layer
+  of the sequences in flight (`allreduce_seconds`: NCCL's latency model, the bytes at the link's
+  datasheet rate, NVLink within a domain, else the NIC), which no factor scales (the prefill has
+  them too, over its prompt tokens). With the engines on nodes of their own at ``run.async_depth``
+  >= 2 (`continuous_batching`) the engine holds the prompts of ``depth`` batches, as many as its
+  KV cache holds, and a finished sequence's place is taken at once: ``ceil(n_e·r / b)`` steps of
+  ``b``.
 * **offload** (network: the host link), colocated with memory released: the trainer's gradients and
   optimizer state (and weights with ``cluster.offload_params``) to host memory and back, and the
   engine's weights too at ``cluster.engine_sleep_level`` 1, over the GPU's host link times ``η_sync``.
 * **π_old**, **reference** (with ``algo.kl.coef > 0``) and **training** (compute): forward FLOPs of the
-  batch at the mean length, once, once and three times (a backward is two forwards), over the trainer's
-  GPUs at the dense peak in ``trainer.precision`` times the MFU (``cluster.train_mfu``), times the
-  pipeline's bubble ``(m + PP − 1)/m`` for ``m`` micro-batches per data-parallel rank and mini-batch.
+  batch at the mean length, once, once and three times (a backward is two forwards; four with
+  ``trainer.recompute_activations``), over the trainer's GPUs at the dense peak in
+  ``trainer.precision`` times the MFU (``cluster.train_mfu``); plus, with expert parallelism, the
+  all-to-all of every token's hidden state to its top-k experts and back in each MoE layer (once a
+  forward, once more a backward and a recompute; `alltoall_seconds`: the share for other NVLink
+  domains through the NIC); all times the pipeline's bubble ``(m + PP − 1)/m`` for ``m``
+  micro-batches per data-parallel rank and mini-batch.
 * **weight sync** (network, or memory in one process): the bytes that travel (the rollout recipe's
   on a quantized wire, else the tensors as the trainer holds them, bf16 into vLLM) through the route's
   narrowest link (`sync_link`), times ``η_sync``.
