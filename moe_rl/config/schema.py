@@ -361,6 +361,14 @@ class KLConfig:
 
 
 @dataclass
+class DistillConfig:
+    coef: float = 0.0
+    """On-policy distillation: each response token's advantage gains ``coef·(log π_teacher(y_t) −
+    log π_old(y_t))``, the negative of the per-token reverse KL from the student to the teacher
+    (`teacher:` section) on the student's own samples; 0: no teacher, the task reward alone."""
+
+
+@dataclass
 class GAEConfig:
     gamma: float = 1.0
     """Discount γ of the token rewards along a response (`gae` and the REINFORCE++ returns)."""
@@ -380,6 +388,8 @@ class AlgoConfig:
     token rewards), `reinforce_pp_baseline` (REINFORCE++ from each reward less its group's mean)."""
     gae: GAEConfig = field(default_factory=GAEConfig)
     """Discount and λ of the token-level estimators."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from the `teacher:` model."""
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
     """`token_mean`, `seq_mean_token_sum`, `seq_mean_token_mean`, `seq_mean_token_sum_norm`, or, for
     ESPO only, its own `seq_mean_group_mean` (token-mean within an entropy group, mean over the
@@ -445,6 +455,22 @@ class CriticConfig:
     before the loss stops rewarding it (.inf: the plain squared error)."""
     warmup_steps: int = 0
     """Optimizer steps at the start in which only the critic trains (the policy's weights stay)."""
+
+
+@dataclass
+class TeacherConfig:
+    path: str | None = None
+    """The teacher of on-policy distillation (`algo.distill.coef` > 0): a run directory (its newest
+    usable checkpoint), a checkpoint folder (`<run>/checkpoints/step_N`) or a Hugging Face folder
+    (`config.json` and `*.safetensors` of the recipe family's architecture). Its vocabulary must be
+    the student's (the same tokenizer); its size may differ."""
+    model_recipe: str | None = None
+    """A recipe file whose `model:` section is the teacher's architecture; by default the teacher
+    run's own `config.yaml` (a run directory or a checkpoint folder). Needed for a Hugging Face
+    folder."""
+    offload: bool = False
+    """Keep the teacher's weights in (pinned) host memory between passes, copied to the GPU for
+    each (as `algo.kl.offload_reference` does for the reference); no effect on a CPU trainer."""
 
 
 @dataclass
@@ -681,6 +707,8 @@ class RecipeConfig:
     """Objective, advantages and corrections."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model of PPO with a critic (`algo.advantage=gae`); unread otherwise."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher of on-policy distillation (`algo.distill.coef` > 0); unread otherwise."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Optimization."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -92,6 +92,7 @@ RANGES: dict[str, Bound] = {
     "algo.kl.coef": NON_NEGATIVE,
     **_each(Bound(lambda v: 0 <= v <= 1, "in [0, 1]"), "algo.gae.gamma", "algo.gae.lam"),
     **_each(POSITIVE, "critic.lr", "critic.clip"),
+    "algo.distill.coef": NON_NEGATIVE,
     **_each(NON_NEGATIVE, "critic.weight_decay", "critic.grad_clip", "critic.warmup_steps"),
     **_each(POSITIVE, "trainer.lr", "trainer.num_mini_batches", "trainer.max_tokens_per_microbatch",
             "trainer.logprob_chunk_size", "trainer.adam_eps"),
@@ -372,6 +373,15 @@ def _check_algo(config: RecipeConfig) -> None:
         "(run.mode=offline) and offline runs train DGO",
     )
     _check_token_advantages(config)
+    _require(
+        (a.distill.coef > 0) == (config.teacher.path is not None),
+        f"algo.distill.coef={a.distill.coef} with teacher.path={brief(config.teacher.path)}: distillation needs "
+        "a teacher and a teacher is read only for distillation; set both or neither",
+    )
+    _require(
+        a.distill.coef == 0 or config.run.mode != RunMode.OFFLINE,
+        "algo.distill.coef > 0 with run.mode=offline: on-policy distillation scores the student's own samples",
+    )
     if config.run.mode == RunMode.OFFLINE:
         _require(
             a.routing_replay != ReplayMode.R3 and not c.keep_sampling_mask,

@@ -178,7 +178,31 @@ def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs]
         rules.append(_read_rule(config, built))
     if config.model.init_from is not None:
         rules.append(_init_rule(config.model.init_from, here))
+    if config.teacher.path is not None:
+        rules += _teacher_rules(config, here)
     return rules or [Rule("input paths", True, "the recipe reads no files")]
+
+
+def _teacher_rules(config: RecipeConfig, here: str) -> list[Rule]:
+    """The distillation teacher: its weights and architecture found (`teacher_source`: the student's
+    vocabulary), and its model in the trainer's layout (`model_rules` on the teacher's model)."""
+    import dataclasses
+
+    from moe_rl.megatron.rules import model_rules
+    from moe_rl.trainer.teacher import teacher_source
+
+    try:
+        source = teacher_source(config)
+    except (UserError, ConfigError) as exc:
+        return [Rule("teacher found", False, f"{exc} ({here})")]
+    m = source.model
+    found = Rule(
+        "teacher found", True,
+        f"teacher.path={clip(config.teacher.path, 2 * BRIEF_CHARS)}: {source.weights} ({m.family}, "
+        f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_experts} experts)",
+    )  # fmt: skip
+    layout = model_rules(dataclasses.replace(config, model=m))
+    return [found, *(Rule(f"teacher: {r.name}", r.ok, r.values, r.fatal, r.advice) for r in layout)]
 
 
 def _init_rule(init_from: str, here: str) -> Rule:

@@ -56,6 +56,8 @@ class TrainMicroBatch:
     (``algo.advantage=gae``)."""
     returns: Tensor | None = None
     """float32 ``[R]``: the critic's regression target (GAE's λ-returns), from the π_old pass."""
+    teacher_logp: Tensor | None = None
+    """float32 ``[R]``: the distillation teacher's log-probs of the response tokens (π_old pass)."""
     zvp_sign: Tensor | None = None
     """int8 ``[S]``: RL-ZVP sign of each sample of this micro-batch (+1 all-correct zero-variance
     group, −1 all-wrong, 0 other); the π_old pass shapes ``advantages`` with it once π_old's
@@ -124,11 +126,12 @@ class TrainMicroBatch:
 
 
 _TENSOR_FIELDS = (
-    "advantages", "old_logp", "old_entropy", "ref_logp", "recorded_routing", "old_values", "returns", "zvp_sign",
+    "advantages", "old_logp", "old_entropy", "ref_logp", "recorded_routing", "old_values", "returns", "teacher_logp",
+    "zvp_sign",
 )  # fmt: skip
 _OLD_FIELDS = {
     "advantages", "old_logp", "old_entropy", "ref_logp", "recorded_routing", "old_weights_version",
-    "old_routing_metrics", "old_values", "returns",
+    "old_routing_metrics", "old_values", "returns", "teacher_logp",
 }  # fmt: skip
 
 

@@ -251,11 +251,12 @@ def old_pass(
 
 
 def reference_pass(
-    ctx: PassContext, reference, micro_batches: Sequence[TrainMicroBatch]
+    ctx: PassContext, reference, micro_batches: Sequence[TrainMicroBatch], field: str = "ref_logp"
 ) -> list[TrainMicroBatch]:
-    """π_ref's log-probs of every micro-batch (no grad), with the routing and kept sets of the π_old
-    pass just run: R3 replays the engine's routing, R2 what the policy recorded. Returns new
-    micro-batches with ``ref_logp``."""
+    """A frozen model's log-probs of every micro-batch (no grad), with the kept sets of the π_old
+    pass just run and, when it replays (π_ref), its routing: R3 replays the engine's routing, R2
+    what the policy recorded. Returns new micro-batches with them as ``field`` (π_ref's
+    ``ref_logp``, the distillation teacher's ``teacher_logp``, which routes by its own routers)."""
     options = ctx.options
     replay = reference.replay
     ref_logp: dict[int, Tensor] = {}
@@ -285,7 +286,7 @@ def reference_pass(
     finally:
         if replay is not None:
             replay.clear()
-    return [mb.with_old(ref_logp=ref_logp.get(id(mb))) for mb in micro_batches]  # last stage only
+    return [mb.with_old(**{field: ref_logp.get(id(mb))}) for mb in micro_batches]  # last stage only
 
 
 def update_pass(

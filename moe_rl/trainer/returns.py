@@ -22,6 +22,24 @@ from moe_rl.trainer.batch import TrainMicroBatch
 from moe_rl.trainer.update import all_reduce_dp
 
 
+def distill_advantages(
+    micro_batches: Sequence[TrainMicroBatch], coef: float, device: torch.device
+) -> tuple[list[TrainMicroBatch], dict[str, float]]:
+    """On-policy distillation (`moe_rl.trainer.teacher`): each token's advantage plus
+    ``coef·(teacher_logp − old_logp)``, and ``distill/reverse_kl``, the mean of ``old_logp −
+    teacher_logp`` over the batch's response tokens (all data-parallel ranks)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    prepared = []
+    for mb in micro_batches:
+        gap = mb.teacher_logp.float() - mb.old_logp.float()
+        sums += torch.stack(
+            [torch.tensor(float(gap.numel()), dtype=torch.float64, device=device), -gap.double().sum()]
+        )
+        prepared.append(mb.with_old(advantages=mb.advantages + coef * gap))
+    count, reverse_kl = all_reduce_dp(sums).tolist()
+    return prepared, {"distill/reverse_kl": reverse_kl / max(count, 1.0)}
+
+
 def sample_scores(mb: TrainMicroBatch) -> Tensor:
     """float32 [S]: each response's score, as the driver broadcast it over its tokens."""
     scores = torch.zeros(mb.num_samples, dtype=torch.float32, device=mb.advantages.device)

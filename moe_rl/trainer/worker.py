@@ -34,6 +34,7 @@ refused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -59,8 +60,9 @@ from moe_rl.trainer.loss import TrainerLoss
 from moe_rl.trainer.optim import build_optimizer, build_scheduler, optimizer_state_tensors
 from moe_rl.trainer.perf import RankPerf, sequence_lengths, synchronize
 from moe_rl.trainer.reference import ReferencePolicy
-from moe_rl.trainer.returns import token_returns
+from moe_rl.trainer.returns import distill_advantages, token_returns
 from moe_rl.trainer.rules import check_trainer
+from moe_rl.trainer.teacher import build_teacher, teacher_source
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class TrainerWorker:
         self.reference = ReferencePolicy.of_policy(self.model, config, self.device) if kl.coef > 0 else None
         trainer = config.trainer
         steps = total_steps or config.run.steps * trainer.num_mini_batches
+        teacher = teacher_source(config) if config.algo.distill.coef > 0 else None
+        self.teacher = build_teacher(config, teacher, self.device) if teacher is not None else None
         self.critic = (
             Critic(
                 config,
@@ -114,7 +118,13 @@ class TrainerWorker:
         self.step = 0
         self._offload: Offload | None = None  # what `release_memory` moved out
         self._offload_params: Offload | None = None  # the parameters, when it moved them out too
-        self.perf = RankPerf.of(config, self.device, next(self.model.parameters()).dtype)
+        dtype = next(self.model.parameters()).dtype
+        self.perf = RankPerf.of(config, self.device, dtype)
+        self.teacher_perf = (
+            RankPerf.of(dataclasses.replace(config, model=teacher.model), self.device, dtype)
+            if teacher
+            else None
+        )
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -155,6 +165,8 @@ class TrainerWorker:
         lengths = sequence_lengths(mb.micro.cu_seqlens for mb in flat)
         forwards = 1 + (self.reference is not None) + (self.critic is not None)  # π_old, π_ref, V
         metrics["perf/old_logp_tflop"] = self.perf.tflop(lengths, forwards)
+        if self.teacher_perf is not None:  # the teacher's forward, of its own size
+            metrics["perf/old_logp_tflop"] += self.teacher_perf.tflop(lengths)
         metrics["perf/old_logp_s"] = time.perf_counter() - t0
         return PreparedBatch(regroup(prepared, [len(mini) for mini in packed]), metrics)
 
@@ -276,6 +288,14 @@ class TrainerWorker:
                 values = self.critic.values(self.passes, prepared) if self.critic is not None else {}
                 if not self.pipelined or pipeline.is_last_stage():  # π_old lives with the logits
                     prepared, returns = token_returns(self.loss.returns, prepared, values, self.device)
+        if self.teacher is not None:
+            start = time.perf_counter()
+            with self.timer.section("teacher"), self.teacher.resident():
+                prepared = passes.reference_pass(self.passes, self.teacher, prepared, field="teacher_logp")
+            if not self.pipelined or pipeline.is_last_stage():
+                prepared, distill = distill_advantages(prepared, self.config.algo.distill.coef, self.device)
+                returns |= distill
+            returns["distill/teacher_s"] = time.perf_counter() - start
         metrics = update.reduce_metrics(found, "old/", self.device) | returns
         if self.pipelined:
             metrics = pipeline.merge_stage_metrics(metrics, self._num_moe_layers)
