@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -196,3 +197,37 @@ def test_yaml_words_that_are_not_booleans_stay_strings(word, tmp_path):
     recipe.write_text(f"run:\n  name: {word}\nalgo:\n  routing_replay: off\n")
     assert load_checked(recipe).algo.routing_replay == "off"
     assert load_checked(TINY, ["trainer.compute_entropy=true"]).trainer.compute_entropy is True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refusal"),
+    [
+        (["rollout.group_size=1", "algo.advantage=gae"], None),
+        (["rollout.group_size=1", "algo.advantage=reinforce_pp"], None),
+        (["rollout.group_size=1", "algo.advantage=reinforce_pp_baseline"], "compares each response"),
+        (["rollout.group_size=1"], "compares each response"),
+        (["algo.kl.coef=0.1", "algo.kl.in_reward=true"], "algo.kl.in_reward=true with algo.advantage=grpo"),
+        (["algo.advantage=reinforce_pp", "algo.kl.in_reward=true"], "coefficient > 0"),
+        (
+            [
+                "algo.advantage=reinforce_pp",
+                "algo.kl.coef=0.1",
+                "algo.kl.in_reward=true",
+                "algo.kl.estimator=k3_is",
+            ],
+            "k3_is weighs by π_θ/π_old",
+        ),
+        (["algo.advantage=gae", "algo.dynamic_sampling=true"], "act on groups of equal rewards"),
+        (["algo.advantage=gae", "critic.init=checkpoint"], "a checkpoint is named exactly when"),
+        (["algo.advantage=gae", "algo.gae.lam=1.5"], "algo.gae.lam=1.5 must be in [0, 1]"),
+        (["algo.distill.coef=0.5"], "distillation needs a teacher"),
+        (["teacher.path=runs/x"], "distillation needs a teacher"),
+    ],
+)
+def test_token_level_estimators_critic_and_teacher_rules(overrides, refusal):
+    """The recipe's rules on the token-level estimators, the critic and the teacher: one line each."""
+    if refusal is None:
+        assert load_checked(TINY, overrides).rollout.group_size == 1
+        return
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        load_checked(TINY, overrides)

@@ -12,6 +12,7 @@ from trainer_testing import micro_batches, tiny_recipe
 
 from moe_rl.algo.kl import kl_penalty
 from moe_rl.algo.modes import KLEstimator
+from moe_rl.megatron.forward import packed_seq_params, pad_micro_batch
 from moe_rl.trainer.critic import HEAD, ValueHead
 from moe_rl.trainer.worker import TrainerWorker
 
@@ -60,6 +61,13 @@ def test_gae_by_hand_with_values_and_discount():
         worker.critic.model.output_layer.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     mbs = _batches(worker.config, seed=5)
     prepared, _ = worker.compute_old_logp(mbs)
+    for mb in prepared:  # the value of a token's state: the critic's output one position before it
+        tokens, positions, cu = pad_micro_batch(mb.micro, None)
+        with torch.no_grad():
+            out = worker.critic.model(
+                tokens[None], positions[None], attention_mask=None, packed_seq_params=packed_seq_params(cu)
+            )
+        assert torch.equal(mb.old_values, out.reshape(-1)[mb.micro.response_positions - 1].float())
     raw, values_all = [], []
     for mb, scores in zip(prepared, _scores(mbs)):
         values = mb.old_values.double()
