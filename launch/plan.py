@@ -94,10 +94,13 @@ class TrainerMemory:
     activations: float
     critic: float = 0.0
     """The critic's weights, gradients and Adam state (``algo.advantage=gae``), 0 without one."""
+    teacher: float = 0.0
+    """The distillation teacher's frozen weights on the device (0 without one, or with
+    ``teacher.offload``, which keeps them in host memory between its passes)."""
 
     @property
     def static(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.critic
+        return self.weights + self.grads + self.optimizer + self.critic + self.teacher
 
     @property
     def total(self) -> float:
@@ -162,15 +165,22 @@ def activation_bytes(config: RecipeConfig) -> float:
     return max(stage0, stage0 / in_flight + logits)
 
 
-def trainer_memory(config: RecipeConfig, counts: ParamCounts) -> TrainerMemory:
-    """Weights, gradients, optimizer states and activations on the busiest trainer GPU, and with
-    a critic its weights, gradients and optimizer states (the policy's model with a value head of
-    ``hidden_size`` weights for the LM head, on the same ranks)."""
+def trainer_memory(
+    config: RecipeConfig, counts: ParamCounts, teacher: ModelConfig | None = None
+) -> TrainerMemory:
+    """Weights, gradients, optimizer states and activations on the busiest trainer GPU; with a
+    critic its weights, gradients and optimizer states (the policy's model with a value head of
+    ``hidden_size`` weights for the LM head, on the same ranks); with a distillation `teacher`
+    (its model) its weights in the trainer's layout, unless ``teacher.offload`` keeps them in host
+    memory."""
     static = _static_memory(config, counts)
     critic = 0.0
     if config.algo.advantage == Advantage.GAE:
         critic = _static_memory(config, dataclasses.replace(counts, lm_head=config.model.hidden_size)).static
-    return dataclasses.replace(static, activations=activation_bytes(config), critic=critic)
+    held = 0.0
+    if teacher is not None and not config.teacher.offload:
+        held = _static_memory(config, count_params(teacher)).weights
+    return dataclasses.replace(static, activations=activation_bytes(config), critic=critic, teacher=held)
 
 
 def _static_memory(config: RecipeConfig, counts: ParamCounts) -> TrainerMemory:
@@ -330,6 +340,8 @@ class Plan:
     """The step's time by phase (`moe_rl.config.step_time`); None where it cannot be told."""
     step_unknown: str = ""
     """Why there is no step time: a phase that cannot run, a chip `auto` cannot tell (one line)."""
+    teacher: ModelConfig | None = None
+    """The distillation teacher's architecture, where it could be read (`teacher_model`)."""
 
     @property
     def failures(self) -> list[Rule]:
@@ -340,9 +352,38 @@ class Plan:
         return not self.failures
 
 
+def teacher_model(config: RecipeConfig, paths: bool) -> ModelConfig | None:
+    """The distillation teacher's architecture where it can be read: from ``teacher.path`` (with
+    ``paths``) or ``teacher.model_recipe``; None without a teacher or where neither can be read
+    (the preflight's rows say why)."""
+    from moe_rl.errors import UserError
+    from moe_rl.trainer.teacher import teacher_source
+
+    t = config.teacher
+    if t.path is None:
+        return None
+    try:
+        if paths:
+            return teacher_source(config).model
+        return load_recipe(t.model_recipe).model if t.model_recipe else None
+    except (UserError, ConfigError, OSError):
+        return None
+
+
+def _teacher_rows(plan: Plan) -> list[tuple[str, str]]:
+    t = plan.config.teacher
+    if t.path is None:
+        return []
+    if plan.teacher is None:
+        return [("  teacher weights", "not known (its architecture is not read here)")]
+    where = "host memory between passes (teacher.offload)" if t.offload else _gib(plan.trainer.teacher)
+    return [("  teacher weights", f"{where}; {_billions(count_params(plan.teacher).total)} parameters")]
+
+
 def make_plan(config: RecipeConfig, paths: bool = True) -> Plan:
     counts = count_params(config.model)
-    trainer = trainer_memory(config, counts)
+    teacher = teacher_model(config, paths)
+    trainer = trainer_memory(config, counts, teacher)
     rollout = rollout_memory(config, counts)
     checks = constraint_checks(config, paths)
     if config.cluster.gpus_per_node > 0:
@@ -352,7 +393,7 @@ def make_plan(config: RecipeConfig, paths: bool = True) -> Plan:
         step, unknown = step_time(config, sync, released_bytes(config, trainer)), ""
     except ConfigError as e:
         step, unknown = None, str(e)
-    return Plan(config, counts, trainer, rollout, checks, sync, step, unknown)
+    return Plan(config, counts, trainer, rollout, checks, sync, step, unknown, teacher)
 
 
 def released_bytes(config: RecipeConfig, trainer: TrainerMemory) -> float:
@@ -443,6 +484,7 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
         ("  gradients (fp32)", _gib(t.grads)),
         ("  optimizer (Adam)", _gib(t.optimizer)),
         *([("  critic (weights, grads, Adam)", _gib(t.critic))] if t.critic else []),
+        *_teacher_rows(plan),
         ("  activations (estimate)", _gib(t.activations)),
         ("  total", f"{_gib(t.total)} of {plan.config.cluster.gpu_memory_gib:g} GiB"),
         ("rollout weights / GPU", _gib(r.weights_per_gpu)),

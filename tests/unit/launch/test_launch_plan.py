@@ -306,3 +306,24 @@ def test_a_critic_adds_its_weights_gradients_and_adam_state():
     rows = dict(_memory_rows(make_plan(ppo, paths=False)))
     assert "  critic (weights, grads, Adam)" in rows
     assert "  critic (weights, grads, Adam)" not in dict(_memory_rows(make_plan(grpo, paths=False)))
+
+
+def test_a_teacher_adds_its_frozen_weights_unless_offloaded():
+    """A distillation teacher read from teacher.model_recipe (a larger model: Qwen3-30B-A3B's
+    architecture under the tiny student's recipe, its vocabulary aside) adds its weights in the
+    trainer's layout, in the trainer's precision; with teacher.offload they stay in host memory."""
+    from launch.plan import _memory_rows
+
+    student = REPO / "recipes" / "qwen3_30b_a3b.yaml"
+    teacher = ["algo.distill.coef=1.0", "teacher.path=runs/teacher", f"teacher.model_recipe={student}"]
+    plain = make_plan(load_recipe(student), paths=False)
+    taught = make_plan(load_recipe(student, teacher), paths=False)
+    assert taught.teacher == plain.config.model
+    assert taught.trainer.teacher == pytest.approx(plain.trainer.weights)  # the same model, frozen
+    assert taught.trainer.total == pytest.approx(plain.trainer.total + plain.trainer.weights)
+    assert dict(_memory_rows(taught))["  teacher weights"].startswith(
+        f"{plain.trainer.weights / 2**30:.2f} GiB"
+    )
+    offloaded = make_plan(load_recipe(student, [*teacher, "teacher.offload=true"]), paths=False)
+    assert offloaded.trainer.teacher == 0
+    assert dict(_memory_rows(offloaded))["  teacher weights"].startswith("host memory between passes")
