@@ -12,6 +12,9 @@ vLLM's bf16, as its metadata declares them; the other rank sends nothing. By vLL
 (colocated) every rank holds the whole model, in the same order; by `DeviceIpc` (colocated
 Megatron engines) every rank streams the whole model into its device buffers, and a rank whose
 device hosts no engine only joins the gathers.
+The same ranks then run PPO with a critic (`trainer_dp_worker.critic_outputs`): the critic's values,
+the GAE returns and the advantages whitened over the whole batch (the ranks' sums all-reduced), the
+critic's loss, gradient norm, gradients and weights after its step equal the one-process run's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the worker by name
 import trainer_dp_worker
-from spawn_testing import free_port, write_trainer_weights
+from spawn_testing import assert_critic_matches, free_port, write_trainer_weights
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
@@ -44,12 +47,22 @@ def reference(weights):
     return trainer_dp_worker.gradients(world=1, rank=0, ep=1, hf_path=weights, gemm="sequential")
 
 
+@pytest.fixture(scope="module")
+def critic_reference(weights):
+    """PPO with a critic at DP=1 on the whole global batch, in this process."""
+    config = trainer_dp_worker.recipe(1, 1, weights, 1, *trainer_dp_worker.PPO)
+    return trainer_dp_worker.critic_outputs(config, list(range(trainer_dp_worker.GLOBAL_MICRO_BATCHES)))
+
+
 @pytest.fixture
-def spawn(tmp_path, weights):
+def spawn(tmp_path, weights, critic_reference):
     def run(ep: int) -> list[dict[str, torch.Tensor]]:
         args = (2, free_port(), ep, weights, str(tmp_path))
         mp.spawn(trainer_dp_worker.rank_main, args=args, nprocs=2, join=True)
         _check_sent_to_vllm([torch.load(tmp_path / f"sent.{rank}.pt") for rank in range(2)], weights)
+        assert_critic_matches(
+            [torch.load(tmp_path / f"critic.{rank}.pt") for rank in range(2)], critic_reference
+        )
         return [torch.load(tmp_path / f"grads.{rank}.pt") for rank in range(2)]
 
     return run

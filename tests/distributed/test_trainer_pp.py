@@ -2,7 +2,10 @@
 metrics (on every rank), gradient norm and updated weights of the one-process trainer, with R3 replay (each stage replays its own layers'
 columns of the full-model trace), with R2 (each stage records and replays its own layers), and
 with activation recompute (REPLAY_BACKWARD pops each stage's ids in forward order), and with a KL
-penalty (the reference's forward-only pass through the schedule, R3 or R2 routing)."""
+penalty (the reference's forward-only pass through the schedule, R3 or R2 routing). With R3, the
+same ranks then run PPO with a critic over the two stages: its values, the GAE returns and whitened
+advantages (last stage), its loss and gradient norm (every rank), its gradients and its weights after
+its step (each stage its own) equal the one-process run's."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the worker by name
 import trainer_dp_worker
-from spawn_testing import free_port, write_trainer_weights
+from spawn_testing import assert_critic_matches, free_port, write_trainer_weights
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
@@ -55,9 +58,10 @@ def test_pp2_matches_pp1(case, weights, tmp_path):
     reference = trainer_dp_worker.pipeline_outputs(1, weights, *extra)
     r3 = not case.startswith("r2")
     assert not r3 or reference["__old__/old/routing_agreement"] < 1  # R3 traces are not natural
+    critic = case == "r3"  # one case: each costs a critic's build and step
     mp.spawn(
         trainer_dp_worker.pipeline_rank_main,
-        args=(2, free_port(), weights, str(tmp_path), extra),
+        args=(2, free_port(), weights, str(tmp_path), extra, critic),
         nprocs=2,
         join=True,
     )
@@ -72,3 +76,10 @@ def test_pp2_matches_pp1(case, weights, tmp_path):
         assert own == {k for k in reference if k.startswith("__old__/") or k.startswith("__train__/")}
         for name, value in got.items():
             torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-7, msg=name)
+    if critic:
+        config = trainer_dp_worker.recipe(1, 1, weights, 1, *extra, *trainer_dp_worker.PPO)
+        everything = list(range(trainer_dp_worker.GLOBAL_MICRO_BATCHES))
+        expected = trainer_dp_worker.critic_outputs(config, everything)
+        critics = [torch.load(tmp_path / f"critic.{rank}.pt") for rank in range(2)]
+        assert not any(k.startswith("__mb") for k in critics[0])  # the values live on the last stage
+        assert_critic_matches(critics, expected)

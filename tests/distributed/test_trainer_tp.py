@@ -1,6 +1,11 @@
 """Tensor parallelism (gloo, CPU): HF weights load into TP-sharded Megatron models, whose logits
 equal the one-process model's, and export back to HF names exactly (shards gathered).
 
+The same ranks run the π_old pass of PPO with a critic (Qwen3-MoE, the trainer's tiny recipe): the
+critic's values, the GAE returns and the advantages whitened over the batch equal the one-process
+run's. Under sequence parallelism the critic's `ValueHead` gathers the sequence: on each rank's
+share its values are every position's, its gradients the rank's share of the one-process ones.
+
 Only the forward runs here: Megatron's MoE layer refuses TP > 1 in training mode without sequence
 parallelism, and sequence parallelism needs the transformer-engine or apex norms (GPU).
 """
@@ -17,7 +22,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the worker by name
 import tp_worker
-from spawn_testing import free_port
+from spawn_testing import assert_critic_matches, free_port
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
@@ -30,12 +35,14 @@ def reference(request, tmp_path_factory):
 
     init_parallel(ParallelConfig())
     folder = str(tmp_path_factory.mktemp(f"hf_{request.param}"))
-    return request.param, folder, tp_worker.write_reference(request.param, folder)
+    logits = tp_worker.write_reference(request.param, folder)
+    critic = tp_worker.critic_old_pass(1, 1, folder) if request.param == "qwen3_moe" else None
+    return request.param, folder, logits, critic
 
 
 @pytest.mark.parametrize("etp", [1, 2])
 def test_tp2_loads_computes_and_exports_like_one_process(reference, etp, tmp_path):
-    family, folder, logits = reference
+    family, folder, logits, critic = reference
     mp.spawn(
         tp_worker.rank_main,
         args=(2, free_port(), family, etp, folder, str(tmp_path)),
@@ -56,3 +63,13 @@ def test_tp2_loads_computes_and_exports_like_one_process(reference, etp, tmp_pat
             assert torch.equal(tensor, hf[name]), name
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert set(exported) == set(hf) and all(torch.equal(exported[n], hf[n]) for n in hf)
+    if critic is not None:
+        assert_critic_matches([got["critic"] for got in ranks], critic)
+    whole = tp_worker.value_head(0, 1, sequence_parallel=False)
+    for rank, got in enumerate(ranks):
+        head = got["value_head"]
+        torch.testing.assert_close(head["values"], whole["values"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            head["hidden_grad"], whole["hidden_grad"].chunk(2)[rank], rtol=1e-5, atol=1e-7
+        )
+        torch.testing.assert_close(head["head_grad"], whole["head_grad"], rtol=1e-5, atol=1e-7)

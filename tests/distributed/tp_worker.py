@@ -1,5 +1,6 @@
 """Rank body for tests/distributed/test_trainer_tp.py: load HF weights into a TP-sharded tiny MoE,
-compute logits, and export the weights back to HF names."""
+compute logits, and export the weights back to HF names; the π_old pass of PPO with a critic on the
+trainer's tiny recipe (TP-sharded, the same weights); a `ValueHead` under sequence parallelism."""
 
 from __future__ import annotations
 
@@ -40,6 +41,47 @@ def write_reference(family: str, folder: str) -> torch.Tensor:
     return logits_of(model)
 
 
+def critic_recipe(world: int, etp: int, hf_path: str):
+    """The tiny recipe's PPO with a critic (`trainer_dp_worker.PPO`) at TP=``world``, ETP=``etp``,
+    from the Qwen3-MoE weights in ``hf_path``."""
+    import trainer_dp_worker
+
+    tp = (f"parallel.tensor_model_parallel_size={world}", f"parallel.expert_tensor_parallel_size={etp}")
+    return trainer_dp_worker.recipe(world, 1, hf_path, 1, *tp, *trainer_dp_worker.PPO)
+
+
+def critic_old_pass(world: int, etp: int, hf_path: str) -> dict[str, torch.Tensor]:
+    """`trainer_dp_worker.critic_outputs` of the π_old pass on the whole global batch (no step:
+    Megatron's MoE layer trains at TP > 1 only with sequence parallelism, GPU norms)."""
+    import trainer_dp_worker
+
+    everything = list(range(trainer_dp_worker.GLOBAL_MICRO_BATCHES))
+    return trainer_dp_worker.critic_outputs(critic_recipe(world, etp, hf_path), everything, train=False)
+
+
+HEAD_SHAPE = (8, 2, 32)
+"""Hidden states [s, b, h] of the `ValueHead` check."""
+
+
+def value_head(rank: int, world: int, sequence_parallel: bool) -> dict[str, torch.Tensor]:
+    """A `ValueHead` on fixed hidden states (with ``sequence_parallel``, this rank's share of their
+    sequence) and a fixed linear loss of its values: the values, the gradients of the hidden states
+    (this rank's share) and of the head."""
+    from moe_rl.trainer.critic import ValueHead
+
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(HEAD_SHAPE, generator=generator)
+    scale = torch.randn(*HEAD_SHAPE[:2], 1, generator=generator)
+    head = ValueHead(HEAD_SHAPE[-1], torch.float32, torch.device("cpu"), sequence_parallel)
+    with torch.no_grad():
+        head.weight.normal_(generator=generator)
+    mine = (hidden.chunk(world)[rank] if sequence_parallel else hidden).clone().requires_grad_()
+    values, bias = head(mine)
+    assert bias is None
+    (values * scale).sum().backward()
+    return {"values": values.detach(), "hidden_grad": mine.grad, "head_grad": head.weight.grad}
+
+
 def rank_main(rank: int, world: int, port: int, family: str, etp: int, hf_path: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from moe_rl.config.schema import ParallelConfig
@@ -57,6 +99,8 @@ def rank_main(rank: int, world: int, port: int, family: str, etp: int, hf_path: 
     load_hf_checkpoint(model, hf_path)
     exported = dict(iter_hf_weights(model))
     save_hf_checkpoint(model, Path(out_dir) / "export", model_config_to_hf_config(config))
-    torch.save(
-        {"logits": logits_of(model), "weights": exported, "shapes": shapes}, Path(out_dir) / f"tp.{rank}.pt"
-    )
+    out = {"logits": logits_of(model), "weights": exported, "shapes": shapes}
+    out["value_head"] = value_head(rank, world, sequence_parallel=True)
+    if family == "qwen3_moe":  # the trainer's tiny recipe
+        out["critic"] = critic_old_pass(world, etp, hf_path)
+    torch.save(out, Path(out_dir) / f"tp.{rank}.pt")

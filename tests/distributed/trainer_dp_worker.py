@@ -1,5 +1,6 @@
 """Rank body for tests/distributed/test_trainer_dp.py: one gradient accumulation of the tiny MoE
-on a share of a fixed global batch, gradients saved under global (HF) tensor names."""
+on a share of a fixed global batch, gradients saved under global (HF) tensor names; then PPO with a
+critic on the same share (its values, returns, advantages and its step: `critic_outputs`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "trainer"))
 
 GLOBAL_MICRO_BATCHES = 4
+
+PPO = (
+    "algo.advantage=gae", "rollout.group_size=1", "critic.lr=1e-3", "algo.gae.gamma=0.9",
+    "algo.gae.lam=0.5", "critic.warmup_steps=1", "critic.grad_clip=100",
+)  # fmt: skip
+"""PPO with a critic; its first step is the warm-up's (the critic's alone), its clip a real norm
+that does not bind."""
 
 
 def recipe(world: int, ep: int, hf_path: str | None = None, pp: int = 1, *extra: str):
@@ -132,12 +140,60 @@ def sent_by_device_ipc(model, rank: int) -> dict:
     return out
 
 
+def critic_outputs(config, mine: list[int], train: bool = True) -> dict[str, torch.Tensor]:
+    """PPO with a critic (``config``) on the micro-batches ``mine`` (indices into the global batch)
+    of this rank: the π_old pass's ``old_values``, ``returns`` and whitened ``advantages`` of each
+    (``__mb{i}__/``, on the last pipeline stage) and its ``returns/*``, ``advantage/*`` metrics
+    (``__old__/``); with ``train``, one step (the critic's warm-up step): its ``critic/loss``,
+    ``critic/grad_norm``, ``critic/update_ok`` (``__train__/``), its gradients (global names) and
+    its updated weights (``__param__/``). The value head is set to a fixed, non-zero vector first
+    (it starts at zero: values of 0 would hide a layout's error)."""
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.megatron.hf_weights import hf_names_for
+    from moe_rl.trainer.critic import ValueHead
+    from moe_rl.trainer.worker import TrainerWorker
+
+    worker = TrainerWorker(config)
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    if last:
+        head = worker.critic.model.output_layer
+        assert isinstance(head, ValueHead)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(5)))
+    batches = global_batch(config)
+    prepared, old = worker.compute_old_logp([batches[i] for i in mine])
+    statistics = {k: v for k, v in old.items() if k.startswith(("returns/", "advantage/"))}
+    out = {"__old__/" + k: torch.tensor(v, dtype=torch.float64) for k, v in statistics.items()}
+    assert len(out) == 5, sorted(old)
+    for i, mb in zip(mine, prepared):
+        if last:
+            assert mb.old_values is not None and mb.old_values.abs().sum() > 0
+            out |= {f"__mb{i}__/{k}": getattr(mb, k).clone() for k in ("old_values", "returns", "advantages")}
+    if not train:
+        return out
+    step = worker.train_step(prepared)
+    assert step["train/policy_frozen"] == 1.0
+    out |= {"__train__/" + k: torch.tensor(step[k], dtype=torch.float64) for k in CRITIC_STEP}
+    for name, param in worker.critic.model.named_parameters():
+        key = "+".join(hf_names_for(worker.critic.model, name).hf)
+        out[key] = param.main_grad.detach().clone()
+        out["__param__/" + key] = param.detach().clone()
+    return out
+
+
+CRITIC_STEP = ("critic/loss", "critic/grad_norm", "critic/update_ok")
+
+
 def rank_main(rank: int, world: int, port: int, ep: int, hf_path: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     kept: dict = {}
     torch.save(gradients(world, rank, ep, hf_path, kept), Path(out_dir) / f"grads.{rank}.pt")
     sent = {**sent_to_vllm(kept["model"]), "ipc": sent_by_device_ipc(kept["model"], rank)}
     torch.save(sent, Path(out_dir) / f"sent.{rank}.pt")
+    mine = ([0, 3] if rank == 0 else [1, 2]) if ep > 1 else ([0] if rank == 0 else [1, 2, 3])
+    critic = critic_outputs(recipe(world, ep, hf_path, 1, *PPO), mine)
+    torch.save(critic, Path(out_dir) / f"critic.{rank}.pt")
 
 
 def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tensor]:
@@ -161,9 +217,18 @@ def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tens
     return out
 
 
-def pipeline_rank_main(rank: int, world: int, port: int, hf_path: str, out_dir: str, extra: tuple) -> None:
+def pipeline_rank_main(
+    rank: int, world: int, port: int, hf_path: str, out_dir: str, extra: tuple, critic: bool = False
+) -> None:
+    """`pipeline_outputs` of PP=``world``; with ``critic`` also `critic_outputs` (PPO) of the same
+    layout on the whole global batch."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from moe_rl.megatron.parallel import teardown_parallel
 
     torch.save(pipeline_outputs(world, hf_path, *extra), Path(out_dir) / f"pp.{rank}.pt")
+    if critic:
+        config = recipe(world, 1, hf_path, world, *extra, *PPO)
+        torch.save(
+            critic_outputs(config, list(range(GLOBAL_MICRO_BATCHES))), Path(out_dir) / f"critic.{rank}.pt"
+        )
     teardown_parallel()  # a clean exit: no gloo threads left to the interpreter's shutdown
