@@ -32,7 +32,7 @@ from moe_rl.algo.modes import (
 from moe_rl.config.derived import longest_sequence, response_limit_key
 from moe_rl.config.modes import Attention, CriticInit, Engine, ReplayMode, RopeScaling, RunMode
 from moe_rl.config.schema import CHOICES as MODES
-from moe_rl.config.schema import ModelConfig, RecipeConfig
+from moe_rl.config.schema import CriticConfig, ModelConfig, RecipeConfig
 from moe_rl.errors import ConfigError, brief
 from moe_rl.rules import Rule
 
@@ -403,6 +403,17 @@ def _check_token_advantages(config: RecipeConfig) -> None:
         not a.kl.in_reward or a.kl.estimator != KLEstimator.K3_IS,
         "algo.kl.in_reward=true with algo.kl.estimator=k3_is: k3_is weighs by π_θ/π_old, which is 1 at the "
         "π_old pass where the rewards are made; use k1, k2, k3 or abs",
+    )
+    changed = sorted(
+        f"critic.{f.name}={brief(getattr(critic, f.name))}"
+        for f in dataclasses.fields(critic)
+        if getattr(critic, f.name) != getattr(CriticConfig(), f.name)
+    )
+    _require(
+        not changed or a.advantage == Advantage.GAE,
+        f"{', '.join(changed)} with algo.advantage={a.advantage}: a critic trains only with algo.advantage=gae "
+        "(the group estimators compare a response with its group, REINFORCE++ with the batch); set "
+        "algo.advantage=gae or drop the critic: section",
     )
     if not token:
         return

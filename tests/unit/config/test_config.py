@@ -220,6 +220,11 @@ def test_yaml_words_that_are_not_booleans_stay_strings(word, tmp_path):
         (["algo.advantage=gae", "algo.dynamic_sampling=true"], "act on groups of equal rewards"),
         (["algo.advantage=gae", "critic.init=checkpoint"], "a checkpoint is named exactly when"),
         (["algo.advantage=gae", "algo.gae.lam=1.5"], "algo.gae.lam=1.5 must be in [0, 1]"),
+        (["critic.lr=1e-4"], "critic.lr=0.0001 with algo.advantage=grpo: a critic trains only with"),
+        (
+            ["algo.advantage=reinforce_pp", "critic.warmup_steps=2"],
+            "a critic trains only with algo.advantage=gae",
+        ),
         (["algo.distill.coef=0.5"], "distillation needs a teacher"),
         (["teacher.path=runs/x"], "distillation needs a teacher"),
     ],
