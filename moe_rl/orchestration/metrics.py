@@ -47,6 +47,7 @@ SUMMARY_KEYS = (
     ("old/routing_agreement", "route {:.3f}"),
     ("train/grad_norm", "gnorm {:.3f}"),
     ("critic/loss", "vloss {:.3f}"),  # with a critic
+    ("distill/reverse_kl", "rkl {:.3f}"),  # with a distillation teacher
     ("perf/mfu", "mfu {:.1%}"),
     ("time/reward_s", "scoring {:.1f}s"),  # when it is the step's longest stage
     ("time/step_s", "{:.1f}s"),
