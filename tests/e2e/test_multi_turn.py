@@ -22,7 +22,13 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny_moe_tools.yaml"
-SMALL = ["run.steps=3", "rollout.batch_size=32", "logging.progress=false", "logging.dump_trajectories=true"]
+STEPS = 2
+SMALL = [
+    f"run.steps={STEPS}",
+    "rollout.batch_size=32",
+    "logging.progress=false",
+    "logging.dump_trajectories=true",
+]
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> tuple[Path, list[dict]]:
@@ -34,7 +40,7 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> tuple[Path, list[dict]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = tmp_path / name
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records] == list(range(STEPS))
     return run_dir, records
 
 
@@ -44,7 +50,7 @@ def _check_trajectories(run_dir: Path, records: list[dict], routing: bool) -> No
     batches = list(read_trajectories(  # validated on read, against the model
         run_dir / "trajectories", vocab_size=m.vocab_size, num_experts=m.num_experts, topk=m.moe_router_topk,
     ))  # fmt: skip
-    assert len(batches) == 3
+    assert len(batches) == STEPS
     env_tokens = 0
     for batch, record in zip(batches, records, strict=True):
         assert batch.sampled is not None and batch.has_routing == routing

@@ -2,7 +2,13 @@
 reward worker scores in an actor of its own): with a 2-second `data.reward_timeout_s` the run stops
 with one line naming the function, the prompt and the cause, or (`data.reward_on_failure=zero`)
 goes on and counts `reward/failed`; without a limit, a Ctrl-C while it hangs ends the run within
-seconds, saying what it waited for."""
+seconds, saying what it waited for.
+
+The zero-scoring run is also the installed `moe-rl` command (not `python -m`, which puts the working
+directory on the path itself) run from the folder that holds the reward module, with no
+PYTHONPATH: the preflight imports it in the driver and the Ray reward worker calls it for every
+response (each call records its process). Before, the command refused it: "cannot import
+hang_reward: No module named 'hang_reward'"."""
 
 from __future__ import annotations
 
@@ -22,25 +28,37 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 TINY = "recipes/tiny_moe.yaml"
 HANG = """
-import pathlib, time
+import os, pathlib, time
 def score(response, answer):
-    pathlib.Path(__file__).with_name("scoring").touch()  # the test waits for it
+    here = pathlib.Path(__file__)
+    here.with_name("scoring").touch()  # the test waits for it
+    with open(here.with_name("calls.txt"), "a") as calls:
+        calls.write(f"{os.getpid()}\\n")
     time.sleep(3600)
 """
 DEADLINE_S = 600.0
 
 
-def _train(tmp_path: Path, name: str, *overrides: str) -> subprocess.Popen:
-    """`moe-rl train` of the tiny recipe on a text dataset, scored by a user function that hangs."""
+def _train(tmp_path: Path, name: str, *overrides: str, from_its_folder: bool = False) -> subprocess.Popen:
+    """`moe-rl train` of the tiny recipe on a text dataset, scored by a user function that hangs:
+    `python -m` from the repository with the module's folder on PYTHONPATH, or (``from_its_folder``)
+    the installed command run from the module's folder with no PYTHONPATH."""
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
     (tmp_path / "hang_reward.py").write_text(HANG)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "launch.cli", "train", TINY, f"run.name={name}", f"run.output_dir={tmp_path}",
-           "logging.progress=false", "logging.tensorboard=false", f"data.task=file:{data}",
-           "data.reward=hang_reward:score", "model.vocab_size=320", "rollout.batch_size=16", *overrides]  # fmt: skip
+    args = ["train", str(REPO / TINY), f"run.name={name}", f"run.output_dir={tmp_path}", "logging.progress=false",
+            "logging.tensorboard=false", f"data.task=file:{data}", "data.reward=hang_reward:score",
+            "model.vocab_size=320", "rollout.batch_size=16", *overrides]  # fmt: skip
+    if from_its_folder:
+        command = Path(sys.executable).parent / "moe-rl"
+        assert command.is_file(), f"{command}: the package's console script is not installed"
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the working directory alone
+        cmd, cwd = [str(command), *args], tmp_path
+    else:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+        cmd, cwd = [sys.executable, "-m", "launch.cli", *args], REPO
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
@@ -62,12 +80,16 @@ def test_a_hung_reward_past_its_timeout_stops_the_run_with_one_line(tmp_path):
 
 
 def test_a_hung_reward_scored_zero_is_counted_and_its_time_on_the_step_line(tmp_path):
+    """Also: the reward module is found in the folder the command runs from (module docstring)."""
     proc = _train(
         tmp_path, "zero", "run.steps=2", "data.reward_timeout_s=2", "data.reward_workers=16",
-        "data.reward_on_failure=zero",
+        "data.reward_on_failure=zero", from_its_folder=True,
     )  # fmt: skip
     out, _ = proc.communicate(timeout=DEADLINE_S)
     assert proc.returncode == 0, out[-3000:]
+    callers = (tmp_path / "calls.txt").read_text().split()
+    assert len(callers) == 2 * 16  # every response of both steps (rollout.batch_size=16)
+    assert str(proc.pid) not in callers  # called by the reward worker, not the driver
     records = [json.loads(line) for line in (tmp_path / "zero" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward/failed"] for r in records] == [16, 16] and [r["reward/mean"] for r in records] == [0, 0]
     assert "16 of 16 responses scored 0, their reward call failed (data.reward_on_failure=zero)" in out

@@ -133,20 +133,22 @@ def _check_terminal(out: str, run_dir: Path, records: list[dict]) -> None:
     noise = [f"{kind}: {line}" for line in out.splitlines() if (kind := _library_line(line))]
     assert not noise, "\n".join(noise[:20])
     steps = [int(m.group(1)) for m in re.finditer(r" I moe_rl\.metrics: step (\d+) \| reward ", out)]
-    assert steps == list(range(30)), out[-4000:]
-    first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (records[:5], records[-5:]))
+    assert steps == list(range(LEARN_STEPS)), out[-4000:]
+    k = max(1, min(5, len(records) // 5))  # the summary's window: a fifth of the steps, 1 to 5
+    first, last = (sum(r["reward/mean"] for r in part) / k for part in (records[:k], records[-k:]))
     kl = sum(r["old/kl_k3"] for r in records) / len(records)
-    assert " I moe_rl.driver: done: 30/30 steps in " in out, out[-3000:]
-    summary = out[out.index(" I moe_rl.driver: done: 30/30 steps in ") :]
-    assert f" {first:.3f} → {last:.3f} (mean of the first / last 5 steps)" in summary, summary
+    done = f" I moe_rl.driver: done: {LEARN_STEPS}/{LEARN_STEPS} steps in "
+    assert done in out, out[-3000:]
+    summary = out[out.index(done) :]
+    assert f" {first:.3f} → {last:.3f} (mean of the first / last {k} steps)" in summary, summary
     assert (
         f"old/kl_k3 {kl:.2e}" in summary
-        and f"checkpoints  1, latest {run_dir}/checkpoints/step_000029" in summary
+        and f"checkpoints  1, latest {run_dir}/checkpoints/step_{LEARN_STEPS - 1:06d}" in summary
     )
     for command in (
         f"moe-rl report {run_dir}",
         f"moe-rl export {run_dir} OUT",
-        f"--resume {run_dir} run.steps=60",
+        f"--resume {run_dir} run.steps={2 * LEARN_STEPS}",
     ):
         assert command in summary, summary
     logs = run_dir / "logs"
@@ -160,10 +162,10 @@ def _check_terminal(out: str, run_dir: Path, records: list[dict]) -> None:
 
 
 def test_tiny_run_learns_and_writes_every_metric(tmp_path):
-    out = _finish(_train([TINY, "run.name=learn"], tmp_path))
+    out = _finish(_train([TINY, "run.name=learn", f"run.steps={LEARN_STEPS}"], tmp_path))
     run_dir = tmp_path / "learn"
     records = _metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(30))
+    assert [r["step"] for r in records] == list(range(LEARN_STEPS))
     for field in REQUIRED_FIELDS:
         assert all(field in r for r in records), f"metrics.jsonl lacks {field}"
     first = sum(r["reward/mean"] for r in records[:5]) / 5
@@ -171,10 +173,14 @@ def test_tiny_run_learns_and_writes_every_metric(tmp_path):
     assert last > first + 0.15, f"reward did not rise: first five {first:.3f}, last five {last:.3f}"
     assert (run_dir / "config.yaml").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000029"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{LEARN_STEPS - 1:06d}"
     assert records[0]["quant/recipe"] == "fp8_block128" and records[0]["quant/rel_err"] > 0
     _check_terminal(out, run_dir, records)
 
+
+LEARN_STEPS = 20
+"""Steps of the learning run: the tiny recipe's reward goes from about 0.06 (steps 0-4) to 0.4-0.54
+(steps 15-19) on each seed measured (docs/advantage_estimators.md)."""
 
 SCALED_OUT = ["parallel.trainer_world_size=2", "rollout.num_engines=2"]
 PPO = ["algo.advantage=gae", "rollout.group_size=1", "critic.lr=5e-3"]

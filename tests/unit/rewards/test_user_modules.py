@@ -2,7 +2,7 @@
 from is found, as `python -m` would find it, by the `moe-rl` command too (whose own folder, not the
 working directory, heads ``sys.path``); one found nowhere is refused with one line saying where it
 was looked for and what to do. The run itself, the Ray reward worker importing it:
-tests/e2e/test_user_reward_cwd.py."""
+tests/e2e/test_reward_faults.py (its zero-scoring run)."""
 
 from __future__ import annotations
 
