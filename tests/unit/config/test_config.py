@@ -236,3 +236,15 @@ def test_token_level_estimators_critic_and_teacher_rules(overrides, refusal):
         return
     with pytest.raises(ConfigError, match=re.escape(refusal)):
         load_checked(TINY, overrides)
+
+
+def test_distillation_with_espo_is_warned_about_not_refused():
+    from moe_rl.trainer.rules import trainer_rules
+
+    def rule(*overrides: str):
+        config = load_recipe(TINY, ["algo.distill.coef=1", "teacher.path=runs/t", *overrides])
+        return next(r for r in trainer_rules(config) if r.name == "distillation with a token-level objective")
+
+    espo = rule()
+    assert not espo.ok and not espo.fatal and "ppo_clip" in espo.advice
+    assert rule("algo.objective=ppo_clip", "algo.aggregation=token_mean").ok
