@@ -147,9 +147,8 @@ class Critic:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        denom = torch.stack(
-            [torch.tensor(float(mb.micro.response_positions.numel()), device=device) for mb in mini_batch]
-        ).sum()
+        tokens = sum(mb.micro.response_positions.numel() for mb in mini_batch)
+        denom = torch.tensor(float(tokens), device=device)  # the mini-batch's response tokens
         loss_sum = torch.zeros((), device=device)
         metrics: list[dict[str, Tensor]] = []
 

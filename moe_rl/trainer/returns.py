@@ -32,9 +32,8 @@ def distill_advantages(
     prepared = []
     for mb in micro_batches:
         gap = mb.teacher_logp.float() - mb.old_logp.float()
-        sums += torch.stack(
-            [torch.tensor(float(gap.numel()), dtype=torch.float64, device=device), -gap.double().sum()]
-        )
+        sums[0] += gap.numel()
+        sums[1] -= gap.double().sum()
         prepared.append(mb.with_old(advantages=mb.advantages + coef * gap))
     count, reverse_kl = all_reduce_dp(sums).tolist()
     return prepared, {"distill/reverse_kl": reverse_kl / max(count, 1.0)}
