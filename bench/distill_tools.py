@@ -20,9 +20,10 @@ Task: `recipes/tiny_moe_tools.yaml` (a calculator tool for two-digit products; r
 * ``distill-half``: the same with a student of half the width, ``model.hidden_size`` 32 instead of
   64 (the recipe's other sizes stay: attention's 4 heads of 16 project from and to 32, the expert
   and dense FFNs keep their inner sizes; about half the parameters; the same vocabulary);
-* ``distill-plain``: the ``distill`` student with the plain objective (PPO-clip, token-mean, no
-  routing replay, keep-sampling-mask, IcePop or OPSM) instead of the recipe's stack (ESPO);
-* ``distill-nocorr``: the recipe's objective (ESPO) without those corrections.
+* ``distill-plain``: the ``distill`` student without the training–inference corrections (routing
+  replay, keep-sampling-mask, IcePop, OPSM);
+* ``distill-espo``: the ``distill`` student with the stability stack's objective (ESPO, sequence-mean
+  aggregation) instead of the recipe's PPO-clip and token-mean.
 
 Every student and scratch run is `--rl-steps` steps in the in-process loop
 (`python -m moe_rl.orchestration.local`), one run at a time. ``--coef`` other than the recipe's
@@ -64,9 +65,12 @@ DEFAULT_OUT = REPO / "bench" / "results" / "distill_tools"
 DEFAULT_DOC = REPO / "docs" / "distill_tools.md"
 HALF = ("model.hidden_size=32",)
 """The half-width student's overrides (the recipe's hidden size is 64)."""
-PLAIN = ("algo.objective=ppo_clip", "algo.aggregation=token_mean", *se.CORRECTIONS_OFF)
-"""The plain-objective student's overrides: PPO-clip, token-mean, no training–inference corrections."""
-STUDENTS = {"distill": (), "distill-half": HALF, "distill-plain": PLAIN, "distill-nocorr": se.CORRECTIONS_OFF}
+PLAIN = se.CORRECTIONS_OFF
+"""The plain student's overrides: the recipe's PPO-clip and token-mean without the training–inference
+corrections (routing replay, keep-sampling-mask, IcePop, OPSM)."""
+ESPO = ("algo.objective=espo", "algo.aggregation=seq_mean_group_mean")
+"""The stability stack's objective (ESPO, sequence-mean aggregation) instead of the recipe's."""
+STUDENTS = {"distill": (), "distill-half": HALF, "distill-plain": PLAIN, "distill-espo": ESPO}
 ARMS = ("scratch", *STUDENTS)
 SERIES = (*tws.SERIES, "distill/reverse_kl", "distill/teacher_s", "train/loss")
 TARGET = 1.0
@@ -137,7 +141,9 @@ def make_teacher(out: Path, seed: int, sft_steps: int, rl_steps: int, demonstrat
     return run
 
 
-DEFAULT_RL_STEPS = 100
+DEFAULT_RL_STEPS = 400
+TEACHER_RL_STEPS = 100
+"""The teacher's RL steps after its SFT (`--teacher-rl-steps`)."""
 
 
 def arm_name(student: str, coef: float, steps: int = DEFAULT_RL_STEPS) -> str:
@@ -354,7 +360,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rl-steps", type=int, default=DEFAULT_RL_STEPS)
     parser.add_argument("--demonstrations", type=int, default=1024)
     parser.add_argument("--teacher-rl-steps", type=int, default=None,
-                        help=f"the teacher's RL steps after SFT (default {DEFAULT_RL_STEPS}; 0: the SFT run teaches)")  # fmt: skip
+                        help=f"the teacher's RL steps after SFT (default {TEACHER_RL_STEPS}; 0: the SFT run teaches)")  # fmt: skip
     parser.add_argument("--coef", type=float, default=RECIPE_COEF, help="algo.distill.coef of the students")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"from {','.join(ARMS)}")
     parser.add_argument("--step-s", type=float, default=2.0, help="a step's seconds, for the time estimate")
@@ -387,7 +393,7 @@ def main(argv=None) -> int:
                 / f"{arm if arm == 'scratch' else arm_name(arm, args.coef, args.rl_steps)}-seed{seed}.json"
             ).is_file()
         ]
-        teacher_rl = DEFAULT_RL_STEPS if args.teacher_rl_steps is None else args.teacher_rl_steps
+        teacher_rl = TEACHER_RL_STEPS if args.teacher_rl_steps is None else args.teacher_rl_steps
         made = "teacher" if teacher_rl else "teacher-sft"
         teacher_todo = not (args.out / f"{made}-seed{args.teacher_seed}.json").is_file()
         steps = len(todo) * args.rl_steps + teacher_todo * (args.sft_steps + teacher_rl)

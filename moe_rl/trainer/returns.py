@@ -26,17 +26,27 @@ def distill_advantages(
     micro_batches: Sequence[TrainMicroBatch], coef: float, device: torch.device
 ) -> tuple[list[TrainMicroBatch], dict[str, float]]:
     """On-policy distillation (`moe_rl.trainer.teacher`): each token's advantage plus
-    ``coef·(teacher_logp − old_logp)``, and ``distill/reverse_kl``, the mean of ``old_logp −
-    teacher_logp`` over the batch's response tokens (all data-parallel ranks)."""
+    ``coef·(gap − mean gap)``, ``gap = teacher_logp − old_logp``, the mean over the batch's response
+    tokens (every data-parallel rank's); and ``distill/reverse_kl``, that mean's negative.
+
+    The mean is a baseline: on the student's own samples ``E[∇ log π] = 0``, so subtracting a
+    constant leaves the expected gradient of the reverse KL as it is and removes the part of each
+    token's term that only says "every sampled token is unlikely under the teacher" (a fresh
+    student's gap is about −7 nats on every token), which otherwise drowns the one-sample signal."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    prepared = []
+    gaps = []
     for mb in micro_batches:
         gap = mb.teacher_logp.float() - mb.old_logp.float()
         sums[0] += gap.numel()
-        sums[1] -= gap.double().sum()
-        prepared.append(mb.with_old(advantages=mb.advantages + coef * gap))
-    count, reverse_kl = all_reduce_dp(sums).tolist()
-    return prepared, {"distill/reverse_kl": reverse_kl / max(count, 1.0)}
+        sums[1] += gap.double().sum()
+        gaps.append(gap)
+    count, total = all_reduce_dp(sums).tolist()
+    mean = total / max(count, 1.0)
+    prepared = [
+        mb.with_old(advantages=mb.advantages + coef * (gap - mean))
+        for mb, gap in zip(micro_batches, gaps, strict=True)
+    ]
+    return prepared, {"distill/reverse_kl": -mean}
 
 
 def sample_scores(mb: TrainMicroBatch) -> Tensor:

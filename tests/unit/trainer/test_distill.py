@@ -1,5 +1,6 @@
 """On-policy distillation in the trainer: a teacher of another size, read from a run directory, scores
-the student's tokens by its own routing; each token's advantage gains coef·(teacher − π_old); a
+the student's tokens by its own routing; each token's advantage gains coef·(teacher − π_old) less the
+batch's mean of it; a
 teacher of another vocabulary, or a run without a usable checkpoint, is one line naming the key."""
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ def test_the_teacher_scores_the_students_tokens(teacher):
     prepared, metrics = student.compute_old_logp(mbs)
     # the teacher's log-probs are what the teacher itself computes at its own π_old pass
     expected, _ = teacher_worker.compute_old_logp(mbs)
-    for mb, own, given in zip(prepared, expected, mbs):
+    reverse_kl = torch.cat([mb.old_logp - mb.teacher_logp for mb in prepared]).double().mean()
+    assert metrics["distill/reverse_kl"] == pytest.approx(float(reverse_kl), rel=1e-9)
+    assert abs(float(reverse_kl)) > 1e-3  # the baseline below is not zero
+    for mb, own, given in zip(prepared, expected, mbs, strict=True):
         assert torch.equal(mb.teacher_logp, own.old_logp)
         gap = own.old_logp - mb.old_logp
         assert gap.abs().sum() > 0
-        torch.testing.assert_close(mb.advantages, given.advantages + 0.5 * gap)
-    reverse_kl = torch.cat([mb.old_logp - mb.teacher_logp for mb in prepared]).double().mean()
-    assert metrics["distill/reverse_kl"] == pytest.approx(float(reverse_kl), rel=1e-9)
+        # each token's log-ratio less the batch's mean of it (every micro-batch's tokens)
+        torch.testing.assert_close(mb.advantages, given.advantages + 0.5 * (gap + reverse_kl.float()))
     assert metrics["distill/teacher_s"] > 0
     out = student.train_step(prepared)
     assert out["train/update_ok"] == 1.0
