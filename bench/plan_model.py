@@ -47,6 +47,7 @@ from moe_rl.config.step_time import (  # noqa: E402
     Efficiency,
     StepTime,
     SyncCost,
+    gathered_sync_cost,
     machine_of,
     resharded_sync_cost,
     step_time,
@@ -236,7 +237,9 @@ def predict(run: NemoRun, eff: Efficiency) -> StepTime:
     """The model's step for a published run: its refit resharded, its colocated phases releasing
     everything the trainer holds (NeMo-RL offloads the optimizer and the weights)."""
     config, sync, released = _run_inputs(run)
-    return step_time(config, sync, released, eff)
+    # NeMo-RL's async GRPO (nemo_rl/algorithms/async_utils.py, v0.6.0): at most
+    # num_prompts_per_step * max_trajectory_age_steps prompt groups in flight, N batches
+    return step_time(config, sync, released, eff, batches_in_flight=run.off_policy or None)
 
 
 @functools.cache
@@ -244,7 +247,7 @@ def _run_inputs(run: NemoRun) -> tuple[RecipeConfig, SyncCost, float]:
     config = run_config(run)
     plan = make_plan(config, paths=False)
     released = plan.trainer.static if run.gen_gpus == 0 else 0.0
-    return config, resharded_sync_cost(config, count_params(config.model), machine_of(config)), released
+    return config, gathered_sync_cost(config, count_params(config.model), machine_of(config)), released
 
 
 def predict_refit(refit: Refit, eff: Efficiency) -> float:

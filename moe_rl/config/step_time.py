@@ -152,7 +152,7 @@ class Efficiency:
     """Weight sync and offload: of the link's bandwidth."""
 
 
-FITTED = Efficiency(generation=0.445, train_mfu=0.112, sync=0.175)
+FITTED = Efficiency(generation=0.435, train_mfu=0.11, sync=0.175)
 """Fitted on one published configuration, NeMo-RL v0.6's Qwen3-30B-A3B GRPO on four nodes of 8 H100
 (on-policy on 32 GPUs 192 s a step, one step off policy on 16 + 16 GPUs 152 s, its refit 0.74-1.00 s),
 docs/plan_model.md; `bench/plan_model.py --fit` fits them again."""
@@ -332,8 +332,11 @@ def _rollout_precision(config: RecipeConfig) -> str:
     return "fp8" if q.method == QuantMethod.FP8 and not q.weight_only else "bf16"
 
 
-def _generation(config: RecipeConfig, counts: ParamCounts, machine: Machine, eff: float) -> list[Phase]:
-    """Prefill and decode of one engine replica (module docstring)."""
+def _generation(
+    config: RecipeConfig, counts: ParamCounts, machine: Machine, eff: float, batches: int | None = None
+) -> list[Phase]:
+    """Prefill and decode of one engine replica (module docstring); ``batches``: the batches whose
+    prompts a continuously batching engine holds (default ``run.async_depth``)."""
     r, m = config.rollout, config.model
     tp, lens, on_gpu = r.tensor_parallel_size, lengths(config), config.cluster.gpus_per_node > 0
     device = "GPU" if on_gpu else "process"
@@ -354,7 +357,7 @@ def _generation(config: RecipeConfig, counts: ParamCounts, machine: Machine, eff
     wave = min(n, held)
     waves = math.ceil(n / wave)
     if continuous_batching(config):  # the batches of the next async_depth steps fill finished places
-        wave = min(n * config.run.async_depth, held)
+        wave = min(n * (config.run.async_depth if batches is None else batches), held)
         in_flight, steps = float(wave), math.ceil(n * lens.response / wave)
     else:  # a wave lasts its longest response while its sequences finish
         in_flight, steps = n / waves * lens.response / lens.max_response, waves * lens.max_response
@@ -473,6 +476,33 @@ class SyncCost:
     gbps: float
     bound: Bound
     words: str
+    scaled: bool = True
+    """The transfer runs at η_sync of the link (False: a collective at the link's datasheet rate,
+    which no factor scales, as the all-reduces and all-to-alls)."""
+
+    def seconds(self, eff: float) -> float:
+        return transfer_seconds(self.nbytes, self.gbps, eff if self.scaled else 1.0)
+
+
+# Megatron-core's rank order (megatron/core/parallel_state.py, ``initialize_model_parallel``,
+# ``order="tp-cp-ep-dp-pp"``): the pipeline is the outermost dimension, so the ranks of one pipeline
+# group are ``world / PP`` apart and, with PP > 1, span the whole trainer; tensor, context and
+# expert parallelism are the innermost, their groups contiguous ranks.
+def model_parallel_span(config: RecipeConfig) -> int:
+    """Consecutive trainer ranks that the GPUs a rank gathers the whole model from lie within."""
+    p = config.parallel
+    if p.pipeline_model_parallel_size > 1:
+        return p.trainer_world_size
+    return max(
+        p.tensor_model_parallel_size * p.context_parallel_size,
+        p.expert_model_parallel_size * p.expert_tensor_parallel_size,
+    )
+
+
+def gather_gbps(config: RecipeConfig, machine: Machine) -> float:
+    """The link through which each trainer GPU gathers the whole model: NVLink when the ranks it
+    gathers from lie within one NVLink domain (`model_parallel_span`), else its NIC."""
+    return machine.nvlink_gbps if model_parallel_span(config) <= machine.nvlink_domain else machine.network_gbps
 
 
 def sync_cost(config: RecipeConfig, counts: ParamCounts, sync: SyncPlan, machine: Machine) -> SyncCost:
@@ -490,14 +520,7 @@ def sync_cost(config: RecipeConfig, counts: ParamCounts, sync: SyncPlan, machine
         return SyncCost(nbytes, machine.network_gbps, Bound.NETWORK, route + "an engine's NIC")
     if sync.route == SyncRoute.VLLM_NCCL:
         return SyncCost(nbytes, machine.network_gbps, Bound.NETWORK, route + "trainer rank 0's NIC")
-    group = (
-        max(
-            p.tensor_model_parallel_size * p.context_parallel_size,
-            p.expert_model_parallel_size * p.expert_tensor_parallel_size,
-        )
-        * p.pipeline_model_parallel_size
-    )
-    if group <= machine.nvlink_domain:
+    if gather_gbps(config, machine) == machine.nvlink_gbps:
         return SyncCost(
             nbytes, machine.nvlink_gbps, Bound.NETWORK, route + "each trainer GPU's NVLink (gather)"
         )
@@ -512,6 +535,28 @@ def resharded_sync_cost(config: RecipeConfig, counts: ParamCounts, machine: Mach
     return SyncCost(
         nbytes, machine.network_gbps, Bound.NETWORK, "resharded: an engine GPU's shard through its NIC"
     )
+
+
+def gathered_sync_cost(config: RecipeConfig, counts: ParamCounts, machine: Machine) -> SyncCost:
+    """NeMo-RL v0.6's refit, the one its published step times ran (the resharded transfer came
+    later): every trainer GPU gathers the whole model in bf16 (Megatron-Bridge's
+    ``export_hf_weights``: each tensor broadcast from the pipeline stage that holds it to every
+    stage, the experts all-gathered over the expert-parallel group), through NVLink or its NIC
+    (`gather_gbps`). Colocated, it hands its engine the tensors through CUDA IPC on the same GPU
+    (``stream_weights_via_ipc_zmq``); with the engines on nodes of their own, trainer rank 0
+    broadcasts them to every engine GPU (``broadcast_weights_for_collective``,
+    ``packed_broadcast_producer`` with ``src=0``) through its NIC, in two buffers, so the broadcast
+    of one overlaps the gathering of the next: the slower of the two links. Both are collectives,
+    at the links' datasheet rates (``scaled=False``)."""
+    nbytes = counts.total * BF16
+    gbps = gather_gbps(config, machine)
+    gather = "NVLink" if gbps == machine.nvlink_gbps else "NIC"
+    if placement_mode(config) == PlacementMode.COLOCATED:
+        words = f"gathered: each trainer GPU's {gather}, to its engine through CUDA IPC"
+    else:
+        gbps = min(gbps, machine.network_gbps)
+        words = f"gathered: each trainer GPU's {gather}, broadcast from trainer rank 0's NIC"
+    return SyncCost(nbytes, gbps, Bound.NETWORK, words, scaled=False)
 
 
 def _offload(
@@ -532,22 +577,27 @@ def step_time(
     sync: SyncPlan | SyncCost | None,
     released: float = 0.0,
     efficiency: Efficiency | None = None,
+    batches_in_flight: int | None = None,
 ) -> StepTime:
     """The step of ``config`` by phase (module docstring). ``sync``: the run's sync plan (None: its
     route is refused, and so is the step's time), or what its sync moves (`SyncCost`);
     ``released``: bytes per trainer GPU a colocated step moves to host memory and back (0: none);
     ``efficiency``: the factors (default: `efficiency_of` the recipe). Raises `PhaseCannotRun` for
-    a phase that cannot run, `ConfigError` for an unknown chip or a factor out of range."""
+    a phase that cannot run, `ConfigError` for an unknown chip or a factor out of range.
+    ``batches_in_flight``: with continuous batching, the batches whose prompts the engines hold at
+    once (default ``run.async_depth``, what this project's loop launches ahead; another framework's
+    loop may hold fewer than it overlaps, as NeMo-RL's async GRPO, which the comparison with its
+    published runs describes)."""
     machine = machine_of(config)
     eff = efficiency_of(config) if efficiency is None else efficiency
     if sync is None:
         raise PhaseCannotRun("weight sync cannot run: the recipe's sync route is refused (see Constraints)")
     counts = count_params(config.model)
-    generation = _generation(config, counts, machine, eff.generation)
+    generation = _generation(config, counts, machine, eff.generation, batches_in_flight)
     passes = _trainer_passes(config, machine, eff.train_mfu)
     cost = sync if isinstance(sync, SyncCost) else sync_cost(config, counts, sync, machine)
     sync_phase = Phase(
-        "weight sync", transfer_seconds(cost.nbytes, cost.gbps, eff.sync), cost.bound,
+        "weight sync", cost.seconds(eff.sync), cost.bound,
         f"{cost.words}, {_bytes(cost.nbytes)} at {cost.gbps:g} GB/s",
     )  # fmt: skip
     offload = [_offload(config, counts, released, machine, eff.sync)] if released > 0 else []

@@ -54,16 +54,27 @@ def critic_reference(weights):
     return trainer_dp_worker.critic_outputs(config, list(range(trainer_dp_worker.GLOBAL_MICRO_BATCHES)))
 
 
+EPS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def dp_runs(weights, tmp_path_factory) -> Path:
+    """DP=2 with EP=1, then EP=2, both ranks in one spawn (one start-up for both)."""
+    out = tmp_path_factory.mktemp("dp_runs")
+    mp.spawn(
+        trainer_dp_worker.rank_main, args=(2, free_port(), list(EPS), weights, str(out)), nprocs=2, join=True
+    )
+    return out
+
+
 @pytest.fixture
-def spawn(tmp_path, weights, critic_reference):
+def spawn(dp_runs, weights, critic_reference):
     def run(ep: int) -> list[dict[str, torch.Tensor]]:
-        args = (2, free_port(), ep, weights, str(tmp_path))
-        mp.spawn(trainer_dp_worker.rank_main, args=args, nprocs=2, join=True)
-        _check_sent_to_vllm([torch.load(tmp_path / f"sent.{rank}.pt") for rank in range(2)], weights)
+        _check_sent_to_vllm([torch.load(dp_runs / f"sent.{ep}.{rank}.pt") for rank in range(2)], weights)
         assert_critic_matches(
-            [torch.load(tmp_path / f"critic.{rank}.pt") for rank in range(2)], critic_reference
+            [torch.load(dp_runs / f"critic.{ep}.{rank}.pt") for rank in range(2)], critic_reference
         )
-        return [torch.load(tmp_path / f"grads.{rank}.pt") for rank in range(2)]
+        return [torch.load(dp_runs / f"grads.{ep}.{rank}.pt") for rank in range(2)]
 
     return run
 

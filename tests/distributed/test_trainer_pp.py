@@ -52,20 +52,31 @@ def weights(tmp_path_factory) -> str:
     return write_trainer_weights(str(tmp_path_factory.mktemp("weights_pp")))
 
 
+CRITIC = "r3"
+"""The case whose ranks also run PPO with a critic (each case would cost a critic's build and step)."""
+
+
+@pytest.fixture(scope="module")
+def pp_runs(weights, tmp_path_factory) -> Path:
+    """Every case on PP=2, both ranks in one spawn (one start-up for all): `pp.<case>.<rank>.pt`."""
+    out = tmp_path_factory.mktemp("pp_runs")
+    mp.spawn(
+        trainer_dp_worker.pipeline_rank_main,
+        args=(2, free_port(), weights, str(out), CASES, CRITIC),
+        nprocs=2,
+        join=True,
+    )
+    return out
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_pp2_matches_pp1(case, weights, tmp_path):
+def test_pp2_matches_pp1(case, weights, pp_runs):
     extra = CASES[case]
     reference = trainer_dp_worker.pipeline_outputs(1, weights, *extra)
     r3 = not case.startswith("r2")
     assert not r3 or reference["__old__/old/routing_agreement"] < 1  # R3 traces are not natural
-    critic = case == "r3"  # one case: each costs a critic's build and step
-    mp.spawn(
-        trainer_dp_worker.pipeline_rank_main,
-        args=(2, free_port(), weights, str(tmp_path), extra, critic),
-        nprocs=2,
-        join=True,
-    )
-    ranks = [torch.load(tmp_path / f"pp.{rank}.pt") for rank in range(2)]
+    critic = case == CRITIC
+    ranks = [torch.load(pp_runs / f"pp.{case}.{rank}.pt") for rank in range(2)]
     grads = [{k for k in got if not k.startswith("__")} for got in ranks]
     assert reference["__train__/train/grad_norm"] > 0 and reference["__train__/train/update_ok"] == 1
     assert grads[0] and grads[1] and not grads[0] & grads[1]  # each stage holds its own layers
@@ -80,6 +91,6 @@ def test_pp2_matches_pp1(case, weights, tmp_path):
         config = trainer_dp_worker.recipe(1, 1, weights, 1, *extra, *trainer_dp_worker.PPO)
         everything = list(range(trainer_dp_worker.GLOBAL_MICRO_BATCHES))
         expected = trainer_dp_worker.critic_outputs(config, everything)
-        critics = [torch.load(tmp_path / f"critic.{rank}.pt") for rank in range(2)]
+        critics = [torch.load(pp_runs / f"critic.{rank}.pt") for rank in range(2)]
         assert not any(k.startswith("__mb") for k in critics[0])  # the values live on the last stage
         assert_critic_matches(critics, expected)

@@ -28,29 +28,41 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
-def reference(request, tmp_path_factory):
+FAMILIES = ("qwen3_moe", "deepseek_v3")
+ETPS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, tuple]:
+    """Each family's HF folder, its one-process logits and (Qwen3-MoE) critic pass."""
     from moe_rl.config.schema import ParallelConfig
     from moe_rl.megatron.parallel import init_parallel
 
     init_parallel(ParallelConfig())
-    folder = str(tmp_path_factory.mktemp(f"hf_{request.param}"))
-    logits = tp_worker.write_reference(request.param, folder)
-    critic = tp_worker.critic_old_pass(1, 1, folder) if request.param == "qwen3_moe" else None
-    return request.param, folder, logits, critic
+    found = {}
+    for family in FAMILIES:
+        folder = str(tmp_path_factory.mktemp(f"hf_{family}"))
+        logits = tp_worker.write_reference(family, folder)
+        critic = tp_worker.critic_old_pass(1, 1, folder) if family == "qwen3_moe" else None
+        found[family] = (folder, logits, critic)
+    return found
 
 
-@pytest.mark.parametrize("etp", [1, 2])
-def test_tp2_loads_computes_and_exports_like_one_process(reference, etp, tmp_path):
-    family, folder, logits, critic = reference
-    mp.spawn(
-        tp_worker.rank_main,
-        args=(2, free_port(), family, etp, folder, str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
+@pytest.fixture(scope="module")
+def tp_runs(references, tmp_path_factory) -> Path:
+    """Every family and expert-TP size on TP=2, both ranks in one spawn (one start-up for all)."""
+    out = tmp_path_factory.mktemp("tp_runs")
+    jobs = [(family, etp, references[family][0]) for family in FAMILIES for etp in ETPS]
+    mp.spawn(tp_worker.rank_main, args=(2, free_port(), jobs, str(out)), nprocs=2, join=True)
+    return out
+
+
+@pytest.mark.parametrize("etp", ETPS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_loads_computes_and_exports_like_one_process(references, tp_runs, family, etp):
+    folder, logits, critic = references[family]
     hf = load_file(str(Path(folder) / "model.safetensors"))
-    ranks = [torch.load(tmp_path / f"tp.{rank}.pt") for rank in range(2)]
+    ranks = [torch.load(tp_runs / f"tp.{family}.{etp}.{rank}.pt") for rank in range(2)]
     for got in ranks:
         # the ranks really hold shards: attention and output layer split, experts split iff ETP=2
         shapes = got["shapes"]
@@ -61,7 +73,7 @@ def test_tp2_loads_computes_and_exports_like_one_process(reference, etp, tmp_pat
         assert set(got["weights"]) == set(hf)
         for name, tensor in got["weights"].items():
             assert torch.equal(tensor, hf[name]), name
-    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    exported = load_file(str(tp_runs / f"export.{family}.{etp}" / "model.safetensors"))
     assert set(exported) == set(hf) and all(torch.equal(exported[n], hf[n]) for n in hf)
     if critic is not None:
         assert_critic_matches([got["critic"] for got in ranks], critic)

@@ -82,25 +82,34 @@ def value_head(rank: int, world: int, sequence_parallel: bool) -> dict[str, torc
     return {"values": values.detach(), "hidden_grad": mine.grad, "head_grad": head.weight.grad}
 
 
-def rank_main(rank: int, world: int, port: int, family: str, etp: int, hf_path: str, out_dir: str) -> None:
+def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, int, str]], out_dir: str) -> None:
+    """Each job ``(family, etp, hf_path)`` on TP=``world`` in turn, in one process (Megatron's groups
+    made again for each layout): `tp.<family>.<etp>.<rank>.pt` and the export `export.<family>.<etp>/`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    from megatron.core import parallel_state as ps
+
     from moe_rl.config.schema import ParallelConfig
     from moe_rl.megatron.hf_weights import iter_hf_weights, load_hf_checkpoint, save_hf_checkpoint
     from moe_rl.megatron.model import build_gpt_model, model_config_to_hf_config
     from moe_rl.megatron.parallel import init_parallel
 
-    parallel = ParallelConfig(
-        trainer_world_size=world, tensor_model_parallel_size=world, expert_tensor_parallel_size=etp
-    )
-    init_parallel(parallel)
-    config = model_config(family)
-    model = build_gpt_model(config, parallel, seed=11)  # different init: everything must come from the load
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    load_hf_checkpoint(model, hf_path)
-    exported = dict(iter_hf_weights(model))
-    save_hf_checkpoint(model, Path(out_dir) / "export", model_config_to_hf_config(config))
-    out = {"logits": logits_of(model), "weights": exported, "shapes": shapes}
-    out["value_head"] = value_head(rank, world, sequence_parallel=True)
-    if family == "qwen3_moe":  # the trainer's tiny recipe
-        out["critic"] = critic_old_pass(world, etp, hf_path)
-    torch.save(out, Path(out_dir) / f"tp.{rank}.pt")
+    for family, etp, hf_path in jobs:
+        parallel = ParallelConfig(
+            trainer_world_size=world, tensor_model_parallel_size=world, expert_tensor_parallel_size=etp
+        )
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        init_parallel(parallel)
+        config = model_config(family)
+        model = build_gpt_model(
+            config, parallel, seed=11
+        )  # different init: everything must come from the load
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        load_hf_checkpoint(model, hf_path)
+        exported = dict(iter_hf_weights(model))
+        save_hf_checkpoint(model, Path(out_dir) / f"export.{family}.{etp}", model_config_to_hf_config(config))
+        out = {"logits": logits_of(model), "weights": exported, "shapes": shapes}
+        out["value_head"] = value_head(rank, world, sequence_parallel=True)
+        if family == "qwen3_moe":  # the trainer's tiny recipe
+            out["critic"] = critic_old_pass(world, etp, hf_path)
+        torch.save(out, Path(out_dir) / f"tp.{family}.{etp}.{rank}.pt")

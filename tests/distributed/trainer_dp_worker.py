@@ -185,15 +185,24 @@ def critic_outputs(config, mine: list[int], train: bool = True) -> dict[str, tor
 CRITIC_STEP = ("critic/loss", "critic/grad_norm", "critic/update_ok")
 
 
-def rank_main(rank: int, world: int, port: int, ep: int, hf_path: str, out_dir: str) -> None:
+def rank_main(rank: int, world: int, port: int, eps: list[int], hf_path: str, out_dir: str) -> None:
+    """For each expert-parallel size of ``eps`` in turn, in one process (Megatron's groups made again
+    for each): the gradients, what the rank sends to vLLM and to a Megatron engine, the critic's
+    outputs on the rank's micro-batches (`grads.<ep>.<rank>.pt`, `sent.<ep>.<rank>.pt`,
+    `critic.<ep>.<rank>.pt`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    kept: dict = {}
-    torch.save(gradients(world, rank, ep, hf_path, kept), Path(out_dir) / f"grads.{rank}.pt")
-    sent = {**sent_to_vllm(kept["model"]), "ipc": sent_by_device_ipc(kept["model"], rank)}
-    torch.save(sent, Path(out_dir) / f"sent.{rank}.pt")
-    mine = ([0, 3] if rank == 0 else [1, 2]) if ep > 1 else ([0] if rank == 0 else [1, 2, 3])
-    critic = critic_outputs(recipe(world, ep, hf_path, 1, *PPO), mine)
-    torch.save(critic, Path(out_dir) / f"critic.{rank}.pt")
+    from megatron.core import parallel_state as ps
+
+    for ep in eps:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        kept: dict = {}
+        torch.save(gradients(world, rank, ep, hf_path, kept), Path(out_dir) / f"grads.{ep}.{rank}.pt")
+        sent = {**sent_to_vllm(kept["model"]), "ipc": sent_by_device_ipc(kept["model"], rank)}
+        torch.save(sent, Path(out_dir) / f"sent.{ep}.{rank}.pt")
+        mine = ([0, 3] if rank == 0 else [1, 2]) if ep > 1 else ([0] if rank == 0 else [1, 2, 3])
+        critic = critic_outputs(recipe(world, ep, hf_path, 1, *PPO), mine)
+        torch.save(critic, Path(out_dir) / f"critic.{ep}.{rank}.pt")
 
 
 def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tensor]:
@@ -218,17 +227,25 @@ def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tens
 
 
 def pipeline_rank_main(
-    rank: int, world: int, port: int, hf_path: str, out_dir: str, extra: tuple, critic: bool = False
+    rank: int,
+    world: int,
+    port: int,
+    hf_path: str,
+    out_dir: str,
+    cases: dict[str, tuple],
+    critic: str | None = None,
 ) -> None:
-    """`pipeline_outputs` of PP=``world``; with ``critic`` also `critic_outputs` (PPO) of the same
-    layout on the whole global batch."""
+    """`pipeline_outputs` of PP=``world`` for each of ``cases`` (name -> overrides; one process for
+    all: `pp.<name>.<rank>.pt`); for the case named ``critic`` also `critic_outputs` (PPO) of the
+    same layout on the whole global batch (`critic.<rank>.pt`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from moe_rl.megatron.parallel import teardown_parallel
 
-    torch.save(pipeline_outputs(world, hf_path, *extra), Path(out_dir) / f"pp.{rank}.pt")
-    if critic:
-        config = recipe(world, 1, hf_path, world, *extra, *PPO)
-        torch.save(
-            critic_outputs(config, list(range(GLOBAL_MICRO_BATCHES))), Path(out_dir) / f"critic.{rank}.pt"
-        )
+    for name, extra in cases.items():
+        torch.save(pipeline_outputs(world, hf_path, *extra), Path(out_dir) / f"pp.{name}.{rank}.pt")
+        if name == critic:
+            config = recipe(world, 1, hf_path, world, *extra, *PPO)
+            torch.save(
+                critic_outputs(config, list(range(GLOBAL_MICRO_BATCHES))), Path(out_dir) / f"critic.{rank}.pt"
+            )
     teardown_parallel()  # a clean exit: no gloo threads left to the interpreter's shutdown
