@@ -212,9 +212,10 @@ def run_overrides(run: NemoRun) -> list[str]:
         f"cluster.mean_length_fraction={run.avg_len / run.max_len:.4f}",
         f"trainer.recompute_activations={run.model != Q30}",
     ]  # fmt: skip
-    if run.off_policy:  # N steps off: NeMo-RL's trainer overlaps all of its step with the generation,
-        # and a trajectory may be N versions old, so the engines hold the prompts of the step in
-        # generation and of the N after it (in-flight weight updates never drain them): our depth N + 1
+    if run.off_policy:  # N steps off: NeMo-RL's trainer overlaps all of its step, π_old and the
+        # reference included, with the generation, as our depth N + 1 does (depth 1 computes π_old
+        # first); its engines hold N batches (`predict`'s batches_in_flight), and in-flight weight
+        # updates never drain them
         depth = run.off_policy + 1
         out += ["run.mode=async", f"run.async_depth={depth}", f"run.max_staleness={depth}",
                 "rollout.inflight_updates=true"]  # fmt: skip
@@ -509,6 +510,14 @@ def document(eff: Efficiency, measured: dict[str, float]) -> str:
     ds_comm = _generation_s(
         predict(ds256, Efficiency(1e9, 1e9, 1e9))
     )  # the collectives: no factor scales them
+    ds_refit = predict(ds256, eff).phase("weight sync").seconds
+    q30_refit = predict(next(r for r in STEPS if r.label == c.serial), eff).phase("weight sync").seconds
+    misses = [r.label for r, x in zip(STEPS, shipped, strict=True) if not 0.5 <= x <= 2]
+    other_misses = [r.label for r, x in zip(STEPS, other, strict=True) if not 0.5 <= x <= 2]
+    eight = next(r for r in STEPS if r.off_policy == 8)
+    config, sync, released = _run_inputs(eight)
+    one_batch = step_time(config, sync, released, eff, batches_in_flight=1).seconds / eight.seconds
+    depth_held = step_time(config, sync, released, eff).seconds / eight.seconds
     sensitivity = table(
         ["run", f"fitted on {SHIPPED} (shipped)", "fitted on deepseek_v3"],
         [[r.label, f"{a:.2f}", f"{b:.2f}"] for r, a, b in zip(STEPS, shipped, other, strict=True)],
@@ -557,7 +566,7 @@ MLA's latent whole on every engine GPU, GQA's heads split over its TP; the token
 | decode | memory or compute | waves of as many sequences as the engine's KV cache holds at the mean length (none: *the phase cannot run*), each as long as the longest response; a step reads the GPU's share of the weights (the input embedding aside, and only the routed experts the batch reaches: `E·(1 − (1 − k/E)^b)` of `E` per MoE layer for `b` sequences in flight, `b` falling as sequences finish), every token its sequence's KV cache so far (`n·(p·r + r²/2)` token reads); the bytes over HBM × η_gen or the FLOPs over the peak × η_gen, the longer; with TP > 1, plus every step's two all-reduces a layer of the sequences in flight (NCCL's latency, below, and the bytes at the link's rate: NVLink within an NVLink domain, else the NIC; the prefill's over its prompt tokens). With the next batches waiting (`run.mode=async`, `run.async_depth` ≥ 2, engines on nodes of their own) the engine holds the prompts of `async_depth` batches, as many as its KV cache holds, and the wave stays full: `n·r/b` steps of `b` |
 | offload | network (host link) | colocated with memory released: the trainer's gradients and optimizer state (and weights with `cluster.offload_params`) and, at `cluster.engine_sleep_level` 1, the engine's weights, to host memory and back, over the GPU's host link × η_sync |
 | π_old, reference, training | compute | the batch's forward FLOPs at the mean length, ×1, ×1 (with `algo.kl.coef` > 0), ×3 (×4 with `trainer.recompute_activations`: the forward again in the backward), over the trainer's GPUs at the dense peak of `trainer.precision` × MFU (`cluster.train_mfu`); with expert parallelism plus the all-to-all of each token's hidden state to its top-k experts and back in every MoE layer (×1, ×1, ×2, ×3 with the recompute), the share bound for other NVLink domains through the NIC; all × the pipeline bubble `(m + PP − 1)/m` (`m` micro-batches per data-parallel rank and mini-batch) |
-| weight sync | network (memory in one process) | the bytes that travel (the rollout recipe's on a quantized wire, bf16 into vLLM, else the trainer's tensors) through the route's narrowest link (`config/sync_plan.py`): an engine's NIC (buckets to other nodes), an engine GPU's host link (buckets through shared memory), each trainer GPU's NVLink or NIC as it gathers the whole model (`device_ipc`, `vllm_ipc`: NVLink when the trainer's model-parallel group fits one NVLink domain), trainer rank 0's NIC (`vllm_nccl`), a memory copy on the CPU; × η_sync |
+| weight sync | network (memory in one process) | the bytes that travel (the rollout recipe's on a quantized wire, bf16 into vLLM, else the trainer's tensors) through the route's narrowest link (`config/sync_plan.py`): an engine's NIC (buckets to other nodes), an engine GPU's host link (buckets through shared memory), each trainer GPU's NVLink or NIC as it gathers the whole model (`device_ipc`, `vllm_ipc`: NVLink when the ranks it gathers from lie within one NVLink domain; with a pipeline, Megatron's rank order spreads them over the whole trainer), trainer rank 0's NIC (`vllm_nccl`), a memory copy on the CPU; × η_sync |
 
 The step: `run.mode=sync` (and `offline`) adds the phases. `async` with the engines on nodes of
 their own overlaps the generation with the trainer (`moe_rl/orchestration/loop.py`): at
@@ -571,7 +580,8 @@ The collectives are the only terms no factor scales: their latency is NCCL's own
 for a ring and 4.4 µs for a tree, a hop of 0.47 / 0.52 µs over NVLink, ×1.8 when the communicator
 spans nodes, and 2.7 / 5.0 µs over the network; the lower of ring and tree), their bytes go at the
 links' datasheet rates. A TP-32 engine over four H100 nodes pays 37.5 µs an all-reduce, 122 of
-them a DeepSeek-V3 decode step; a TP-2 engine within a node 4.5 µs.
+them a DeepSeek-V3 decode step; a TP-2 engine within a node 4.5 µs. NeMo-RL v0.6's refit, in the
+comparison with its published runs below, is collectives too (a gather and a broadcast).
 
 Bad input: an unknown `cluster.gpu_type` is refused when the recipe loads, in one line naming the
 known ones; `auto` with a memory size no known GPU has says to set `cluster.gpu_type`; a KV cache
@@ -594,7 +604,9 @@ four nodes of 8 H100 (64 prompts × 32 samples of up to 4,096 tokens), published
 on-policy step on 32 colocated GPUs ({next(r.seconds for r in STEPS if r.label == c.serial):g} s), the one-step-off step on
 16 + 16 GPUs ({next(r.seconds for r in STEPS if r.label == c.overlapped):g} s) and its refit (0.74–1.00 s). Three figures, three factors: the
 refit fixes η_sync; the serial step, the sum of every phase, and the overlapped step, the longer of
-its two sides, fix η_gen and the MFU (the collectives, at their own rates, are outside the factors).
+its two sides, fix η_gen and the MFU (the collectives, at their own rates, are outside the factors:
+among them the refit inside those steps, which is v0.6's gather and broadcast, below, not the
+resharded transfer of the refit figure, a later NeMo-RL feature).
 Where more than one split reproduces both steps, the fit keeps the one whose MFU is nearest the
 measured one ({c.mfu_source}: {c.measured_mfu:.3f}).
 
@@ -607,8 +619,8 @@ measured one ({c.mfu_source}: {c.measured_mfu:.3f}).
 Every other row below is a prediction. Why this configuration: it is the regime of the recipes this
 project ships (engines within a node or two, one pipeline stage, micro-batches of thousands of
 tokens). NeMo-RL's DeepSeek-V3 runs are not (below); fitted on them instead, the model meets the
-target on {other_within} of {len(STEPS)} rows against {within} (the sensitivity table), by being slow enough to
-cancel the GB200 runs' shortfall while missing the Qwen3 runs on H100. Neither fit holds
+target on {other_within} of {len(STEPS)} rows against {within} (the sensitivity table), missing {"; ".join(other_misses)}
+where the shipped fit misses {"; ".join(misses)}. Neither fit holds
 both families within 2×: the model has one factor per phase, and the two families need factors
 {eff.generation / ds_eff.generation:.1f}× (generation) and {eff.train_mfu / ds_eff.train_mfu:.1f}× (training) apart.
 
@@ -632,48 +644,64 @@ response budget; `cluster.mean_length_fraction` its published mean length over i
 default KL penalty (0.01), so a reference pass; a colocated step releases everything the trainer
 holds and the engines sleep at level 1 (NeMo-RL offloads the optimizer and the weights); an
 N-step-off run is `run.mode=async` with `run.async_depth` N + 1 and in-flight updates (NeMo-RL's
-trainer overlaps all of its step with the generation; a trajectory may be N versions old, so its
-engines hold the prompts of the step they generate and of the N after it, and in-flight weight
-updates never drain them); `trainer.recompute_activations` as the NeMo-RL recipe's
-`activation_checkpointing` (DeepSeek-V3 and Qwen3-235B: on; Qwen3-30B-A3B: off); its refit is the
-resharded transfer above (no route of this project). FP8 training runs as bf16 here.
+trainer overlaps all of its step, π_old and reference included, with the generation), its engines
+holding N batches at once (NeMo-RL v0.6 `nemo_rl/algorithms/async_utils.py`: at most
+`num_prompts_per_step × max_trajectory_age_steps` prompt groups in flight, the next batch's groups
+taking the places the last one's finished ones leave); `trainer.recompute_activations` as the NeMo-RL
+recipe's `activation_checkpointing` (DeepSeek-V3 and Qwen3-235B: on; Qwen3-30B-A3B: off). FP8
+training runs as bf16 here.
+
+Its refit is NeMo-RL v0.6's, which the published steps ran (the resharded transfer of the refit
+table came after v0.6.0): `refit_policy_generation` in `nemo_rl/algorithms/grpo.py` takes the
+weights from Megatron-Bridge's `export_hf_weights`, which broadcasts every tensor from the pipeline
+stage that holds it to every stage and all-gathers the experts over the expert-parallel group, so
+every trainer GPU receives the whole bf16 model; colocated, it hands them to its engine through
+CUDA IPC; with the engines on nodes of their own, trainer rank 0 broadcasts them to every engine GPU
+(`packed_broadcast_producer`, two buffers, so the broadcast of one overlaps the gathering of the
+next). The gather goes over NVLink only when the ranks a GPU gathers from share one NVLink domain:
+with a pipeline, Megatron's rank order (`tp-cp-ep-dp-pp`, the pipeline outermost) spreads them over
+the whole trainer. Both are collectives, at the links' datasheet rates: {ds_refit:.1f} s a step for
+DeepSeek-V3 (1.34 TB through each GPU's 400 Gb/s NIC), {q30_refit:.2f} s for the calibration's on-policy
+run (EP 8 within a node, over NVLink).
 
 ### Where it misses, and why
 
-- **DeepSeek-V3 on H100** ({min(dsv3_h100):.2f}–{max(dsv3_h100):.2f}): the model is {1 / max(dsv3_h100):.1f}–{1 / min(dsv3_h100):.1f}× too fast. Its engines are TP 32
-  over four nodes and its trainer a 16-stage pipeline with expert parallelism across two nodes and
-  the activation recompute; the model counts what those layouts cost by sourced constants: the
-  122 all-reduces of every decode step at NCCL's modelled 37.5 µs (+ their bytes through the NIC),
-  {ds_comm:.1f} s of the on-policy step on 256 GPUs; the all-to-all of the experts through the NIC; the
-  recompute's fourth forward. That brings the on-policy run on 256 GPUs to the target's edge and
-  leaves the others short: fitted on its own three figures (sensitivity table) this configuration
-  needs η_gen {ds_eff.generation:.3g} and an MFU of {ds_eff.train_mfu:.3g}, {eff.generation / ds_eff.generation:.1f}× and {eff.train_mfu / ds_eff.train_mfu:.1f}× below the Qwen3-30B-A3B fit. What remains
-  has no sourced constant: the efficiency of experts cut into 64-column slices across 32 GPUs, the
-  engines' per-step host work across four nodes, a trainer with some 1,400 tokens a GPU per pass.
-  The one-step-off runs miss most ({by_label["DeepSeek-V3, 256+256 H100, 1-step off"]:.2f} and {by_label["DeepSeek-V3 FP8, 256+256 H100, 1-step off"]:.2f}): the model overlaps their two sides
-  fully, each some 15–20 s, where the published step is {by_seconds["DeepSeek-V3, 256+256 H100, 1-step off"]:g} s. NeMo-RL tracks its DeepSeek-V3
-  performance work in its issue #1478.
+- **DeepSeek-V3** (H100 {min(dsv3_h100):.2f}–{max(dsv3_h100):.2f}): within 2× once the refit is v0.6's. Its pipeline of
+  16 stages spreads every GPU's gather over the trainer, so each step moves the whole bf16 model
+  through every GPU's NIC ({ds_refit:.1f} s), on H100 and GB200 alike (the same 400 Gb/s NIC) and
+  whatever the GPU count: the part of those steps that does not shrink as GPUs are added, which
+  is why NeMo-RL's runs scale weakly ({by_seconds["DeepSeek-V3, 256 H100, on-policy"]:g} s on 256 H100, {by_seconds["DeepSeek-V3, 512 H100, on-policy"]:g} s on 512). The model is still
+  {1 / max(dsv3_h100):.1f}–{1 / min(dsv3_h100):.1f}× too fast: its engines are TP 32 over four nodes (the 122 all-reduces of every decode step
+  at NCCL's modelled 37.5 µs, {ds_comm:.1f} s of the on-policy step on 256 GPUs, are in) and its trainer a
+  16-stage pipeline with expert parallelism across two nodes; fitted on its own three figures
+  (sensitivity table) this configuration needs η_gen {ds_eff.generation:.3g} and an MFU of {ds_eff.train_mfu:.3g},
+  {eff.generation / ds_eff.generation:.1f}× and {eff.train_mfu / ds_eff.train_mfu:.1f}× below the Qwen3-30B-A3B fit, and no sourced constant says
+  where that goes (the experts' GEMMs get some 770 tokens each per micro-batch of 1,536 packed
+  tokens, above the H100's roofline ridge of 295 FLOP per byte, so reading their weights does not
+  bound them). One thing of those runs the model leaves out would make it faster still: their
+  engines decode with one MTP draft token (`speculative_config: deepseek_mtp`).
 - **GB200** ({min(gb200):.2f}–{max(gb200):.2f}; {gb200_within} of {len(gb200)} within 2×): the constants give a GB200 2.5× an H100's FLOP/s and 2.4× its memory
   bandwidth; on as many GPUs, NeMo-RL's GB200 steps are {same_count}, and per GPU
   its Qwen3-30B-A3B one-step-off run on 8 + 8 GB200 processes as many tokens a second as the one on
-  16 + 16 H100 (1,406 and 1,414 tokens/s/GPU published). What is physically in those recipes does
-  not account for it: the same layouts as on H100 (the 4-GPU trays inside one 72-GPU NVLink domain,
-  which makes the TP-32 engines' all-reduces cheaper, not dearer), bf16 throughout (no FP8), vLLM's
-  Triton MoE kernels (pinned for refits), DeepSeek-V3 without sequence packing (micro-batches of one
-  sequence, which shrinks the pipeline's bubble). A factor fitted on H100 does not carry to the
-  Blackwell software of these runs, and no sourced constant says by how much, so the model keeps the
-  datasheet and misses. NeMo-RL's runs also scale weakly with their GPUs (Qwen3-235B on GB200:
-  {by_seconds["Qwen3-235B, 64 GB200, on-policy"]:g} s on 64, {by_seconds["Qwen3-235B, 128 GB200, on-policy"]:g} s on 128; DeepSeek-V3 on H100: {by_seconds["DeepSeek-V3, 256 H100, on-policy"]:g} s on 256,
-  {by_seconds["DeepSeek-V3, 512 H100, on-policy"]:g} s on 512), where the model divides each phase's work over the GPUs that do
-  it, so the larger run of a pair misses more.
-- **Qwen3-30B-A3B eight steps off on 128 + 64 H100** ({by_label["Qwen3-30B-A3B, 128+64 H100, 8-step off"]:.2f}) is within: an engine
-  holding one batch's 64 samples would make it 2.1× too slow; a trajectory may be eight versions old, so NeMo-RL's
-  engines hold the prompts of several steps, as many as their KV cache takes (some 210 sequences
-  each at 0.8 of an H100), and decode those at once: the same weights read a step serve three
-  times the tokens.
-- **Refits**: the transfer is the shard's bytes through one NIC at η_sync; the resharded path's
-  fixed costs (per-tensor calls, the FP8 recipe's quantization) are folded into η_sync, so a refit
-  whose bytes differ much from the calibration's misses by the share of those costs.
+  16 + 16 H100 (1,406 and 1,414 tokens/s/GPU published). Megatron itself does not explain it: its
+  own pretraining of Qwen3-30B-A3B runs at 599 TFLOP/s per GB200 against 206 per H100
+  (Megatron-Bridge `docs/performance-summary-archive.md`, 26.04.01 container). What is physically in
+  the RL recipes does not account for it either: the same layouts as on H100 (the 4-GPU trays inside
+  a 72-GPU NVLink domain, which makes the TP-32 engines' all-reduces cheaper, not dearer), bf16
+  throughout, sequence packing on, vLLM's Triton MoE kernels (pinned for refits). A factor fitted on
+  H100 does not carry to the Blackwell software of these runs, and no sourced constant says by how
+  much, so the model keeps the datasheet and misses three runs: Qwen3-235B on-policy on 128 ({by_label["Qwen3-235B, 128 GB200, on-policy"]:.2f}; published slower than on 64,
+  {by_seconds["Qwen3-235B, 128 GB200, on-policy"]:g} s against {by_seconds["Qwen3-235B, 64 GB200, on-policy"]:g} s), and the one-step-off runs of Qwen3-235B ({by_label["Qwen3-235B, 64+64 GB200, 1-step off"]:.2f}) and
+  Qwen3-30B-A3B ({by_label["Qwen3-30B-A3B, 8+8 GB200, 1-step off"]:.2f}).
+- **Qwen3-30B-A3B eight steps off on 128 + 64 H100** ({by_label["Qwen3-30B-A3B, 128+64 H100, 8-step off"]:.2f}) is within: with its engines
+  holding one batch at a time it would be {one_batch:.2f}× the published step; a trajectory may be eight
+  versions old, so NeMo-RL's engines hold the prompts of eight steps, as many as their KV cache takes
+  (some 210 sequences each at 0.8 of an H100), and decode those at once: the same weights read a
+  step serve several times the tokens. (Holding the {eight.off_policy + 1} batches of `run.async_depth`
+  {eight.off_policy + 1} instead: {depth_held:.2f}.)
+- **Refits** (the table): the resharded transfer is the shard's bytes through one NIC at η_sync;
+  its fixed costs (per-tensor calls, the FP8 recipe's quantization) are folded into η_sync, so a
+  refit whose bytes differ much from the calibration's misses by the share of those costs.
 
 ### Sensitivity: fitted on DeepSeek-V3 instead
 

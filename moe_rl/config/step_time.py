@@ -45,7 +45,12 @@ trainer rank alike):
   micro-batches per data-parallel rank and mini-batch.
 * **weight sync** (network, or memory in one process): the bytes that travel (the rollout recipe's
   on a quantized wire, else the tensors as the trainer holds them, bf16 into vLLM) through the route's
-  narrowest link (`sync_link`), times ``η_sync``.
+  narrowest link (`sync_cost`), times ``η_sync``; each trainer GPU gathers the whole model
+  through NVLink only when the ranks it gathers from lie within one NVLink domain
+  (`model_parallel_span`: with a pipeline, Megatron's rank order spreads them over the whole
+  trainer). NeMo-RL v0.6's refit, which the comparison with its published runs describes
+  (`gathered_sync_cost`), is two collectives, the gather and trainer rank 0's broadcast to the
+  engines, at the links' datasheet rates, which no factor scales.
 
 The step: ``run.mode=sync`` (and ``offline``) runs the phases one after another. ``async`` on nodes
 of their own overlaps the generation with the trainer (`moe_rl/orchestration/loop.py`): at
@@ -149,7 +154,8 @@ class Efficiency:
     """π_old, reference and training: model FLOP utilization outside the pipeline's bubble (the
     recipe's ``cluster.train_mfu`` replaces it)."""
     sync: float
-    """Weight sync and offload: of the link's bandwidth."""
+    """Weight sync and offload: of the link's bandwidth (a sync that is a collective, as
+    `gathered_sync_cost`'s, runs at the datasheet rate instead)."""
 
 
 FITTED = Efficiency(generation=0.435, train_mfu=0.11, sync=0.175)
@@ -502,15 +508,18 @@ def model_parallel_span(config: RecipeConfig) -> int:
 def gather_gbps(config: RecipeConfig, machine: Machine) -> float:
     """The link through which each trainer GPU gathers the whole model: NVLink when the ranks it
     gathers from lie within one NVLink domain (`model_parallel_span`), else its NIC."""
-    return machine.nvlink_gbps if model_parallel_span(config) <= machine.nvlink_domain else machine.network_gbps
+    return (
+        machine.nvlink_gbps if model_parallel_span(config) <= machine.nvlink_domain else machine.network_gbps
+    )
 
 
 def sync_cost(config: RecipeConfig, counts: ParamCounts, sync: SyncPlan, machine: Machine) -> SyncCost:
     """The route's narrowest link and the bytes through it (each engine takes the whole model): one
     process's memory copy; shared memory (the host link of an engine's GPU) or the engine's NIC for
-    buckets; each trainer GPU gathering the whole model (NVLink within a domain, else its NIC) on the
-    routes where every rank sends it; trainer rank 0's NIC for vLLM's NCCL transfer."""
-    c, p = config.cluster, config.parallel
+    buckets; each trainer GPU gathering the whole model (`gather_gbps`: NVLink when the ranks it
+    gathers from share a domain, else its NIC) on the routes where every rank sends it; trainer
+    rank 0's NIC for vLLM's NCCL transfer."""
+    c = config.cluster
     nbytes, route = sync_bytes(config, counts, sync), f"{sync.route}: "
     if c.gpus_per_node == 0 or sync.route == SyncRoute.IN_PROCESS:
         return SyncCost(nbytes, machine.host_gbps, Bound.MEMORY, route + "a memory copy on the host")

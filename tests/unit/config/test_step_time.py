@@ -24,7 +24,10 @@ from moe_rl.config.step_time import (
     allreduce_seconds,
     alltoall_seconds,
     experts_touched,
+    gather_gbps,
+    gathered_sync_cost,
     machine_of,
+    model_parallel_span,
     resharded_sync_cost,
     step_time,
     sync_cost,
@@ -233,6 +236,78 @@ def test_resharded_sync_moves_each_engine_gpu_its_shard():
     cost = resharded_sync_cost(config, counts, MACHINES[GpuType.H100])
     assert cost.nbytes == counts.total * 2 / 32
     assert cost.gbps == 50.0
+
+
+def test_the_gather_spans_the_trainer_with_a_pipeline():
+    """Megatron's rank order puts the pipeline outermost: with PP > 1 a rank gathers from ranks all
+    over the trainer; without, from its contiguous tensor- or expert-parallel group."""
+    h100, gb200 = MACHINES[GpuType.H100], MACHINES[GpuType.GB200]
+    ep8 = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", ["parallel.trainer_world_size=32"])
+    assert model_parallel_span(ep8) == 8
+    assert gather_gbps(ep8, h100) == 450.0  # one node's NVLink
+    pp2 = load_recipe(
+        RECIPES / "qwen3_30b_a3b.yaml",
+        ["parallel.trainer_world_size=16", "parallel.pipeline_model_parallel_size=2"],
+    )
+    assert model_parallel_span(pp2) == 16  # 2 stages x EP 8 over 16 GPUs: two H100 nodes
+    assert gather_gbps(pp2, h100) == 50.0
+    assert gather_gbps(pp2, gb200) == 900.0  # within one 72-GPU NVLink domain
+    wide = load_recipe(
+        RECIPES / "qwen3_30b_a3b.yaml",
+        ["parallel.trainer_world_size=128", "parallel.pipeline_model_parallel_size=4"],
+    )
+    assert model_parallel_span(wide) == 128  # EP 8 x PP 4 is 32 ranks, but 32 apart
+    assert gather_gbps(wide, gb200) == 50.0
+
+
+def test_nemo_rl_v06_refit_is_a_gather_and_a_broadcast_at_datasheet_rates():
+    """DeepSeek-V3 (bf16) colocated on 256 H100 with PP 16 x EP 16: every GPU gathers the whole
+    model through its NIC (50 GB/s) and hands it to its engine; on nodes of their own, trainer
+    rank 0 broadcasts it through its NIC too, overlapped with the gather: the slower link, 50 GB/s.
+    No factor scales either: η_sync 0.5 leaves the time at bytes / 50 GB/s."""
+    layout = [
+        "cluster.gpu_type=h100", "parallel.trainer_world_size=256", "parallel.tensor_model_parallel_size=1",
+        "parallel.expert_model_parallel_size=16", "parallel.pipeline_model_parallel_size=16",
+        "rollout.tensor_parallel_size=32", "rollout.num_engines=8",
+    ]  # fmt: skip
+    colocated = load_recipe(RECIPES / "deepseek_v3.yaml", [*layout, "cluster.nodes=32", "cluster.trainer_nodes=32",
+                                                           "cluster.rollout_nodes=0"])  # fmt: skip
+    counts = count_params(colocated.model)
+    h100 = MACHINES[GpuType.H100]
+    cost = gathered_sync_cost(colocated, counts, h100)
+    assert (cost.nbytes, cost.gbps, cost.scaled) == (counts.total * 2, 50.0, False)
+    assert "CUDA IPC" in cost.words
+    assert cost.seconds(0.5) == pytest.approx(counts.total * 2 / 50e9)
+    assert cost.seconds(0.5) == pytest.approx(26.8, abs=0.1)  # 1.34 TB through a 400 Gb/s NIC
+    # Qwen3-30B-A3B, EP 8 within a node (no pipeline): the gather runs over NVLink; with the engines
+    # on nodes of their own the broadcast from trainer rank 0's NIC is the slower of the two
+    q = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", ["parallel.trainer_world_size=16"])
+    qc = count_params(q.model)
+    apart = gathered_sync_cost(q, qc, h100)
+    assert (apart.nbytes, apart.gbps) == (qc.total * 2, 50.0)
+    assert "broadcast from trainer rank 0's NIC" in apart.words
+    together = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", [
+        "parallel.trainer_world_size=32", "cluster.nodes=4", "cluster.trainer_nodes=4", "cluster.rollout_nodes=0",
+        "rollout.num_engines=16", "rollout.tensor_parallel_size=2",
+    ])  # fmt: skip
+    assert gathered_sync_cost(together, qc, h100).gbps == 450.0
+    # in a step: the sync phase is the bytes at the datasheet rate, whatever η_sync
+    t = step_time(together, gathered_sync_cost(together, qc, h100), 0.0, Efficiency(1.0, 1.0, 0.1))
+    assert t.phase("weight sync").seconds == pytest.approx(qc.total * 2 / 450e9)
+
+
+def test_the_engines_hold_the_batches_in_flight_they_are_given():
+    """Depth 2 on nodes of their own: by default the engine holds 2 batches of 4 samples (8 in
+    flight, ceil(4 x 10 / 8) = 5 steps); told that one batch is in flight (NeMo-RL's one step off),
+    4 in flight and ceil(4 x 10 / 4) = 10 steps of the hand model."""
+    config = _hand(*APART, "run.mode=async", "run.async_depth=2", "run.max_staleness=2")
+    default = _step(config)
+    assert "5 steps, 8 sequences in flight (continuous batching)" in default.phase("decode").detail
+    one = step_time(config, sync_plan(config, "cuda"), 0.0, ONE, batches_in_flight=1)
+    per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + (1 - 0.75**4) * EXPERT_BYTES
+    kv = 4 * (5 * 10 + 50) * KV_TOKEN
+    assert one.phase("decode").seconds == pytest.approx((10 * per_step + kv) / H100_HBM)
+    assert "10 steps, 4 sequences in flight (continuous batching)" in one.phase("decode").detail
 
 
 def test_offload_moves_the_released_bytes_and_the_engine_weights_out_and_back():
