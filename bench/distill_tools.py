@@ -141,7 +141,7 @@ def make_teacher(out: Path, seed: int, sft_steps: int, rl_steps: int, demonstrat
     return run
 
 
-DEFAULT_RL_STEPS = 400
+DEFAULT_RL_STEPS = 800
 TEACHER_RL_STEPS = 100
 """The teacher's RL steps after its SFT (`--teacher-rl-steps`)."""
 

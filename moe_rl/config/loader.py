@@ -36,7 +36,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moe_rl.config.schema import CHOICES, RecipeConfig
+from moe_rl.config.schema import CHOICES, LIST_CHOICES, RecipeConfig
 from moe_rl.config.validate import check_values
 from moe_rl.errors import BRIEF_CHARS, ConfigError, brief, clip
 
@@ -252,9 +252,12 @@ def _all_paths(cls: type, prefix: str = "") -> list[str]:
 def _unknown_key(key: str, cls: type, path: str, source: str) -> ConfigError:
     valid = list(_field_types(cls))
     full = f"{path}{key}"
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    if not close:  # maybe the key belongs to another section: match on the last component
-        paths = _all_paths(RecipeConfig)
+    paths = _all_paths(RecipeConfig)
+    elsewhere = [p for p in paths if p.rsplit(".", 1)[-1] == key]  # the key itself, in other sections
+    close = [] if elsewhere else difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if elsewhere:
+        hint = f"; did you mean {' or '.join(f'`{c}`' for c in elsewhere)}?"
+    elif not close:  # maybe the key belongs to another section: match on the last component
         leaves = sorted({p.rsplit(".", 1)[-1] for p in paths})
         leaf = difflib.get_close_matches(key, leaves, n=1, cutoff=0.8)
         if leaf:  # every section that holds it (`lr`: critic.lr, trainer.lr)
@@ -320,15 +323,24 @@ def _typed_modes(data: dict[str, Any], path: str = "") -> dict[str, Any]:
         mode = CHOICES.get(full)
         if isinstance(value, dict):
             value = _typed_modes(value, f"{full}.")
+        elif full in LIST_CHOICES and isinstance(value, list | tuple):
+            value = [_member(LIST_CHOICES[full], item, full) for item in value]
         elif mode is not None and value is not None and not isinstance(value, Enum):
-            text = str(value)
-            try:
-                value = mode(text)
-            except ValueError:
-                valid = ", ".join(member.value for member in mode)
-                raise ConfigError(f"{full}={brief(text)} is not one of: {valid}") from None
+            value = _member(mode, value, full)
         out[key] = value
     return out
+
+
+def _member(mode: type[Enum], value: Any, field: str) -> Enum:
+    """``value`` as a member of ``mode`` (by its text), or a `ConfigError` naming ``field``."""
+    if isinstance(value, Enum):
+        return value
+    text = str(value)
+    try:
+        return mode(text)
+    except ValueError:
+        valid = ", ".join(member.value for member in mode)
+        raise ConfigError(f"{field}={brief(text)} is not one of: {valid}") from None
 
 
 def _expected_type(full_key: str) -> str:

@@ -26,6 +26,30 @@ class CriticInit(StrEnum):
     CHECKPOINT = "checkpoint"
 
 
+class LoraTarget(StrEnum):
+    """``lora.targets``: the linear layers that carry adapters."""
+
+    ATTENTION = "attention"
+    """The attention projections: GQA's QKV and output; MLA's query (or query-up), key-value-up and
+    output projections (not its down projections to the latents: Megatron's MLA builds those only
+    as its own classes)."""
+    DENSE_MLP = "dense_mlp"
+    """The feed-forward of the dense layers."""
+    EXPERTS = "experts"
+    """Every routed expert's two linears (an adapter per expert)."""
+    SHARED_EXPERTS = "shared_experts"
+    """The shared experts' linears."""
+
+
+class LoraInit(StrEnum):
+    """``lora.init``: how ``A`` starts (``B`` starts at zero, so a fresh adapter changes nothing)."""
+
+    KAIMING = "kaiming"
+    """Kaiming-uniform over the input features (the usual LoRA start)."""
+    GAUSSIAN = "gaussian"
+    """Normal with standard deviation 1/rank."""
+
+
 class RunMode(StrEnum):
     """``run.mode``: on-policy, one-step-off-policy, or offline (DGO)."""
 
@@ -235,6 +259,22 @@ def choice_fields(section: type, prefix: str = "") -> dict[str, type[StrEnum]]:
             if not issubclass(tp, StrEnum):
                 raise TypeError(f"{path}: {tp.__name__} is an Enum; a choice field's mode is a StrEnum")
             found[path] = tp
+    return found
+
+
+def list_choice_fields(section: type, prefix: str = "") -> dict[str, type[StrEnum]]:
+    """Every field of ``section`` (and its nested sections) typed ``list[Mode]``, by dotted path:
+    each item is a choice of the mode."""
+    found: dict[str, type[StrEnum]] = {}
+    hints = typing.get_type_hints(section)
+    for field in dataclasses.fields(section):
+        path, tp = f"{prefix}{field.name}", _without_none(hints[field.name])
+        if dataclasses.is_dataclass(tp):
+            found |= list_choice_fields(tp, f"{path}.")
+        elif typing.get_origin(tp) is list:
+            (item,) = typing.get_args(tp)
+            if isinstance(item, type) and issubclass(item, StrEnum):
+                found[path] = item
     return found
 
 

@@ -34,6 +34,8 @@ from moe_rl.config.modes import (
     GpuType,
     Granularity,
     LogLevel,
+    LoraInit,
+    LoraTarget,
     LrDecay,
     Precision,
     QuantMethod,
@@ -46,6 +48,7 @@ from moe_rl.config.modes import (
     ScoreFunction,
     SyncRoute,
     choice_fields,
+    list_choice_fields,
 )
 from moe_rl.device import RunDevice
 
@@ -458,6 +461,28 @@ class CriticConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """Rank of every adapter (0: no adapters, the full weights train). With adapters the policy's
+    own weights stay frozen: no gradients, no optimizer state; each target linear computes
+    ``W·x + (alpha/rank)·B·A·x`` (`moe_rl.megatron.lora`)."""
+    alpha: float = 16.0
+    """The adapters' scale numerator: their product is multiplied by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training (0 ≤ p < 1)."""
+    targets: list[LoraTarget] = field(
+        default_factory=lambda: [
+            LoraTarget.ATTENTION, LoraTarget.DENSE_MLP, LoraTarget.EXPERTS, LoraTarget.SHARED_EXPERTS
+        ]
+    )  # fmt: skip
+    """The linears that carry adapters: `attention`, `dense_mlp`, `experts`, `shared_experts`."""
+    init: LoraInit = LoraInit.KAIMING
+    """How each ``A`` starts (`kaiming`, `gaussian`); ``B`` starts at zero."""
+    train_router: bool = False
+    """Train the routers' own weights too (whole; they are small). Off: the routers stay frozen."""
+
+
+@dataclass
 class TeacherConfig:
     path: str | None = None
     """The teacher of on-policy distillation (`algo.distill.coef` > 0): a run directory (its newest
@@ -709,6 +734,8 @@ class RecipeConfig:
     """The value model of PPO with a critic (`algo.advantage=gae`); unread otherwise."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """The teacher of on-policy distillation (`algo.distill.coef` > 0); unread otherwise."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters on the policy's linears, its own weights frozen (`lora.rank` > 0)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Optimization."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -723,6 +750,8 @@ class RecipeConfig:
     """Outputs."""
 
 
+LIST_CHOICES: dict[str, type[StrEnum]] = list_choice_fields(RecipeConfig)
+"""The recipe's fields that list choices of a mode (``lora.targets``)."""
 CHOICES: dict[str, type[StrEnum]] = choice_fields(RecipeConfig)
 """Every choice field of the recipe and its mode (the one list of valid values), read from the
 field types above: typing a field with a mode makes it a choice the loader checks."""

@@ -30,9 +30,9 @@ from moe_rl.algo.modes import (
     Objective,
 )
 from moe_rl.config.derived import longest_sequence, response_limit_key
-from moe_rl.config.modes import Attention, CriticInit, Engine, ReplayMode, RopeScaling, RunMode
+from moe_rl.config.modes import Attention, CriticInit, Engine, LoraTarget, ReplayMode, RopeScaling, RunMode
 from moe_rl.config.schema import CHOICES as MODES
-from moe_rl.config.schema import CriticConfig, ModelConfig, RecipeConfig
+from moe_rl.config.schema import CriticConfig, LoraConfig, ModelConfig, RecipeConfig
 from moe_rl.errors import ConfigError, brief
 from moe_rl.rules import Rule
 
@@ -93,6 +93,9 @@ RANGES: dict[str, Bound] = {
     **_each(Bound(lambda v: 0 <= v <= 1, "in [0, 1]"), "algo.gae.gamma", "algo.gae.lam"),
     **_each(POSITIVE, "critic.lr", "critic.clip"),
     "algo.distill.coef": NON_NEGATIVE,
+    "lora.rank": NON_NEGATIVE,
+    "lora.alpha": POSITIVE,
+    "lora.dropout": UNIT_FROM_ZERO,
     **_each(NON_NEGATIVE, "critic.weight_decay", "critic.grad_clip", "critic.warmup_steps"),
     **_each(POSITIVE, "trainer.lr", "trainer.num_mini_batches", "trainer.max_tokens_per_microbatch",
             "trainer.logprob_chunk_size", "trainer.adam_eps"),
@@ -551,6 +554,29 @@ def _check_env(config: RecipeConfig) -> None:
              "(remove env.name; `moe-rl sft` trains on an environment's demonstrations)")  # fmt: skip
 
 
+def _check_lora(config: RecipeConfig) -> None:
+    lora = config.lora
+    changed = sorted(
+        f"lora.{f.name}={brief(getattr(lora, f.name))}"
+        for f in dataclasses.fields(lora)
+        if f.name != "rank" and getattr(lora, f.name) != getattr(LoraConfig(), f.name)
+    )
+    _require(
+        lora.rank > 0 or not changed,
+        f"{', '.join(changed)} with lora.rank=0: adapters exist only with lora.rank > 0 (the full weights "
+        "train otherwise); set lora.rank or drop the lora: section",
+    )
+    _require(
+        lora.rank == 0 or bool(lora.targets),
+        f"lora.rank={lora.rank} with lora.targets=[]: name the linears that carry adapters "
+        f"({', '.join(LoraTarget)})",
+    )
+    _require(
+        lora.rank == 0 or len(set(lora.targets)) == len(lora.targets),
+        f"lora.targets={brief([str(t) for t in lora.targets])} names a target twice",
+    )
+
+
 _CHECKS: tuple[tuple[str, Callable[[RecipeConfig], None]], ...] = (
     ("values", check_values),
     ("model", _check_model),
@@ -558,6 +584,7 @@ _CHECKS: tuple[tuple[str, Callable[[RecipeConfig], None]], ...] = (
     ("schedule", _check_schedule),
     ("algorithm", _check_algo),
     ("quantization recipe", _check_quant),
+    ("LoRA", _check_lora),
     ("data", _check_data),
     ("environment", _check_env),
 )

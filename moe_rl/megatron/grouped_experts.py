@@ -16,6 +16,9 @@ expert after another with plain matrix products: the exact fallback. What it can
 ``SequentialMLP`` does (expert biases, FP8/FP4 training, probabilities applied on the input,
 activations other than SwiGLU, clamped GLU, expert linears that were converted or hooked, as
 ModelOpt's quantization does) it hands to ``SequentialMLP.forward``.
+
+LoRA: expert linears with adapters (`moe_rl.megatron.lora`) add each expert's ``s·B·A·x`` in both
+paths, as two more grouped products of the stacked adapter factors.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from moe_rl.megatron.lora import has_adapter
 
 ALIGN_BYTES = 16
 """`torch._grouped_mm` needs every row stride to be a multiple of 16 bytes."""
@@ -88,7 +93,8 @@ class GroupedExperts(SequentialMLP):
         hidden, probs = permuted_local_hidden_states, permuted_probs
         experts = list(self.local_experts)
         ffn = experts[0].linear_fc1.weight.shape[0]
-        if grouped_mm_runs(hidden.device, hidden.dtype, hidden.shape[-1], ffn, ffn // 2):
+        ranks = [experts[0].linear_fc1.lora_a.shape[0]] if has_adapter(experts[0].linear_fc1) else []
+        if grouped_mm_runs(hidden.device, hidden.dtype, hidden.shape[-1], ffn, ffn // 2, *ranks):
             self.kernel = "grouped_mm"
             return self._grouped(hidden, tokens_per_expert, probs, experts), None
         self.kernel = "loop"
@@ -101,19 +107,40 @@ class GroupedExperts(SequentialMLP):
         return (out * probs.unsqueeze(-1)).to(out.dtype)
 
     def _grouped(self, hidden, tokens_per_expert, probs, experts) -> torch.Tensor:
-        fc1 = torch.stack([e.linear_fc1.weight for e in experts])  # [E, 2F, H]
-        fc2 = torch.stack([e.linear_fc2.weight for e in experts])  # [E, H, F]
         counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int32)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        inner = torch._grouped_mm(hidden, fc1.transpose(1, 2), offs=offsets)
-        return torch._grouped_mm(self._glu(inner, probs), fc2.transpose(1, 2), offs=offsets)
+        inner = _grouped_product([e.linear_fc1 for e in experts], hidden, offsets)  # [T, 2F]
+        return _grouped_product([e.linear_fc2 for e in experts], self._glu(inner, probs), offsets)
 
     def _loop(self, hidden, tokens_per_expert, probs, experts) -> torch.Tensor:
         counts = tokens_per_expert.tolist()
         outputs = [
-            F.linear(self._glu(F.linear(tokens, e.linear_fc1.weight), p), e.linear_fc2.weight)
+            _product(e.linear_fc2, self._glu(_product(e.linear_fc1, tokens), p))
             for e, tokens, p in zip(
                 experts, torch.split(hidden, counts), torch.split(probs, counts), strict=True
             )
         ]
         return torch.cat(outputs, dim=0)
+
+
+def _product(linear, x: torch.Tensor) -> torch.Tensor:
+    """What one expert linear computes on its tokens: ``x·Wᵀ``, plus its LoRA adapter's product."""
+    out = F.linear(x, linear.weight)
+    if has_adapter(linear):
+        low = F.linear(linear.lora_dropout(x), linear.lora_a)
+        out = out + linear.lora_scale * F.linear(low, linear.lora_b)
+    return out
+
+
+def _grouped_product(linears: list, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`_product` of every expert on its rows of ``x`` (sorted by expert, ``offsets`` their ends) as
+    grouped matrix products: the stacked weights, then the stacked adapters' two factors."""
+    weights = torch.stack([linear.weight for linear in linears])  # [E, out, in]
+    out = torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
+    first = linears[0]
+    if has_adapter(first):
+        a = torch.stack([linear.lora_a for linear in linears])  # [E, rank, in]
+        b = torch.stack([linear.lora_b for linear in linears])  # [E, out, rank]
+        low = torch._grouped_mm(first.lora_dropout(x), a.transpose(1, 2), offs=offsets)
+        out = out + first.lora_scale * torch._grouped_mm(low, b.transpose(1, 2), offs=offsets)
+    return out

@@ -21,6 +21,9 @@ Tables map Megatron suffixes under ``decoder.layers.{layer}.`` (and under
 own layers (``TransformerLayer.layer_number`` carries the offset) and an expert-parallel rank its
 own experts (``MoELayer.local_expert_indices``).
 
+LoRA: a linear with an adapter exports (and syncs) its merged weight ``W + s·B·A``; the adapter's
+own tensors have no HF name and are not loaded from an HF folder (`moe_rl.megatron.lora`).
+
 Tensor parallelism: a tensor Megatron splits (its ``tensor_model_parallel`` / ``partition_dim``
 attributes) is all-gathered over the tensor-parallel group (the expert-tensor-parallel group for
 routed experts) on export and cut to this rank's shard on load, so every TP rank must call
@@ -187,11 +190,25 @@ def _attention_kind(config) -> str:
 
 
 def _local_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Parameters and persistent buffers of a (possibly DDP-wrapped) GPTModel, in order."""
+    """Parameters and persistent buffers of a (possibly DDP-wrapped) GPTModel, in order; a LoRA
+    adapter's tensors are not among them (an HF model has none: `_with_adapter` merges them)."""
+    from moe_rl.megatron.lora import is_adapter
+
     for name, tensor in _unwrap(model).state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state") or not isinstance(tensor, Tensor):
+        if name.endswith("_extra_state") or not isinstance(tensor, Tensor) or is_adapter(name):
             continue
         yield name, tensor
+
+
+def _with_adapter(gpt: torch.nn.Module, name: str, tensor: Tensor) -> Tensor:
+    """``tensor`` (Megatron tensor ``name``, detached), or the weight merged with its linear's LoRA
+    adapter (`moe_rl.megatron.lora`): what the linear computes as one matrix."""
+    from moe_rl.megatron.lora import has_adapter
+
+    if not name.endswith(".weight"):
+        return tensor
+    module = gpt.get_submodule(name[: -len(".weight")])
+    return module.merged_weight() if has_adapter(module) else tensor
 
 
 def _resolve_layer_suffix(rest: str, layer_module, rules: dict[str, Rule]) -> tuple[Rule, str, str]:
@@ -279,7 +296,7 @@ def iter_hf_weight_groups(
         if not wanted and tp_split is None:
             continue
         rule = hf_names_for(gpt, name)
-        whole = tensor.detach()
+        whole = _with_adapter(gpt, name, tensor.detach())
         if tp_split is not None:
             whole = gather_shards(whole, rule.kind, tp_split)
         if wanted:

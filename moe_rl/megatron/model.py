@@ -23,15 +23,17 @@ construction.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from moe_rl.config.modes import Attention, ExpertGemm, Family, RopeScaling, ScoreFunction
-from moe_rl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
+from moe_rl.config.modes import Attention, ExpertGemm, Family, LoraTarget, RopeScaling, ScoreFunction
+from moe_rl.config.schema import LoraConfig, ModelConfig, ParallelConfig, TrainerConfig
 from moe_rl.config.validate import check_rope_scaling
+from moe_rl.errors import UserError
 from moe_rl.megatron.attention import SDPACoreAttention
 from moe_rl.megatron.compat import (
     cuda_available,
@@ -224,21 +226,74 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def _layer_spec(config, use_te: bool, gemm: ExpertGemm):
+LORA_FIELDS = {
+    # MLA's down projections (to the latents) keep none: Megatron's MLA takes them only as its own classes
+    LoraTarget.ATTENTION: ("linear_qkv", "linear_proj", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"),
+    LoraTarget.DENSE_MLP: ("linear_fc1", "linear_fc2"),
+    LoraTarget.EXPERTS: ("linear_fc1", "linear_fc2"),
+    LoraTarget.SHARED_EXPERTS: ("linear_fc1", "linear_fc2"),
+}  # fmt: skip
+"""The linears of each `lora.targets` entry, by their field in Megatron's layer spec."""
+
+
+def _target_specs(layer) -> dict[LoraTarget, list]:
+    """Each LoRA target's submodule specs in one layer's spec (those the layer has)."""
+    from megatron.core.transformer.mlp import MLP
+
+    mlp = layer.submodules.mlp
+    inner = getattr(mlp, "submodules", None)
+    found = {LoraTarget.ATTENTION: [layer.submodules.self_attention.submodules]}
+    if mlp.module is MLP:
+        found[LoraTarget.DENSE_MLP] = [inner]
+    for target, field in ((LoraTarget.EXPERTS, "experts"), (LoraTarget.SHARED_EXPERTS, "shared_experts")):
+        spec = getattr(inner, field, None)
+        if spec is not None and getattr(spec, "submodules", None) is not None:
+            found[target] = [spec.submodules]
+    return found
+
+
+def _add_adapters(block, lora: LoraConfig) -> None:
+    """Swap every target linear of ``block``'s layer specs for its LoRA class (`moe_rl.megatron.lora`)."""
+    from moe_rl.megatron.lora import lora_classes
+
+    classes = lora_classes(lora)
+    for layer in block.layer_specs:
+        for target, holders in _target_specs(layer).items():
+            if target not in lora.targets:
+                continue
+            for holder in holders:
+                for name in LORA_FIELDS[target]:
+                    linear = getattr(holder, name, None)
+                    if linear is None or linear in classes.values():  # none, or a spec shared by layers
+                        continue
+                    if linear not in classes:
+                        raise UserError(
+                            f"lora.targets={target}: its {name} is {getattr(linear, '__name__', linear)}, not one "
+                            "of Megatron's local linears (LoRA adapts ColumnParallelLinear and RowParallelLinear)"
+                        )
+                    setattr(holder, name, classes[linear])
+
+
+def _layer_spec(config, use_te: bool, gemm: ExpertGemm, lora: LoraConfig | None = None):
     """Megatron's decoder block spec; without transformer-engine, SDPA attention; with
-    ``gemm=torch``, the MoE layers' ``SequentialMLP`` becomes `GroupedExperts` (same parameters)."""
+    ``gemm=torch``, the MoE layers' ``SequentialMLP`` becomes `GroupedExperts` (same parameters);
+    with ``lora`` (rank > 0), the target linears carry adapters."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from moe_rl.megatron.grouped_experts import GroupedExperts
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    block = copy.deepcopy(
+        get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    )
     for layer in block.layer_specs:
         if not use_te:
             layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
         if gemm == ExpertGemm.TORCH and experts is not None and experts.module is SequentialMLP:
             experts.module = GroupedExperts
+    if lora is not None and lora.rank > 0:
+        _add_adapters(block, lora)
     return block
 
 
@@ -247,8 +302,10 @@ def build_gpt_model(
     parallel: ParallelConfig | None = None,
     trainer: TrainerConfig | None = None,
     seed: int = 1234,
+    lora: LoraConfig | None = None,
 ):
-    """A Megatron ``GPTModel`` MoE for this pipeline stage, initialized from ``seed``.
+    """A Megatron ``GPTModel`` MoE for this pipeline stage, initialized from ``seed``; with ``lora``
+    (rank > 0) its target linears carry adapters (`moe_rl.megatron.lora`).
 
     Megatron's parallel state must be initialized (`moe_rl.megatron.parallel.init_parallel`).
     """
@@ -266,7 +323,7 @@ def build_gpt_model(
         model_parallel_cuda_manual_seed(seed)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(config, use_te, expert_gemm(trainer.expert_gemm)),
+        transformer_layer_spec=_layer_spec(config, use_te, expert_gemm(trainer.expert_gemm), lora),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),  # no virtual stages (`megatron.rules`)

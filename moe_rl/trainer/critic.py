@@ -35,6 +35,7 @@ from torch import Tensor
 from moe_rl.algo import registry
 from moe_rl.config.modes import LrDecay
 from moe_rl.config.schema import RecipeConfig, TrainerConfig
+from moe_rl.megatron.lora import is_adapter
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.trainer import passes, update
 from moe_rl.trainer.batch import TrainMicroBatch
@@ -70,8 +71,9 @@ class ValueHead(torch.nn.Module):
 
 
 def body_state(model: torch.nn.Module) -> dict[str, Tensor]:
-    """A policy's state dict without its output layer: what a critic's body takes."""
-    return {k: v for k, v in model.state_dict().items() if not k.startswith(HEAD)}
+    """A policy's state dict without its output layer (nor LoRA adapters, which start at zero): what
+    a critic's body takes."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(HEAD) and not is_adapter(k)}
 
 
 def build_critic_model(config: RecipeConfig, source: torch.nn.Module | None) -> torch.nn.Module:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.megatron.lora import is_adapter
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.replay import RoutingReplay
 
@@ -66,7 +67,8 @@ class ReferencePolicy:
         the policy was. The build draws the same initialization from the same seed as the
         policy's did, so the random state after it is the one the policy's build left."""
         model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
-        model.load_state_dict(policy.state_dict())
+        # with LoRA the policy's own weights (its adapters start at zero, so they add nothing)
+        model.load_state_dict({k: v for k, v in policy.state_dict().items() if not is_adapter(k)})
         offload = config.algo.kl.offload_reference
         return cls(model, device, offload=offload, replay=config.algo.routing_replay != ReplayMode.OFF)
 

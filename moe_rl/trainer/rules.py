@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from moe_rl.algo.modes import Divergence, Objective, PolicyMode, TISMode
 from moe_rl.config.derived import data_parallel_size, longest_sequence, response_limit_key, sampling_truncates
-from moe_rl.config.modes import ReplayMode
+from moe_rl.config.modes import LoraTarget, ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.megatron.rules import layout_rules, model_rules, replay_layout_error
 from moe_rl.rules import Rule, divisible, first_broken
@@ -85,9 +85,31 @@ def _algo_rules(config: RecipeConfig) -> list[Rule]:
     ]  # fmt: skip
 
 
+def _lora_rules(config: RecipeConfig) -> list[Rule]:
+    """LoRA (`moe_rl.megatron.lora`) on the trainer's layout: adapters add their product to outputs
+    split over the tensor-parallel ranks (not over the sequence), and an expert's adapter is whole on
+    its rank."""
+    lora, p = config.lora, config.parallel
+    if lora.rank == 0:
+        return []
+    return [
+        Rule("LoRA without sequence parallelism", not p.sequence_parallel,
+             f"lora.rank={lora.rank} with parallel.sequence_parallel={p.sequence_parallel}",
+             advice="the adapters add their product to outputs split over the tensor-parallel ranks, not over "
+             "the sequence; set parallel.sequence_parallel=false"),
+        Rule("LoRA on experts at expert TP 1", LoraTarget.EXPERTS not in lora.targets or p.expert_tensor_parallel_size == 1,
+             f"lora.targets has experts with parallel.expert_tensor_parallel_size={p.expert_tensor_parallel_size}",
+             advice="an expert's adapter is whole on the rank that holds the expert; set "
+             "parallel.expert_tensor_parallel_size=1 or drop experts from lora.targets"),
+    ]  # fmt: skip
+
+
 def trainer_rules(config: RecipeConfig) -> list[Rule]:
     """Every rule of the trainer on ``config``, with its numbers."""
-    return layout_rules(config.parallel) + model_rules(config) + _batch_rules(config) + _algo_rules(config)
+    return (
+        layout_rules(config.parallel) + model_rules(config) + _batch_rules(config) + _algo_rules(config)
+        + _lora_rules(config)
+    )  # fmt: skip
 
 
 def check_trainer(config: RecipeConfig) -> None:

@@ -48,6 +48,7 @@ from moe_rl.algo.modes import Advantage, PolicyMode
 from moe_rl.config.modes import ReplayMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.device import check_process_device
+from moe_rl.megatron.lora import freeze_base
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.parallel import init_parallel
 from moe_rl.megatron.replay import RoutingReplay
@@ -78,8 +79,13 @@ class TrainerWorker:
         self.config = config
         self.info = init_parallel(config.parallel)
         self.device = check_process_device(config.run.device)
-        self.model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
+        self.model = build_gpt_model(
+            config.model, config.parallel, config.trainer, seed=config.run.seed, lora=config.lora
+        )
         checkpoint.load_start_weights(self.model, config)  # e.g. an SFT run's: the optimizer afresh
+        if config.lora.rank > 0:  # only the adapters train: the rest gets no gradient buffer, no Adam state
+            trainable = freeze_base(self.model, config.lora.train_router)
+            log.info("LoRA rank %d: %d trainable parameters on this rank", config.lora.rank, trainable)
         kl = config.algo.kl
         self.reference = ReferencePolicy.of_policy(self.model, config, self.device) if kl.coef > 0 else None
         trainer = config.trainer

@@ -238,6 +238,39 @@ def test_token_level_estimators_critic_and_teacher_rules(overrides, refusal):
         load_checked(TINY, overrides)
 
 
+TP2 = ("parallel.tensor_model_parallel_size=2", "parallel.trainer_world_size=2")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refusal"),
+    [
+        (["lora.rank=8", "lora.targets=[attention,experts]", "lora.dropout=0.1"], None),
+        (["lora.rank=8", *TP2], None),
+        (["lora.alpha=32"], "lora.alpha=32.0 with lora.rank=0: adapters exist only with lora.rank > 0"),
+        (["lora.rank=-1"], "lora.rank=-1 must be >= 0"),
+        (["lora.rank=8", "lora.dropout=1.0"], "lora.dropout=1.0 must be in [0, 1)"),
+        (["lora.rank=8", "lora.targets=[]"], "lora.rank=8 with lora.targets=[]: name the linears"),
+        (["lora.rank=8", "lora.targets=[experts,experts]"], "names a target twice"),
+        (["lora.rank=8", "lora.targets=[router]"], "lora.targets='router' is not one of: attention, dense_mlp"),
+        (["lora.rank=8", *TP2, "parallel.sequence_parallel=true"], "set parallel.sequence_parallel=false"),
+        (["lora.rank=8", *TP2, "parallel.expert_tensor_parallel_size=2"], "expert_tensor_parallel_size=2"),
+        (
+            ["lora.rank=8", "lora.targets=[attention]", *TP2, "parallel.expert_tensor_parallel_size=2"],
+            None,
+        ),
+    ],
+)
+def test_lora_rules(overrides, refusal):
+    """The recipe's and the trainer's LoRA rules, one line each naming the field and value."""
+    from moe_rl.trainer.rules import check_trainer
+
+    if refusal is None:
+        check_trainer(load_checked(TINY, overrides))
+        return
+    with pytest.raises((ConfigError, ValueError), match=re.escape(refusal)):
+        check_trainer(load_checked(TINY, overrides))
+
+
 def test_distillation_with_espo_is_warned_about_not_refused():
     from moe_rl.trainer.rules import trainer_rules
 

@@ -1,0 +1,139 @@
+"""LoRA in the trainer (`moe_rl.megatron.lora`): adapters on attention and every expert, the policy's
+weights frozen (no gradient buffer, no optimizer state), a fresh adapter that changes nothing, the
+merged weights the sync and the export send computing what the adapted model computes, the grouped
+expert path equal to Megatron's own, and the adapters through a checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_testing import micro_batches, tiny_recipe
+
+from moe_rl.megatron.hf_weights import iter_hf_weights, load_hf_weights
+from moe_rl.megatron.lora import adapted_linears, is_adapter
+from moe_rl.megatron.model import build_gpt_model
+from moe_rl.trainer.worker import TrainerWorker
+
+LORA = ("lora.rank=4", "lora.alpha=8")
+
+
+def _batches(config, seed: int = 0):
+    return micro_batches(seed, 12, config.model, max_tokens=48)
+
+
+def _base_of(worker: TrainerWorker) -> dict[str, torch.Tensor]:
+    state = worker.model.state_dict()
+    return {
+        k: v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor) and not is_adapter(k)
+    }
+
+
+def _logits(model, mb) -> torch.Tensor:
+    from moe_rl.megatron.forward import packed_seq_params, pad_micro_batch
+
+    tokens, positions, cu = pad_micro_batch(mb.micro, None)
+    with torch.no_grad():
+        return model(
+            tokens[None], positions[None], attention_mask=None, packed_seq_params=packed_seq_params(cu)
+        )
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A full-weight worker and a LoRA worker holding the same starting weights."""
+    full = TrainerWorker(tiny_recipe())
+    lora = TrainerWorker(tiny_recipe(*LORA))
+    missing, unexpected = lora.model.load_state_dict(_base_of(full), strict=False)
+    assert not unexpected and missing and all(is_adapter(k) for k in missing)
+    return full, lora
+
+
+def test_adapters_sit_on_the_targets_and_only_they_train(pair):
+    full, lora = pair
+    names = adapted_linears(lora.model)
+    layers = lora.config.model.num_layers
+    experts = lora.config.model.num_experts
+    assert len(names) == layers * (2 + 2 * experts)  # QKV and output, two linears per expert
+    trainable = {n for n, p in lora.model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter(n) for n in trainable)
+    assert len(trainable) == 2 * len(names)
+    # the frozen weights have no gradient buffer and no optimizer state
+    assert all(not hasattr(p, "main_grad") for p in lora.model.parameters() if not p.requires_grad)
+    optimized = [p for group in lora.optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in optimized} == {id(p) for n, p in lora.model.named_parameters() if is_adapter(n)}
+    b = next(m.lora_b for m in names.values())
+    assert torch.count_nonzero(b) == 0
+
+
+def test_a_fresh_adapter_changes_nothing_and_a_step_moves_only_the_adapters(pair):
+    full, lora = pair
+    mbs = _batches(full.config)
+    base_before = _base_of(lora)
+    full_old, full_metrics = full.compute_old_logp(mbs)
+    lora_old, lora_metrics = lora.compute_old_logp(mbs)
+    assert full_metrics == lora_metrics  # the stack's π_old metrics (R3 agreement, KSM, mismatch)
+    for a, b in zip(full_old, lora_old, strict=True):
+        assert torch.equal(a.old_logp, b.old_logp) and torch.equal(a.advantages, b.advantages)
+    full_step, lora_step = full.train_step(full_old), lora.train_step(lora_old)
+    assert lora_step["train/update_ok"] == 1.0 and lora_step["train/grad_norm"] > 0
+    assert lora_step["train/loss"] == full_step["train/loss"]  # the same forward before the update
+    after = _base_of(lora)
+    assert all(torch.equal(after[k], v) for k, v in base_before.items())
+    moved = [m for m in adapted_linears(lora.model).values() if torch.count_nonzero(m.lora_b) > 0]
+    assert moved  # B left zero: the adapters now change the model
+    new_old, _ = lora.compute_old_logp(mbs)
+    assert any(not torch.equal(a.old_logp, b.old_logp) for a, b in zip(lora_old, new_old, strict=True))
+
+
+def test_the_merged_weights_compute_what_the_adapted_model_computes(pair):
+    _, lora = pair
+    for module in adapted_linears(lora.model).values():  # every adapter non-zero, A and B
+        with torch.no_grad():
+            module.lora_b.normal_(0.0, 0.05)
+    exported = dict(iter_hf_weights(lora.model))
+    assert not any("lora" in name for name in exported)
+    merged = build_gpt_model(lora.config.model, lora.config.parallel, lora.config.trainer, seed=3)
+    load_hf_weights(merged, exported)
+    some = next(iter(adapted_linears(lora.model).items()))
+    name, module = some
+    assert not torch.equal(merged.get_submodule(name).weight, module.weight)  # merged, not the base
+    lora.model.eval()
+    for mb in _batches(lora.config, seed=1)[:2]:
+        torch.testing.assert_close(_logits(merged, mb), _logits(lora.model, mb), rtol=1e-5, atol=1e-5)
+
+
+def test_the_grouped_expert_path_adds_each_experts_adapter():
+    """`GroupedExperts` (the CPU default) against Megatron's `SequentialMLP`, both with adapters:
+    the same logits and the same adapter gradients."""
+    grouped = TrainerWorker(tiny_recipe(*LORA, "trainer.expert_gemm=torch"))
+    sequential = TrainerWorker(tiny_recipe(*LORA, "trainer.expert_gemm=sequential"))
+    sequential.model.load_state_dict(grouped.model.state_dict())
+    for name, module in adapted_linears(grouped.model).items():
+        with torch.no_grad():
+            module.lora_b.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 1000))
+            sequential.model.get_submodule(name).lora_b.copy_(module.lora_b)
+    mbs = _batches(grouped.config, seed=2)
+    for worker in (grouped, sequential):
+        worker.model.eval()
+    torch.testing.assert_close(_logits(grouped.model, mbs[0]), _logits(sequential.model, mbs[0]))
+    g_old, _ = grouped.compute_old_logp(mbs)
+    s_old, _ = sequential.compute_old_logp(mbs)
+    grouped.train_step(g_old)
+    sequential.train_step(s_old)
+    experts = {n: p for n, p in grouped.model.named_parameters() if is_adapter(n) and "local_experts" in n}
+    assert experts
+    other = dict(sequential.model.named_parameters())
+    for name, param in experts.items():
+        torch.testing.assert_close(param, other[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_adapters_go_through_a_checkpoint(pair, tmp_path):
+    _, lora = pair
+    saved = {k: v.detach().clone() for k, v in lora.model.state_dict().items() if is_adapter(k)}
+    assert any(torch.count_nonzero(v) for k, v in saved.items() if k.endswith("lora_b"))
+    lora.save_checkpoint(tmp_path / "trainer")
+    fresh = TrainerWorker(tiny_recipe(*LORA, "run.seed=9"))
+    fresh.load_checkpoint(tmp_path / "trainer")
+    got = fresh.model.state_dict()
+    for key, value in saved.items():
+        assert torch.equal(got[key], value), key
