@@ -49,7 +49,7 @@ def pair():
 
 
 def test_adapters_sit_on_the_targets_and_only_they_train(pair):
-    full, lora = pair
+    _, lora = pair
     names = adapted_linears(lora.model)
     layers = lora.config.model.num_layers
     experts = lora.config.model.num_experts
@@ -137,3 +137,32 @@ def test_the_adapters_go_through_a_checkpoint(pair, tmp_path):
     got = fresh.model.state_dict()
     for key, value in saved.items():
         assert torch.equal(got[key], value), key
+
+
+def test_the_engine_samples_from_the_merged_policy_step_after_step():
+    """The in-process loop of `moe-rl train` (trainer, Megatron engine, the sync between) with LoRA:
+    after each step the engine holds the merged weights, so its log-probs are the trainer's (bf16
+    rollouts: no quantization between them) while the adapters move and the base stays."""
+    from moe_rl.orchestration.local import LocalRun
+    from moe_rl.orchestration.preflight import load_checked
+    from tests.unit.trainer.trainer_testing import TINY_MODEL_OVERRIDES, TINY_RECIPE
+
+    config = load_checked(
+        TINY_RECIPE,
+        [*TINY_MODEL_OVERRIDES, *LORA, "rollout.quant=bf16", "rollout.batch_size=16", "rollout.group_size=4"],
+    )
+    run = LocalRun(config)
+    model = run.trainer.worker.model
+    base = {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor) and not is_adapter(k)
+    }
+    records = list(run.run(3))
+    assert all(r["old/prob_abs_diff_max"] < 1e-5 for r in records), [
+        r["old/prob_abs_diff_max"] for r in records
+    ]
+    assert any(r["train/grad_norm"] > 0 for r in records)
+    assert any(torch.count_nonzero(m.lora_b) for m in adapted_linears(model).values())
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())
