@@ -39,7 +39,7 @@ from moe_rl.config.derived import (
     rollout_weight_bytes,
 )
 from moe_rl.config.derived import quant_bytes_per_weight as quant_bytes_per_weight
-from moe_rl.config.flops import ParamCounts, count_params
+from moe_rl.config.flops import ParamCounts, count_params, lora_param_counts
 from moe_rl.config.flops import attention_params as attention_params
 from moe_rl.config.modes import Attention, Precision
 from moe_rl.config.schema import ModelConfig
@@ -97,6 +97,9 @@ class TrainerMemory:
     teacher: float = 0.0
     """The distillation teacher's frozen weights on the device (0 without one, or with
     ``teacher.offload``, which keeps them in host memory between its passes)."""
+    adapters: int = 0
+    """LoRA's trainable parameters on the GPU (``lora.rank`` > 0; the gradients and the optimizer
+    hold only them), 0 for a full-weight run."""
 
     @property
     def static(self) -> float:
@@ -174,6 +177,12 @@ def trainer_memory(
     (its model) its weights in the trainer's layout, unless ``teacher.offload`` keeps them in host
     memory."""
     static = _static_memory(config, counts)
+    if config.lora.rank > 0:  # the base frozen: gradients and Adam state for the adapters alone
+        adapters = _static_memory(config, lora_param_counts(config.model, config.lora))
+        static = dataclasses.replace(
+            static, params=static.params + adapters.params, weights=static.weights + adapters.weights,
+            grads=adapters.grads, optimizer=adapters.optimizer, adapters=adapters.params,
+        )  # fmt: skip
     critic = 0.0
     if config.algo.advantage == Advantage.GAE:
         critic = _static_memory(config, dataclasses.replace(counts, lm_head=config.model.hidden_size)).static
@@ -481,8 +490,9 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
     return [
         ("trainer params / GPU", _billions(t.params)),
         ("  weights", _gib(t.weights)),
-        ("  gradients (fp32)", _gib(t.grads)),
-        ("  optimizer (Adam)", _gib(t.optimizer)),
+        *([(f"  LoRA adapters (rank {plan.config.lora.rank})", _billions(t.adapters))] if t.adapters else []),
+        ("  gradients (fp32)" + (", adapters only" if t.adapters else ""), _gib(t.grads)),
+        ("  optimizer (Adam)" + (", adapters only" if t.adapters else ""), _gib(t.optimizer)),
         *([("  critic (weights, grads, Adam)", _gib(t.critic))] if t.critic else []),
         *_teacher_rows(plan),
         ("  activations (estimate)", _gib(t.activations)),

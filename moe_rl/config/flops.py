@@ -30,10 +30,11 @@ MoE layer. `active` counts the embedding table (Qwen and Kimi report it this way
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from moe_rl.config.modes import Attention, Family
+from moe_rl.config.modes import Attention, Family, LoraTarget
 from moe_rl.config.schema import ModelConfig
 
 BACKWARD_FACTOR = 2.0
@@ -234,4 +235,57 @@ def count_params(m: ModelConfig) -> ParamCounts:
         num_dense_layers=m.first_k_dense_layers if moe else m.num_layers,
         num_experts=m.num_experts,
         topk=m.moe_router_topk if moe else 0,
+    )
+
+
+def _adapter(rank: int, fan_in: int, fan_out: int) -> int:
+    """Elements of one LoRA adapter: ``A`` ``[rank, in]`` and ``B`` ``[out, rank]``."""
+    return rank * (fan_in + fan_out)
+
+
+def lora_attention_params(m: ModelConfig, rank: int) -> int:
+    """LoRA elements of one layer's attention (`moe_rl.megatron.model.LORA_FIELDS`): GQA's QKV and
+    output projections; MLA's query (or query-up), key-value-up and output projections."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    if m.attention == Attention.GQA:
+        qkv = (heads + 2 * m.num_key_value_heads) * m.head_dim
+        return _adapter(rank, h, qkv) + _adapter(rank, heads * m.head_dim, h)
+    q_out = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q = _adapter(rank, m.q_lora_rank or h, q_out)
+    kv_up = _adapter(rank, m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim))
+    return q + kv_up + _adapter(rank, heads * m.v_head_dim, h)
+
+
+def lora_mlp_params(hidden: int, ffn: int, rank: int) -> int:
+    """LoRA elements of one SwiGLU MLP: gate and up fused in one linear, then down."""
+    return _adapter(rank, hidden, 2 * ffn) + _adapter(rank, ffn, hidden)
+
+
+def lora_param_counts(m: ModelConfig, lora) -> ParamCounts:
+    """The trainable parameters of a LoRA run (``lora``: the recipe's `LoraConfig`) by component,
+    as `count_params` counts a model's: each target's adapters, the routers with
+    ``lora.train_router``; no embedding, head or norm trains."""
+    full, rank, targets = count_params(m), lora.rank, set(lora.targets)
+    h = m.hidden_size
+    return dataclasses.replace(
+        full,
+        embedding=0,
+        lm_head=0,
+        final_norm=0,
+        attention_per_layer=lora_attention_params(m, rank) if LoraTarget.ATTENTION in targets else 0,
+        norms_per_layer=0,
+        dense_mlp_per_layer=lora_mlp_params(h, m.ffn_hidden_size, rank)
+        if LoraTarget.DENSE_MLP in targets
+        else 0,
+        expert=lora_mlp_params(h, m.moe_ffn_hidden_size, rank)
+        if LoraTarget.EXPERTS in targets and full.expert
+        else 0,
+        shared_experts_per_layer=(
+            lora_mlp_params(h, m.num_shared_experts * m.moe_ffn_hidden_size, rank)  # one MLP of them all
+            if LoraTarget.SHARED_EXPERTS in targets and full.shared_experts_per_layer
+            else 0
+        ),
+        router_per_layer=m.hidden_size * m.num_experts
+        if lora.train_router
+        else 0,  # the expert bias is a buffer
     )

@@ -277,6 +277,30 @@ def test_plan_counts_attention_with_the_flops_projection_sizes():
         assert counts.expert == mlp_weights(m.hidden_size, m.moe_ffn_hidden_size)
 
 
+def test_lora_keeps_the_weights_and_drops_the_bases_gradients_and_adam_state():
+    """With lora.rank > 0 the trainer GPU holds every weight plus the adapters, and gradients and
+    Adam state for the adapters alone (DeepSeek-V3 as shipped: from 60 GiB a GPU to 13.5)."""
+    from launch.plan import _memory_rows, layout, trainer_memory
+    from moe_rl.config.flops import lora_param_counts
+
+    full = load_recipe(REPO / "recipes" / "deepseek_v3.yaml")
+    lora = load_recipe(REPO / "recipes" / "deepseek_v3.yaml", ["lora.rank=8"])
+    counts = count_params(full.model)
+    before, after = trainer_memory(full, counts), trainer_memory(lora, counts)
+    adapters = lora_param_counts(lora.model, lora.lora)
+    assert 0 < after.adapters < adapters.total  # a GPU's share
+    lay = layout(lora)
+    # one MoE layer's experts' adapters over EP and one layer's attention adapters over TP are in it
+    assert after.adapters >= adapters.expert * adapters.num_experts / (lay.ep * lay.etp)
+    assert after.params == before.params + after.adapters
+    assert after.weights == pytest.approx(before.weights + 2 * after.adapters)  # bf16
+    assert after.grads == pytest.approx(4 * after.adapters)  # fp32, adapters only
+    assert 0 < after.optimizer <= 12 * after.adapters
+    assert after.total < 0.25 * before.total
+    rows = dict(_memory_rows(make_plan(lora, paths=False)))
+    assert rows["  LoRA adapters (rank 8)"] and "  gradients (fp32), adapters only" in rows
+
+
 def test_a_critic_adds_its_weights_gradients_and_adam_state():
     """With algo.advantage=gae the trainer GPU also holds the critic: the policy's parameters with a
     value head (hidden_size weights) for the LM head, in the same bytes per parameter; the plan's

@@ -166,3 +166,21 @@ def test_the_engine_samples_from_the_merged_policy_step_after_step():
     assert any(torch.count_nonzero(m.lora_b) for m in adapted_linears(model).values())
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_planners_count_is_the_built_models(family):
+    """`lora_param_counts` (what `moe-rl plan` sizes a LoRA run's gradients and Adam state by) equals
+    the trainable elements of the model the trainer builds: MLA, a dense first layer, shared experts."""
+    import dataclasses
+
+    from trainer_testing import tiny_deepseek
+
+    from moe_rl.config.flops import lora_param_counts
+    from moe_rl.megatron.lora import freeze_base
+
+    config = tiny_recipe(*LORA, "lora.train_router=true")
+    if family == "deepseek_v3":
+        config = dataclasses.replace(config, model=tiny_deepseek())
+    model = build_gpt_model(config.model, config.parallel, config.trainer, seed=1, lora=config.lora)
+    assert freeze_base(model, train_router=True) == lora_param_counts(config.model, config.lora).total
