@@ -74,11 +74,6 @@ def _algo_rules(config: RecipeConfig) -> list[Rule]:
         Rule("zero-variance shaping has the old policy's entropy", not a.zero_variance_shaping or t.compute_entropy,
              f"algo.zero_variance_shaping={a.zero_variance_shaping} needs trainer.compute_entropy=true "
              f"(RL-ZVP shapes advantages with π_old's entropy), got {t.compute_entropy}"),
-        Rule("distillation with a token-level objective", a.distill.coef == 0 or a.objective != Objective.ESPO,
-             f"algo.distill.coef={a.distill.coef} with algo.objective={a.objective}", fatal=False,
-             advice="ESPO clips one ratio per entropy group, and the teacher's advantages differ in sign within a "
-             "group: measured on the tool task, ESPO students stay at their first reverse KL where ppo_clip with "
-             "token_mean lowers it (docs/distill_tools.md); use algo.objective=ppo_clip algo.aggregation=token_mean"),
         Rule("zero-variance shaping shapes advantages", not a.zero_variance_shaping or a.objective != Objective.DGO,
              f"algo.zero_variance_shaping={a.zero_variance_shaping} with algo.objective={a.objective}",
              advice="DGO trains on sample weights, not advantages; turn one of them off"),

@@ -251,7 +251,10 @@ TP2 = ("parallel.tensor_model_parallel_size=2", "parallel.trainer_world_size=2")
         (["lora.rank=8", "lora.dropout=1.0"], "lora.dropout=1.0 must be in [0, 1)"),
         (["lora.rank=8", "lora.targets=[]"], "lora.rank=8 with lora.targets=[]: name the linears"),
         (["lora.rank=8", "lora.targets=[experts,experts]"], "names a target twice"),
-        (["lora.rank=8", "lora.targets=[router]"], "lora.targets='router' is not one of: attention, dense_mlp"),
+        (
+            ["lora.rank=8", "lora.targets=[router]"],
+            "lora.targets='router' is not one of: attention, dense_mlp",
+        ),
         (["lora.rank=8", *TP2, "parallel.sequence_parallel=true"], "set parallel.sequence_parallel=false"),
         (["lora.rank=8", *TP2, "parallel.expert_tensor_parallel_size=2"], "expert_tensor_parallel_size=2"),
         (
@@ -269,15 +272,3 @@ def test_lora_rules(overrides, refusal):
         return
     with pytest.raises((ConfigError, ValueError), match=re.escape(refusal)):
         check_trainer(load_checked(TINY, overrides))
-
-
-def test_distillation_with_espo_is_warned_about_not_refused():
-    from moe_rl.trainer.rules import trainer_rules
-
-    def rule(*overrides: str):
-        config = load_recipe(TINY, ["algo.distill.coef=1", "teacher.path=runs/t", *overrides])
-        return next(r for r in trainer_rules(config) if r.name == "distillation with a token-level objective")
-
-    espo = rule()
-    assert not espo.ok and not espo.fatal and "ppo_clip" in espo.advice
-    assert rule("algo.objective=ppo_clip", "algo.aggregation=token_mean").ok
