@@ -198,7 +198,9 @@ def _write_weights(config: RecipeConfig, trainer_dir: Path, folder: Path, max_sh
     init_parallel(one_rank)
     try:
         log.info("building the %s model (one rank, %s)", config.model.family, config.trainer.precision)
-        model = build_gpt_model(config.model, one_rank, config.trainer, seed=config.run.seed)
+        model = build_gpt_model(
+            config.model, one_rank, config.trainer, seed=config.run.seed, lora=config.lora
+        )
         log.info("loading the model weights of %s (not the optimizer state)", trainer_dir)
         load_model_weights(model, trainer_dir)
         dtype = str(PRECISIONS[config.trainer.precision]).removeprefix("torch.")

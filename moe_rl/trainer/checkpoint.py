@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.errors import UserError
+from moe_rl.megatron.lora import is_adapter
 from moe_rl.trainer.critic import PREFIX as CRITIC_PREFIX
 from moe_rl.trainer.critic import saved_with_critic
 from moe_rl.trainer.reference import PREFIX as REFERENCE_PREFIX
@@ -146,22 +147,26 @@ def load_model_weights(model, trainer_dir: Path, whose: str = "the run's config.
     """The policy's weights from a trainer checkpoint into ``model`` (the optimizer state and a
     reference policy's ``reference.`` keys stay unread; Megatron's dist_checkpointing reshards what
     any layout wrote); a checkpoint that does not fit the model (`check_fit`) is one error naming
-    ``whose`` model it is."""
+    ``whose`` model it is. A model with LoRA adapters takes a full-weight checkpoint's weights as its
+    base and keeps its fresh adapters."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
     misfit = f"checkpoint {trainer_dir} does not fit the model of {whose}"
-    check_fit(model, trainer_dir, whose)
+    with_adapters = check_fit(model, trainer_dir, whose)
+    request = model.sharded_state_dict()
+    if not with_adapters:
+        request = {k: v for k, v in request.items() if not is_adapter(k)}
     try:
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(trainer_dir))
+        state = dist_checkpointing.load({"model": request}, str(trainer_dir))
     except (CheckpointException, CheckpointingException) as exc:
         causes = [f[0] for f in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
         mismatch = next((c for c in causes if isinstance(c, CheckpointingException)), None)
         if mismatch is None:
             raise
         raise UserError(f"{misfit}: {mismatch}") from exc
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=with_adapters)
 
 
 def critic_start(config, policy):
@@ -189,11 +194,14 @@ NOT_POLICY = ("optimizer.", REFERENCE_PREFIX, CRITIC_PREFIX)
 """Keys of a trainer checkpoint's tensors that are not the policy's."""
 
 
-def check_fit(model, trainer_dir: Path, whose: str) -> None:
+def check_fit(model, trainer_dir: Path, whose: str) -> bool:
     """Raise one `UserError` when the checkpoint in ``trainer_dir`` does not fit ``model`` (the
     policy of ``whose`` recipe), from the checkpoint's metadata, before anything is read: tensors of
     another shape (a changed ``model.*`` size), tensors it lacks or only it holds (a changed layer
-    or expert count); each named by its key, with the two shapes."""
+    or expert count); each named by its key, with the two shapes. LoRA: a model with adapters fits
+    a checkpoint without them (its base; the return value False: the adapters are not read); a
+    checkpoint with adapters fits only a model with the same ones (a LoRA run's policy is its base
+    with its adapters: start elsewhere from its merged export, `model.hf_path`)."""
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -211,6 +219,14 @@ def check_fit(model, trainer_dir: Path, whose: str) -> None:
         for k in sorted(wanted.keys() & held.keys())
         if held[k] != wanted[k]
     ]
+    with_adapters = any(is_adapter(k) for k in held)
+    if any(is_adapter(k) for k in wanted) and not with_adapters:
+        wanted = {k: v for k, v in wanted.items() if not is_adapter(k)}
+    elif with_adapters and not any(is_adapter(k) for k in wanted):
+        raise UserError(
+            f"checkpoint {trainer_dir} holds LoRA adapters and the model of {whose} has none: export the "
+            "run's merged weights (`moe-rl export RUN --out DIR`) and start from them with model.hf_path=DIR"
+        )
     absent, extra = sorted(wanted.keys() - held.keys()), sorted(held.keys() - wanted.keys())
     problems = [
         f"{len(found)} {what}, e.g. {'; '.join(found[:2])}"
@@ -220,3 +236,4 @@ def check_fit(model, trainer_dir: Path, whose: str) -> None:
     ]  # fmt: skip
     if problems:
         raise UserError(f"checkpoint {trainer_dir} does not fit the model of {whose}: {'; '.join(problems)}")
+    return with_adapters

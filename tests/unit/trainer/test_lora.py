@@ -184,3 +184,48 @@ def test_the_planners_count_is_the_built_models(family):
         config = dataclasses.replace(config, model=tiny_deepseek())
     model = build_gpt_model(config.model, config.parallel, config.trainer, seed=1, lora=config.lora)
     assert freeze_base(model, train_router=True) == lora_param_counts(config.model, config.lora).total
+
+
+def _run_dir(tmp_path, worker: TrainerWorker, name: str):
+    """A run directory holding one sealed checkpoint of ``worker`` and its config."""
+    from moe_rl.config.loader import to_yaml
+    from moe_rl.run_dir import write_manifest
+
+    run = tmp_path / name
+    checkpoint = run / "checkpoints" / "step_000000"
+    worker.save_checkpoint(checkpoint / "trainer")
+    write_manifest(checkpoint)
+    (run / "config.yaml").write_text(to_yaml(worker.config))
+    return run
+
+
+def test_a_lora_run_starts_from_a_full_runs_weights_and_exports_its_merged_policy(pair, tmp_path):
+    """`model.init_from` a full-weight run: its weights are the base, the adapters fresh. `moe-rl
+    export` of a LoRA run writes the merged weights; a full-weight run refuses to start from a LoRA
+    run's checkpoint, naming the export to start from."""
+    from safetensors.torch import load_file
+
+    from launch.export import _write_weights
+    from moe_rl.errors import UserError
+    from moe_rl.megatron.parallel import init_parallel
+
+    full, lora = pair
+    source = _run_dir(tmp_path, full, "full")
+    started = TrainerWorker(tiny_recipe(*LORA, f"model.init_from={source}", "run.seed=7"))
+    base = _base_of(full)
+    got = started.model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in base.items())
+    assert all(torch.count_nonzero(m.lora_b) == 0 for m in adapted_linears(started.model).values())
+
+    for module in adapted_linears(lora.model).values():
+        with torch.no_grad():
+            module.lora_b.normal_(0.0, 0.05)
+    adapted = _run_dir(tmp_path, lora, "lora")
+    merged = dict(iter_hf_weights(lora.model))
+    trainer_dir = adapted / "checkpoints" / "step_000000" / "trainer"
+    _write_weights(lora.config, trainer_dir, tmp_path / "export", 1 << 30)
+    init_parallel(lora.config.parallel)  # the export tears its one-rank groups down
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert set(exported) == set(merged) and all(torch.equal(exported[n], merged[n]) for n in merged)
+    with pytest.raises(UserError, match="holds LoRA adapters.*model.hf_path"):
+        TrainerWorker(tiny_recipe(f"model.init_from={adapted}"))
