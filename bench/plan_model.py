@@ -88,6 +88,10 @@ class NemoRun:
     fp8: bool = False
     train_batch: int = 512
     recipe: str = ""
+    async_engine: bool = True
+    """vLLM's ``AsyncLLM`` (the recipe's ``vllm_cfg.async_engine``), else the offline ``vllm.LLM``."""
+    max_num_seqs: int | None = None
+    """The recipe's ``vllm_kwargs.max_num_seqs`` (None: vLLM's default for the engine class)."""
 
     @property
     def samples(self) -> int:
@@ -120,15 +124,16 @@ STEPS = [
     NemoRun("DeepSeek-V3, 256+256 H100, 1-step off", DS, "h100", 512, 256, 32, (1, 1, 16, 16), 32, 16, 1536, 710,
             64.1, off_policy=1, gen_util=0.8, recipe="grpo-deepseek-v3-64n8g-async-1off"),
     NemoRun("DeepSeek-V3 FP8, 256+256 H100, 1-step off", DS, "h100", 512, 256, 16, (1, 1, 16, 16), 32, 16, 1536,
-            721, 59.2, off_policy=1, gen_util=0.8, fp8=True, recipe="grpo-deepseek-v3-64n8g-fp8-async-1off"),
+            721, 59.2, off_policy=1, gen_util=0.8, fp8=True, max_num_seqs=32,
+            recipe="grpo-deepseek-v3-64n8g-fp8-async-1off"),
     NemoRun("Qwen3-235B, 128 H100, on-policy", Q235, "h100", 128, 0, 16, (2, 2, 16, 8), 16, 32, 8192, 5698, 395,
             recipe="grpo-qwen3-235b-16n8g"),
     NemoRun("Qwen3-235B, 256 H100, on-policy", Q235, "h100", 256, 0, 16, (2, 2, 16, 8), 16, 32, 8192, 5713, 312,
             recipe="grpo-qwen3-235b-32n8g"),
     NemoRun("Qwen3-235B, 128+128 H100, 1-step off", Q235, "h100", 256, 128, 8, (4, 1, 16, 8), 16, 32, 8192, 5721,
-            231, off_policy=1, gen_util=0.88, recipe="grpo-qwen3-235b-32n8g-async-1off"),
+            231, off_policy=1, gen_util=0.8, recipe="grpo-qwen3-235b-32n8g-async-1off"),
     NemoRun("Qwen3-30B-A3B, 32 H100, on-policy", Q30, "h100", 32, 0, 2, (1, 1, 8, 1), 64, 32, 4096, 3203, 192,
-            train_batch=2048, recipe="grpo-qwen3-30ba3b-4n8g"),
+            train_batch=2048, async_engine=False, recipe="grpo-qwen3-30ba3b-4n8g"),
     NemoRun("Qwen3-30B-A3B, 16+16 H100, 1-step off", Q30, "h100", 32, 16, 2, (1, 1, 8, 2), 64, 32, 4096, 3201, 152,
             off_policy=1, gen_util=0.8, train_batch=2048, recipe="grpo-qwen3-30ba3b-4n8g-async-1off"),
     NemoRun("Qwen3-30B-A3B, 128+64 H100, 8-step off", Q30, "h100", 192, 64, 2, (1, 1, 8, 1), 64, 32, 4096, 3206,
@@ -144,9 +149,9 @@ STEPS = [
     NemoRun("Qwen3-235B, 128 GB200, on-policy", Q235, "gb200", 128, 0, 8, (2, 2, 16, 4), 16, 32, 8192, 5693, 345,
             recipe="grpo-qwen3-235b-32n4g"),
     NemoRun("Qwen3-235B, 64+64 GB200, 1-step off", Q235, "gb200", 128, 64, 8, (4, 1, 16, 4), 16, 32, 8192, 5705,
-            278, off_policy=1, gen_util=0.88, recipe="grpo-qwen3-235b-32n4g-async-1off"),
+            278, off_policy=1, gen_util=0.8, recipe="grpo-qwen3-235b-32n4g-async-1off"),
     NemoRun("Qwen3-30B-A3B, 16 GB200, on-policy", Q30, "gb200", 16, 0, 1, (1, 1, 16, 1), 64, 32, 4096, 3199, 221,
-            train_batch=2048, recipe="grpo-qwen3-30ba3b-4n4g"),
+            train_batch=2048, async_engine=False, recipe="grpo-qwen3-30ba3b-4n4g"),
     NemoRun("Qwen3-30B-A3B, 8+8 GB200, 1-step off", Q30, "gb200", 16, 8, 1, (1, 1, 8, 1), 64, 32, 4096, 3197, 301,
             off_policy=1, gen_util=0.8, train_batch=2048, recipe="grpo-qwen3-30ba3b-4n4g-async-1off"),
 ]  # fmt: skip
@@ -241,6 +246,35 @@ def predict(run: NemoRun, eff: Efficiency) -> StepTime:
     # NeMo-RL's async GRPO (nemo_rl/algorithms/async_utils.py, v0.6.0): at most
     # num_prompts_per_step * max_trajectory_age_steps prompt groups in flight, N batches
     return step_time(config, sync, released, eff, batches_in_flight=run.off_policy or None)
+
+
+# vLLM's scheduler runs at most ``max_num_seqs`` sequences at once. Unset, vLLM (NeMo-RL v0.6 pins
+# vllm==0.17.1) takes it from ``EngineArgs.get_batch_defaults`` by usage context
+# (vllm/engine/arg_utils.py, ``_set_default_max_num_seqs_and_batched_tokens_args``): 1,024 for the
+# offline ``vllm.LLM`` (``UsageContext.LLM_CLASS``) on a GPU of 70 GiB or more, while ``AsyncLLM``
+# (``from_engine_args``' ``UsageContext.ENGINE_CONTEXT``, in no table) falls back to
+# ``SchedulerConfig.DEFAULT_MAX_NUM_SEQS``, 128 (vllm/config/scheduler.py). NeMo-RL builds
+# ``AsyncLLM`` with ``vllm_cfg.async_engine`` (nemo_rl/models/generation/vllm/vllm_worker_async.py),
+# else ``vllm.LLM`` (vllm_worker.py), and passes ``vllm_kwargs`` through.
+VLLM_LLM_CLASS_MAX_NUM_SEQS = 1024
+VLLM_ENGINE_MAX_NUM_SEQS = 128
+
+
+def engine_max_seqs(run: NemoRun) -> int:
+    """The most sequences one of the run's vLLM engines decodes at once."""
+    if run.max_num_seqs is not None:
+        return run.max_num_seqs
+    return VLLM_ENGINE_MAX_NUM_SEQS if run.async_engine else VLLM_LLM_CLASS_MAX_NUM_SEQS
+
+
+def predict_capped(run: NemoRun, eff: Efficiency) -> StepTime:
+    """`predict` with the run's engines bounded by vLLM's ``max_num_seqs`` (`engine_max_seqs`): what
+    the comparison leaves out, and why (docs/plan_model.md, where it misses)."""
+    config, sync, released = _run_inputs(run)
+    bound = engine_max_seqs(run)
+    return step_time(
+        config, sync, released, eff, batches_in_flight=run.off_policy or None, max_num_seqs=bound
+    )
 
 
 @functools.cache
@@ -531,6 +565,14 @@ def document(eff: Efficiency, measured: dict[str, float]) -> str:
         f"{by_seconds[h] / by_seconds[g]:.2f}× faster ({g.split(',')[0]}: {by_seconds[g]:g} s against {by_seconds[h]:g} s)"
         for h, g in pairs
     )
+    q235 = {r.label: r for r in STEPS if r.model == Q235 and r.gpu == "gb200"}
+    q235_128_refit = predict(q235["Qwen3-235B, 128 GB200, on-policy"], eff).phase("weight sync").seconds
+    q235_64_refit = predict(q235["Qwen3-235B, 64 GB200, on-policy"], eff).phase("weight sync").seconds
+    gb30 = next(r for r in STEPS if r.label == "Qwen3-30B-A3B, 8+8 GB200, 1-step off")
+    h30 = next(r for r in STEPS if r.label == c.overlapped)
+    gb_gen, gb_gen_capped = _generation_s(predict(gb30, eff)), _generation_s(predict_capped(gb30, eff))
+    gb_capped = predict_capped(gb30, eff).seconds / gb30.seconds
+    h_gen, h_gen_capped = _generation_s(predict(h30, eff)), _generation_s(predict_capped(h30, eff))
     peak = measured.get("perf/peak_tflops", 0.0)
     cpu = MACHINES[GpuType.CPU]
     return f"""# The step-time model of `moe-rl plan`
@@ -640,7 +682,8 @@ own shard):
 
 How a published run becomes a recipe: the shipped recipe of its model with the run's GPUs, layouts,
 samples and lengths; the longest prompt 256 tokens and the rest of the run's total length the
-response budget; `cluster.mean_length_fraction` its published mean length over its total; NeMo-RL's
+response budget; `cluster.mean_length_fraction` its published mean length over its total; the
+engines' `rollout.gpu_memory_utilization` the recipe's at the v0.6.0 tag; NeMo-RL's
 default KL penalty (0.01), so a reference pass; a colocated step releases everything the trainer
 holds and the engines sleep at level 1 (NeMo-RL offloads the optimizer and the weights); an
 N-step-off run is `run.mode=async` with `run.async_depth` N + 1 and in-flight updates (NeMo-RL's
@@ -678,21 +721,46 @@ run (EP 8 within a node, over NVLink).
   {eff.generation / ds_eff.generation:.1f}× and {eff.train_mfu / ds_eff.train_mfu:.1f}× below the Qwen3-30B-A3B fit, and no sourced constant says
   where that goes (the experts' GEMMs get some 770 tokens each per micro-batch of 1,536 packed
   tokens, above the H100's roofline ridge of 295 FLOP per byte, so reading their weights does not
-  bound them). One thing of those runs the model leaves out would make it faster still: their
-  engines decode with one MTP draft token (`speculative_config: deepseek_mtp`).
+  bound them). Their engines decode without draft tokens, as the model does: the v0.6.0 recipes
+  have no `speculative_config` (NeMo-RL added `deepseek_mtp` to them after that release).
 - **GB200** ({min(gb200):.2f}–{max(gb200):.2f}; {gb200_within} of {len(gb200)} within 2×): the constants give a GB200 2.5× an H100's FLOP/s and 2.4× its memory
   bandwidth; on as many GPUs, NeMo-RL's GB200 steps are {same_count}, and per GPU
   its Qwen3-30B-A3B one-step-off run on 8 + 8 GB200 processes as many tokens a second as the one on
-  16 + 16 H100 (1,406 and 1,414 tokens/s/GPU published). Megatron itself does not explain it: its
-  own pretraining of Qwen3-30B-A3B runs at 599 TFLOP/s per GB200 against 206 per H100
-  (Megatron-Bridge `docs/performance-summary-archive.md`, 26.04.01 container). What is physically in
-  the RL recipes does not account for it either: the same layouts as on H100 (the 4-GPU trays inside
-  a 72-GPU NVLink domain, which makes the TP-32 engines' all-reduces cheaper, not dearer), bf16
-  throughout, sequence packing on, vLLM's Triton MoE kernels (pinned for refits). A factor fitted on
-  H100 does not carry to the Blackwell software of these runs, and no sourced constant says by how
-  much, so the model keeps the datasheet and misses three runs: Qwen3-235B on-policy on 128 ({by_label["Qwen3-235B, 128 GB200, on-policy"]:.2f}; published slower than on 64,
-  {by_seconds["Qwen3-235B, 128 GB200, on-policy"]:g} s against {by_seconds["Qwen3-235B, 64 GB200, on-policy"]:g} s), and the one-step-off runs of Qwen3-235B ({by_label["Qwen3-235B, 64+64 GB200, 1-step off"]:.2f}) and
-  Qwen3-30B-A3B ({by_label["Qwen3-30B-A3B, 8+8 GB200, 1-step off"]:.2f}).
+  16 + 16 H100 (1,406 and 1,414 tokens/s/GPU published). The model misses three runs:
+  Qwen3-235B on-policy on 128 ({by_label["Qwen3-235B, 128 GB200, on-policy"]:.2f}), and the one-step-off runs of Qwen3-235B ({by_label["Qwen3-235B, 64+64 GB200, 1-step off"]:.2f}) and
+  Qwen3-30B-A3B ({by_label["Qwen3-30B-A3B, 8+8 GB200, 1-step off"]:.2f}), all too fast. What the sources say of them:
+  - *The recipes.* Each GB200 recipe inherits its H100 recipe and changes the GPUs a node, the
+    layout (pipeline, expert parallelism, the engines' TP) and for some vLLM's memory share (the
+    Qwen3-30B-A3B ones restate theirs, π_old in micro-batches of two sequences against four): the
+    batch, the lengths, bf16 throughout, sequence packing with micro-batches of one packed sequence,
+    vLLM's CUDA graphs (`enforce_eager: false`) and its async engine where the H100 run has it are
+    the same. The Qwen3-235B on-policy run on 128 differs from
+    the one on 64 only in its node count and vLLM's `gpu_memory_utilization` (0.6 against 0.4);
+    its Qwen3-235B one-step-off run inherits the H100 run's 0.8 (NeMo-RL raised it to 0.88 after
+    v0.6.0). The Qwen3-235B and DeepSeek-V3 test scripts of both chips set `NCCL_NVLS_ENABLE=0` (no NVLink SHARP),
+    which the model never counted on. The 128-GPU runs span two 72-GPU NVLink domains, which the
+    model already charges where it matters (the refit's gather through the NIC: {q235_128_refit:.1f} s against
+    {q235_64_refit:.1f} s on 64); nothing sourced accounts for the published {by_seconds["Qwen3-235B, 128 GB200, on-policy"]:g} s on 128 against
+    {by_seconds["Qwen3-235B, 64 GB200, on-policy"]:g} s on 64. The 8 + 8 Qwen3-30B-A3B recipe trains with EP 8 (the table says 16, the
+    layout of the 16 + 16 run in NeMo-RL v0.5's summary, 136 s a step: half the GPUs in v0.6 take
+    {by_seconds["Qwen3-30B-A3B, 8+8 GB200, 1-step off"] / 136:.1f}× as long).
+  - *vLLM's batch bound.* NeMo-RL's `async_engine` builds vLLM's `AsyncLLM`, whose scheduler runs
+    at most {VLLM_ENGINE_MAX_NUM_SEQS} sequences (vLLM's `SchedulerConfig` default: the engine's usage context has no
+    entry in `EngineArgs.get_batch_defaults`), the offline `vllm.LLM` {VLLM_LLM_CLASS_MAX_NUM_SEQS:,}. Only the
+    Qwen3-30B-A3B runs off policy hold more: bounded so (`step_time`'s `max_num_seqs`), the
+    8 + 8 GB200 run's generation goes from {gb_gen:.0f} s to {gb_gen_capped:.0f} s ({by_label["Qwen3-30B-A3B, 8+8 GB200, 1-step off"]:.2f} to
+    {gb_capped:.2f} of the published step), but the calibration's 16 + 16 H100 run's from {h_gen:.0f} s to
+    {h_gen_capped:.0f} s, past its published {by_seconds[c.overlapped]:g} s step, and then no factors reproduce the calibration:
+    the model's decode, a step's weight reads for every step, overstates what fewer sequences in
+    flight cost. The comparison leaves the bound out.
+  - *Megatron's own GB200 rate.* Megatron-Bridge's Qwen3-30B-A3B pretraining at 599 TFLOP/s per
+    GB200 against 206 per H100 (`docs/performance-summary-archive.md`, 26.04.01) is MXFP8 at
+    micro-batch 4 against FP8 at micro-batch 1. At the RL trainer's micro-batch of one sequence
+    the same archive has Blackwell at 214 TFLOP/s (8 B200, MXFP8, dropless, 25.11) against 547 on
+    8 GB200 at micro-batch 4, and H100 at 121 (FP8, micro-batch 2): about 1.8× an H100 rather than
+    the peaks' 2.5×, and no bf16 figure at micro-batch 1 on GB200 to take a constant from.
+  A factor fitted on H100 does not carry to these runs, and no sourced constant says by how much,
+  so the model keeps the datasheet.
 - **Qwen3-30B-A3B eight steps off on 128 + 64 H100** ({by_label["Qwen3-30B-A3B, 128+64 H100, 8-step off"]:.2f}) is within: with its engines
   holding one batch at a time it would be {one_batch:.2f}× the published step; a trajectory may be eight
   versions old, so NeMo-RL's engines hold the prompts of eight steps, as many as their KV cache takes

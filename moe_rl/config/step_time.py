@@ -339,10 +339,16 @@ def _rollout_precision(config: RecipeConfig) -> str:
 
 
 def _generation(
-    config: RecipeConfig, counts: ParamCounts, machine: Machine, eff: float, batches: int | None = None
+    config: RecipeConfig,
+    counts: ParamCounts,
+    machine: Machine,
+    eff: float,
+    batches: int | None = None,
+    max_seqs: int | None = None,
 ) -> list[Phase]:
     """Prefill and decode of one engine replica (module docstring); ``batches``: the batches whose
-    prompts a continuously batching engine holds (default ``run.async_depth``)."""
+    prompts a continuously batching engine holds (default ``run.async_depth``); ``max_seqs``: the
+    most sequences its scheduler runs at once (None: as many as its KV cache holds)."""
     r, m = config.rollout, config.model
     tp, lens, on_gpu = r.tensor_parallel_size, lengths(config), config.cluster.gpus_per_node > 0
     device = "GPU" if on_gpu else "process"
@@ -360,6 +366,8 @@ def _generation(
         held = max(1, int(kv_tokens // lens.mean))
     else:
         held = n * max(1, config.run.async_depth)
+    if max_seqs is not None:
+        held = min(held, max_seqs)
     wave = min(n, held)
     waves = math.ceil(n / wave)
     if continuous_batching(config):  # the batches of the next async_depth steps fill finished places
@@ -587,6 +595,7 @@ def step_time(
     released: float = 0.0,
     efficiency: Efficiency | None = None,
     batches_in_flight: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> StepTime:
     """The step of ``config`` by phase (module docstring). ``sync``: the run's sync plan (None: its
     route is refused, and so is the step's time), or what its sync moves (`SyncCost`);
@@ -596,13 +605,14 @@ def step_time(
     ``batches_in_flight``: with continuous batching, the batches whose prompts the engines hold at
     once (default ``run.async_depth``, what this project's loop launches ahead; another framework's
     loop may hold fewer than it overlaps, as NeMo-RL's async GRPO, which the comparison with its
-    published runs describes)."""
+    published runs describes). ``max_num_seqs``: the most sequences an engine's scheduler runs at
+    once (vLLM's ``max_num_seqs``), below what its KV cache holds (default: no such bound)."""
     machine = machine_of(config)
     eff = efficiency_of(config) if efficiency is None else efficiency
     if sync is None:
         raise PhaseCannotRun("weight sync cannot run: the recipe's sync route is refused (see Constraints)")
     counts = count_params(config.model)
-    generation = _generation(config, counts, machine, eff.generation, batches_in_flight)
+    generation = _generation(config, counts, machine, eff.generation, batches_in_flight, max_num_seqs)
     passes = _trainer_passes(config, machine, eff.train_mfu)
     cost = sync if isinstance(sync, SyncCost) else sync_cost(config, counts, sync, machine)
     sync_phase = Phase(

@@ -310,6 +310,48 @@ def test_the_engines_hold_the_batches_in_flight_they_are_given():
     assert "10 steps, 4 sequences in flight (continuous batching)" in one.phase("decode").detail
 
 
+def test_the_engines_scheduler_bounds_the_sequences_in_flight():
+    """vLLM's ``max_num_seqs`` below what the KV cache holds: depth 2 on nodes of their own holds 8
+    sequences of the hand model; bounded at 3, ceil(4 x 10 / 3) = 14 steps of 3 (the KV-cache reads
+    unchanged); a sync wave of 4 samples bounded at 3 runs in two waves of 3 of 20 steps each."""
+    config = _hand(*APART, "run.mode=async", "run.async_depth=2", "run.max_staleness=2")
+    bounded = step_time(config, sync_plan(config, "cuda"), 0.0, ONE, max_num_seqs=3)
+    per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + (1 - 0.75**3) * EXPERT_BYTES
+    kv = 4 * (5 * 10 + 50) * KV_TOKEN
+    assert bounded.phase("decode").seconds == pytest.approx((14 * per_step + kv) / H100_HBM)
+    assert "14 steps, 3 sequences in flight (continuous batching)" in bounded.phase("decode").detail
+    above = step_time(config, sync_plan(config, "cuda"), 0.0, ONE, max_num_seqs=1024)
+    assert above.phase("decode").seconds == _step(config).phase("decode").seconds  # the cache binds first
+    waves = step_time(_hand(), sync_plan(_hand(), "cuda"), 0.0, ONE, max_num_seqs=3)
+    assert "40 steps, 1 sequences in flight (2 wave(s) of 3)" in waves.phase("decode").detail
+
+
+def test_the_comparison_bounds_nemo_rls_engines_as_vllm_defaults_them():
+    """NeMo-RL's async engine is vLLM's ``AsyncLLM`` (at most 128 sequences), its offline one
+    ``vllm.LLM`` (1,024 on GPUs of 70 GiB and more), a recipe's ``vllm_kwargs.max_num_seqs`` wins;
+    the engines' memory share is the v0.6.0 recipe's (Qwen3-235B one step off: 0.8)."""
+    import importlib.util
+    import sys
+
+    path = RECIPES.parent / "bench" / "plan_model.py"
+    spec = importlib.util.spec_from_file_location("plan_model", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["plan_model"] = bench  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    by_recipe = {r.recipe: r for r in bench.STEPS}
+    assert bench.engine_max_seqs(by_recipe["grpo-qwen3-30ba3b-4n4g-async-1off"]) == 128
+    assert bench.engine_max_seqs(by_recipe["grpo-qwen3-30ba3b-4n8g"]) == 1024
+    assert bench.engine_max_seqs(by_recipe["grpo-deepseek-v3-64n8g-fp8-async-1off"]) == 32
+    for recipe in ("grpo-qwen3-235b-32n8g-async-1off", "grpo-qwen3-235b-32n4g-async-1off"):
+        config = bench.run_config(by_recipe[recipe])
+        assert config.rollout.gpu_memory_utilization == 0.8
+    # the bound slows the 8 + 8 GB200 one-step-off generation: 256 samples an engine, 128 at a time
+    run = by_recipe["grpo-qwen3-30ba3b-4n4g-async-1off"]
+    capped = bench.predict_capped(run, FITTED).phase("decode").detail
+    assert "128 sequences in flight (continuous batching)" in capped
+    assert "128 sequences in flight" not in bench.predict(run, FITTED).phase("decode").detail
+
+
 def test_offload_moves_the_released_bytes_and_the_engine_weights_out_and_back():
     config = _hand("cluster.release_memory=on")
     t = _step(config, Efficiency(1.0, 1.0, 0.5), released=1e9)
