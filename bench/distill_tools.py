@@ -152,6 +152,11 @@ def arm_name(student: str, coef: float, steps: int = DEFAULT_RL_STEPS) -> str:
     return student + coef_part + ("" if steps == DEFAULT_RL_STEPS else f":{steps}")
 
 
+def run_name(arm: str, coef: float, steps: int) -> str:
+    """The stored name of an arm's run: `arm_name`, a scratch run without a coefficient."""
+    return arm_name(arm, RECIPE_COEF if arm == "scratch" else coef, steps)
+
+
 def run_student(out: Path, student: str, coef: float, teacher: Path, seed: int, steps: int) -> dict:
     arm = arm_name(student, coef, steps)
     args = [
@@ -232,9 +237,9 @@ def report(out: Path, doc: Path, args: argparse.Namespace) -> None:
         f"`bench/distill_tools.py`: the teacher is {teacher_words(by_arm)}; `scratch` is the "
         "tool recipe from random weights; the students are `recipes/tiny_moe_distill.yaml` from random "
         "weights with `teacher.path` the teacher's run directory (`distill-half`: `model.hidden_size=32`, "
-        f"{params('half')} parameters against {params('full')}; `distill-plain`: PPO-clip, token-mean and no "
-        "training–inference corrections instead of the recipe's ESPO stack; `distill-nocorr`: ESPO without "
-        "those corrections). Arms named `@c` ran "
+        f"{params('half')} parameters against {params('full')}; `distill-plain`: without the training–inference "
+        "corrections (routing replay, keep-sampling-mask, IcePop, OPSM); `distill-espo`: the stability stack's "
+        "ESPO and sequence-mean aggregation instead of the recipe's PPO-clip and token-mean). Arms named `@c` ran "
         f"`algo.distill.coef=c` instead of the recipe's 1.0; `:n`, n RL steps instead of {DEFAULT_RL_STEPS}.",
         "",
         "| arm | seed | steps | final reward | mean reward | reverse KL first → last | first step reward ≥ 1.0 "
@@ -388,10 +393,7 @@ def main(argv=None) -> int:
             for seed in sorted({*args.seeds, *half_seeds})
             for arm in arms
             if seed in (half_seeds if arm == "distill-half" else args.seeds)
-            and not (
-                args.out
-                / f"{arm if arm == 'scratch' else arm_name(arm, args.coef, args.rl_steps)}-seed{seed}.json"
-            ).is_file()
+            and not (args.out / f"{run_name(arm, args.coef, args.rl_steps)}-seed{seed}.json").is_file()
         ]
         teacher_rl = TEACHER_RL_STEPS if args.teacher_rl_steps is None else args.teacher_rl_steps
         made = "teacher" if teacher_rl else "teacher-sft"
@@ -407,6 +409,7 @@ def main(argv=None) -> int:
             try:
                 if arm == "scratch":
                     found = tws.run_arm(args.out, "scratch", seed, args.rl_steps, 1)
+                    found["arm"] = run_name(arm, args.coef, args.rl_steps)
                 else:
                     found = run_student(args.out, arm, args.coef, teacher, seed, args.rl_steps)
             except RuntimeError as exc:
