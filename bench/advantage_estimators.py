@@ -68,7 +68,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def train(estimator: str, seed: int, steps: int, out: Path, jobs: int) -> Path:
     """Run one estimator and seed (a subprocess: `run_one`) unless a finished run is there; return
     its run directory."""
-    name = f"{estimator}-seed{seed}"
+    return spawn_run(__file__, estimator, seed, steps, out, jobs)
+
+
+def spawn_run(script: str, arm: str, seed: int, steps: int, out: Path, jobs: int) -> Path:
+    """``script --run-one arm seed steps DIR`` in a subprocess with one share of the cores, unless
+    `out/<arm>-seed<seed>` holds every step already; its run directory."""
+    name = f"{arm}-seed{seed}"
     run_dir = out / name
     if len(read_metrics(run_dir)) >= steps:
         return run_dir
@@ -77,7 +83,7 @@ def train(estimator: str, seed: int, steps: int, out: Path, jobs: int) -> Path:
         **os.environ,
         **{k: threads for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
     }
-    command = [sys.executable, __file__, "--run-one", estimator, str(seed), str(steps), str(run_dir)]
+    command = [sys.executable, script, "--run-one", arm, str(seed), str(steps), str(run_dir)]
     with open(out / f"{name}.log", "w") as log:
         code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if code != 0:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,21 +42,7 @@ LABELS = {"full": "full weights", "lora8": "LoRA rank 8 (alpha 16)"}
 
 def train(arm: str, seed: int, steps: int, out: Path, jobs: int) -> Path:
     """Run one arm and seed in a subprocess (`run_one`) unless a finished run is there."""
-    name = f"{arm}-seed{seed}"
-    run_dir = out / name
-    if len(ae.read_metrics(run_dir)) >= steps:
-        return run_dir
-    threads = str(max(1, (os.cpu_count() or 1) // jobs))
-    env = {
-        **os.environ,
-        **{k: threads for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
-    }
-    command = [sys.executable, __file__, "--run-one", arm, str(seed), str(steps), str(run_dir)]
-    with open(out / f"{name}.log", "w") as log:
-        code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    if code != 0:
-        raise RuntimeError(f"{name} failed (exit {code}); see {out / (name + '.log')}")
-    return run_dir
+    return ae.spawn_run(__file__, arm, seed, steps, out, jobs)
 
 
 def run_one(arm: str, seed: int, steps: int, run_dir: Path) -> None:

@@ -244,37 +244,39 @@ class LogLevel(StrEnum):
     ERROR = "ERROR"
 
 
-def choice_fields(section: type, prefix: str = "") -> dict[str, type[StrEnum]]:
+def _leaf_types(section: type, prefix: str = "") -> dict[str, Any]:
+    """Every field of the dataclass ``section`` and its nested sections that is not a section, by
+    dotted path, with its type (``X | None`` as ``X``)."""
+    found: dict[str, Any] = {}
+    hints = typing.get_type_hints(section)
+    for field in dataclasses.fields(section):
+        path, tp = f"{prefix}{field.name}", _without_none(hints[field.name])
+        found |= _leaf_types(tp, f"{path}.") if dataclasses.is_dataclass(tp) else {path: tp}
+    return found
+
+
+def choice_fields(section: type) -> dict[str, type[StrEnum]]:
     """Every choice field of the dataclass ``section`` and its nested sections, by dotted path: the
     fields whose type is a mode (``Mode`` or ``Mode | None``). Read from the field types, so a
     choice field typed in the schema is in the table by construction; a plain `Enum` field is
     refused (the loader turns the recipe's spelling into a member, which needs the value's text)."""
     found: dict[str, type[StrEnum]] = {}
-    hints = typing.get_type_hints(section)
-    for field in dataclasses.fields(section):
-        path, tp = f"{prefix}{field.name}", _without_none(hints[field.name])
-        if dataclasses.is_dataclass(tp):
-            found |= choice_fields(tp, f"{path}.")
-        elif isinstance(tp, type) and issubclass(tp, Enum):
+    for path, tp in _leaf_types(section).items():
+        if isinstance(tp, type) and issubclass(tp, Enum):
             if not issubclass(tp, StrEnum):
                 raise TypeError(f"{path}: {tp.__name__} is an Enum; a choice field's mode is a StrEnum")
             found[path] = tp
     return found
 
 
-def list_choice_fields(section: type, prefix: str = "") -> dict[str, type[StrEnum]]:
+def list_choice_fields(section: type) -> dict[str, type[StrEnum]]:
     """Every field of ``section`` (and its nested sections) typed ``list[Mode]``, by dotted path:
     each item is a choice of the mode."""
     found: dict[str, type[StrEnum]] = {}
-    hints = typing.get_type_hints(section)
-    for field in dataclasses.fields(section):
-        path, tp = f"{prefix}{field.name}", _without_none(hints[field.name])
-        if dataclasses.is_dataclass(tp):
-            found |= list_choice_fields(tp, f"{path}.")
-        elif typing.get_origin(tp) is list:
-            (item,) = typing.get_args(tp)
-            if isinstance(item, type) and issubclass(item, StrEnum):
-                found[path] = item
+    for path, tp in _leaf_types(section).items():
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if isinstance(item, type) and issubclass(item, StrEnum):
+            found[path] = item
     return found
 
 

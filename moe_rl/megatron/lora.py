@@ -79,9 +79,21 @@ class _LoraMixin:
         self.lora_scale = cfg.alpha / cfg.rank
         self.lora_dropout = torch.nn.Dropout(cfg.dropout) if cfg.dropout > 0 else torch.nn.Identity()
 
-    def _tp_comm(self) -> bool:
-        """Whether this linear's tensor-parallel regions apply (an expert's are the dispatcher's)."""
-        return self.tp_group.size() > 1 and not self.explicit_expert_comm
+    def _with_adapter(self, out: Tensor, input_: Tensor, region) -> Tensor:
+        """``out`` plus ``s·B·(A·dropout(x))``, ``A·x`` through the tensor-parallel ``region``
+        (Megatron's mapping for this linear's split; not for an expert, whose communication is the
+        dispatcher's)."""
+        low = torch.matmul(self.lora_dropout(input_), self.lora_a.t())
+        if self.tp_group.size() > 1 and not self.explicit_expert_comm:
+            low = region(low, group=self.tp_group)
+        return out + self.lora_scale * torch.matmul(low, self.lora_b.t())
+
+    def _sharded(self, prefix: str, sharded_offsets, metadata, axes: dict[str, int]):
+        """The linear's checkpoint tensors with ``axes`` (name -> the tensor-parallel split axis)."""
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )  # fmt: skip
 
     def merged_weight(self) -> Tensor:
         """``W + s·B·A``: this rank's shard of the linear's one matrix (detached)."""
@@ -105,17 +117,11 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
 
     def forward(self, input_: Tensor, *args, **kwargs):
         out, bias = super().forward(input_, *args, **kwargs)
-        low = torch.matmul(self.lora_dropout(input_), self.lora_a.t())
-        if self._tp_comm():
-            low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
-        return out + self.lora_scale * torch.matmul(low, self.lora_b.t()), bias
+        return self._with_adapter(out, input_, copy_to_tensor_model_parallel_region), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The weight's sharding (axis 0) for ``lora_b`` too; ``lora_a`` whole on every rank."""
-        return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0, "bias": 0, "lora_b": 0},
-            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
-        )  # fmt: skip
+        return self._sharded(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0, "lora_b": 0})
 
 
 class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
@@ -131,17 +137,11 @@ class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
 
     def forward(self, input_: Tensor, *args, **kwargs):
         out, bias = super().forward(input_, *args, **kwargs)
-        low = torch.matmul(self.lora_dropout(input_), self.lora_a.t())
-        if self._tp_comm():
-            low = reduce_from_tensor_model_parallel_region(low, group=self.tp_group)
-        return out + self.lora_scale * torch.matmul(low, self.lora_b.t()), bias
+        return self._with_adapter(out, input_, reduce_from_tensor_model_parallel_region), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The weight's sharding (axis 1) for ``lora_a`` too; ``lora_b`` whole on every rank."""
-        return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 1, "lora_a": 1},
-            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
-        )  # fmt: skip
+        return self._sharded(prefix, sharded_offsets, metadata, {"weight": 1, "lora_a": 1})
 
 
 def lora_classes(cfg: LoraConfig) -> dict[type, type]:
