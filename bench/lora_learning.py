@@ -5,7 +5,9 @@
 
 Each arm is `recipes/tiny_moe.yaml` with overrides (`ARMS`): ``full`` as it is (every weight
 trains), ``lora8`` with adapters of rank 8 (`lora.rank=8`, `lora.alpha=16`, every target: attention,
-every expert; the base frozen). Every run is a subprocess running the loop of `moe-rl train` in one
+every expert; the base frozen) and the output layer trained whole (`lora.train_output_layer=true`:
+the tiny model starts from random weights, and a random frozen head bounds its logits), and
+``lora8_frozen_head`` the same adapters with the head frozen too. Every run is a subprocess running the loop of `moe-rl train` in one
 process without Ray (`moe_rl.orchestration.local`: one trainer rank, one Megatron engine that
 samples from the merged weights the sync sends), `--jobs` at a time, in `--out/<arm>-seed<k>`; a run
 whose metrics.jsonl holds every step is reused.
@@ -35,9 +37,14 @@ STEPS = 60
 COMMAND = "python bench/lora_learning.py --write docs/lora_learning.md"
 ARMS = {
     "full": (),
-    "lora8": ("lora.rank=8", "lora.alpha=16"),
+    "lora8": ("lora.rank=8", "lora.alpha=16", "lora.train_output_layer=true"),
+    "lora8_frozen_head": ("lora.rank=8", "lora.alpha=16"),
 }
-LABELS = {"full": "full weights", "lora8": "LoRA rank 8 (alpha 16)"}
+LABELS = {
+    "full": "full weights",
+    "lora8": "LoRA rank 8 (alpha 16), output layer trained",
+    "lora8_frozen_head": "LoRA rank 8 (alpha 16), output layer frozen",
+}
 
 
 def train(arm: str, seed: int, steps: int, out: Path, jobs: int) -> Path:

@@ -264,13 +264,14 @@ def lora_mlp_params(hidden: int, ffn: int, rank: int) -> int:
 def lora_param_counts(m: ModelConfig, lora) -> ParamCounts:
     """The trainable parameters of a LoRA run (``lora``: the recipe's `LoraConfig`) by component,
     as `count_params` counts a model's: each target's adapters, the routers with
-    ``lora.train_router``; no embedding, head or norm trains."""
+    ``lora.train_router``, the output layer with ``lora.train_output_layer`` (with tied embeddings,
+    the embedding it shares); no norm trains."""
     full, rank, targets = count_params(m), lora.rank, set(lora.targets)
     h = m.hidden_size
     return dataclasses.replace(
         full,
-        embedding=0,
-        lm_head=0,
+        embedding=full.embedding if lora.train_output_layer and m.tie_word_embeddings else 0,
+        lm_head=full.lm_head if lora.train_output_layer else 0,
         final_norm=0,
         attention_per_layer=lora_attention_params(m, rank) if LoraTarget.ATTENTION in targets else 0,
         norms_per_layer=0,

@@ -480,6 +480,10 @@ class LoraConfig:
     """How each ``A`` starts (`kaiming`, `gaussian`); ``B`` starts at zero."""
     train_router: bool = False
     """Train the routers' own weights too (whole; they are small). Off: the routers stay frozen."""
+    train_output_layer: bool = False
+    """Train the output layer (the LM head; with tied embeddings, the embedding) whole, as PEFT's
+    ``modules_to_save``. For a model whose head is not trained already (a random start), the frozen
+    head bounds the logits and the adapters cannot make the policy sharp (docs/lora.md)."""
 
 
 @dataclass

@@ -161,12 +161,22 @@ def adapted_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in model.named_modules() if has_adapter(module)}
 
 
-def freeze_base(model: torch.nn.Module, train_router: bool) -> int:
-    """Only the adapters (and with ``train_router`` the routers' weights) keep ``requires_grad``;
-    the number of trainable elements."""
+OUTPUT_LAYER = ("output_layer.weight", "embedding.word_embeddings.weight")
+"""The output layer's weight: its own, or (tied embeddings) the embedding it shares."""
+
+
+def freeze_base(model: torch.nn.Module, train_router: bool, train_output_layer: bool = False) -> int:
+    """Only the adapters (with ``train_router`` the routers' weights too, with ``train_output_layer``
+    the output layer's) keep ``requires_grad``; the number of trainable elements."""
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    head = OUTPUT_LAYER if tied else OUTPUT_LAYER[:1]
     trainable = 0
     for name, param in model.named_parameters():
-        keep = is_adapter(name) or (train_router and ".mlp.router." in f".{name}")
+        keep = (
+            is_adapter(name)
+            or (train_router and ".mlp.router." in f".{name}")
+            or (train_output_layer and name in head)
+        )
         param.requires_grad_(keep)
         trainable += param.numel() if keep else 0
     return trainable

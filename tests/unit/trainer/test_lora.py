@@ -168,8 +168,10 @@ def test_the_engine_samples_from_the_merged_policy_step_after_step():
     assert all(torch.equal(after[k], v) for k, v in base.items())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_the_planners_count_is_the_built_models(family):
+@pytest.mark.parametrize(
+    ("family", "head"), [("qwen3_moe", "false"), ("qwen3_moe", "true"), ("deepseek_v3", "true")]
+)
+def test_the_planners_count_is_the_built_models(family, head):
     """`lora_param_counts` (what `moe-rl plan` sizes a LoRA run's gradients and Adam state by) equals
     the trainable elements of the model the trainer builds: MLA, a dense first layer, shared experts."""
     import dataclasses
@@ -179,11 +181,15 @@ def test_the_planners_count_is_the_built_models(family):
     from moe_rl.config.flops import lora_param_counts
     from moe_rl.megatron.lora import freeze_base
 
-    config = tiny_recipe(*LORA, "lora.train_router=true")
+    config = tiny_recipe(*LORA, "lora.train_router=true", f"lora.train_output_layer={head}")
     if family == "deepseek_v3":
         config = dataclasses.replace(config, model=tiny_deepseek())
     model = build_gpt_model(config.model, config.parallel, config.trainer, seed=1, lora=config.lora)
-    assert freeze_base(model, train_router=True) == lora_param_counts(config.model, config.lora).total
+    trainable = freeze_base(model, train_router=True, train_output_layer=config.lora.train_output_layer)
+    assert trainable == lora_param_counts(config.model, config.lora).total
+    head_params = config.model.vocab_size * config.model.hidden_size
+    assert model.output_layer.weight.requires_grad == (head == "true")
+    assert (trainable > head_params) and (head == "false" or trainable - head_params > 0)
 
 
 def _run_dir(tmp_path, worker: TrainerWorker, name: str):
