@@ -85,3 +85,29 @@ def test_tp2_loads_computes_and_exports_like_one_process(references, tp_runs, fa
             head["hidden_grad"], whole["hidden_grad"].chunk(2)[rank], rtol=1e-5, atol=1e-7
         )
         torch.testing.assert_close(head["head_grad"], whole["head_grad"], rtol=1e-5, atol=1e-7)
+    if "lora" in ranks[0]:
+        _check_lora_linears([got["lora"] for got in ranks])
+
+
+def _check_lora_linears(ranks: list[dict[str, torch.Tensor]]) -> None:
+    """LoRA on Megatron's column- and row-parallel linears at TP=2 against one process: outputs and
+    the gradients of the input, the weight and the adapters, each rank its shard of them."""
+    whole = tp_worker.lora_linears(0, 1)
+    for rank, got in enumerate(ranks):
+        expected = {
+            # column: output and B split by output rows; A and the input (summed over ranks) whole
+            "column.out": whole["column.out"].chunk(2, dim=-1)[rank],
+            "column.x_grad": whole["column.x_grad"],
+            "column.weight_grad": whole["column.weight_grad"].chunk(2, dim=0)[rank],
+            "column.a_grad": whole["column.a_grad"],
+            "column.b_grad": whole["column.b_grad"].chunk(2, dim=0)[rank],
+            # row: the input, the weight and A split by input columns; the output (reduced) and B whole
+            "row.out": whole["row.out"],
+            "row.x_grad": whole["row.x_grad"].chunk(2, dim=-1)[rank],
+            "row.weight_grad": whole["row.weight_grad"].chunk(2, dim=1)[rank],
+            "row.a_grad": whole["row.a_grad"].chunk(2, dim=1)[rank],
+            "row.b_grad": whole["row.b_grad"],
+        }
+        assert set(got) == set(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")

@@ -110,6 +110,60 @@ def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, int, str]]
         save_hf_checkpoint(model, Path(out_dir) / f"export.{family}.{etp}", model_config_to_hf_config(config))
         out = {"logits": logits_of(model), "weights": exported, "shapes": shapes}
         out["value_head"] = value_head(rank, world, sequence_parallel=True)
+        if (family, etp) == ("qwen3_moe", 1):  # no model in it: once
+            out["lora"] = lora_linears(rank, world)
         if family == "qwen3_moe":  # the trainer's tiny recipe
             out["critic"] = critic_old_pass(world, etp, hf_path)
         torch.save(out, Path(out_dir) / f"tp.{family}.{etp}.{rank}.pt")
+
+
+LORA_SHAPE = (6, 2, 16, 12, 4)
+"""[s, b, in, out, rank] of the LoRA linears' check."""
+
+
+def lora_linears(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Megatron's column- and row-parallel linears with LoRA adapters (`moe_rl.megatron.lora`) on
+    fixed weights, adapters and input split as TP=``world`` splits them, and a fixed linear loss of
+    their outputs: each output (this rank's part) and the gradients of the input, the weight, ``A``
+    and ``B`` (this rank's shards)."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from moe_rl.config.schema import LoraConfig
+    from moe_rl.megatron.lora import lora_classes
+
+    s, b, fan_in, fan_out, r = LORA_SHAPE
+    classes = lora_classes(LoraConfig(rank=r, alpha=8.0))
+    config = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True)
+    found: dict[str, torch.Tensor] = {}
+    for kind, base in (("column", ColumnParallelLinear), ("row", RowParallelLinear)):
+        generator = torch.Generator().manual_seed(5)
+        weight, a = (
+            torch.randn(fan_out, fan_in, generator=generator),
+            torch.randn(r, fan_in, generator=generator),
+        )
+        bmat = torch.randn(fan_out, r, generator=generator)
+        x, g = torch.randn(s, b, fan_in, generator=generator), torch.randn(s, b, fan_out, generator=generator)
+        extra = {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
+        linear = classes[base](
+            fan_in,
+            fan_out,
+            config=config,
+            init_method=lambda t: None,
+            bias=False,
+            skip_bias_add=True,
+            **extra,
+        )
+        split = 0 if kind == "column" else 1
+        with torch.no_grad():
+            linear.weight.copy_(weight.chunk(world, dim=split)[rank])
+            linear.lora_a.copy_(a if kind == "column" else a.chunk(world, dim=1)[rank])
+            linear.lora_b.copy_(bmat.chunk(world, dim=0)[rank] if kind == "column" else bmat)
+        mine = (x if kind == "column" else x.chunk(world, dim=-1)[rank]).clone().requires_grad_()
+        out, _ = linear(mine)
+        (out * (g.chunk(world, dim=-1)[rank] if kind == "column" else g)).sum().backward()
+        found |= {
+            f"{kind}.out": out.detach(), f"{kind}.x_grad": mine.grad, f"{kind}.weight_grad": linear.weight.grad,
+            f"{kind}.a_grad": linear.lora_a.grad, f"{kind}.b_grad": linear.lora_b.grad,
+        }  # fmt: skip
+    return found
