@@ -48,6 +48,13 @@ def reference(weights):
 
 
 @pytest.fixture(scope="module")
+def lora_reference(weights):
+    """LoRA's adapter gradients at DP=1 on the whole global batch, in this process, through
+    Megatron's own `SequentialMLP` (the ranks run `GroupedExperts`)."""
+    return trainer_dp_worker.gradients(world=1, rank=0, ep=1, hf_path=weights, gemm="sequential", lora=True)
+
+
+@pytest.fixture(scope="module")
 def critic_reference(weights):
     """PPO with a critic at DP=1 on the whole global batch, in this process."""
     config = trainer_dp_worker.recipe(1, 1, weights, 1, *trainer_dp_worker.PPO)
@@ -116,6 +123,24 @@ def test_dp2_gradients_equal_dp1(spawn, reference):
     for got in ranks:
         assert set(got) == set(reference)
         _compare(got, reference)
+
+
+@pytest.mark.parametrize("ep", EPS)
+def test_lora_adapter_gradients_equal_one_process(dp_runs, lora_reference, ep):
+    """LoRA on every target (attention, every expert): at DP=2 (EP 1) and EP=2 the adapters'
+    gradients equal the one-process run's, each expert's on the rank that holds it; the frozen base
+    has no gradient buffer on any rank."""
+    ranks = [torch.load(dp_runs / f"lora.{ep}.{rank}.pt") for rank in range(2)]
+    assert all(k.endswith((".lora_a", ".lora_b")) for k in lora_reference) and lora_reference
+    assert any(".mlp.experts." in k for k in lora_reference)
+    held = set()
+    for got in ranks:
+        _compare(got, lora_reference)
+        held |= set(got)
+    assert held == set(lora_reference)
+    if ep > 1:
+        experts = [{k for k in got if ".mlp.experts." in k} for got in ranks]
+        assert experts[0] and not experts[0] & experts[1]
 
 
 def test_ep2_gradients_equal_ep1(spawn, reference):

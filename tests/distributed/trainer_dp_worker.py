@@ -59,19 +59,55 @@ def shard(batches, rank: int, world: int, even: bool):
     return [batches[0], batches[3]] if rank == 0 and even else ([batches[0]] if rank == 0 else batches[1:])
 
 
+LORA = ("lora.rank=4", "lora.alpha=8")
+
+
+def _global_key(model, name: str) -> str:
+    """A parameter's layout-free name: its HF names (an adapter's: its weight's, plus its own)."""
+    from moe_rl.megatron.hf_weights import hf_names_for
+    from moe_rl.megatron.lora import is_adapter
+
+    if is_adapter(name):
+        base, own = name.rsplit(".", 1)
+        return "+".join(hf_names_for(model, f"{base}.weight").hf) + f".{own}"
+    return "+".join(hf_names_for(model, name).hf)
+
+
+def _set_adapters(model) -> None:
+    """Every LoRA adapter's A and B drawn from its global name: the same values in every layout
+    (B not zero, so A has a gradient too)."""
+    import zlib
+
+    from moe_rl.megatron.lora import is_adapter
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_adapter(name):
+                generator = torch.Generator().manual_seed(zlib.crc32(_global_key(model, name).encode()))
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+
+
 def gradients(
-    world: int, rank: int, ep: int, hf_path: str, kept: dict | None = None, gemm: str = "torch"
+    world: int,
+    rank: int,
+    ep: int,
+    hf_path: str,
+    kept: dict | None = None,
+    gemm: str = "torch",
+    lora: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The gradients of this rank's share (``kept``, when given, receives the worker's ``model``),
-    its experts multiplied as ``trainer.expert_gemm=gemm`` says."""
+    its experts multiplied as ``trainer.expert_gemm=gemm`` says; with ``lora``, of LoRA adapters on
+    every target (`_set_adapters`), the only parameters that train."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from moe_rl.megatron.grouped_experts import GroupedExperts
-    from moe_rl.megatron.hf_weights import hf_names_for
     from moe_rl.trainer.worker import TrainerWorker
 
-    config = recipe(world, ep, hf_path, 1, f"trainer.expert_gemm={gemm}")
+    config = recipe(world, ep, hf_path, 1, f"trainer.expert_gemm={gemm}", *(LORA if lora else ()))
     worker = TrainerWorker(config)
+    if lora:
+        _set_adapters(worker.model)
     kinds = {type(m) for m in worker.model.modules() if isinstance(m, SequentialMLP)}
     assert kinds == {GroupedExperts if gemm == "torch" else SequentialMLP}, kinds
     batches = global_batch(config)
@@ -83,8 +119,10 @@ def gradients(
     worker.accumulate_gradients(mine)
     grads = {}
     for name, param in worker.model.named_parameters():
-        key = "+".join(hf_names_for(worker.model, name).hf)
-        grads[key] = param.main_grad.detach().clone()
+        if param.requires_grad:
+            grads[_global_key(worker.model, name)] = param.main_grad.detach().clone()
+        else:  # frozen under LoRA: no gradient buffer
+            assert lora and not hasattr(param, "main_grad"), name
     if kept is not None:
         kept["model"] = worker.model
     return grads
@@ -188,8 +226,8 @@ CRITIC_STEP = ("critic/loss", "critic/grad_norm", "critic/update_ok")
 def rank_main(rank: int, world: int, port: int, eps: list[int], hf_path: str, out_dir: str) -> None:
     """For each expert-parallel size of ``eps`` in turn, in one process (Megatron's groups made again
     for each): the gradients, what the rank sends to vLLM and to a Megatron engine, the critic's
-    outputs on the rank's micro-batches (`grads.<ep>.<rank>.pt`, `sent.<ep>.<rank>.pt`,
-    `critic.<ep>.<rank>.pt`)."""
+    outputs on the rank's micro-batches, LoRA's gradients (`grads.<ep>.<rank>.pt`,
+    `sent.<ep>.<rank>.pt`, `critic.<ep>.<rank>.pt`, `lora.<ep>.<rank>.pt`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from megatron.core import parallel_state as ps
 
@@ -203,6 +241,7 @@ def rank_main(rank: int, world: int, port: int, eps: list[int], hf_path: str, ou
         mine = ([0, 3] if rank == 0 else [1, 2]) if ep > 1 else ([0] if rank == 0 else [1, 2, 3])
         critic = critic_outputs(recipe(world, ep, hf_path, 1, *PPO), mine)
         torch.save(critic, Path(out_dir) / f"critic.{ep}.{rank}.pt")
+        torch.save(gradients(world, rank, ep, hf_path, lora=True), Path(out_dir) / f"lora.{ep}.{rank}.pt")
 
 
 def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tensor]:
