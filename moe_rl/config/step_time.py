@@ -37,7 +37,8 @@ trainer rank alike):
   engine's weights too at ``cluster.engine_sleep_level`` 1, over the GPU's host link times ``η_sync``.
 * **π_old**, **reference** (with ``algo.kl.coef > 0``) and **training** (compute): forward FLOPs of the
   batch at the mean length, once, once and three times (a backward is two forwards; four with
-  ``trainer.recompute_activations``), over the trainer's GPUs at the dense peak in
+  ``trainer.recompute_activations``; with LoRA the frozen weights' gradients are not computed, one
+  forward of their products less: `_frozen_share`), over the trainer's GPUs at the dense peak in
   ``trainer.precision`` times the MFU (``cluster.train_mfu``); plus, with expert parallelism, the
   all-to-all of every token's hidden state to its top-k experts and back in each MoE layer (once a
   forward, once more a backward and a recompute; `alltoall_seconds`: the share for other NVLink
@@ -431,11 +432,26 @@ def _bytes(x: float) -> str:
     return f"{x / 1024:,.1f} KiB"
 
 
+def _frozen_share(config: RecipeConfig, flops, tokens: int, forward: float) -> float:
+    """The share of a forward's FLOPs whose weights get no gradient: with LoRA (`lora.rank` > 0)
+    every weight product but the routers' and the output layer's when they train (the adapters'
+    own products, rank/hidden of the weights', are left out); 0 for a full-weight run. A backward
+    is the input's gradient and the weights' (a forward each): the frozen share skips the second."""
+    lora = config.lora
+    if lora.rank == 0:
+        return 0.0
+    trained = (flops.router if lora.train_router else 0.0) + (
+        flops.output if lora.train_output_layer else 0.0
+    )
+    return (flops.per_token - trained) * tokens / forward
+
+
 def _trainer_passes(config: RecipeConfig, machine: Machine, mfu: float) -> list[Phase]:
     """π_old, reference and training over the batch (module docstring)."""
     p, t, lens = config.parallel, config.trainer, lengths(config)
     n = config.rollout.batch_size
-    forward = model_flops(config.model).forward([round(lens.mean)] * n)
+    flops = model_flops(config.model)
+    forward = flops.forward([round(lens.mean)] * n)
     precision = "fp32" if t.precision == Precision.FP32 or config.cluster.gpus_per_node == 0 else "bf16"
     rate = p.trainer_world_size * machine.peak_tflops(precision) * TERA * mfu
     pp = p.pipeline_model_parallel_size
@@ -461,7 +477,8 @@ def _trainer_passes(config: RecipeConfig, machine: Machine, mfu: float) -> list[
     passes = [("π_old", 1.0, 1.0)]
     if config.algo.kl.coef > 0:
         passes.append(("reference", 1.0, 1.0))
-    passes.append(("training", 4.0 if recompute else 3.0, 3.0 if recompute else 2.0))
+    passes.append(("training", (4.0 if recompute else 3.0) - _frozen_share(config, flops, n * round(lens.mean), forward),
+                   3.0 if recompute else 2.0))  # fmt: skip
     phases = []
     for name, k, moves in passes:
         extra = (" (with the activation recompute)" if recompute and name == "training" else "") + (

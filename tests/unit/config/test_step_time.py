@@ -183,6 +183,25 @@ def test_trainer_passes_by_hand():
     assert fp32.phase("π_old").seconds == pytest.approx(forward / (8 * 494.5e12 * 0.5))
 
 
+def test_lora_skips_the_frozen_weights_gradients_by_hand():
+    """With LoRA the backward computes no gradient for the frozen weights: of the 1,344 FLOPs a token
+    of weight products (the output layer's 2·16·8 = 256 of them) one forward's worth less; the
+    attention pairs' backward stays. With the output layer trained, its 256 keep theirs."""
+    tokens, pairs = 8 * 15, 8 * (15 * 16 // 2) * PER_PAIR
+    forward = tokens * PER_TOKEN + pairs
+    rate = 8 * H100_BF16 * 0.5
+    lora = _step(_hand("lora.rank=4", "trainer.precision=bf16"), Efficiency(1.0, 0.5, 1.0))
+    assert lora.phase("training").seconds == pytest.approx((3 * forward - tokens * PER_TOKEN) / rate)
+    assert lora.phase("π_old").seconds == pytest.approx(forward / rate)
+    head = _step(
+        _hand("lora.rank=4", "lora.train_output_layer=true", "trainer.precision=bf16"),
+        Efficiency(1.0, 0.5, 1.0),
+    )
+    assert head.phase("training").seconds == pytest.approx(
+        (3 * forward - tokens * (PER_TOKEN - 2 * 16 * 8)) / rate
+    )
+
+
 def test_the_pipeline_bubble_by_hand():
     """Qwen3-30B-A3B, PP 2: 512 samples / (4 mini-batches x DP 4) = 32 per rank, 32 x 6,144 tokens
     in micro-batches of 16,384: 12 of them; the bubble is (12 + 2 - 1) / 12."""
