@@ -236,19 +236,19 @@ LORA_FIELDS = {
 """The linears of each `lora.targets` entry, by their field in Megatron's layer spec."""
 
 
-def _target_specs(layer) -> dict[LoraTarget, list]:
-    """Each LoRA target's submodule specs in one layer's spec (those the layer has)."""
+def _target_specs(layer) -> dict[LoraTarget, Any]:
+    """The submodule spec holding each LoRA target's linears in one layer's spec (those it has)."""
     from megatron.core.transformer.mlp import MLP
 
     mlp = layer.submodules.mlp
     inner = getattr(mlp, "submodules", None)
-    found = {LoraTarget.ATTENTION: [layer.submodules.self_attention.submodules]}
+    found = {LoraTarget.ATTENTION: layer.submodules.self_attention.submodules}
     if mlp.module is MLP:
-        found[LoraTarget.DENSE_MLP] = [inner]
+        found[LoraTarget.DENSE_MLP] = inner
     for target, field in ((LoraTarget.EXPERTS, "experts"), (LoraTarget.SHARED_EXPERTS, "shared_experts")):
         spec = getattr(inner, field, None)
         if spec is not None and getattr(spec, "submodules", None) is not None:
-            found[target] = [spec.submodules]
+            found[target] = spec.submodules
     return found
 
 
@@ -258,20 +258,19 @@ def _add_adapters(block, lora: LoraConfig) -> None:
 
     classes = lora_classes(lora)
     for layer in block.layer_specs:
-        for target, holders in _target_specs(layer).items():
+        for target, holder in _target_specs(layer).items():
             if target not in lora.targets:
                 continue
-            for holder in holders:
-                for name in LORA_FIELDS[target]:
-                    linear = getattr(holder, name, None)
-                    if linear is None or linear in classes.values():  # none, or a spec shared by layers
-                        continue
-                    if linear not in classes:
-                        raise UserError(
-                            f"lora.targets={target}: its {name} is {getattr(linear, '__name__', linear)}, not one "
-                            "of Megatron's local linears (LoRA adapts ColumnParallelLinear and RowParallelLinear)"
-                        )
-                    setattr(holder, name, classes[linear])
+            for name in LORA_FIELDS[target]:
+                linear = getattr(holder, name, None)
+                if linear is None or linear in classes.values():  # none, or a spec shared by layers
+                    continue
+                if linear not in classes:
+                    raise UserError(
+                        f"lora.targets={target}: its {name} is {getattr(linear, '__name__', linear)}, not one "
+                        "of Megatron's local linears (LoRA adapts ColumnParallelLinear and RowParallelLinear)"
+                    )
+                setattr(holder, name, classes[linear])
 
 
 def _layer_spec(config, use_te: bool, gemm: ExpertGemm, lora: LoraConfig | None = None):
