@@ -71,3 +71,14 @@ def test_ctrl_c_outside_a_scoring_lets_the_step_finish(stop):
     os.kill(os.getpid(), signal.SIGINT)
     assert not _wait_for_interrupt(2.0)
     assert stop.requested and stop.given_up is None
+
+
+def test_sigterm_is_taken_as_ctrl_c_the_step_finishes_and_a_second_stops_at_once(stop):
+    """`scancel` and preemption send SIGTERM: the run stops as after a Ctrl-C (the whole command,
+    interrupted and resumed, is in tests/e2e/test_rl_loop.py)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert not _wait_for_interrupt(1.0)
+    assert stop.requested and stop.given_up is None
+    with pytest.raises(KeyboardInterrupt, match="again"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(60.0)
