@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_rl.config import ConfigError
+from moe_rl.config.modes import LoraExport
 from moe_rl.errors import UserError, user_error_of
 from moe_rl.log import setup_logging
 from moe_rl.orchestration.preflight import SKIP_PATHS, load_checked
@@ -190,6 +191,10 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         "--shard-size", default="5GB", metavar="SIZE", help="largest shard (default 5GB; 500MB, 2GiB)"
     )
     export.add_argument("--force", action="store_true", help="replace OUT when it is not empty")
+    export.add_argument(
+        "--lora", choices=[str(m) for m in LoraExport], default=str(LoraExport.MERGED),
+        help="of a LoRA run: the merged model (default), the PEFT-style adapter folder, or the frozen base",
+    )  # fmt: skip
 
 
 def _config_command(args: argparse.Namespace) -> int:
@@ -287,7 +292,9 @@ def _diagnose_command(args: argparse.Namespace) -> int:
 def _export_command(args: argparse.Namespace) -> int:
     from launch.export import export_command
 
-    return export_command(args.run_dir, args.out, args.step, args.shard_size, args.force)
+    return export_command(
+        args.run_dir, args.out, args.step, args.shard_size, args.force, LoraExport(args.lora)
+    )
 
 
 def _report_command(args: argparse.Namespace) -> int:

@@ -15,6 +15,13 @@ frozen reference policy (``reference.`` keys) are not read. Next to them: ``gene
 (the base model's, or one with the recipe's ``model.eos_token_id``) and the tokenizer files of
 ``model.hf_path`` when it has them.
 
+Of a LoRA run (``lora.rank`` > 0), ``--lora`` picks what is written: ``merged`` (the default) the
+model as it computes, each adapter merged into its weight; ``adapter`` a PEFT-style adapter folder
+(``adapter_config.json``, ``adapter_model.safetensors``; `moe_rl.megatron.peft_adapter`) that vLLM
+loads with a ``LoRARequest`` over the base; ``base`` the frozen weights the adapters apply to. The
+adapter folder holds adapters only: a run that also trained its routers or output layer whole
+(``lora.train_router``, ``lora.train_output_layer``) is exported merged.
+
 The folder is written under a temporary name next to OUT and renamed when complete, so an export
 cut short leaves no half-written OUT.
 """
@@ -31,6 +38,7 @@ from pathlib import Path
 
 from moe_rl import run_dir as rd
 from moe_rl.config import RecipeConfig, load_recipe
+from moe_rl.config.modes import LoraExport
 from moe_rl.errors import UserError
 from moe_rl.log import libraries_to_file
 
@@ -55,24 +63,56 @@ _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
 def export_command(
-    run_dir: str, out: str, step: int | None = None, shard_size: str = DEFAULT_SHARD_SIZE, force: bool = False
-) -> int:
+    run_dir: str, out: str, step: int | None = None, shard_size: str = DEFAULT_SHARD_SIZE,
+    force: bool = False, lora: LoraExport = LoraExport.MERGED,
+) -> int:  # fmt: skip
     """Write the checkpoint of ``step`` (default: the newest usable one) of ``run_dir`` to ``out``
-    as a Hugging Face folder; returns the exit code."""
+    as a Hugging Face folder (of a LoRA run, what ``lora`` picks); returns the exit code."""
     run, out_dir = Path(run_dir), Path(out)
     config = read_run_config(run)
+    lora = check_lora_part(config, run, LoraExport(lora))
     ckpt = pick_checkpoint(run, step)
     max_shard_bytes = parse_size(shard_size)
     check_out(out_dir, run, force)
-    log.info("exporting %s (step %d of run %s)", ckpt.path, ckpt.step, config.run.name)
+    what = "" if config.lora.rank == 0 else f" ({lora} LoRA model)"
+    log.info("exporting %s (step %d of run %s)%s", ckpt.path, ckpt.step, config.run.name, what)
     with libraries_to_file(_library_log(run)):
-        tokenizer = _write_folder(config, ckpt.path / "trainer", out_dir.resolve(), max_shard_bytes)
+        tokenizer = _write_folder(config, ckpt.path / "trainer", out_dir.resolve(), max_shard_bytes, lora)
     log.info("wrote %s: %s", out_dir, ", ".join(sorted(p.name for p in out_dir.iterdir())))
-    load = f"AutoModelForCausalLM.from_pretrained({str(out_dir)!r}) or `vllm serve {out_dir}`"
-    if not tokenizer:
-        load += " (no tokenizer files: prompts are token ids; vLLM needs skip_tokenizer_init=True)"
+    if lora == LoraExport.ADAPTER:
+        base = _adapter_base(config)
+        over = base or f"the base (`moe-rl export {run} BASE --lora base`)"
+        load = f"vLLM with enable_lora=True and LoRARequest(name, 1, {str(out_dir)!r}) over {over}"
+    else:
+        load = f"AutoModelForCausalLM.from_pretrained({str(out_dir)!r}) or `vllm serve {out_dir}`"
+        if not tokenizer:
+            load += " (no tokenizer files: prompts are token ids; vLLM needs skip_tokenizer_init=True)"
     log.info("exported step %d of %s to %s; load it with %s", ckpt.step, run, out_dir, load)
     return 0
+
+
+def check_lora_part(config: RecipeConfig, run: Path, lora: LoraExport) -> LoraExport:
+    """``--lora`` against the run: ``adapter`` and ``base`` need a LoRA run whose trained weights
+    are all in its adapters."""
+    if lora == LoraExport.MERGED:
+        return lora
+    if config.lora.rank == 0:
+        raise UserError(
+            f"--lora {lora}: run {run} trains full weights (lora.rank is 0); export it without --lora"
+        )
+    whole = [name for name in ("train_router", "train_output_layer") if getattr(config.lora, name)]
+    if whole:
+        raise UserError(
+            f"--lora {lora}: run {run} also trains weights whole (lora.{', lora.'.join(whole)}), which an "
+            f"adapter folder does not hold; export the merged model (--lora {LoraExport.MERGED})"
+        )
+    return lora
+
+
+def _adapter_base(config: RecipeConfig) -> str | None:
+    """The Hugging Face folder the adapters apply to, when the run's base is one (not a run's
+    checkpoint or a random start)."""
+    return config.model.hf_path if config.model.init_from is None else None
 
 
 def _library_log(run: Path) -> Path:
@@ -83,16 +123,20 @@ def _library_log(run: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"moe-rl-export-{os.getpid()}.log"
 
 
-def _write_folder(config: RecipeConfig, trainer_dir: Path, target: Path, max_shard_bytes: int) -> list[str]:
+def _write_folder(
+    config: RecipeConfig, trainer_dir: Path, target: Path, max_shard_bytes: int, lora: LoraExport
+) -> list[str]:
     """Write the folder under a temporary name next to ``target``, then rename it (replacing
     ``target``); returns the tokenizer files copied."""
     staging = target.parent / f".{target.name}.partial"
     if staging.exists():
         shutil.rmtree(staging)  # left by an export killed before it could clean up
     try:
-        _write_weights(config, trainer_dir, staging, max_shard_bytes)
-        _write_generation_config(config, staging)
-        tokenizer = _copy_tokenizer(config, staging)
+        _write_weights(config, trainer_dir, staging, max_shard_bytes, lora)
+        tokenizer = []
+        if lora != LoraExport.ADAPTER:
+            _write_generation_config(config, staging)
+            tokenizer = _copy_tokenizer(config, staging)
         for path in staging.iterdir():  # the umask's file mode (shards are written owner-only)
             path.chmod(staging.stat().st_mode & 0o666)
         if target.exists():
@@ -180,8 +224,11 @@ def check_out(out: Path, run: Path, force: bool) -> None:
 
 
 # ------------------------------------------------------------------ the export
-def _write_weights(config: RecipeConfig, trainer_dir: Path, folder: Path, max_shard_bytes: int) -> None:
-    """The checkpoint's model weights, through a one-rank model, as ``config.json`` + safetensors."""
+def _write_weights(
+    config: RecipeConfig, trainer_dir: Path, folder: Path, max_shard_bytes: int, lora: LoraExport
+) -> None:
+    """The checkpoint's model weights, through a one-rank model, as ``config.json`` + safetensors
+    (of a LoRA run: merged, the base alone, or the adapter folder)."""
     from moe_rl.device import hide_cuda_if_cpu
 
     # On the CPU whatever device the run trained on: host memory holds what one GPU cannot, and a
@@ -192,6 +239,7 @@ def _write_weights(config: RecipeConfig, trainer_dir: Path, folder: Path, max_sh
     from moe_rl.megatron.hf_weights import save_hf_checkpoint
     from moe_rl.megatron.model import PRECISIONS, build_gpt_model, model_config_to_hf_config
     from moe_rl.megatron.parallel import init_parallel, teardown_parallel
+    from moe_rl.megatron.peft_adapter import drop_adapters, save_adapter
     from moe_rl.trainer.checkpoint import load_model_weights
 
     one_rank = ParallelConfig()  # dist_checkpointing reshards what any trainer layout wrote
@@ -203,6 +251,12 @@ def _write_weights(config: RecipeConfig, trainer_dir: Path, folder: Path, max_sh
         )
         log.info("loading the model weights of %s (not the optimizer state)", trainer_dir)
         load_model_weights(model, trainer_dir)
+        if lora == LoraExport.ADAPTER:
+            targets = save_adapter(model, config.lora, folder, _adapter_base(config))
+            log.info("wrote the adapters of %s to %s", ", ".join(targets), folder)
+            return
+        if lora == LoraExport.BASE:
+            drop_adapters(model)  # the frozen weights alone
         dtype = str(PRECISIONS[config.trainer.precision]).removeprefix("torch.")
         hf_config = model_config_to_hf_config(config.model, dtype)
         if config.model.eos_token_id is not None:

@@ -50,6 +50,17 @@ class LoraInit(StrEnum):
     """Normal with standard deviation 1/rank."""
 
 
+class LoraExport(StrEnum):
+    """``moe-rl export --lora``: what a LoRA run's export writes."""
+
+    MERGED = "merged"
+    """The model as it computes: each adapter merged into its weight (a Hugging Face folder)."""
+    ADAPTER = "adapter"
+    """The adapters alone, as a PEFT-style adapter folder over the base's Hugging Face names."""
+    BASE = "base"
+    """The frozen base weights the adapters apply to (a Hugging Face folder)."""
+
+
 class RunMode(StrEnum):
     """``run.mode``: on-policy, one-step-off-policy, or offline (DGO)."""
 

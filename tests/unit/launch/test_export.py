@@ -128,3 +128,23 @@ def test_shard_size(run, tmp_path, monkeypatch, caplog):
     assert {text: export.parse_size(text) for text in sizes} == sizes
     line = _export(monkeypatch, caplog, str(run), str(tmp_path / "out"), "--shard-size", "5 gigs")
     assert line.startswith("--shard-size '5 gigs': expected a positive size such as 5GB"), line
+
+
+@pytest.mark.parametrize(
+    ("recipe", "lora", "expected"),
+    [
+        ([], "adapter", "--lora adapter: run {run} trains full weights (lora.rank is 0); export it without --lora"),
+        (
+            ["lora.rank=4", "lora.train_router=true", "lora.train_output_layer=true"], "base",
+            "--lora base: run {run} also trains weights whole (lora.train_router, lora.train_output_layer), which "
+            "an adapter folder does not hold; export the merged model (--lora merged)",
+        ),
+    ],
+    ids=["full-weights", "whole-weights-too"],
+)  # fmt: skip
+def test_an_adapter_or_base_export_needs_a_run_whose_training_is_all_in_its_adapters(
+    run, tmp_path, monkeypatch, caplog, recipe, lora, expected
+):
+    (run / "config.yaml").write_text(to_yaml(load_checked(TINY, recipe)))
+    line = _export(monkeypatch, caplog, str(run), str(tmp_path / "out"), "--lora", lora)
+    assert line == expected.format(run=run)
