@@ -139,20 +139,40 @@ def load_start_weights(model, config) -> None:
         load_hf_checkpoint(model, config.model.hf_path)
     if config.model.init_from:
         trainer_dir = init_checkpoint(Path(config.model.init_from))
-        load_model_weights(model, trainer_dir, f"model.init_from={config.model.init_from}")
+        whose = f"model.init_from={config.model.init_from}"
+        load_model_weights(model, trainer_dir, whose, start=builder(config.model, config))
         log.info("starting from the weights of %s", trainer_dir.parent)
 
 
-def load_model_weights(model, trainer_dir: Path, whose: str = "the run's config.yaml") -> None:
+def builder(model_config, config):
+    """How to build a model of ``model_config`` in ``config``'s layout and seed, with given LoRA
+    settings (`load_model_weights`' ``start``)."""
+    from moe_rl.megatron.model import build_gpt_model
+
+    def build(lora):
+        return build_gpt_model(model_config, config.parallel, config.trainer, seed=config.run.seed, lora=lora)
+
+    return build
+
+
+def load_model_weights(model, trainer_dir: Path, whose: str = "the run's config.yaml", start=None) -> None:
     """The policy's weights from a trainer checkpoint into ``model`` (the optimizer state and a
     reference policy's ``reference.`` keys stay unread; Megatron's dist_checkpointing reshards what
     any layout wrote); a checkpoint that does not fit the model (`check_fit`) is one error naming
     ``whose`` model it is. A model with LoRA adapters takes a full-weight checkpoint's weights as its
-    base and keeps its fresh adapters."""
+    base and keeps its fresh adapters.
+
+    ``start`` (`builder`): the weights are where a new run starts (``model.init_from``,
+    ``critic.init_from``, ``teacher.path``). A LoRA run's checkpoint then gives its policy as it
+    computes, each adapter merged (`_load_merged`): the weights of a full-weight model, or the base
+    of a LoRA model, whose adapters stay fresh (so its reference policy is that start too)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if start is not None and any(is_adapter(key) for key in _held_shapes(trainer_dir)):
+        _load_merged(model, trainer_dir, whose, start)
+        return
     misfit = f"checkpoint {trainer_dir} does not fit the model of {whose}"
     with_adapters = check_fit(model, trainer_dir, whose)
     request = model.sharded_state_dict()
@@ -185,7 +205,7 @@ def critic_start(config, policy):
     key = f"critic.init_from={critic.init_from}"
     trainer_dir = init_checkpoint(Path(critic.init_from), key=key)
     model = build_gpt_model(config.model, config.parallel, config.trainer, seed=config.run.seed)
-    load_model_weights(model, trainer_dir, key)
+    load_model_weights(model, trainer_dir, key, start=builder(config.model, config))
     log.info("the critic starts from the weights of %s", trainer_dir.parent)
     return model
 
@@ -200,20 +220,15 @@ def check_fit(model, trainer_dir: Path, whose: str) -> bool:
     another shape (a changed ``model.*`` size), tensors it lacks or only it holds (a changed layer
     or expert count); each named by its key, with the two shapes. LoRA: a model with adapters fits
     a checkpoint without them (its base; the return value False: the adapters are not read); a
-    checkpoint with adapters fits only a model with the same ones (a LoRA run's policy is its base
-    with its adapters: start elsewhere from its merged export, `model.hf_path`)."""
-    from megatron.core.dist_checkpointing import load_tensors_metadata
+    checkpoint with adapters fits only a model with the same ones (a run that starts from it takes
+    its merged weights instead: `load_model_weights` with ``start``)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     request = model.sharded_state_dict()
     apply_factories(request)
     wanted = {t.key: tuple(t.global_shape) for t in nested_values(request) if isinstance(t, ShardedTensor)}
-    held = {
-        key: tuple(meta.global_shape)
-        for key, meta in load_tensors_metadata(str(trainer_dir)).items()
-        if not key.startswith(NOT_POLICY)
-    }
+    held = _held_shapes(trainer_dir)
     shapes = [
         f"{k}: {held[k]} in the checkpoint, {wanted[k]} in the model"
         for k in sorted(wanted.keys() & held.keys())
@@ -225,7 +240,7 @@ def check_fit(model, trainer_dir: Path, whose: str) -> bool:
     elif with_adapters and not any(is_adapter(k) for k in wanted):
         raise UserError(
             f"checkpoint {trainer_dir} holds LoRA adapters and the model of {whose} has none: export the "
-            "run's merged weights (`moe-rl export RUN --out DIR`) and start from them with model.hf_path=DIR"
+            "run's merged weights (`moe-rl export RUN DIR`) and load them with model.hf_path=DIR"
         )
     absent, extra = sorted(wanted.keys() - held.keys()), sorted(held.keys() - wanted.keys())
     problems = [
@@ -237,3 +252,52 @@ def check_fit(model, trainer_dir: Path, whose: str) -> bool:
     if problems:
         raise UserError(f"checkpoint {trainer_dir} does not fit the model of {whose}: {'; '.join(problems)}")
     return with_adapters
+
+
+def _held_shapes(trainer_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The policy's tensors in a trainer checkpoint's metadata: key -> global shape."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    return {
+        key: tuple(meta.global_shape)
+        for key, meta in load_tensors_metadata(str(trainer_dir)).items()
+        if not key.startswith(NOT_POLICY)
+    }
+
+
+def _load_merged(model, trainer_dir: Path, whose: str, start) -> None:
+    """A LoRA checkpoint's policy, each adapter merged into its weight (``W + s·B·A``), into
+    ``model``'s weights; ``model``'s own adapters (if any) keep their fresh values. The adapters'
+    settings (rank, scale, targets) are those of the checkpoint's run (its ``config.yaml``): a model
+    ``start(lora)`` builds in this layout holds the checkpoint as it is, then gives its merged weights."""
+    from moe_rl.config import load_recipe
+    from moe_rl.megatron.lora import has_adapter
+
+    recipe = trainer_dir.parent.parent.parent / "config.yaml"  # <run>/checkpoints/step_N/trainer
+    if not recipe.is_file():
+        raise UserError(
+            f"{whose}: checkpoint {trainer_dir} holds LoRA adapters, and their settings (lora.rank, "
+            f"lora.alpha) are in its run's config.yaml, which is not at {recipe}"
+        )
+    source = start(load_recipe(recipe).lora)
+    load_model_weights(source, trainer_dir, whose)  # the adapters as they are
+    merged = {}
+    with torch.no_grad():
+        for name, tensor in source.state_dict().items():
+            if is_adapter(name) or not isinstance(tensor, torch.Tensor):
+                continue
+            owner = source.get_submodule(name.rsplit(".", 1)[0]) if "." in name else source
+            merged[name] = (
+                owner.merged_weight() if name.endswith(".weight") and has_adapter(owner) else tensor
+            )
+    missing, unexpected = model.load_state_dict(merged, strict=False)
+    left = [key for key in missing if not is_adapter(key) and not key.endswith("_extra_state")]
+    if left or unexpected:
+        raise UserError(
+            f"checkpoint {trainer_dir} does not fit the model of {whose}: "
+            f"missing {left[:3]}, the model lacks {list(unexpected)[:3]}"
+        )
+    del source
+    log.info(
+        "LoRA checkpoint %s: starting from its merged weights (each adapter added to its weight)", trainer_dir
+    )

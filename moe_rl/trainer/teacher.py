@@ -80,12 +80,13 @@ def build_teacher(config: RecipeConfig, source: TeacherSource, device):
     weights of ``source``, held as a `ReferencePolicy` without replay."""
     from moe_rl.megatron.hf_weights import load_hf_checkpoint
     from moe_rl.megatron.model import build_gpt_model
-    from moe_rl.trainer.checkpoint import load_model_weights
+    from moe_rl.trainer.checkpoint import builder, load_model_weights
     from moe_rl.trainer.reference import ReferencePolicy
 
     model = build_gpt_model(source.model, config.parallel, config.trainer, seed=config.run.seed)
     if source.hf:
         load_hf_checkpoint(model, source.weights)
     else:
-        load_model_weights(model, source.weights, f"teacher.path={brief(config.teacher.path)}")
+        whose = f"teacher.path={brief(config.teacher.path)}"
+        load_model_weights(model, source.weights, whose, start=builder(source.model, config))
     return ReferencePolicy(model, device, offload=config.teacher.offload, replay=False)

@@ -207,13 +207,17 @@ def _run_dir(tmp_path, worker: TrainerWorker, name: str):
 
 def test_a_lora_run_starts_from_a_full_runs_weights_and_exports_its_merged_policy(pair, tmp_path):
     """`model.init_from` a full-weight run: its weights are the base, the adapters fresh. `moe-rl
-    export` of a LoRA run writes the merged weights; a full-weight run refuses to start from a LoRA
-    run's checkpoint, naming the export to start from."""
+    export` of a LoRA run writes the merged weights; a full-weight model does not take a LoRA
+    checkpoint as it is (naming the export), but a run that starts from one takes its merged
+    weights."""
     from safetensors.torch import load_file
 
     from launch.export import _write_weights
+    from moe_rl.config.modes import LoraExport
     from moe_rl.errors import UserError
     from moe_rl.megatron.parallel import init_parallel
+
+    from moe_rl.trainer.checkpoint import load_model_weights
 
     full, lora = pair
     source = _run_dir(tmp_path, full, "full")
@@ -229,9 +233,20 @@ def test_a_lora_run_starts_from_a_full_runs_weights_and_exports_its_merged_polic
     adapted = _run_dir(tmp_path, lora, "lora")
     merged = dict(iter_hf_weights(lora.model))
     trainer_dir = adapted / "checkpoints" / "step_000000" / "trainer"
-    _write_weights(lora.config, trainer_dir, tmp_path / "export", 1 << 30)
+    _write_weights(lora.config, trainer_dir, tmp_path / "export", 1 << 30, LoraExport.MERGED)
     init_parallel(lora.config.parallel)  # the export tears its one-rank groups down
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert set(exported) == set(merged) and all(torch.equal(exported[n], merged[n]) for n in merged)
     with pytest.raises(UserError, match="holds LoRA adapters.*model.hf_path"):
+        load_model_weights(build_gpt_model(full.config.model, full.config.parallel, full.config.trainer), trainer_dir)
+
+    # `--init-from` the LoRA run: its merged policy, as a full-weight run's weights or a new LoRA
+    # run's base (other rank and scale: the source's own come from its config.yaml), adapters fresh
+    for recipe in ([], ["lora.rank=8", "lora.alpha=32"]):
+        warm = TrainerWorker(tiny_recipe(*recipe, f"model.init_from={adapted}", "run.seed=7"))
+        assert all(torch.count_nonzero(m.lora_b) == 0 for m in adapted_linears(warm.model).values())
+        started = dict(iter_hf_weights(warm.model))
+        assert set(started) == set(merged) and all(torch.equal(started[n], merged[n]) for n in merged), recipe
+    (adapted / "config.yaml").unlink()
+    with pytest.raises(UserError, match="settings \\(lora.rank, lora.alpha\\) are in its run's config.yaml"):
         TrainerWorker(tiny_recipe(f"model.init_from={adapted}"))
