@@ -216,7 +216,6 @@ def test_a_lora_run_starts_from_a_full_runs_weights_and_exports_its_merged_polic
     from moe_rl.config.modes import LoraExport
     from moe_rl.errors import UserError
     from moe_rl.megatron.parallel import init_parallel
-
     from moe_rl.trainer.checkpoint import load_model_weights
 
     full, lora = pair
@@ -238,7 +237,9 @@ def test_a_lora_run_starts_from_a_full_runs_weights_and_exports_its_merged_polic
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert set(exported) == set(merged) and all(torch.equal(exported[n], merged[n]) for n in merged)
     with pytest.raises(UserError, match="holds LoRA adapters.*model.hf_path"):
-        load_model_weights(build_gpt_model(full.config.model, full.config.parallel, full.config.trainer), trainer_dir)
+        load_model_weights(
+            build_gpt_model(full.config.model, full.config.parallel, full.config.trainer), trainer_dir
+        )
 
     # `--init-from` the LoRA run: its merged policy, as a full-weight run's weights or a new LoRA
     # run's base (other rank and scale: the source's own come from its config.yaml), adapters fresh
