@@ -881,8 +881,9 @@ def main() -> None:
         help="Ray's free_objects_period_milliseconds (default: the run's, 50 ms)",
     )  # fmt: skip
     parser.add_argument(
-        "--only", choices=("all", "ray", "process-group"), default="all",
-        help="the Ray transports' rows, the process-group rows, or both (default)",
+        "--only", choices=("all", "ray", "process-group", "lora"), default="all",
+        help="the Ray transports' rows, the process-group rows, both (default), or LoRA's full against "
+        "adapter-only syncs",
     )  # fmt: skip
     args = parser.parse_args()
     from moe_rl.orchestration.placement import PROCESS_ENV
@@ -902,6 +903,8 @@ def main() -> None:
     init: dict = {"num_cpus": 4, "include_dashboard": False}
     if args.free_objects_ms is not None:
         init["_system_config"] = {"free_objects_period_milliseconds": args.free_objects_ms}
+    if args.only in ("all", "lora"):
+        lora_rows(args, repeat)
     if args.only in ("all", "process-group"):
         pg_rows(args, repeat)
     if args.only in ("all", "ray"):
@@ -912,6 +915,62 @@ def main() -> None:
             ray.shutdown()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\nbench wall time {time.perf_counter() - wall:.0f} s; load average at the end {load}")
+
+
+LORA_MODEL = [
+    "model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8", "model.num_key_value_heads=4",
+    "model.head_dim=64", "model.ffn_hidden_size=1024", "model.moe_ffn_hidden_size=512", "model.num_experts=16",
+    "model.moe_router_topk=2", "model.vocab_size=8192",
+]  # fmt: skip
+"""The tiny recipe's model scaled up (~0.14 G parameters with the output layer), so a full sync moves
+hundreds of MB."""
+
+
+def lora_rows(args: argparse.Namespace, repeat: int) -> None:
+    """A LoRA run's syncs with ``lora.sync=adapters`` (rank 8 on attention and every expert), each
+    through the runtime's code in this process: the trainer rank's `RankSender` (the one-process
+    loop's route) into a Megatron engine's receiver. ``full``: what an engine that holds no base takes
+    (its first sync, or after a restart): the frozen weights and the adapters; ``adapters``: what
+    every later sync carries. Bytes are the sender's count; seconds from the engine's begin to its
+    finish. Both recipes: bf16 (tensors as the trainer holds them, fp32 here) and fp8_block128 (the
+    base quantized on the wire, the adapters as they are)."""
+    from moe_rl.config.sync_plan import sync_plan
+    from moe_rl.orchestration.preflight import load_checked
+    from moe_rl.rollout.megatron_engine import MegatronEngine
+    from moe_rl.trainer.worker import TrainerWorker
+    from moe_rl.weight_sync.sender import RankSender
+    from moe_rl.weight_sync.transport import Receiver as SyncReceiver
+
+    print(
+        "\nLoRA rank 8, lora.sync=adapters: a full sync (an engine without the base) against an adapter-only one"
+    )
+    print(f"{'recipe':<14}{'sync':<10}{'bytes':>14}{'seconds':>10}{'bytes %full':>13}{'time %full':>12}")
+    for recipe in ("bf16", "fp8_block128"):
+        overrides = [*LORA_MODEL, "lora.rank=8", "lora.targets=[attention,experts]", "lora.sync=adapters",
+                     f"rollout.quant={recipe}"]  # fmt: skip
+        config = load_checked(ROOT / "recipes" / "tiny_moe.yaml", overrides)
+        worker = TrainerWorker(config, diagnostics=False)
+        plan = sync_plan(config, "cpu", in_process=True)
+        sender = RankSender(worker.model, config.quant, config.model.num_layers, plan, lora=config.lora)
+        engine = MegatronEngine(config)
+        best = {}
+        for version, whole in enumerate([True, False] * repeat, start=1):
+            start = time.perf_counter()
+            engine.begin_weight_update(version)
+            sent = sender.send({0: SyncReceiver(engine.receive_bucket)}, whole=whole)
+            engine.finish_weight_update(version)
+            seconds = time.perf_counter() - start
+            kind = "full" if whole else "adapters"
+            if kind not in best or seconds < best[kind][1]:
+                best[kind] = (sent.bytes, seconds)
+        full_bytes, full_s = best["full"]
+        for kind, (nbytes, seconds) in best.items():
+            print(
+                f"{recipe:<14}{kind:<10}{nbytes:>14,}{seconds:>10.3f}{100 * nbytes / full_bytes:>12.2f}%"
+                f"{100 * seconds / full_s:>11.1f}%"
+            )
+        sender.close()
+        del worker, engine
 
 
 def run_all(args: argparse.Namespace, repeat: int) -> None:

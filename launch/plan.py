@@ -543,7 +543,19 @@ def _traffic_rows(plan: Plan) -> list[tuple[str, str]]:
             f"weight sync / step, {cfg.quant.name}",
             f"{_gib(synced)} per engine, {_gib(synced * cfg.rollout.num_engines)} in all",
         ),
+        *_adapter_sync_rows(cfg),
     ]
+
+
+def _adapter_sync_rows(cfg: RecipeConfig) -> list[tuple[str, str]]:
+    """What a LoRA run's adapter-only sync carries (``lora.sync=adapters``): what trains, in the
+    trainer's precision; the base goes to an engine once."""
+    if cfg.lora.rank == 0:
+        return []
+    width = 4 if cfg.trainer.precision == Precision.FP32 else BF16
+    trained = lora_param_counts(cfg.model, cfg.lora).total * width
+    how = "(lora.sync=adapters: Megatron engines)"
+    return [("weight sync / step, LoRA adapters only", f"{_gib(trained)} per engine {how}")]
 
 
 def _sync_rows(plan: Plan) -> list[tuple[str, str]]:

@@ -50,6 +50,16 @@ class LoraInit(StrEnum):
     """Normal with standard deviation 1/rank."""
 
 
+class LoraSync(StrEnum):
+    """``lora.sync``: what a LoRA run's weight syncs carry to the engines."""
+
+    MERGED = "merged"
+    """The merged model, every sync (each adapter added into its weight): engines see an ordinary model."""
+    ADAPTERS = "adapters"
+    """The Megatron engines hold the adapters themselves: the first sync into an engine (and the one
+    after it restarts) carries the frozen base and the adapters, every later one only what trains."""
+
+
 class LoraExport(StrEnum):
     """``moe-rl export --lora``: what a LoRA run's export writes."""
 

@@ -35,6 +35,7 @@ from moe_rl.config.modes import (
     Granularity,
     LogLevel,
     LoraInit,
+    LoraSync,
     LoraTarget,
     LrDecay,
     Precision,
@@ -484,6 +485,10 @@ class LoraConfig:
     """Train the output layer (the LM head; with tied embeddings, the embedding) whole, as PEFT's
     ``modules_to_save``. For a model whose head is not trained already (a random start), the frozen
     head bounds the logits and the adapters cannot make the policy sharp (docs/lora.md)."""
+    sync: LoraSync = LoraSync.MERGED
+    """What the weight syncs carry: `merged` (the merged model, every sync; any engine and route) or
+    `adapters` (the Megatron engines apply the adapters themselves: after the first sync into an
+    engine, each sync carries only the adapters and what else trains, `sync/bytes` shows it)."""
 
 
 @dataclass

@@ -8,7 +8,10 @@ What moves (`SyncPlan.wire`):
   sending side by the rollout recipe (``fp8`` / ``int8`` data and fp32 scales) when the engine takes
   quantized bytes (the Megatron engine), else the tensors as the trainer holds them (vLLM quantizes
   them itself);
-* or the whole model in the engine's dtype, through vLLM's own weight-transfer API.
+* or the whole model in the engine's dtype, through vLLM's own weight-transfer API;
+* of a LoRA run with ``lora.sync=adapters`` (`SyncPlan.adapters`), the frozen base weights as they
+  are and the adapters beside them (the Megatron engines apply them), then, once an engine holds
+  that, only what trains: the adapters (and a router or output layer trained whole).
 
 The routes (`SyncRoute`; ``rollout.sync_transport`` picks one where a user has reason to):
 
@@ -31,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_rl.config.derived import PlacementMode, placement_mode
-from moe_rl.config.modes import Engine, QuantMethod, SyncRoute
+from moe_rl.config.derived import PlacementMode, placement_mode, releases_memory
+from moe_rl.config.modes import Engine, LoraSync, QuantMethod, SyncRoute
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.rules import Rule
 
@@ -63,6 +66,9 @@ class SyncPlan:
     """Bytes of a bucket (of vLLM's packed buffer on the vLLM routes)."""
     chosen_by: str
     """Why this route: ``rollout.sync_transport=<value>`` or what the automatic choice saw."""
+    adapters: bool = False
+    """LoRA's adapters travel apart from the base, which an engine takes once (``lora.sync=adapters``);
+    the probe's reference model still takes the merged weights."""
 
     @property
     def senders(self) -> str:
@@ -99,9 +105,10 @@ class SyncPlan:
         """One line: the route, what travels and who sends it."""
         mib = self.bucket_bytes / (1 << 20)
         unit = "vLLM's packed buffers" if self.vllm_transfer else "buckets"
+        adapters = "; LoRA adapters apart, only what trains once an engine holds the base" * self.adapters
         return (
             f"{self.route} ({ROUTE_WORDS[self.route]}); {self.wire} in {unit} of {mib:g} MiB; "
-            f"{self.senders}; chosen by {self.chosen_by}"
+            f"{self.senders}{adapters}; chosen by {self.chosen_by}"
         )
 
 
@@ -152,7 +159,13 @@ def sync_plan(config: RecipeConfig, device: str, in_process: bool = False) -> Sy
         wire = "the whole model in the engines' dtype"
     else:
         wire = "tensors as the trainer holds them"
-    return SyncPlan(route, quantized, wire, config.rollout.sync_bucket_mb << 20, why)
+    return SyncPlan(route, quantized, wire, config.rollout.sync_bucket_mb << 20, why, sends_adapters(config))
+
+
+def sends_adapters(config: RecipeConfig) -> bool:
+    """Whether the syncs carry LoRA's adapters apart (`SyncPlan.adapters`): the trainer sends them so,
+    the Megatron engines build their model with the adapters to take them."""
+    return config.lora.rank > 0 and config.lora.sync == LoraSync.ADAPTERS
 
 
 def sync_rules(config: RecipeConfig, device: str, in_process: bool = False) -> list[Rule]:
@@ -172,6 +185,7 @@ def sync_rules(config: RecipeConfig, device: str, in_process: bool = False) -> l
     where = "on the trainer's GPUs (cluster.rollout_nodes=0)" if wanted_colocated else "on nodes of their own"
     instead = "use rollout.sync_transport=auto or buckets"
     return [
+        *_adapter_rules(config, device),
         Rule("sync route chosen by the loop", chosen != SyncRoute.IN_PROCESS or in_process, key,
              advice="the one-process loop's own route; a recipe chooses auto, buckets, device_ipc, vllm_nccl "
              "or vllm_ipc"),
@@ -187,4 +201,27 @@ def sync_rules(config: RecipeConfig, device: str, in_process: bool = False) -> l
         Rule("sync route with one pipeline stage", not gpu_route or stages == 1,
              f"{key}, parallel.pipeline_model_parallel_size={stages}",
              advice=f"the route sends the whole model from a rank, which needs one pipeline stage; {instead}"),
+    ]  # fmt: skip
+
+
+def _adapter_rules(config: RecipeConfig, device: str) -> list[Rule]:
+    """``lora.sync=adapters``: engines that apply adapters (the Megatron engine's model is the
+    trainer's), that keep the base between syncs, and a recipe that quantizes weights as they arrive."""
+    lora = config.lora
+    if not sends_adapters(config):  # (lora.sync with lora.rank=0 is the recipe's own error)
+        return []
+    key = f"lora.sync={lora.sync}"
+    merged = f"use lora.sync={LoraSync.MERGED}"
+    drops = releases_memory(config, device) and config.cluster.engine_sleep_level == 2
+    return [
+        Rule("LoRA adapter sync on the Megatron engine", config.rollout.engine == Engine.MEGATRON,
+             f"{key} with rollout.engine={config.rollout.engine}",
+             advice=f"vLLM engines take the merged weights (loading adapters through vLLM's LoRA is not built); {merged}"),
+        Rule("LoRA adapter sync keeps the base", not drops,
+             f"{key} with cluster.engine_sleep_level=2",
+             advice="a level-2 sleep drops the engines' weights, base included, before every sync; set "
+             f"cluster.engine_sleep_level=1 or {merged}"),
+        Rule("LoRA adapter sync and the quantization recipe", config.quant.method != QuantMethod.INT4_AWQ,
+             f"{key} with rollout.quant={config.rollout.quant}",
+             advice=f"AWQ calibrates the weights the engine computes with, merged; {merged}"),
     ]  # fmt: skip

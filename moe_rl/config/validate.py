@@ -556,8 +556,12 @@ def _check_env(config: RecipeConfig) -> None:
 
 def _check_lora(config: RecipeConfig) -> None:
     lora = config.lora
+
+    def shown(value):  # as a recipe writes it: a mode by its name
+        return [str(v) for v in value] if isinstance(value, list) else str(value)
+
     changed = sorted(
-        f"lora.{f.name}={brief(getattr(lora, f.name))}"
+        f"lora.{f.name}={shown(getattr(lora, f.name))}"
         for f in dataclasses.fields(lora)
         if f.name != "rank" and getattr(lora, f.name) != getattr(LoraConfig(), f.name)
     )

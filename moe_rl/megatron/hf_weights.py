@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from moe_rl.device import copy_into
+from moe_rl.quant.recipes import ADAPTER_HF
 
 log = logging.getLogger(__name__)
 
@@ -189,23 +190,28 @@ def _attention_kind(config) -> str:
     return "mla" if getattr(config, "multi_latent_attention", False) else "gqa"
 
 
-def _local_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Parameters and persistent buffers of a (possibly DDP-wrapped) GPTModel, in order; a LoRA
-    adapter's tensors are not among them (an HF model has none: `_with_adapter` merges them)."""
+def _local_tensors(model: torch.nn.Module, adapters: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """Parameters and persistent buffers of a (possibly DDP-wrapped) GPTModel, in order. A LoRA
+    adapter's tensors are among them only with ``adapters`` (the view of an engine that applies
+    them); else an HF model has none: `_with_adapter` merges them."""
     from moe_rl.megatron.lora import is_adapter
 
     for name, tensor in _unwrap(model).state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state") or not isinstance(tensor, Tensor) or is_adapter(name):
+        if (
+            name.endswith("_extra_state")
+            or not isinstance(tensor, Tensor)
+            or (is_adapter(name) and not adapters)
+        ):
             continue
         yield name, tensor
 
 
-def _with_adapter(gpt: torch.nn.Module, name: str, tensor: Tensor) -> Tensor:
-    """``tensor`` (Megatron tensor ``name``, detached), or the weight merged with its linear's LoRA
-    adapter (`moe_rl.megatron.lora`): what the linear computes as one matrix."""
+def _with_adapter(gpt: torch.nn.Module, name: str, tensor: Tensor, merge: bool = True) -> Tensor:
+    """``tensor`` (Megatron tensor ``name``, detached), or (``merge``) the weight merged with its
+    linear's LoRA adapter (`moe_rl.megatron.lora`): what the linear computes as one matrix."""
     from moe_rl.megatron.lora import has_adapter
 
-    if not name.endswith(".weight"):
+    if not merge or not name.endswith(".weight"):
         return tensor
     module = gpt.get_submodule(name[: -len(".weight")])
     return module.merged_weight() if has_adapter(module) else tensor
@@ -228,9 +234,25 @@ def _resolve_layer_suffix(rest: str, layer_module, rules: dict[str, Rule]) -> tu
     return rules[rest], "", rest
 
 
+def _adapter_rule(model: torch.nn.Module, megatron_name: str) -> Rule:
+    """The HF names of a LoRA adapter's tensor (``<linear>.lora_a`` / ``.lora_b``): ``A`` under the
+    first HF linear the Megatron one fuses (one ``A`` serves them all), ``B`` split over them as the
+    weight's rows are."""
+    linear, which = megatron_name.rsplit(".", 1)
+    rule = hf_names_for(model, f"{linear}.weight")
+    modules = [name.removesuffix(".weight") for name in rule.hf]
+    if which == "lora_a":
+        return Rule((modules[0] + ADAPTER_HF[0],), "copy")
+    return Rule(tuple(module + ADAPTER_HF[1] for module in modules), rule.kind)
+
+
 def hf_names_for(model: torch.nn.Module, megatron_name: str) -> Rule:
     """The rule for one Megatron tensor, with HF names made global (layer and expert offsets)."""
+    from moe_rl.megatron.lora import is_adapter
+
     gpt = _unwrap(model)
+    if is_adapter(megatron_name):
+        return _adapter_rule(gpt, megatron_name)
     if megatron_name in GLOBAL_RULES:
         return GLOBAL_RULES[megatron_name]
     match = _LAYER_RE.match(megatron_name)
@@ -278,8 +300,9 @@ def split(kind: str, tensor: Tensor, config) -> list[Tensor]:
 
 
 def iter_hf_weight_groups(
-    model: torch.nn.Module, select: Callable[[str], bool] | None = None, copy: bool = True
-) -> Iterator[tuple[str, list[tuple[str, Tensor]]]]:
+    model: torch.nn.Module, select: Callable[[str], bool] | None = None, copy: bool = True,
+    adapters: bool = False, part: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, list[tuple[str, Tensor]]]]:  # fmt: skip
     """``(megatron_name, [(hf_name, tensor), ...])`` for every tensor this rank holds, in order:
     the HF pieces of one Megatron tensor together (a fused QKV or gate/up tensor gives several).
 
@@ -287,16 +310,20 @@ def iter_hf_weight_groups(
     time); with ``copy=False`` a piece may be a view of the parameter, valid until the weights
     change (for a consumer that copies it at once, as the weight sync does). Tensor-parallel
     shards are gathered, so every rank of a TP group must iterate together. ``select(megatron_name)``
-    False skips a tensor (still taking part in its gather).
+    False skips a tensor (still taking part in its gather); ``part(megatron_name)`` False leaves it
+    out on every rank (no gather). ``adapters``: LoRA's adapter tensors on their own and each weight
+    as it is (for an engine that applies them), instead of each weight merged with its adapter.
     """
     gpt = _unwrap(model)
-    for name, tensor in _local_tensors(gpt):
+    for name, tensor in _local_tensors(gpt, adapters):
+        if part is not None and not part(name):
+            continue
         wanted = select is None or select(name)
         tp_split = _split_of(name, tensor)
         if not wanted and tp_split is None:
             continue
         rule = hf_names_for(gpt, name)
-        whole = _with_adapter(gpt, name, tensor.detach())
+        whole = _with_adapter(gpt, name, tensor.detach(), merge=not adapters)
         if tp_split is not None:
             whole = gather_shards(whole, rule.kind, tp_split)
         if wanted:
@@ -343,26 +370,27 @@ def load_hf_weights(model: torch.nn.Module, hf_tensors: Mapping[str, Tensor]) ->
             raise ValueError(f"{len(extra)} HF tensors have no Megatron counterpart, e.g. {extra[:5]}")
 
 
-def hf_index(model: torch.nn.Module) -> dict[str, str]:
-    """HF name -> the Megatron tensor (of this rank) it is a piece of."""
+def hf_index(model: torch.nn.Module, adapters: bool = False) -> dict[str, str]:
+    """HF name -> the Megatron tensor (of this rank) it is a piece of (``adapters``: see
+    `iter_hf_weight_groups`)."""
     gpt = _unwrap(model)
-    return {hf: name for name, _ in _local_tensors(gpt) for hf in hf_names_for(gpt, name).hf}
+    return {hf: name for name, _ in _local_tensors(gpt, adapters) for hf in hf_names_for(gpt, name).hf}
 
 
-def hf_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+def hf_dtypes(model: torch.nn.Module, adapters: bool = False) -> dict[str, torch.dtype]:
     """HF name -> the dtype of the Megatron tensor (of this rank) it is a piece of."""
     gpt = _unwrap(model)
-    return {hf: t.dtype for name, t in _local_tensors(gpt) for hf in hf_names_for(gpt, name).hf}
+    return {hf: t.dtype for name, t in _local_tensors(gpt, adapters) for hf in hf_names_for(gpt, name).hf}
 
 
-def piece_views(model: torch.nn.Module) -> dict[str, Tensor]:
+def piece_views(model: torch.nn.Module, adapters: bool = False) -> dict[str, Tensor]:
     """HF name -> the part of this rank's Megatron tensor that HF tensor fills, as a view, for the
     pieces that are one: a tensor this rank holds whole that is one HF tensor (``copy``) or gate and
     up stacked (``glu``). Interleaved (``qkv``) and tensor-parallel pieces have none. Writing a
     piece's values into its view loads it (a receiver may decode straight into it)."""
     gpt = _unwrap(model)
     views: dict[str, Tensor] = {}
-    for name, target in _local_tensors(gpt):
+    for name, target in _local_tensors(gpt, adapters):
         rule = hf_names_for(gpt, name)
         if rule.kind == "qkv" or _split_of(name, target) is not None:
             continue
@@ -387,14 +415,15 @@ def load_hf_subset(
         raise ValueError(
             f"{len(unknown)} HF tensors have no Megatron counterpart on this rank, e.g. {unknown[:5]}"
         )
-    targets = dict(_local_tensors(gpt))
     loaded: set[str] = set()
     for name in dict.fromkeys(index[n] for n in hf_tensors if n in index):
         rule = hf_names_for(gpt, name)
         missing = [n for n in rule.hf if n not in hf_tensors]
         if missing:
             raise ValueError(f"Megatron tensor {name!r} arrived without its pieces {missing}")
-        _copy_into(gpt, name, targets[name], rule, [hf_tensors[n] for n in rule.hf])
+        owner, _, attr = name.rpartition(".")  # the tensor itself, not a walk of the whole model
+        target = getattr(gpt.get_submodule(owner) if owner else gpt, attr)
+        _copy_into(gpt, name, target, rule, [hf_tensors[n] for n in rule.hf])
         loaded.add(name)
     return loaded
 

@@ -22,12 +22,14 @@ parallel group). Checkpoints shard ``B`` (column) and ``A`` (row) with the weigh
 
 `merged_weight` is what the linear computes as one matrix, ``W + s·B·A`` (its local shard): the
 weight sync and the export read it (`moe_rl.megatron.hf_weights`), so engines and HF folders get
-the merged model. `freeze_base` leaves only adapters (and, asked for, the routers) trainable.
+the merged model. `freeze_base` leaves only adapters (and, asked for, the routers or the output layer) trainable
+(`trains`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -165,18 +167,30 @@ OUTPUT_LAYER = ("output_layer.weight", "embedding.word_embeddings.weight")
 """The output layer's weight: its own, or (tied embeddings) the embedding it shares."""
 
 
-def freeze_base(model: torch.nn.Module, train_router: bool, train_output_layer: bool = False) -> int:
-    """Only the adapters (with ``train_router`` the routers' weights too, with ``train_output_layer``
-    the output layer's) keep ``requires_grad``; the number of trainable elements."""
+def trains(model: torch.nn.Module, cfg: LoraConfig) -> Callable[[str], bool]:
+    """Whether a tensor of ``model`` (by its name) trains in a LoRA run: the adapters, and with
+    ``cfg.train_router`` the routers' weights, with ``cfg.train_output_layer`` the output layer's.
+    The one rule: `freeze_base` keeps them trainable, an adapter-only sync sends them."""
+    while hasattr(model, "module"):  # DDP and precision wrappers
+        model = model.module
     tied = getattr(model, "share_embeddings_and_output_weights", False)
     head = OUTPUT_LAYER if tied else OUTPUT_LAYER[:1]
-    trainable = 0
-    for name, param in model.named_parameters():
-        keep = (
+
+    def trainable(name: str) -> bool:
+        return (
             is_adapter(name)
-            or (train_router and ".mlp.router." in f".{name}")
-            or (train_output_layer and name in head)
+            or (cfg.train_router and ".mlp.router." in f".{name}")
+            or (cfg.train_output_layer and name in head)
         )
-        param.requires_grad_(keep)
-        trainable += param.numel() if keep else 0
+
     return trainable
+
+
+def freeze_base(model: torch.nn.Module, cfg: LoraConfig) -> int:
+    """Only what trains (`trains`) keeps ``requires_grad``; the number of trainable elements."""
+    trainable, count = trains(model, cfg), 0
+    for name, param in model.named_parameters():
+        keep = trainable(name)
+        param.requires_grad_(keep)
+        count += param.numel() if keep else 0
+    return count

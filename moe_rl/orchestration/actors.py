@@ -129,7 +129,7 @@ class TrainerRank:
             raise RuntimeError(f"trainer rank {self.rank}: no batch prepared under handle {handle}")
         return self.worker.train(prepared)
 
-    def stream_weights(self, engines: Sequence[Any], target: SyncTarget) -> SyncReport:
+    def stream_weights(self, engines: Sequence[Any], target: SyncTarget, whole: bool = True) -> SyncReport:
         """Send this rank's part of a sync to ``target`` of every engine (`moe_rl.weight_sync.sender.
         RankSender`, by the run's `moe_rl.config.sync_plan.SyncPlan`: on the device route only to the
         engines that share this rank's GPU). This rank's part of the sync's report (with the indices
@@ -142,7 +142,7 @@ class TrainerRank:
             plan = sync_plan(c, next(self.worker.model.parameters()).device.type)
             self._sender = RankSender(
                 self.worker.model, c.quant, c.model.num_layers, plan, self.rank,
-                host=ray.util.get_node_ip_address(), vllm_workers=c.rollout.tensor_parallel_size,
+                host=ray.util.get_node_ip_address(), vllm_workers=c.rollout.tensor_parallel_size, lora=c.lora,
             )  # fmt: skip
         places = {i: self._place_of(engine) for i, engine in enumerate(engines)}
         here = device_key()
@@ -155,7 +155,8 @@ class TrainerRank:
             if places[i] is not None and (not self._sender.plan.same_device or places[i] == here)
         }  # fmt: skip
         with self.worker.weights_resident():  # parameters released for a generation come back for it
-            report = self._sender.send(receivers, SyncTarget(target) == SyncTarget.REFERENCE, RAY_TIMEOUT_S)
+            reference = SyncTarget(target) == SyncTarget.REFERENCE
+            report = self._sender.send(receivers, reference, RAY_TIMEOUT_S, whole)
         report.dead |= {i for i, place in places.items() if place is None}
         return report
 

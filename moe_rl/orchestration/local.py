@@ -51,7 +51,9 @@ class LocalTrainer:
         self.config = config
         self.worker = TrainerWorker(config)
         plan = sync_plan(config, next(self.worker.model.parameters()).device.type, in_process=True)
-        self.sender = RankSender(self.worker.model, config.quant, config.model.num_layers, plan)
+        self.sender = RankSender(
+            self.worker.model, config.quant, config.model.num_layers, plan, lora=config.lora
+        )
         self._handles = itertools.count(1)
         self._prepared: dict[int, Any] = {}
 
@@ -73,7 +75,7 @@ class LocalTrainer:
     def train(self, prepared: BatchHandle) -> dict[str, float]:
         return self.worker.train(self._prepared.pop(prepared.handle))
 
-    def stream_weights(self, engines: Sequence[Any], target: SyncTarget) -> SyncReport:
+    def stream_weights(self, engines: Sequence[Any], target: SyncTarget, whole: bool = True) -> SyncReport:
         """The rank's tensors to ``target`` of each engine in this process, bucket by bucket."""
         from moe_rl.weight_sync.transport import Receiver
 
@@ -82,7 +84,8 @@ class LocalTrainer:
             for i, engine in enumerate(engines)
         }
         with self.worker.weights_resident():  # parameters released for a generation come back for it
-            return self.sender.send(receivers, SyncTarget(target) == SyncTarget.REFERENCE, SYNC_TIMEOUT_S)
+            reference = SyncTarget(target) == SyncTarget.REFERENCE
+            return self.sender.send(receivers, reference, SYNC_TIMEOUT_S, whole)
 
     def release_memory(self, params: bool) -> dict[str, float]:
         return self.worker.release_memory(params)

@@ -85,11 +85,12 @@ class TrainerGroup:
         """One optimizer step per mini-batch of the batch ``prepared`` names, on every rank."""
         return self._all("train", prepared.handle)[0]
 
-    def stream_weights(self, engines: Sequence[Any], target: SyncTarget) -> SyncReport:
-        """Every rank sends its part of a sync to ``target`` of ``engines`` by the run's sync plan;
-        totals over the senders."""
+    def stream_weights(self, engines: Sequence[Any], target: SyncTarget, whole: bool = True) -> SyncReport:
+        """Every rank sends its part of a sync to ``target`` of ``engines`` by the run's sync plan
+        (``whole`` False: only what trains, `moe_rl.weight_sync.sender.RankSender.send`); totals over
+        the senders."""
         report = SyncReport()
-        for part in self._all("stream_weights", list(engines), target):
+        for part in self._all("stream_weights", list(engines), target, whole):
             report.merge(part)
         return report
 

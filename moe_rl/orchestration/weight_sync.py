@@ -14,11 +14,13 @@ whose `SyncReport.metrics` are the run's ``sync/*`` and ``quant/*`` metrics.
 
 A replica the pool restarts outside a sync (in a generation, or between the memory phases) is
 brought to the engines' weights by `bring_up`, which the stage that saw the restart calls. The
-coordinator holds no state: the policy version the engines hold is the run's
-(`moe_rl.orchestration.run_state.RunState.version`).
+policy version the engines hold is the run's (`moe_rl.orchestration.run_state.RunState.version`);
+the coordinator keeps one thing: which replicas hold a LoRA run's frozen base (``lora.sync=adapters``,
+`moe_rl.config.sync_plan.SyncPlan.adapters`). A sync into replicas that all do carries only what
+trains; one into a replica that does not (new, or restarted) carries everything.
 
 It works against two small interfaces, so the Ray run and the one-process loop share it: a
-trainer that streams weights (``stream_weights(actors, target) -> SyncReport``, by the run's sync
+trainer that streams weights (``stream_weights(actors, target, whole) -> SyncReport``, by the run's sync
 plan) and an engine pool (``replicas``, ``begin``, ``finish`` and each replica's
 ``actor``).
 """
@@ -43,7 +45,9 @@ MAX_STREAM_BREAKS = 2
 class WeightSender(Protocol):
     """The trainer side of a sync: every rank streams what it owns to the given receivers."""
 
-    def stream_weights(self, engines: Sequence[Any], target: SyncTarget) -> SyncReport: ...
+    def stream_weights(
+        self, engines: Sequence[Any], target: SyncTarget, whole: bool = True
+    ) -> SyncReport: ...
 
 
 class WeightReceivers(Protocol):
@@ -63,6 +67,8 @@ class WeightSync:
 
     def __init__(self, trainer: WeightSender, engines: WeightReceivers):
         self.trainer, self.engines = trainer, engines
+        self._holding: set[int] = set()
+        """Replicas that took a whole sync since their process started (they hold the frozen base)."""
 
     def run(
         self, version: int, target: SyncTarget = SyncTarget.ENGINE, replicas: list[Replica] | None = None
@@ -76,6 +82,7 @@ class WeightSync:
 
     def bring_up(self, replicas: list[Replica], version: int) -> None:
         """Restarted replicas (new processes, without weights) take the engines' ``version``."""
+        self._holding -= {replica.index for replica in replicas}
         if replicas:
             self._sync(replicas, version, SyncTarget.ENGINE)
 
@@ -105,12 +112,18 @@ class WeightSync:
         """One pass of begin, stream and finish over ``replicas``; its report, the pool's answer to
         `finish` and every replica restarted on the way."""
         begun = self.engines.begin(version, replicas, target)
+        self._holding -= {replica.index for replica in begun.restarted}
         if not begun.began:
             return SyncReport(version), Finished(), begun.restarted
-        report = self.trainer.stream_weights([r.actor for r in begun.began], target)
+        whole = any(replica.index not in self._holding for replica in begun.began)
+        report = self.trainer.stream_weights([r.actor for r in begun.began], target, whole)
         report.version = version
         dead = {begun.began[i].index for i in report.dead}
         finished = self.engines.finish(version, begun.began, dead, target)
+        failed = {replica.index for replica in finished.restarted + finished.cut_off}
+        self._holding -= {replica.index for replica in finished.restarted}
+        if whole and target == SyncTarget.ENGINE:
+            self._holding |= {replica.index for replica in begun.began if replica.index not in failed}
         return report, finished, begun.restarted + finished.restarted
 
     @staticmethod

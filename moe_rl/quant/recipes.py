@@ -128,9 +128,17 @@ def check_quant_supported(cfg: QuantConfig, cuda: bool) -> None:
         raise ValueError(rule.detail)
 
 
+ADAPTER_HF = (".lora_A.weight", ".lora_B.weight")
+"""How the HF names of LoRA adapter tensors end (PEFT's names, `moe_rl.megatron.hf_weights`). No
+recipe quantizes them: an engine applies the adapters in their own precision, as vLLM's LoRA does."""
+
+
 def should_quantize(name: str, tensor: torch.Tensor, cfg: QuantConfig, num_layers: int) -> bool:
-    """Whether parameter `name` is quantized by the recipe (2-D weights outside the exclusions)."""
+    """Whether parameter `name` is quantized by the recipe (2-D weights outside the exclusions; not
+    an adapter's)."""
     if cfg.method == QuantMethod.NONE or tensor.dim() != 2 or not tensor.is_floating_point():
+        return False
+    if name.endswith(ADAPTER_HF):
         return False
     if any(fnmatch.fnmatch(name, pattern) for pattern in cfg.exclude):
         return False

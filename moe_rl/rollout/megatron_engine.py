@@ -45,7 +45,7 @@ import torch
 
 from moe_rl.config.modes import QuantMethod
 from moe_rl.config.schema import ParallelConfig, RecipeConfig
-from moe_rl.config.sync_plan import WIRE_METHODS
+from moe_rl.config.sync_plan import WIRE_METHODS, sends_adapters
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.device import check_process_device
 from moe_rl.megatron.decoding import (
@@ -56,6 +56,7 @@ from moe_rl.megatron.decoding import (
     kv_cache_unsupported,
     pack_sequences,
 )
+from moe_rl.megatron.lora import trains
 from moe_rl.offload import Offload, resident_bytes
 from moe_rl.quant.recipes import (
     QuantReport,
@@ -320,11 +321,14 @@ class MegatronEngine:
         self.device = check_process_device(config.run.device)
         check_quant_supported(config.quant, self.device.type == "cuda")
         self.config = config
-        self.model = build_gpt_model(config.model, WHOLE_MODEL, config.trainer, seed=config.run.seed)
+        adapters = sends_adapters(config)  # it applies LoRA's adapters itself, as the trainer does
+        self.model = build_gpt_model(
+            config.model, WHOLE_MODEL, config.trainer, seed=config.run.seed, lora=config.lora if adapters else None
+        )  # fmt: skip
         self.model.eval()
         self.replay = RoutingReplay(self.model) if config.model.num_experts else None
         self.decoding = self._check_decoding(decoding)
-        self._receiver = ModelReceiver(self.model)
+        self._receiver = ModelReceiver(self.model, trains(self.model, config.lora) if adapters else None)
         self._arrival = _arrival_of(config)  # the recipe's handling of arriving weights
         self._incoming: int | None = None
         self.version = 0
@@ -379,6 +383,8 @@ class MegatronEngine:
         self._asleep.add(self.model.parameters())
         self._asleep.release(keep=level == 1)
         self._dropped = level == 2
+        if self._dropped:
+            self._receiver.forget()
         return {"peak_bytes": float(peak), "resident_bytes": float(self.resident_bytes())}
 
     def wake_up(self) -> dict[str, float]:

@@ -84,7 +84,7 @@ class TrainerWorker:
         )
         checkpoint.load_start_weights(self.model, config)  # e.g. an SFT run's: the optimizer afresh
         if config.lora.rank > 0:  # only the adapters train: the rest gets no gradient buffer, no Adam state
-            trainable = freeze_base(self.model, config.lora.train_router, config.lora.train_output_layer)
+            trainable = freeze_base(self.model, config.lora)
             log.info("LoRA rank %d: %d trainable parameters on this rank", config.lora.rank, trainable)
         kl = config.algo.kl
         self.reference = ReferencePolicy.of_policy(self.model, config, self.device) if kl.coef > 0 else None

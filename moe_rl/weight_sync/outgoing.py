@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,22 +49,35 @@ Groups = Iterator[list[tuple[str, torch.Tensor]]]
 """HF-named tensors, one Megatron tensor (all its pieces) at a time."""
 
 
-def owned(model: torch.nn.Module) -> Groups:
+def owned(model: torch.nn.Module, part: SyncPart | None = None) -> Groups:
     """The tensors this rank sends (`sends`), as views; every rank iterates (the gathers are collectives)."""
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
 
-    for _, group in iter_hf_weight_groups(model, select=sends, copy=False):  # views; the packer writes
+    part = part or SyncPart()
+    groups = iter_hf_weight_groups(model, select=sends, copy=False, adapters=part.adapters, part=part.only)
+    for _, group in groups:  # views; the packer writes
         yield group
+
+
+@dataclass(frozen=True)
+class SyncPart:
+    """Which of the model's tensors one sync carries: ``adapters`` LoRA's adapters apart and each
+    weight as it is (else each weight merged with its adapter); ``only(megatron_name)`` the tensors
+    in it (None: all; the same on every rank)."""
+
+    adapters: bool = False
+    only: Callable[[str], bool] | None = None
 
 
 def whole_model(
     model: torch.nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-    select: Callable[[str], bool] | None = None, root: bool = True,
+    select: Callable[[str], bool] | None = None, root: bool = True, part: SyncPart | None = None,
 ) -> Groups:  # fmt: skip
     """Every tensor of the model, one Megatron tensor at a time, gathered (each expert over the
     expert-parallel group, a group of pieces per expert-parallel rank); every rank iterates, a ``root``
     yields. ``dtype``: what tensors are cast to (None: kept); ``device``: where gathered (the model's);
-    ``select(megatron_name)``: what this rank takes part for. Needs one pipeline stage."""
+    ``select(megatron_name)``: what this rank takes part for; ``part``: what the sync carries
+    (`SyncPart`). Needs one pipeline stage."""
     from megatron.core import parallel_state as ps
 
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
@@ -74,7 +88,10 @@ def whole_model(
     ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     group = ps.get_expert_model_parallel_group() if ep > 1 else None
     local = _num_experts(model) // ep
-    for _, pieces in iter_hf_weight_groups(model, select=select, copy=False):
+    part = part or SyncPart()
+    for _, pieces in iter_hf_weight_groups(
+        model, select=select, copy=False, adapters=part.adapters, part=part.only
+    ):
         peers: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for name, piece in pieces:
             piece = (piece if dtype is None else engine_dtype(name, piece, dtype)).to(device)

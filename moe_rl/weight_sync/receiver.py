@@ -84,21 +84,29 @@ class Assembly:
 
 
 class ModelReceiver:
-    """Loads HF-named weights into a Megatron model as they arrive; `finish` checks every one came once."""
+    """Loads HF-named weights into a Megatron model as they arrive; `finish` checks every one came once.
 
-    def __init__(self, model: torch.nn.Module):
+    With ``trains`` (a LoRA model whose adapters arrive apart, ``lora.sync=adapters``), a sync after
+    one that brought everything may bring only the tensors ``trains(megatron_name)`` accepts: the
+    rest, the frozen base, stays as it was (`holds_all`)."""
+
+    def __init__(self, model: torch.nn.Module, trains: Callable[[str], bool] | None = None):
         from moe_rl.megatron.hf_weights import hf_dtypes, hf_index
 
-        self.model, self.index = model, hf_index(model)
-        self.dtypes = hf_dtypes(model)
+        adapters = trains is not None
+        self.model, self.index, self.adapters = model, hf_index(model, adapters), adapters
+        self.dtypes = hf_dtypes(model, adapters)
         """HF name -> the dtype of the Megatron tensor it loads into (what a piece that cannot be
         decoded in place is decoded to: the values it will hold, in half the bytes of float32 for bf16)."""
+        self._trains = trains
+        self.holds_all = False
+        """A sync brought every tensor, and none was dropped since (`forget`)."""
         self._start({})
 
     def begin(self) -> None:
         from moe_rl.megatron.hf_weights import piece_views
 
-        self._start(piece_views(self.model))
+        self._start(piece_views(self.model, self.adapters))
 
     def _start(self, views: dict[str, Tensor]) -> None:
         self.bytes = 0
@@ -135,6 +143,15 @@ class ModelReceiver:
         return self.in_place.get(name) is tensor or self.rejoin.owns(name, tensor)
 
     def finish(self) -> None:
-        """Raise unless every tensor of the model arrived in this sync."""
+        """Raise unless every tensor of the model arrived in this sync (once it holds them all, with
+        ``trains``: every one that trains)."""
         self.rejoin.finish()
-        self.assembly.finish(self.index.values())
+        wanted = set(self.index.values())
+        if self._trains is not None and self.holds_all:
+            wanted = {name for name in wanted if self._trains(name)}
+        self.assembly.finish(wanted)
+        self.holds_all = self.holds_all or wanted <= self.assembly.done
+
+    def forget(self) -> None:
+        """The model's weights were dropped: the next sync must bring every one."""
+        self.holds_all = False

@@ -30,6 +30,8 @@ class SyncReport:
     """How the senders' buckets travelled (`moe_rl.weight_sync.transport.Transport.name`)."""
     dead: set[int] = field(default_factory=set)
     """Receivers whose process died during the sync."""
+    adapters_only: bool = False
+    """It carried only what trains of a LoRA run (the engines held the base: ``lora.sync=adapters``)."""
 
     def merge(self, other: SyncReport) -> SyncReport:
         """Add another sender's part of the same sync."""
@@ -38,6 +40,7 @@ class SyncReport:
         self.buckets += other.buckets
         self.dead |= other.dead
         self.transports |= other.transports
+        self.adapters_only = self.adapters_only or other.adapters_only
         if other.buckets:
             self.senders += other.senders
             self.shared_memory = self.shared_memory and other.shared_memory
@@ -62,5 +65,6 @@ class SyncReport:
             "sync/senders": self.senders,
             "sync/shared_memory": int(self.shared_memory),
             "sync/transport": ",".join(sorted(self.transports)) or "none",
+            "sync/adapters_only": int(self.adapters_only),
             "sync/seconds": self.seconds,
         }

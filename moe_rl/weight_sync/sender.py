@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from moe_rl.config.modes import SyncRoute
-from moe_rl.config.schema import QuantConfig
+from moe_rl.config.schema import LoraConfig, QuantConfig
 from moe_rl.config.sync_plan import SyncPlan
 from moe_rl.weight_sync import shm, vllm_transfer
-from moe_rl.weight_sync.outgoing import Outgoing, owned, sends, whole_model
+from moe_rl.weight_sync.outgoing import Outgoing, SyncPart, owned, sends, whole_model
 from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.shm import SharedArena, tensor_nbytes
 from moe_rl.weight_sync.transport import DeviceIpc, HostBuckets, InProcess, Receiver, Transport
@@ -55,11 +55,15 @@ class RankSender:
 
     def __init__(
         self, model: torch.nn.Module, quant: QuantConfig, num_layers: int, plan: SyncPlan, rank: int = 0,
-        host: str | None = None, vllm_workers: int = 1,
+        host: str | None = None, vllm_workers: int = 1, lora: LoraConfig | None = None,
     ):  # fmt: skip
         """``host``: the address receivers on other nodes reach this rank at (default: this machine's
-        name resolved); ``vllm_workers``: each engine's vLLM workers (vLLM's NCCL transfer)."""
+        name resolved); ``vllm_workers``: each engine's vLLM workers (vLLM's NCCL transfer); ``lora``:
+        the run's adapters (what trains, for the plan's adapter-only syncs)."""
+        if plan.adapters and (lora is None or lora.rank == 0):
+            raise ValueError("a sync plan that sends LoRA adapters needs the run's lora settings")
         self.model, self.quant, self.num_layers, self.plan = model, quant, num_layers, plan
+        self.lora = lora
         self.rank, self.host, self.vllm_workers = rank, host, vllm_workers
         self.device = next(model.parameters()).device
         self.transports: dict[SyncRoute, Transport] = {}
@@ -85,23 +89,38 @@ class RankSender:
         return self.arena
 
     def send(
-        self, receivers: dict[int, Receiver], reference: bool = False, timeout_s: float = 1800.0
-    ) -> SyncReport:
+        self, receivers: dict[int, Receiver], reference: bool = False, timeout_s: float = 1800.0,
+        whole: bool = True,
+    ) -> SyncReport:  # fmt: skip
         """One sync of this rank's weights to ``receivers`` (the engines, or with ``reference`` the
-        probe's reference model) by the plan's route; this rank's part of the sync's report."""
+        probe's reference model) by the plan's route; this rank's part of the sync's report.
+        ``whole`` False: with the plan's adapter sync, only what trains (the engines hold the base)."""
         route = self.plan.route_for(reference)
         quantized = self.plan.quantized_wire and not reference
         encoder = WireEncoder(self.quant, self.num_layers, quantized_wire=quantized)
-        whole = route == SyncRoute.DEVICE_IPC
-        tensors = functools.partial(whole_model if whole else owned, self.model)
-        if not whole and not self.owns_any:
+        whole_model_route = route == SyncRoute.DEVICE_IPC
+        part = self._part(reference, whole)
+        tensors = functools.partial(whole_model if whole_model_route else owned, self.model, part=part)
+        if not whole_model_route and not self.owns_any:
             receivers = {}  # it takes part in the gathers of what others send; nothing to deliver
         out = self._transport(route).send(Outgoing(tensors, encoder, self.model), receivers, timeout_s)
         return SyncReport(
             bytes=out.bytes, in_place=out.in_place, buckets=out.buckets, senders=int(bool(out.buckets)),
             shared_memory=out.shared_memory, quant=encoder.report if encoder.active and out.buckets else None,
-            dead=out.dead, transports=out.transports,
+            dead=out.dead, transports=out.transports, adapters_only=part.only is not None,
         )  # fmt: skip
+
+    def _part(self, reference: bool, whole: bool) -> SyncPart:
+        """What a sync carries: by the plan's adapter sync into the engines, the adapters apart from
+        the weights, and once the engines hold the base (not ``whole``) only what trains; the merged
+        weights otherwise (the probe's reference model takes them too)."""
+        if not self.plan.adapters or reference:
+            return SyncPart()
+        if whole:
+            return SyncPart(adapters=True)
+        from moe_rl.megatron.lora import trains
+
+        return SyncPart(adapters=True, only=trains(self.model, self.lora))
 
     @functools.cached_property
     def owns_any(self) -> bool:

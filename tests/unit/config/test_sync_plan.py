@@ -84,3 +84,31 @@ def test_a_route_the_layout_cannot_use_is_refused_naming_the_key(where, override
     assert any(rule.broken for rule in sync_rules(config, where, in_process))
     with pytest.raises(ValueError, match=match):
         sync_plan(config, where, in_process)
+
+
+LORA = ["lora.rank=8", "lora.sync=adapters"]
+
+
+@pytest.mark.parametrize(
+    ("where", "overrides", "match"),
+    [
+        ("cpu", [*LORA, "rollout.engine=vllm"],
+         r"lora.sync=adapters with rollout.engine=vllm: vLLM engines take the merged weights"),
+        ("cuda", [*LORA, "cluster.engine_sleep_level=2"],
+         r"lora.sync=adapters with cluster.engine_sleep_level=2: a level-2 sleep drops the engines' weights"),
+        ("cpu", [*LORA, "rollout.quant=int4_awq"],
+         r"lora.sync=adapters with rollout.quant=int4_awq: AWQ calibrates the weights"),
+    ],
+    ids=["vllm", "sleep-level-2", "awq"],
+)  # fmt: skip
+def test_an_adapter_sync_the_run_cannot_keep_is_refused_naming_the_keys(where, overrides, match):
+    config = load_recipe(TINY, overrides)
+    with pytest.raises(ValueError, match=match):
+        sync_plan(config, where)
+
+
+def test_an_adapter_sync_is_in_the_plan_and_its_line():
+    merged, adapters = _plan("cpu", "lora.rank=8"), _plan("cpu", *LORA)
+    assert not merged.adapters and adapters.adapters and merged.route == adapters.route
+    assert "LoRA adapters apart, only what trains once an engine holds the base" in adapters.describe()
+    assert "LoRA" not in merged.describe()

@@ -280,7 +280,7 @@ def test_plan_counts_attention_with_the_flops_projection_sizes():
 def test_lora_keeps_the_weights_and_drops_the_bases_gradients_and_adam_state():
     """With lora.rank > 0 the trainer GPU holds every weight plus the adapters, and gradients and
     Adam state for the adapters alone (DeepSeek-V3 as shipped: from 60 GiB a GPU to 13.5)."""
-    from launch.plan import _memory_rows, layout, trainer_memory
+    from launch.plan import _memory_rows, _traffic_rows, layout, trainer_memory
     from moe_rl.config.flops import lora_param_counts
 
     full = load_recipe(REPO / "recipes" / "deepseek_v3.yaml")
@@ -299,6 +299,11 @@ def test_lora_keeps_the_weights_and_drops_the_bases_gradients_and_adam_state():
     assert after.total < 0.25 * before.total
     rows = dict(_memory_rows(make_plan(lora, paths=False)))
     assert rows["  LoRA adapters (rank 8)"] and "  gradients (fp32), adapters only" in rows
+    # an adapter-only sync (lora.sync=adapters) carries what trains, in bf16: 4.63 GiB, not 627
+    traffic = dict(_traffic_rows(make_plan(lora, paths=False)))
+    gib = adapters.total * 2 / (1 << 30)
+    assert traffic["weight sync / step, LoRA adapters only"].startswith(f"{gib:,.2f} GiB per engine")
+    assert "weight sync / step, LoRA adapters only" not in dict(_traffic_rows(make_plan(full, paths=False)))
 
 
 def test_a_critic_adds_its_weights_gradients_and_adam_state():

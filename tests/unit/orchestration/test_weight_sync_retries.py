@@ -45,6 +45,9 @@ class Engine:
     def versions(self) -> list[int]:
         return self.finished
 
+    def break_next(self) -> None:
+        self.breaks += 1
+
     def replica(self) -> int:
         return self.index
 
@@ -54,9 +57,12 @@ class Streams:
 
     def __init__(self) -> None:
         self.attempts: list[list[int]] = []
+        self.whole: list[bool] = []
+        """Each attempt: everything, or (a LoRA run's adapter sync) only what trains."""
 
-    def stream_weights(self, engines: Sequence, target: SyncTarget) -> SyncReport:
+    def stream_weights(self, engines: Sequence, target: SyncTarget, whole: bool = True) -> SyncReport:
         self.attempts.append(ray.get([engine.replica.remote() for engine in engines]))
+        self.whole.append(whole)
         return SyncReport(bytes=100 * len(self.attempts), buckets=1, senders=1)
 
 
@@ -85,6 +91,13 @@ def test_a_cut_off_engine_is_synced_again_and_the_others_are_left_alone(local_ra
     assert pool.restarts == 0  # it lived: not restarted
     # the sync's report is its first attempt's, with what a receiver of it said when it finished
     assert (report.bytes, report.received) == (100, {"bytes_loaded": 10.0})
+    # new engines take everything; the one whose whole sync broke takes everything again; once both
+    # hold it, a sync may carry only what trains (a LoRA run's adapters), and a break keeps that so
+    sync.run(8)
+    assert streams.whole == [True, True, False]
+    ray.get(pool.replicas[1].actor.break_next.remote())
+    sync.run(9)
+    assert streams.attempts[-2:] == [[0, 1], [1]] and streams.whole[-2:] == [False, False]
 
 
 def test_a_stream_that_keeps_breaking_stops_the_run_with_the_reason(local_ray):

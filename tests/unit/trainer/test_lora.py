@@ -185,7 +185,7 @@ def test_the_planners_count_is_the_built_models(family, head):
     if family == "deepseek_v3":
         config = dataclasses.replace(config, model=tiny_deepseek())
     model = build_gpt_model(config.model, config.parallel, config.trainer, seed=1, lora=config.lora)
-    trainable = freeze_base(model, train_router=True, train_output_layer=config.lora.train_output_layer)
+    trainable = freeze_base(model, config.lora)
     assert trainable == lora_param_counts(config.model, config.lora).total
     head_params = config.model.vocab_size * config.model.hidden_size
     assert model.output_layer.weight.requires_grad == (head == "true")
