@@ -92,14 +92,23 @@ def test_dp2_with_two_engines_learns_through_a_replica_crash(tmp_path):
         assert r["quant/recipe"] == "fp8_block128" and r["quant/rel_err"] > 0
 
 
+LORA_ADAPTERS = ["lora.rank=8", "lora.train_output_layer=true", "lora.sync=adapters"]
+"""The pipeline case trains LoRA adapters, synced apart: each stage sends its adapters (and the last
+its output layer); the engines took the frozen base once, before the first step."""
+
+
 @pytest.mark.parametrize(
-    "layout", ["expert_model_parallel_size", "pipeline_model_parallel_size"], ids=["ep2", "pp2"]
+    ("layout", "extra"),
+    [("expert_model_parallel_size", []), ("pipeline_model_parallel_size", LORA_ADAPTERS)],
+    ids=["ep2", "pp2-lora-adapters"],
 )
-def test_expert_and_pipeline_parallel_groups_run_r3_and_ksm(tmp_path, layout):
+def test_expert_and_pipeline_parallel_groups_run_r3_and_ksm(tmp_path, layout, extra):
     records = train_tiny(
-        tmp_path, layout, "run.steps=3", "parallel.trainer_world_size=2", f"parallel.{layout}=2"
+        tmp_path, layout, "run.steps=3", "parallel.trainer_world_size=2", f"parallel.{layout}=2", *extra
     )
     assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:  # each sync: what trains (the adapters, the output layer), the same bytes
+        assert r["sync/adapters_only"] == int(bool(extra)) and r["sync/bytes"] == records[0]["sync/bytes"]
     for r in records:
         assert r["train/update_ok"] == 1.0 and r["train/grad_norm"] > 0
         # the engine's routing reached every rank (R3 replays it; the routers' own choice agrees
