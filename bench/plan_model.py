@@ -133,9 +133,9 @@ STEPS = [
     NemoRun("Qwen3-235B, 128+128 H100, 1-step off", Q235, "h100", 256, 128, 8, (4, 1, 16, 8), 16, 32, 8192, 5721,
             231, off_policy=1, gen_util=0.8, recipe="grpo-qwen3-235b-32n8g-async-1off"),
     NemoRun("Qwen3-30B-A3B, 32 H100, on-policy", Q30, "h100", 32, 0, 2, (1, 1, 8, 1), 64, 32, 4096, 3203, 192,
-            train_batch=2048, async_engine=False, recipe="grpo-qwen3-30ba3b-4n8g"),
+            async_engine=False, recipe="grpo-qwen3-30ba3b-4n8g"),
     NemoRun("Qwen3-30B-A3B, 16+16 H100, 1-step off", Q30, "h100", 32, 16, 2, (1, 1, 8, 2), 64, 32, 4096, 3201, 152,
-            off_policy=1, gen_util=0.8, train_batch=2048, recipe="grpo-qwen3-30ba3b-4n8g-async-1off"),
+            off_policy=1, gen_util=0.8, recipe="grpo-qwen3-30ba3b-4n8g-async-1off"),
     NemoRun("Qwen3-30B-A3B, 128+64 H100, 8-step off", Q30, "h100", 192, 64, 2, (1, 1, 8, 1), 64, 32, 4096, 3206,
             34.5, off_policy=8, gen_util=0.8, recipe="grpo-qwen3-30ba3b-24n8g-async-8off"),
     NemoRun("DeepSeek-V3, 128 GB200, on-policy", DS, "gb200", 128, 0, 32, (1, 1, 16, 8), 32, 16, 1536, 711, 108,
@@ -151,9 +151,9 @@ STEPS = [
     NemoRun("Qwen3-235B, 64+64 GB200, 1-step off", Q235, "gb200", 128, 64, 8, (4, 1, 16, 4), 16, 32, 8192, 5705,
             278, off_policy=1, gen_util=0.8, recipe="grpo-qwen3-235b-32n4g-async-1off"),
     NemoRun("Qwen3-30B-A3B, 16 GB200, on-policy", Q30, "gb200", 16, 0, 1, (1, 1, 16, 1), 64, 32, 4096, 3199, 221,
-            train_batch=2048, async_engine=False, recipe="grpo-qwen3-30ba3b-4n4g"),
+            async_engine=False, recipe="grpo-qwen3-30ba3b-4n4g"),
     NemoRun("Qwen3-30B-A3B, 8+8 GB200, 1-step off", Q30, "gb200", 16, 8, 1, (1, 1, 8, 1), 64, 32, 4096, 3197, 301,
-            off_policy=1, gen_util=0.8, train_batch=2048, recipe="grpo-qwen3-30ba3b-4n4g-async-1off"),
+            off_policy=1, gen_util=0.8, recipe="grpo-qwen3-30ba3b-4n4g-async-1off"),
 ]  # fmt: skip
 REFITS = [
     Refit("DeepSeek-V3 BF16, PP16xEP16 -> TP32xDP8, H100", DS, "h100", 32, 2.39, 2.83),
