@@ -405,6 +405,75 @@ def make_plan(config: RecipeConfig, paths: bool = True) -> Plan:
     return Plan(config, counts, trainer, rollout, checks, sync, step, unknown, teacher)
 
 
+@dataclass(frozen=True)
+class FewerNodes:
+    """The fewest trainer nodes a LoRA run needs (`lora_layout`)."""
+
+    config: RecipeConfig
+    """The recipe moved onto them."""
+    memory: TrainerMemory
+
+
+def lora_layout(config: RecipeConfig, counts: ParamCounts) -> FewerNodes | None:
+    """The fewest trainer nodes that hold a LoRA run's trainer: ``cluster.trainer_nodes`` halved
+    while the halved layout keeps TP, PP and CP, its expert parallelism still divides the experts
+    and the trainer world, the trainer's rules hold (`moe_rl.trainer.rules`; those the recipe breaks
+    already are its own, shown in the checks) and the busiest GPU's
+    states and activation estimate fit `cluster.gpu_memory_gib`. Without the base's gradients and
+    Adam state, the frozen weights are what must fit. None: not a LoRA run on GPUs with trainer
+    nodes of its own, or no fewer nodes hold it."""
+    from moe_rl.config import ConfigError
+    from moe_rl.trainer.rules import trainer_rules
+
+    c, p = config.cluster, config.parallel
+    if config.lora.rank == 0 or not c.gpus_per_node or not c.rollout_nodes:
+        return None
+    cap, found, nodes = c.gpu_memory_gib * GIB, None, c.trainer_nodes
+    already = {rule.name for rule in trainer_rules(config) if rule.broken}  # the recipe's own, shown above
+    while nodes % 2 == 0:
+        nodes //= 2
+        world = nodes * c.gpus_per_node
+        dense = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        ep = p.expert_model_parallel_size
+        while ep > 1 and (world % (ep * p.expert_tensor_parallel_size * p.pipeline_model_parallel_size)):
+            ep //= 2
+        if world % dense or (config.model.num_experts and config.model.num_experts % ep):
+            break
+        moved = dataclasses.replace(
+            config,
+            cluster=dataclasses.replace(c, nodes=nodes + c.rollout_nodes, trainer_nodes=nodes),
+            parallel=dataclasses.replace(p, trainer_world_size=world, expert_model_parallel_size=ep),
+        )
+        try:
+            broken = [rule for rule in trainer_rules(moved) if rule.broken and rule.name not in already]
+        except (ConfigError, ValueError):
+            break
+        memory = trainer_memory(moved, counts)
+        if broken or memory.total > cap:
+            break
+        found = FewerNodes(moved, memory)
+    return found
+
+
+def _lora_layout_rows(plan: Plan) -> list[tuple[str, str]]:
+    fewer = lora_layout(plan.config, plan.counts)
+    if fewer is None:
+        return []
+    c, lay = fewer.config.cluster, layout(fewer.config)
+    cap = plan.config.cluster.gpu_memory_gib
+    overrides = (
+        f"cluster.nodes={c.nodes} cluster.trainer_nodes={c.trainer_nodes} parallel.trainer_world_size={lay.world} "
+        f"parallel.expert_model_parallel_size={lay.ep}"
+    )
+    return [
+        (
+            "LoRA: fewest trainer nodes",
+            f"{c.trainer_nodes} of {plan.config.cluster.trainer_nodes}: {_gib(fewer.memory.total)} of {cap:g} GiB "
+            f"per GPU at TP {lay.tp} PP {lay.pp} EP {lay.ep} DP {lay.dp} ({overrides})",
+        )
+    ]
+
+
 def released_bytes(config: RecipeConfig, trainer: TrainerMemory) -> float:
     """Bytes per trainer GPU a colocated step on GPUs moves to host memory and back
     (`colocated_memory`): gradients and optimizer state, and the weights with
@@ -497,6 +566,7 @@ def _memory_rows(plan: Plan) -> list[tuple[str, str]]:
         *_teacher_rows(plan),
         ("  activations (estimate)", _gib(t.activations)),
         ("  total", f"{_gib(t.total)} of {plan.config.cluster.gpu_memory_gib:g} GiB"),
+        *_lora_layout_rows(plan),
         ("rollout weights / GPU", _gib(r.weights_per_gpu)),
         ("  KV cache budget / GPU", _gib(r.kv_per_gpu)),
         ("  KV bytes / token / GPU", f"{r.kv_per_token:,.0f} B ({m.attention})"),

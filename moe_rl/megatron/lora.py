@@ -16,6 +16,18 @@ Tensor parallelism, by Megatron's own region functions, as the base linear split
 * row-parallel (``W`` split by input columns): ``A`` split as ``W``'s columns, ``B`` whole; the
   partial ``A·x`` is summed over the ranks (``reduce_from``), as the base's output is.
 
+With sequence parallelism (the activations between the linears split over the ranks by sequence),
+the adapter follows the base linear's own communication:
+
+* column-parallel: ``A`` reads the input gathered over the sequence
+  (``gather_from_sequence_parallel_region``, whose backward reduce-scatters the input's gradient,
+  as the base's does); each rank's ``A`` gradient is then its output rows' part, which Megatron's
+  `finalize_model_grads` sums over the tensor-parallel ranks (``A.sequence_parallel``, as it does a
+  layer norm's);
+* row-parallel: the partial ``A·x`` is summed and split by sequence
+  (``reduce_scatter_to_sequence_parallel_region``), as the base's output is; ``B`` then sees only
+  its rank's tokens, and its gradient is summed the same way (``B.sequence_parallel``).
+
 An expert's linears (ETP 1: `moe_rl.megatron.rules`) hold one adapter per expert, expert-parallel
 like the expert's weights (``allreduce=False``: Megatron's DDP reduces them over the expert-data-
 parallel group). Checkpoints shard ``B`` (column) and ``A`` (row) with the weight's axis.
@@ -35,7 +47,9 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import Tensor
@@ -81,6 +95,12 @@ class _LoraMixin:
         self.lora_scale = cfg.alpha / cfg.rank
         self.lora_dropout = torch.nn.Dropout(cfg.dropout) if cfg.dropout > 0 else torch.nn.Identity()
 
+    @property
+    def _sequence_split(self) -> bool:
+        """Activations split by sequence over more than one tensor-parallel rank (not an expert's:
+        its communication is the dispatcher's)."""
+        return self.sequence_parallel and self.tp_group.size() > 1 and not self.explicit_expert_comm
+
     def _with_adapter(self, out: Tensor, input_: Tensor, region) -> Tensor:
         """``out`` plus ``s·B·(A·dropout(x))``, ``A·x`` through the tensor-parallel ``region``
         (Megatron's mapping for this linear's split; not for an expert, whose communication is the
@@ -89,6 +109,12 @@ class _LoraMixin:
         if self.tp_group.size() > 1 and not self.explicit_expert_comm:
             low = region(low, group=self.tp_group)
         return out + self.lora_scale * torch.matmul(low, self.lora_b.t())
+
+    def _mark_sequence_parallel(self, param: torch.nn.Parameter) -> None:
+        """``param``'s gradient is a part per tensor-parallel rank (each saw its tokens, or its rows'
+        share): Megatron's `finalize_model_grads` sums it over the ranks. Not an expert's (its tokens
+        are the dispatcher's, its adapter whole on its rank)."""
+        param.sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
 
     def _sharded(self, prefix: str, sharded_offsets, metadata, axes: dict[str, int]):
         """The linear's checkpoint tensors with ``axes`` (name -> the tensor-parallel split axis)."""
@@ -109,16 +135,21 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *args, **kwargs):
         super().__init__(input_size, output_size, *args, **kwargs)
-        if self.gather_output or self.sequence_parallel:
+        if self.gather_output:
             raise ValueError(
                 "a LoRA column-parallel linear adds its product to an output split over the ranks"
             )
         self._make_adapter(
             (self.lora.rank, input_size), (self.weight.shape[0], self.lora.rank), a_split=False
         )
+        self._mark_sequence_parallel(self.lora_a)
 
     def forward(self, input_: Tensor, *args, **kwargs):
         out, bias = super().forward(input_, *args, **kwargs)
+        if self._sequence_split:  # the whole sequence's input, as the base's matmul reads it
+            whole = gather_from_sequence_parallel_region(input_, group=self.tp_group)
+            low = torch.matmul(self.lora_dropout(whole), self.lora_a.t())
+            return out + self.lora_scale * torch.matmul(low, self.lora_b.t()), bias
         return self._with_adapter(out, input_, copy_to_tensor_model_parallel_region), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -131,14 +162,19 @@ class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *args, **kwargs):
         super().__init__(input_size, output_size, *args, **kwargs)
-        if not self.input_is_parallel or self.sequence_parallel:
+        if not self.input_is_parallel:
             raise ValueError("a LoRA row-parallel linear reads an input already split over the ranks")
         self._make_adapter(
             (self.lora.rank, self.weight.shape[1]), (output_size, self.lora.rank), a_split=True
         )
+        self._mark_sequence_parallel(self.lora_b)
 
     def forward(self, input_: Tensor, *args, **kwargs):
         out, bias = super().forward(input_, *args, **kwargs)
+        if self._sequence_split:  # summed over the ranks and split by sequence, as the base's output
+            low = torch.matmul(self.lora_dropout(input_), self.lora_a.t())
+            low = reduce_scatter_to_sequence_parallel_region(low, group=self.tp_group)
+            return out + self.lora_scale * torch.matmul(low, self.lora_b.t()), bias
         return self._with_adapter(out, input_, reduce_from_tensor_model_parallel_region), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

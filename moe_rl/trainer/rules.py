@@ -81,17 +81,12 @@ def _algo_rules(config: RecipeConfig) -> list[Rule]:
 
 
 def _lora_rules(config: RecipeConfig) -> list[Rule]:
-    """LoRA (`moe_rl.megatron.lora`) on the trainer's layout: adapters add their product to outputs
-    split over the tensor-parallel ranks (not over the sequence), and an expert's adapter is whole on
-    its rank."""
+    """LoRA (`moe_rl.megatron.lora`) on the trainer's layout: an expert's adapter is whole on its
+    rank."""
     lora, p = config.lora, config.parallel
     if lora.rank == 0:
         return []
     return [
-        Rule("LoRA without sequence parallelism", not p.sequence_parallel,
-             f"lora.rank={lora.rank} with parallel.sequence_parallel={p.sequence_parallel}",
-             advice="the adapters add their product to outputs split over the tensor-parallel ranks, not over "
-             "the sequence; set parallel.sequence_parallel=false"),
         Rule("LoRA on experts at expert TP 1", LoraTarget.EXPERTS not in lora.targets or p.expert_tensor_parallel_size == 1,
              f"lora.targets has experts with parallel.expert_tensor_parallel_size={p.expert_tensor_parallel_size}",
              advice="an expert's adapter is whole on the rank that holds the expert; set "

@@ -87,6 +87,7 @@ def test_tp2_loads_computes_and_exports_like_one_process(references, tp_runs, fa
         torch.testing.assert_close(head["head_grad"], whole["head_grad"], rtol=1e-5, atol=1e-7)
     if "lora" in ranks[0]:
         _check_lora_linears([got["lora"] for got in ranks])
+        _check_lora_linears_sequence_parallel([got["lora_sp"] for got in ranks])
 
 
 def _check_lora_linears(ranks: list[dict[str, torch.Tensor]]) -> None:
@@ -94,6 +95,7 @@ def _check_lora_linears(ranks: list[dict[str, torch.Tensor]]) -> None:
     the gradients of the input, the weight and the adapters, each rank its shard of them."""
     whole = tp_worker.lora_linears(0, 1)
     for rank, got in enumerate(ranks):
+        assert got.pop("column.summed").tolist() == got.pop("row.summed").tolist() == [False, False]
         expected = {
             # column: output and B split by output rows; A and the input (summed over ranks) whole
             "column.out": whole["column.out"].chunk(2, dim=-1)[rank],
@@ -111,3 +113,29 @@ def _check_lora_linears(ranks: list[dict[str, torch.Tensor]]) -> None:
         assert set(got) == set(expected)
         for name, value in expected.items():
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
+
+
+def _check_lora_linears_sequence_parallel(ranks: list[dict[str, torch.Tensor]]) -> None:
+    """The same linears with sequence parallelism: the column linear's input and the row linear's
+    output split by sequence (rows 0-2, 3-5), the rest as without it; the column linear's ``A`` and
+    the row linear's ``B`` gradients are each rank's part, marked for Megatron's finalize to sum:
+    their sum over the ranks is the one-process gradient."""
+    whole = tp_worker.lora_linears(0, 1)
+    for rank, got in enumerate(ranks):
+        assert got["column.summed"].tolist() == [True, False] and got["row.summed"].tolist() == [False, True]
+        expected = {
+            "column.out": whole["column.out"].chunk(2, dim=-1)[rank],
+            "column.x_grad": whole["column.x_grad"].chunk(2, dim=0)[rank],
+            "column.weight_grad": whole["column.weight_grad"].chunk(2, dim=0)[rank],
+            "column.b_grad": whole["column.b_grad"].chunk(2, dim=0)[rank],
+            "row.out": whole["row.out"].chunk(2, dim=0)[rank],
+            "row.x_grad": whole["row.x_grad"].chunk(2, dim=-1)[rank],
+            "row.weight_grad": whole["row.weight_grad"].chunk(2, dim=1)[rank],
+            "row.a_grad": whole["row.a_grad"].chunk(2, dim=1)[rank],
+        }
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
+    for name in ("column.a_grad", "row.b_grad"):  # the parts Megatron's finalize_model_grads sums
+        torch.testing.assert_close(
+            sum(got[name] for got in ranks), whole[name], rtol=1e-5, atol=1e-5, msg=name
+        )

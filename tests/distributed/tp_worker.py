@@ -112,6 +112,7 @@ def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, int, str]]
         out["value_head"] = value_head(rank, world, sequence_parallel=True)
         if (family, etp) == ("qwen3_moe", 1):  # no model in it: once
             out["lora"] = lora_linears(rank, world)
+            out["lora_sp"] = lora_linears(rank, world, sequence_parallel=True)
         if family == "qwen3_moe":  # the trainer's tiny recipe
             out["critic"] = critic_old_pass(world, etp, hf_path)
         torch.save(out, Path(out_dir) / f"tp.{family}.{etp}.{rank}.pt")
@@ -121,11 +122,13 @@ LORA_SHAPE = (6, 2, 16, 12, 4)
 """[s, b, in, out, rank] of the LoRA linears' check."""
 
 
-def lora_linears(rank: int, world: int) -> dict[str, torch.Tensor]:
+def lora_linears(rank: int, world: int, sequence_parallel: bool = False) -> dict[str, torch.Tensor]:
     """Megatron's column- and row-parallel linears with LoRA adapters (`moe_rl.megatron.lora`) on
-    fixed weights, adapters and input split as TP=``world`` splits them, and a fixed linear loss of
-    their outputs: each output (this rank's part) and the gradients of the input, the weight, ``A``
-    and ``B`` (this rank's shards)."""
+    fixed weights, adapters and input split as TP=``world`` splits them (with ``sequence_parallel``,
+    the activations between them split by sequence too), and a fixed linear loss of their outputs:
+    each output (this rank's part) and the gradients of the input, the weight, ``A`` and ``B`` (this
+    rank's shards; a gradient Megatron's `finalize_model_grads` sums over the ranks, a parameter
+    marked ``sequence_parallel``, as this rank's part, with the mark)."""
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -134,7 +137,9 @@ def lora_linears(rank: int, world: int) -> dict[str, torch.Tensor]:
 
     s, b, fan_in, fan_out, r = LORA_SHAPE
     classes = lora_classes(LoraConfig(rank=r, alpha=8.0))
-    config = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=world, use_cpu_initialization=True, sequence_parallel=sequence_parallel
+    )
     found: dict[str, torch.Tensor] = {}
     for kind, base in (("column", ColumnParallelLinear), ("row", RowParallelLinear)):
         generator = torch.Generator().manual_seed(5)
@@ -159,11 +164,21 @@ def lora_linears(rank: int, world: int) -> dict[str, torch.Tensor]:
             linear.weight.copy_(weight.chunk(world, dim=split)[rank])
             linear.lora_a.copy_(a if kind == "column" else a.chunk(world, dim=1)[rank])
             linear.lora_b.copy_(bmat.chunk(world, dim=0)[rank] if kind == "column" else bmat)
-        mine = (x if kind == "column" else x.chunk(world, dim=-1)[rank]).clone().requires_grad_()
+        # column: the input whole (split by sequence with SP); row: split by columns (whole sequence)
+        if kind == "column":
+            mine = x.chunk(world, dim=0)[rank] if sequence_parallel else x
+            gain = g.chunk(world, dim=-1)[rank]
+        else:
+            mine = x.chunk(world, dim=-1)[rank]
+            gain = g.chunk(world, dim=0)[rank] if sequence_parallel else g
+        mine = mine.clone().requires_grad_()
         out, _ = linear(mine)
-        (out * (g.chunk(world, dim=-1)[rank] if kind == "column" else g)).sum().backward()
+        (out * gain).sum().backward()
         found |= {
             f"{kind}.out": out.detach(), f"{kind}.x_grad": mine.grad, f"{kind}.weight_grad": linear.weight.grad,
             f"{kind}.a_grad": linear.lora_a.grad, f"{kind}.b_grad": linear.lora_b.grad,
+            f"{kind}.summed": torch.tensor(
+                [getattr(linear.lora_a, "sequence_parallel", False), getattr(linear.lora_b, "sequence_parallel", False)]
+            ),
         }  # fmt: skip
     return found

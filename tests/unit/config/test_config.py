@@ -255,7 +255,7 @@ TP2 = ("parallel.tensor_model_parallel_size=2", "parallel.trainer_world_size=2")
             ["lora.rank=8", "lora.targets=[router]"],
             "lora.targets='router' is not one of: attention, dense_mlp",
         ),
-        (["lora.rank=8", *TP2, "parallel.sequence_parallel=true"], "set parallel.sequence_parallel=false"),
+        (["lora.rank=8", *TP2, "parallel.sequence_parallel=true"], None),  # the adapters follow its regions
         (["lora.rank=8", *TP2, "parallel.expert_tensor_parallel_size=2"], "expert_tensor_parallel_size=2"),
         (
             ["lora.rank=8", "lora.targets=[attention]", *TP2, "parallel.expert_tensor_parallel_size=2"],

@@ -3,6 +3,7 @@ traffic estimates, and every divisibility constraint failing by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from launch.plan import (
     routing_trace_bytes_per_token,
 )
 from moe_rl.config import load_recipe
+from moe_rl.config.derived import GIB
 from moe_rl.config.flops import attention_weights, mlp_weights, model_flops
 from moe_rl.config.modes import Attention
 from moe_rl.config.schema import ModelConfig
@@ -356,3 +358,30 @@ def test_a_teacher_adds_its_frozen_weights_unless_offloaded():
     offloaded = make_plan(load_recipe(student, [*teacher, "teacher.offload=true"]), paths=False)
     assert offloaded.trainer.teacher == 0
     assert dict(_memory_rows(offloaded))["  teacher weights"].startswith("host memory between passes")
+
+
+def test_a_lora_run_is_shown_the_fewest_trainer_nodes_that_hold_it():
+    """DeepSeek-V3 as shipped trains on 32 nodes; with LoRA 4 hold it: the frozen bf16 weights over
+    32 GPUs and the activation estimate, 47.9 GiB of 80, where 2 nodes would need more than 80. A
+    full-weight run gets no such row."""
+    from launch.plan import _memory_rows, lora_layout, trainer_memory
+
+    lora = load_recipe(
+        REPO / "recipes" / "deepseek_v3.yaml", ["lora.rank=8", "parallel.sequence_parallel=false"]
+    )
+    counts = count_params(lora.model)
+    fewer = lora_layout(lora, counts)
+    assert fewer.config.cluster.trainer_nodes == 4 and fewer.config.parallel.trainer_world_size == 32
+    assert fewer.config.parallel.expert_model_parallel_size == 32 and fewer.config.cluster.nodes == 4 + 8
+    assert fewer.memory.total <= 80 * GIB
+    two = dataclasses.replace(
+        fewer.config,
+        cluster=dataclasses.replace(fewer.config.cluster, nodes=10, trainer_nodes=2),
+        parallel=dataclasses.replace(
+            fewer.config.parallel, trainer_world_size=16, expert_model_parallel_size=16
+        ),
+    )
+    assert trainer_memory(two, counts).total > 80 * GIB
+    row = dict(_memory_rows(make_plan(lora, paths=False)))["LoRA: fewest trainer nodes"]
+    assert row.startswith("4 of 32: ") and "parallel.expert_model_parallel_size=32" in row
+    assert lora_layout(load_recipe(REPO / "recipes" / "deepseek_v3.yaml"), counts) is None
