@@ -177,3 +177,37 @@ def test_a_converted_or_hooked_expert_linear_runs_its_own_forward(device):
     fc1.__class__ = type("Converted", (type(fc1),), {})
     _step(grouped, device)
     assert layer.kernel is None
+
+
+def test_grouped_experts_with_lora_adapters_equal_sequential_mlp(device):
+    """LoRA on every expert (`moe_rl.megatron.lora`): the grouped path adds each expert's ``s·B·A·x``
+    (on a GPU as two more grouped products of the stacked factors, `_grouped_product`; on the CPU in
+    its loop) and gives `SequentialMLP`'s logits and gradients, the adapters' included."""
+    from moe_rl.config.schema import LoraConfig
+    from moe_rl.megatron.lora import adapted_linears, freeze_base
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    config = tiny_qwen()
+    sequential, grouped = (
+        build_gpt_model(config, trainer=TrainerConfig(expert_gemm=gemm), seed=5, lora=lora)
+        for gemm in (ExpertGemm.SEQUENTIAL, ExpertGemm.TORCH)
+    )
+    seeded = torch.Generator().manual_seed(3)
+    for model in (sequential, grouped):
+        freeze_base(model, lora)
+    with torch.no_grad():
+        for (name, a), (_, b) in zip(
+            adapted_linears(sequential).items(), adapted_linears(grouped).items(), strict=True
+        ):
+            assert ".local_experts." in name or "self_attention" in name
+            a.lora_b.copy_(torch.randn(a.lora_b.shape, generator=seeded).to(a.lora_b) * 0.1)
+            b.lora_b.copy_(a.lora_b)
+            b.lora_a.copy_(a.lora_a)
+    logits, grads = _step(sequential, device)
+    got_logits, got_grads = _step(grouped, device)
+    assert_same(got_logits, logits, device)
+    assert set(got_grads) == set(grads) and any(
+        ".local_experts." in n and n.endswith("lora_b") for n in grads
+    )
+    for name, grad in grads.items():
+        assert_same(got_grads[name], grad, device)
