@@ -83,7 +83,7 @@ from moe_rl.config.derived import (
     rollout_memory,
     rollout_weight_bytes,
 )
-from moe_rl.config.flops import ParamCounts, count_params, model_flops
+from moe_rl.config.flops import ParamCounts, count_params, lora_param_counts, model_flops
 from moe_rl.config.modes import Engine, GpuType, Precision, QuantMethod, RunMode, SyncRoute
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.sync_plan import SyncPlan
@@ -490,13 +490,17 @@ def _trainer_passes(config: RecipeConfig, machine: Machine, mfu: float) -> list[
 
 
 def sync_bytes(config: RecipeConfig, counts: ParamCounts, sync: SyncPlan) -> float:
-    """Bytes one engine takes at a sync: the rollout recipe's on a quantized wire; into vLLM the
-    model in its bf16; else the tensors as the trainer holds them."""
+    """Bytes one engine takes at a sync: a LoRA run's adapter-only sync (`SyncPlan.adapters`) what
+    trains, as the trainer holds it (the base went to the engine once); the rollout recipe's on a
+    quantized wire; into vLLM the model in its bf16; else the tensors as the trainer holds them."""
+    held = FP32 if config.trainer.precision == Precision.FP32 else BF16
+    if sync.adapters:
+        return lora_param_counts(config.model, config.lora).total * held
     if sync.quantized_wire:
         return rollout_weight_bytes(config, counts)
     if sync.vllm_transfer or config.rollout.engine == Engine.VLLM:
         return counts.total * BF16
-    return counts.total * (FP32 if config.trainer.precision == Precision.FP32 else BF16)
+    return counts.total * held
 
 
 @dataclass(frozen=True)

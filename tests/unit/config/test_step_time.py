@@ -202,6 +202,23 @@ def test_lora_skips_the_frozen_weights_gradients_by_hand():
     )
 
 
+def test_an_adapter_only_sync_moves_what_trains():
+    """`lora.sync=adapters`: after an engine took the base, a step's sync moves the adapters alone,
+    in the trainer's bf16, through the same link as the whole model's (the hand model's 1,144
+    parameters in fp32 otherwise)."""
+    from moe_rl.config.flops import lora_param_counts
+
+    merged = _hand("lora.rank=4", "trainer.precision=bf16")
+    adapters = _hand("lora.rank=4", "trainer.precision=bf16", "lora.sync=adapters")
+    trained = lora_param_counts(adapters.model, adapters.lora).total
+    assert 0 < trained < PARAMS
+    half = Efficiency(1.0, 1.0, 0.5)
+    assert _step(merged, half).phase("weight sync").seconds == pytest.approx(PARAMS * 2 / (H100_NVLINK * 0.5))
+    assert _step(adapters, half).phase("weight sync").seconds == pytest.approx(
+        trained * 2 / (H100_NVLINK * 0.5)
+    )
+
+
 def test_the_pipeline_bubble_by_hand():
     """Qwen3-30B-A3B, PP 2: 512 samples / (4 mini-batches x DP 4) = 32 per rank, 32 x 6,144 tokens
     in micro-batches of 16,384: 12 of them; the bubble is (12 + 2 - 1) / 12."""
