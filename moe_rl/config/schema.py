@@ -692,7 +692,7 @@ class ClusterConfig:
     `moe-rl plan`'s step time reads (`h100`, `h200`, `b200`, `gb200`, `cpu`); `auto`: `cpu` without
     GPUs, else the GPU whose memory is `gpu_memory_gib` (80: h100, 140 or 141: h200, 180: b200,
     186: gb200)."""
-    train_mfu: float = 0.11
+    train_mfu: float = 0.111
     """Model FLOP utilization `moe-rl plan`'s step time assumes for the π_old, reference and training
     passes, against the chip's dense peak in `trainer.precision` and outside the pipeline's bubble;
     the default is fitted on a published run (`moe_rl.config.step_time.FITTED`, docs/plan_model.md)."""

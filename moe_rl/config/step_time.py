@@ -159,7 +159,7 @@ class Efficiency:
     `gathered_sync_cost`'s, runs at the datasheet rate instead)."""
 
 
-FITTED = Efficiency(generation=0.435, train_mfu=0.11, sync=0.175)
+FITTED = Efficiency(generation=0.43, train_mfu=0.111, sync=0.175)
 """Fitted on one published configuration, NeMo-RL v0.6's Qwen3-30B-A3B GRPO on four nodes of 8 H100
 (on-policy on 32 GPUs 192 s a step, one step off policy on 16 + 16 GPUs 152 s, its refit 0.74-1.00 s),
 docs/plan_model.md; `bench/plan_model.py --fit` fits them again."""
