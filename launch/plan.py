@@ -43,7 +43,7 @@ from moe_rl.config.flops import ParamCounts, count_params, lora_param_counts
 from moe_rl.config.flops import attention_params as attention_params
 from moe_rl.config.modes import Attention, Precision
 from moe_rl.config.schema import ModelConfig
-from moe_rl.config.step_time import StepTime, step_time
+from moe_rl.config.step_time import StepTime, adapter_sync_bytes, step_time
 from moe_rl.config.sync_plan import SyncPlan, sync_plan
 from moe_rl.device import RunDevice
 from moe_rl.orchestration.preflight import preflight, target_machine
@@ -622,10 +622,8 @@ def _adapter_sync_rows(cfg: RecipeConfig) -> list[tuple[str, str]]:
     trainer's precision; the base goes to an engine once."""
     if cfg.lora.rank == 0:
         return []
-    width = 4 if cfg.trainer.precision == Precision.FP32 else BF16
-    trained = lora_param_counts(cfg.model, cfg.lora).total * width
     how = "(lora.sync=adapters: Megatron engines)"
-    return [("weight sync / step, LoRA adapters only", f"{_gib(trained)} per engine {how}")]
+    return [("weight sync / step, LoRA adapters only", f"{_gib(adapter_sync_bytes(cfg))} per engine {how}")]
 
 
 def _sync_rows(plan: Plan) -> list[tuple[str, str]]:

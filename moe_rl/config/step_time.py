@@ -493,14 +493,24 @@ def sync_bytes(config: RecipeConfig, counts: ParamCounts, sync: SyncPlan) -> flo
     """Bytes one engine takes at a sync: a LoRA run's adapter-only sync (`SyncPlan.adapters`) what
     trains, as the trainer holds it (the base went to the engine once); the rollout recipe's on a
     quantized wire; into vLLM the model in its bf16; else the tensors as the trainer holds them."""
-    held = FP32 if config.trainer.precision == Precision.FP32 else BF16
     if sync.adapters:
-        return lora_param_counts(config.model, config.lora).total * held
+        return adapter_sync_bytes(config)
     if sync.quantized_wire:
         return rollout_weight_bytes(config, counts)
     if sync.vllm_transfer or config.rollout.engine == Engine.VLLM:
         return counts.total * BF16
-    return counts.total * held
+    return counts.total * _held_bytes(config)
+
+
+def _held_bytes(config: RecipeConfig) -> int:
+    """Bytes of a weight as the trainer holds it."""
+    return FP32 if config.trainer.precision == Precision.FP32 else BF16
+
+
+def adapter_sync_bytes(config: RecipeConfig) -> float:
+    """Bytes one engine takes at a LoRA run's adapter-only sync: what trains (the adapters, a router
+    or output layer trained whole), as the trainer holds it."""
+    return lora_param_counts(config.model, config.lora).total * _held_bytes(config)
 
 
 @dataclass(frozen=True)

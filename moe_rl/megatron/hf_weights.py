@@ -193,7 +193,7 @@ def _attention_kind(config) -> str:
 def _local_tensors(model: torch.nn.Module, adapters: bool = False) -> Iterator[tuple[str, Tensor]]:
     """Parameters and persistent buffers of a (possibly DDP-wrapped) GPTModel, in order. A LoRA
     adapter's tensors are among them only with ``adapters`` (the view of an engine that applies
-    them); else an HF model has none: `_with_adapter` merges them."""
+    them); else an HF model has none: `merged_tensor` merges them."""
     from moe_rl.megatron.lora import is_adapter
 
     for name, tensor in _unwrap(model).state_dict(keep_vars=True).items():
@@ -206,7 +206,7 @@ def _local_tensors(model: torch.nn.Module, adapters: bool = False) -> Iterator[t
         yield name, tensor
 
 
-def _with_adapter(gpt: torch.nn.Module, name: str, tensor: Tensor, merge: bool = True) -> Tensor:
+def merged_tensor(gpt: torch.nn.Module, name: str, tensor: Tensor, merge: bool = True) -> Tensor:
     """``tensor`` (Megatron tensor ``name``, detached), or (``merge``) the weight merged with its
     linear's LoRA adapter (`moe_rl.megatron.lora`): what the linear computes as one matrix."""
     from moe_rl.megatron.lora import has_adapter
@@ -323,7 +323,7 @@ def iter_hf_weight_groups(
         if not wanted and tp_split is None:
             continue
         rule = hf_names_for(gpt, name)
-        whole = _with_adapter(gpt, name, tensor.detach(), merge=not adapters)
+        whole = merged_tensor(gpt, name, tensor.detach(), merge=not adapters)
         if tp_split is not None:
             whole = gather_shards(whole, rule.kind, tp_split)
         if wanted:

@@ -103,10 +103,10 @@ class _LoraMixin:
 
     def _with_adapter(self, out: Tensor, input_: Tensor, region) -> Tensor:
         """``out`` plus ``s·B·(A·dropout(x))``, ``A·x`` through the tensor-parallel ``region``
-        (Megatron's mapping for this linear's split; not for an expert, whose communication is the
-        dispatcher's)."""
+        (Megatron's mapping for this linear's split, None: none; not for an expert, whose
+        communication is the dispatcher's)."""
         low = torch.matmul(self.lora_dropout(input_), self.lora_a.t())
-        if self.tp_group.size() > 1 and not self.explicit_expert_comm:
+        if region is not None and self.tp_group.size() > 1 and not self.explicit_expert_comm:
             low = region(low, group=self.tp_group)
         return out + self.lora_scale * torch.matmul(low, self.lora_b.t())
 
@@ -148,8 +148,7 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
         out, bias = super().forward(input_, *args, **kwargs)
         if self._sequence_split:  # the whole sequence's input, as the base's matmul reads it
             whole = gather_from_sequence_parallel_region(input_, group=self.tp_group)
-            low = torch.matmul(self.lora_dropout(whole), self.lora_a.t())
-            return out + self.lora_scale * torch.matmul(low, self.lora_b.t()), bias
+            return self._with_adapter(out, whole, None), bias
         return self._with_adapter(out, input_, copy_to_tensor_model_parallel_region), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -171,11 +170,13 @@ class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
 
     def forward(self, input_: Tensor, *args, **kwargs):
         out, bias = super().forward(input_, *args, **kwargs)
-        if self._sequence_split:  # summed over the ranks and split by sequence, as the base's output
-            low = torch.matmul(self.lora_dropout(input_), self.lora_a.t())
-            low = reduce_scatter_to_sequence_parallel_region(low, group=self.tp_group)
-            return out + self.lora_scale * torch.matmul(low, self.lora_b.t()), bias
-        return self._with_adapter(out, input_, reduce_from_tensor_model_parallel_region), bias
+        # summed over the ranks (and, with sequence parallelism, split by sequence), as the base's output
+        region = (
+            reduce_scatter_to_sequence_parallel_region
+            if self._sequence_split
+            else reduce_from_tensor_model_parallel_region
+        )
+        return self._with_adapter(out, input_, region), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The weight's sharding (axis 1) for ``lora_a`` too; ``lora_b`` whole on every rank."""

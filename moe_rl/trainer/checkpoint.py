@@ -271,7 +271,7 @@ def _load_merged(model, trainer_dir: Path, whose: str, start) -> None:
     settings (rank, scale, targets) are those of the checkpoint's run (its ``config.yaml``): a model
     ``start(lora)`` builds in this layout holds the checkpoint as it is, then gives its merged weights."""
     from moe_rl.config import load_recipe
-    from moe_rl.megatron.lora import has_adapter
+    from moe_rl.megatron.hf_weights import merged_tensor
 
     recipe = trainer_dir.parent.parent.parent / "config.yaml"  # <run>/checkpoints/step_N/trainer
     if not recipe.is_file():
@@ -286,10 +286,7 @@ def _load_merged(model, trainer_dir: Path, whose: str, start) -> None:
         for name, tensor in source.state_dict().items():
             if is_adapter(name) or not isinstance(tensor, torch.Tensor):
                 continue
-            owner = source.get_submodule(name.rsplit(".", 1)[0]) if "." in name else source
-            merged[name] = (
-                owner.merged_weight() if name.endswith(".weight") and has_adapter(owner) else tensor
-            )
+            merged[name] = merged_tensor(source, name, tensor)
     missing, unexpected = model.load_state_dict(merged, strict=False)
     left = [key for key in missing if not is_adapter(key) and not key.endswith("_extra_state")]
     if left or unexpected:
