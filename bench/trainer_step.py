@@ -118,10 +118,18 @@ VARIANTS = {
 
 
 def make_batches(config, num_samples: int, seed: int):
+    """The rollout batch of `rollout_batch`, packed into the worker's micro-batches."""
+    from moe_rl.trainer.batch import make_train_micro_batches
+
+    batch, advantages = rollout_batch(config, num_samples, seed)
+    return make_train_micro_batches(batch, advantages, config.trainer.max_tokens_per_microbatch)
+
+
+def rollout_batch(config, num_samples: int, seed: int):
+    """(random trajectories of the recipe's lengths, one advantage per sample)."""
     import torch
 
     from moe_rl.data.synthetic import random_batch
-    from moe_rl.trainer.batch import make_train_micro_batches
 
     model = config.model
     num_moe = model.num_layers - model.first_k_dense_layers
@@ -135,7 +143,7 @@ def make_batches(config, num_samples: int, seed: int):
         sampling_mask=True,
     )
     advantages = torch.randn(num_samples, generator=torch.Generator().manual_seed(seed))
-    return make_train_micro_batches(batch, advantages, config.trainer.max_tokens_per_microbatch)
+    return batch, advantages
 
 
 def on_policy(worker, batches) -> list:
@@ -167,6 +175,23 @@ def one_step(worker, batches, cuda: bool, later_mini_batch: bool = False) -> tup
         end.synchronize()
         return start.elapsed_time(end) / 1e3, time.process_time() - cpu
     return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def loop_mfu(worker, config, samples: int, steps: int = 3) -> tuple[float, float]:
+    """(median ``perf/tflops``, median ``perf/mfu``) of ``steps`` steps of the same rollout batch as
+    a training run takes them: `TrainerWorker.old_logp` then `TrainerWorker.train`, whose own
+    clock and FLOP count give the metrics the run logs."""
+    from moe_rl.trainer.batch import TrainerBatch
+
+    batch, advantages = rollout_batch(config, samples, seed=0)
+    whole = TrainerBatch.whole(
+        batch, advantages, config.trainer.max_tokens_per_microbatch, num_mini_batches=1
+    )
+    records = [worker.train(worker.old_logp(whole)) for _ in range(steps)]
+    return (
+        statistics.median(r["perf/tflops"] for r in records),
+        statistics.median(r["perf/mfu"] for r in records),
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -242,7 +267,12 @@ def main() -> None:
             times[name].append(
                 one_step(workers[name], batches[name], cuda, later_mini_batch=name == "stack+")
             )
-    report(times, workers, samples, batches, size, configs["base"], cuda, peak)
+    bench_rate = report(times, workers, samples, batches, size, configs["base"], cuda, peak)
+    loop_rate, loop_mfu_ = loop_mfu(workers["base"], configs["base"], samples)
+    print(
+        f"training loop's perf/tflops (base, TrainerWorker.old_logp + train): {loop_rate:.3f} TFLOP/s, "
+        f"perf/mfu {loop_mfu_:.2%}; bench/loop = {bench_rate / max(loop_rate, 1e-30):.2f}x (target within 1.5x)"
+    )
     if args.profile:
         for name in ("seq", "base"):
             if name in workers:
@@ -285,7 +315,8 @@ def paired(times: dict[str, list[tuple[float, float]]], name: str, ref: str, ind
     return statistics.median(a[index] / b[index] for a, b in zip(times[name], times[ref], strict=True))
 
 
-def report(times, workers, samples: int, all_batches, size: str, config, cuda: bool, peak: float) -> None:
+def report(times, workers, samples: int, all_batches, size: str, config, cuda: bool, peak: float) -> float:
+    """Prints the figures; returns the base worker's TFLOP/s."""
     import torch
 
     from moe_rl.config.flops import model_flops
@@ -345,6 +376,7 @@ def report(times, workers, samples: int, all_batches, size: str, config, cuda: b
     print(f"{timed} worker phase timers (wall, share of its timed steps){note}:")
     for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"  {phase:12s} {seconds / total:6.1%}")
+    return step_flops / statistics.median(t[0] for t in times["base"]) / 1e12
 
 
 if __name__ == "__main__":

@@ -9,16 +9,74 @@ whole (an engine's weights, which the next weight sync writes).
 
 A storage that cannot be resized (one in a shared-memory file, as a CPU trainer's parameters for
 the weight sync) stays where it is and counts as resident. Imports nothing heavy but torch.
+
+What a process holds on a GPU as the driver counts it (its CUDA context, the caching allocator's
+segments, library workspaces), not the bytes of its tensors, is `DriverMemory`.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 GIB = float(1 << 30)
+log = logging.getLogger(__name__)
+
+
+class DriverMemory:
+    """This process's memory on its CUDA device as the driver counts it (NVML's per-process figure)
+    and the device's memory in use by every process (``cudaMemGetInfo``). ``context`` is what the
+    process held when this was made, before it allocated anything: its CUDA context, which only
+    the process's end gives back. On a CPU every figure is NaN."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._handle = None
+        self.context = math.nan
+        if device.type != "cuda":
+            return
+        torch.zeros(1, device=device)  # the context is made now, not at the first allocation
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(
+                uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+            )
+        except Exception as exc:  # no NVML: the device-wide figure remains
+            log.warning("NVML cannot tell this process's GPU memory (%s: %s)", type(exc).__name__, exc)
+        self.context = self.process_bytes()
+
+    def process_bytes(self) -> float:
+        """Bytes this process holds on the device; NaN where NVML does not list it."""
+        if self._handle is None:
+            return math.nan
+        import pynvml
+
+        pid = os.getpid()
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+            if proc.pid == pid and proc.usedGpuMemory is not None:
+                return float(proc.usedGpuMemory)
+        return math.nan
+
+    def readings(self, role: str, phase: str) -> dict[str, float]:
+        """Metrics of ``role`` (trainer, engine) after ``phase``, in GiB: ``memory/{role}_{phase}_device_gib``
+        (this process, by the driver), ``memory/{role}_{phase}_gpu_used_gib`` (every process on the
+        device) and ``memory/{role}_context_gib``; nothing on a CPU."""
+        if self.device.type != "cuda":
+            return {}
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {
+            f"memory/{role}_{phase}_device_gib": self.process_bytes() / GIB,
+            f"memory/{role}_{phase}_gpu_used_gib": (total - free) / GIB,
+            f"memory/{role}_context_gib": self.context / GIB,
+        }
 
 
 @dataclass

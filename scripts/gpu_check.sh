@@ -36,6 +36,8 @@
 #   GPU_CHECK_QUANT          diagnose's --quant list (default bf16,fp8_block128,nvfp4)
 #   GPU_CHECK_DIAGNOSE_ARGS  extra diagnose arguments (e.g. "--prompts 8")
 #   GPU_CHECK_BENCH_ARGS     extra arguments appended to every bench command (all four must accept them)
+#   GPU_CHECK_BENCHES        the bench tier's scripts (default "fp8_quant trainer_step algo_stack
+#                            engine_length"; trainer_step also runs its large size on CUDA)
 #   GPU_CHECK_RL_STEPS       RL steps of the rl tier (default 8)
 #   GPU_CHECK_COLOCATED_STEPS  RL steps of each run of the colocated tier (default 4)
 #   GPU_CHECK_SLEEP_LEVEL    the engine's sleep level in the colocated tier (default 1)
@@ -244,7 +246,7 @@ for tier in $tiers; do
       ran+=(colocated)
       ;;
     bench)
-      for b in fp8_quant trainer_step algo_stack engine_length; do
+      for b in ${GPU_CHECK_BENCHES:-fp8_quant trainer_step algo_stack engine_length}; do
         args=(--device "$dev")
         [ "$b" = trainer_step ] && args+=(--size "$trainer_size")
         [ "$b" = trainer_step ] && [ "$dev" = cuda ] && args+=(--reps "${GPU_CHECK_TRAINER_REPS:-20}")
@@ -333,7 +335,7 @@ fi
 if [ -f "$out/colocated.status" ]; then
   echo
   echo "--- colocated: memory per phase, the runs with and without memory given back compared ---"
-  sed -n '/^step  trainer/,$p' "$out/colocated.log" || true
+  sed -n '/memory per phase/,$p' "$out/colocated.log" || true
 fi
 # the target lines of every bench, what trainer_step measured, algo_stack's size and ratio table
 bench_re='target|TFLOP/s|seq/base|^fp8 block quant|^(tiny|mid|large) MoE|^memory:|^stack bench:|^ *(case|whole step|loss math|ESPO entropy)|^engine_length'

@@ -52,6 +52,12 @@ FLAT_REWARD_STEPS = 5
 """Steps in a row without reward variance in any group after which a run warns (once per stretch)."""
 
 
+def driver_readings(answer: dict[str, float]) -> dict[str, float]:
+    """The driver's memory figures in a trainer's or an engine's answer (`moe_rl.offload.DriverMemory`:
+    already metrics, on CUDA only)."""
+    return {k: v for k, v in answer.items() if k.startswith("memory/")}
+
+
 @dataclass
 class Workers:
     """A run's trainer, engines and rewarder, behind the handles the stages use (the Ray ones:
@@ -198,7 +204,9 @@ class Stages:
         self.sync.bring_up(awake.restarted, self.state.version)  # new processes, awake
         metrics["memory/trainer_released_gib"] = released["released_bytes"] / GIB
         metrics["memory/trainer_generate_gib"] = released["resident_bytes"] / GIB
+        metrics["memory/trainer_weights_gib"] = released["weights_bytes"] / GIB
         metrics["memory/trainer_releases"] = 1
+        metrics.update(driver_readings(released) | driver_readings(awake.most))  # on CUDA
 
     def collect(self, rounds: Rounds, metrics: dict[str, Any]) -> list[Any]:
         """The round's batches, one per replica with prompts (refs on Ray). A replica that died is
@@ -267,6 +275,7 @@ class Stages:
         metrics["memory/engine_generate_gib"] = asleep.most.get("peak_bytes", 0.0) / GIB  # a generation's
         metrics["memory/engine_asleep_gib"] = asleep.most.get("resident_bytes", 0.0) / GIB
         metrics["memory/engine_sleeps"] = 1
+        metrics.update(driver_readings(asleep.most))
 
     # ------------------------------------------------------------------ training
     def advantages(self, rollout: Rollout, metrics: dict[str, Any]) -> torch.Tensor:

@@ -57,7 +57,7 @@ from moe_rl.megatron.decoding import (
     pack_sequences,
 )
 from moe_rl.megatron.lora import trains
-from moe_rl.offload import Offload, resident_bytes
+from moe_rl.offload import DriverMemory, Offload, resident_bytes
 from moe_rl.quant.recipes import (
     QuantReport,
     WeightQuantizer,
@@ -319,6 +319,7 @@ class MegatronEngine:
 
         init_parallel(WHOLE_MODEL)
         self.device = check_process_device(config.run.device)
+        self.driver = DriverMemory(self.device)  # before anything is allocated: its context
         check_quant_supported(config.quant, self.device.type == "cuda")
         self.config = config
         adapters = sends_adapters(config)  # it applies LoRA's adapters itself, as the trainer does
@@ -378,14 +379,19 @@ class MegatronEngine:
         footprint: weights and KV cache) and what stays resident."""
         if self._asleep is not None:
             raise RuntimeError("the Megatron engine is asleep already")
-        peak = self.peak_bytes()
+        peak, awake = self.peak_bytes(), self.driver.readings("engine", "generate")
         self._asleep = Offload("engine")
         self._asleep.add(self.model.parameters())
         self._asleep.release(keep=level == 1)
         self._dropped = level == 2
         if self._dropped:
             self._receiver.forget()
-        return {"peak_bytes": float(peak), "resident_bytes": float(self.resident_bytes())}
+        return {
+            "peak_bytes": float(peak),
+            "resident_bytes": float(self.resident_bytes()),
+            **awake,
+            **self.driver.readings("engine", "asleep"),
+        }
 
     def wake_up(self) -> dict[str, float]:
         """Take the weights' memory again (level 1: with the weights; level 2: a sync must follow)."""
@@ -394,7 +400,7 @@ class MegatronEngine:
             self._asleep = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the generation's footprint from here
-        return {"resident_bytes": float(self.resident_bytes())}
+        return {"resident_bytes": float(self.resident_bytes()), **self.driver.readings("engine", "awake")}
 
     def peak_bytes(self) -> int:
         """The most it held since it last woke (CUDA); on CPU what it holds now."""

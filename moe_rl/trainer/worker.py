@@ -52,7 +52,7 @@ from moe_rl.megatron.lora import freeze_base
 from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.parallel import init_parallel
 from moe_rl.megatron.replay import RoutingReplay
-from moe_rl.offload import GIB, Offload, resident_bytes
+from moe_rl.offload import GIB, DriverMemory, Offload, resident_bytes
 from moe_rl.trainer import checkpoint, passes, pipeline, update
 from moe_rl.trainer.batch import PreparedBatch, TrainerBatch, TrainMicroBatch, regroup
 from moe_rl.trainer.critic import Critic
@@ -79,6 +79,7 @@ class TrainerWorker:
         self.config = config
         self.info = init_parallel(config.parallel)
         self.device = check_process_device(config.run.device)
+        self.driver = DriverMemory(self.device)  # before anything is allocated: its context
         self.model = build_gpt_model(
             config.model, config.parallel, config.trainer, seed=config.run.seed, lora=config.lora
         )
@@ -192,7 +193,7 @@ class TrainerWorker:
         out["memory/trainer_train_gib"] = self.resident_bytes() / GIB  # what the train phase leaves resident
         if self.device.type == "cuda":  # the most since the step's generation (or the start)
             out["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
-        return out
+        return out | self.driver.readings("trainer", "train")
 
     # ------------------------------------------------------------------ memory between phases
     def release_memory(self, params: bool = False) -> dict[str, float]:
@@ -214,7 +215,12 @@ class TrainerWorker:
         freed = self._offload.release()
         if self._offload_params is not None:
             freed += self._offload_params.release()
-        return {"released_bytes": float(freed), "resident_bytes": float(self.resident_bytes())}
+        weights = resident_bytes(self.model.parameters())
+        return {
+            "released_bytes": float(freed),
+            "resident_bytes": float(self.resident_bytes()),
+            "weights_bytes": float(weights),
+        } | self.driver.readings("trainer", "generate")
 
     def restore_memory(self) -> dict[str, float]:
         """After a colocated generation: what `release_memory` moved out is back where it was."""

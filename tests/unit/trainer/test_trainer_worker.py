@@ -206,10 +206,35 @@ def test_released_memory_holds_no_gradient_or_optimizer_state(stack_worker):
         assert [i for i, t in enumerate(held) if t.untyped_storage().nbytes()] == []
         assert all(p.untyped_storage().nbytes() for p in worker.model.parameters())
         assert released["released_bytes"] >= out_bytes
+        assert released["weights_bytes"] == _storage_bytes(list(worker.model.parameters()))
+        assert released["resident_bytes"] == released["weights_bytes"]  # nothing else stays
     finally:
         worker.restore_memory()
     for i, (t, b) in enumerate(zip(held, before, strict=True)):
         assert torch.equal(t, b), i
+
+
+def test_the_driver_counts_what_a_release_gives_back(device):
+    """On CUDA the driver's count of this process's memory (NVML) grows by what it allocates and
+    falls back when an `Offload` releases it (the caching allocator's segments go back); on a CPU
+    there are no driver readings."""
+    from moe_rl.offload import GIB, DriverMemory, Offload
+
+    driver = DriverMemory(device)
+    if device.type == "cpu":
+        assert driver.readings("engine", "asleep") == {} and math.isnan(driver.process_bytes())
+        return
+    before = driver.process_bytes()
+    held = torch.ones(1 << 30, dtype=torch.uint8, device=device)
+    grown = driver.process_bytes()
+    offload = Offload("test")
+    offload.add([held])
+    offload.release(keep=False)
+    after = driver.readings("engine", "asleep")
+    assert grown - before >= 1 << 30
+    assert after["memory/engine_asleep_device_gib"] * GIB - before < 64 << 20
+    assert after["memory/engine_context_gib"] * GIB <= before
+    assert after["memory/engine_asleep_gpu_used_gib"] >= after["memory/engine_asleep_device_gib"]
 
 
 def test_parameters_released_for_a_generation_come_back_for_a_weight_sync(stack_worker):
