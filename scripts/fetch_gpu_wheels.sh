@@ -52,7 +52,15 @@ if [ ! -f "$dest/ray-pruned.tar.xz" ]; then
     --python-version "$py_version" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$ray_tmp" "ray==$ray_version"
   mkdir "$ray_tmp/site"
-  "$python" -m zipfile -e "$ray_tmp"/ray-*.whl "$ray_tmp/site"
+  # unpacked with each file's mode: Ray's GCS server and raylet must stay executable
+  "$python" - "$ray_tmp"/ray-*.whl "$ray_tmp/site" <<'PY'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    for info in wheel.infolist():
+        path = wheel.extract(info, sys.argv[2])
+        if info.external_attr >> 16:
+            os.chmod(path, (info.external_attr >> 16) & 0o777)
+PY
   (cd "$ray_tmp/site/ray" && rm -rf jars rllib serve data tune train air workflow util/dask)
   tar -C "$ray_tmp/site" -cf - . | xz -9 >"$dest/ray-pruned.tar.xz"
   rm -rf "$ray_tmp"

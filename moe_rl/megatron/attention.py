@@ -49,6 +49,19 @@ class PackedLayout:
         mask = (idx[None, :] <= idx[:, None])[None] & key_ok[:, None, :]
         return PackedLayout(seq_id, pos, mask[:, None])
 
+    @staticmethod
+    def of(params, cu_seqlens: Tensor, total: int, device: torch.device) -> PackedLayout:
+        """`build`'s layout, made once per packed batch: kept on its ``params`` (the one
+        ``PackedSeqParams`` every layer of a forward is given) for the next layers. Building it
+        waits for the device three times (the lengths are read on the host), so building it per layer
+        stalled every layer of a forward on a GPU."""
+        kept = getattr(params, "_packed_layout", None)
+        if kept is not None and kept[0] is cu_seqlens and kept[1:3] == (total, device):
+            return kept[3]
+        layout = PackedLayout.build(cu_seqlens, total, device)
+        params._packed_layout = (cu_seqlens, total, device, layout)
+        return layout
+
     def pad(self, x: Tensor) -> Tensor:
         """``[T, heads, dim]`` -> ``[sequences, heads, max_len, dim]`` (zeros where no token)."""
         batch, width = self.mask.shape[0], self.mask.shape[-1]
@@ -136,7 +149,7 @@ class SDPACoreAttention(torch.nn.Module):
         cu_seqlens = (
             params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         )
-        layout = PackedLayout.build(cu_seqlens, query.shape[0], query.device)
+        layout = PackedLayout.of(params, cu_seqlens, query.shape[0], query.device)
         q, k, v = (layout.pad(x) for x in (query, key, value))
         return layout.unpad(self._sdpa(q, k, v, layout.mask, False, dropout))
 

@@ -62,8 +62,15 @@ PACKED_MODELS = {
 
 
 @pytest.mark.parametrize("family", sorted(PACKED_MODELS))
-def test_packed_forward_equals_per_sequence_forward(family, device):
+def test_packed_forward_equals_per_sequence_forward(family, device, monkeypatch):
+    """Every layer attends within each packed sequence, through one layout made once per forward
+    (`PackedLayout.of`: building it waits for the device)."""
     from moe_rl.data.packing import MicroBatch
+    from moe_rl.megatron.attention import PackedLayout
+
+    built = []
+    build = PackedLayout.build
+    monkeypatch.setattr(PackedLayout, "build", staticmethod(lambda *a: built.append(a) or build(*a)))
 
     cfg = PACKED_MODELS[family]()
     model = build_gpt_model(cfg, seed=1).eval()
@@ -86,6 +93,7 @@ def test_packed_forward_equals_per_sequence_forward(family, device):
         ]
     tol = 1e-5 if device.type == "cpu" else 1e-4
     torch.testing.assert_close(packed, torch.cat(single), atol=tol, rtol=tol)
+    assert cfg.num_layers > 1 and len(built) == 1  # the packed forward's; the single ones are unpacked
 
 
 def test_model_config_errors_name_the_field():

@@ -207,7 +207,8 @@ def test_released_memory_holds_no_gradient_or_optimizer_state(stack_worker):
         assert all(p.untyped_storage().nbytes() for p in worker.model.parameters())
         assert released["released_bytes"] >= out_bytes
         assert released["weights_bytes"] == _storage_bytes(list(worker.model.parameters()))
-        assert released["resident_bytes"] == released["weights_bytes"]  # nothing else stays
+        if worker.device.type == "cpu":  # on CUDA the process's allocations, other tests' too
+            assert released["resident_bytes"] == released["weights_bytes"]  # nothing else stays
     finally:
         worker.restore_memory()
     for i, (t, b) in enumerate(zip(held, before, strict=True)):
