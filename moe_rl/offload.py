@@ -67,16 +67,30 @@ class DriverMemory:
 
     def readings(self, role: str, phase: str) -> dict[str, float]:
         """Metrics of ``role`` (trainer, engine) after ``phase``, in GiB: ``memory/{role}_{phase}_device_gib``
-        (this process, by the driver), ``memory/{role}_{phase}_gpu_used_gib`` (every process on the
+        (this process, by the driver), ``memory/{role}_{phase}_reserved_gib`` (the part the caching
+        allocator holds: what a phase can give back; the rest is the context, the kernels loaded into
+        it and the libraries' handles), ``memory/{role}_{phase}_gpu_used_gib`` (every process on the
         device) and ``memory/{role}_context_gib``; nothing on a CPU."""
         if self.device.type != "cuda":
             return {}
         free, total = torch.cuda.mem_get_info(self.device)
         return {
             f"memory/{role}_{phase}_device_gib": self.process_bytes() / GIB,
+            f"memory/{role}_{phase}_reserved_gib": torch.cuda.memory_reserved(self.device) / GIB,
             f"memory/{role}_{phase}_gpu_used_gib": (total - free) / GIB,
             f"memory/{role}_context_gib": self.context / GIB,
         }
+
+
+def release_device_cache() -> None:
+    """What the process's CUDA libraries keep beyond its tensors, back to the device for the other
+    process on this GPU: cuBLAS's workspaces (allocated from the caching allocator, 32 MiB by
+    default, and not freed by ``empty_cache``; made again at the next matrix product), then the
+    allocator's free segments."""
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
 
 
 @dataclass
@@ -142,7 +156,7 @@ class Offload:
                 freed += held.storage.nbytes()
                 held.storage.resize_(0)
         if any(h.storage.device.type == "cuda" for h in self.held):
-            torch.cuda.empty_cache()  # back to the device, for the other process on this GPU
+            release_device_cache()
         self.out, self.releases = True, self.releases + 1
         return freed
 

@@ -12,8 +12,9 @@ context, allocator segments, workspaces); then the verdict:
 
 * every RL step of the two tiny runs is equal (rewards, losses, gradient norms, mismatch, bytes);
 * each step the trainer released its memory once and the engine slept once;
-* asleep, the engine keeps at most 10 % of its generation footprint: its tensors, and on CUDA what
-  the driver counts above the process's CUDA context;
+* asleep, the engine keeps at most 10 % of its generation footprint: its tensors, and on CUDA the
+  segments its caching allocator holds (the driver's count of the process, printed, also holds its
+  CUDA context and the kernels loaded into it, which only the process's end gives back);
 * while the engine generates the trainer keeps its weights and at most 10 % of the rest it holds
   after training (no gradients, no optimizer state);
 * on CUDA the weights went from the trainer's GPU memory to the engine's by IPC handle
@@ -75,17 +76,14 @@ def comparable(record: dict) -> dict:
     return repeatable(record, ("memory/",))
 
 
-def above_context(r: dict, role: str, phase: str) -> float:
-    """What the driver counts for ``role``'s process after ``phase`` beyond its CUDA context."""
-    return r[f"memory/{role}_{phase}_device_gib"] - r[f"memory/{role}_context_gib"]
-
-
 def _get(record: dict, key: str) -> float:
     return record.get(key, float("nan"))
 
 
-def memory_table(name: str, records: list[dict], args: argparse.Namespace) -> list[str]:
-    """Prints the run's memory per phase; returns what fails the checks."""
+def memory_table(name: str, records: list[dict], args: argparse.Namespace, bitwise: bool = True) -> list[str]:
+    """Prints the run's memory per phase; returns what fails the checks. ``bitwise``: the engine's
+    log-probs at the start equal the trainer's bit for bit (the tiny model's do on the CPU and on an
+    H200; the wider model's products differ in round-off on a GPU)."""
     cuda = args.device == "cuda"
     failures = []
     print(f"\n{name}: memory per phase, GiB (level {args.level}; tensors: the allocator's bytes"
@@ -94,7 +92,10 @@ def memory_table(name: str, records: list[dict], args: argparse.Namespace) -> li
         "step  trainer tensors: weights / generate / train / peak   engine tensors: generate / asleep   kl_k3"
     )
     if cuda:
-        header += "   driver: trainer context / generate / train   engine context / awake / generate / asleep"
+        header += (
+            "   driver: trainer context / generate / train   engine context / awake / generate / asleep"
+            "   engine segments: generate / asleep"
+        )
     print(header)
     for r in records:
         g = functools.partial(_get, r)
@@ -108,7 +109,8 @@ def memory_table(name: str, records: list[dict], args: argparse.Namespace) -> li
                 f"   {g('memory/trainer_context_gib'):23.3f} / {g('memory/trainer_generate_device_gib'):8.3f} / "
                 f"{g('memory/trainer_train_device_gib'):5.3f}   {g('memory/engine_context_gib'):14.3f} / "
                 f"{g('memory/engine_awake_device_gib'):5.3f} / {g('memory/engine_generate_device_gib'):8.3f} / "
-                f"{g('memory/engine_asleep_device_gib'):6.3f}"
+                f"{g('memory/engine_asleep_device_gib'):6.3f}   {g('memory/engine_generate_reserved_gib'):26.3f} / "
+                f"{g('memory/engine_asleep_reserved_gib'):6.3f}"
             )
         print(line)
         step = f"{name} step {r['step']}"
@@ -117,9 +119,9 @@ def memory_table(name: str, records: list[dict], args: argparse.Namespace) -> li
                 f"{step}: released {r['memory/trainer_releases']}x, slept {r['memory/engine_sleeps']}x"
             )
         shares = {"tensors": r["memory/engine_asleep_gib"] / max(r["memory/engine_generate_gib"], 1e-12)}
-        if cuda:
-            shares["driver, above the context"] = above_context(r, "engine", "asleep") / max(
-                above_context(r, "engine", "generate"), 1e-12
+        if cuda:  # the segments the allocator took from the driver (the rest only the process's end frees)
+            shares["allocator segments"] = r["memory/engine_asleep_reserved_gib"] / max(
+                r["memory/engine_generate_reserved_gib"], 1e-12
             )
         for what, share in shares.items():
             if not share <= KEPT_SHARE:  # NaN fails: the driver did not tell
@@ -136,7 +138,7 @@ def memory_table(name: str, records: list[dict], args: argparse.Namespace) -> li
         if r.get("sync/transport") != expected:
             failures.append(f"{step}: weights went by {r.get('sync/transport')}, not {expected}")
         kl = r.get("old/kl_k3", float("nan"))
-        if args.quant == "bf16" and not (kl == 0 if r["step"] == 0 else abs(kl) <= KL_ROUNDOFF):
+        if args.quant == "bf16" and not (kl == 0 if r["step"] == 0 and bitwise else abs(kl) <= KL_ROUNDOFF):
             failures.append(f"{step}: the engine's log-probs differ from the trainer's (kl_k3 {kl:.3g})")
     if len(records) != args.steps:
         failures.append(f"{name}: {len(records)} steps of {args.steps}")
@@ -161,7 +163,9 @@ def main() -> int:
             keys = sorted(k for k in set(comparable(a)) | set(comparable(b)) if a.get(k) != b.get(k))
             failures.append(f"step {a['step']}: differs from the run that keeps its memory in {keys[:5]}")
     if args.wide:
-        failures += memory_table("wide_released", train(args.out, "wide_released", args, "on", WIDE), args)
+        failures += memory_table(
+            "wide_released", train(args.out, "wide_released", args, "on", WIDE), args, bitwise=False
+        )
     print()
     for failure in failures:
         print("FAIL:", failure)

@@ -173,6 +173,8 @@ class TrainerRank:
         return self._engine_places[engine]
 
     def release_memory(self, params: bool) -> dict[str, float]:
+        if self._sender is not None:  # its device buffers too: the engines mapped them only for the sync
+            self._sender.release()
         return self.worker.release_memory(params)
 
     def restore_memory(self) -> dict[str, float]:

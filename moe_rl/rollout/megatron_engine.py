@@ -68,6 +68,7 @@ from moe_rl.quant.recipes import (
 from moe_rl.rollout.capabilities import engine_capabilities
 from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
 from moe_rl.rollout.sampler import SampleOutput, sample
+from moe_rl.weight_sync import ipc
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.receiver import ModelReceiver, decoded
 from moe_rl.weight_sync.sender import sync_in_process
@@ -459,6 +460,7 @@ class MegatronEngine:
 
     def _finish(self, version: int) -> dict:
         self._receiver.finish()  # every tensor arrived, whatever the recipe
+        ipc.close_opened()  # the senders' buffers: they may free them until the next sync
         self._incoming = None
         self.version = int(version)
         return self._arrival.finish(self, version)

@@ -65,3 +65,17 @@ def open_ref(ref: IpcRef) -> torch.Tensor:
             f"{ref.offset + ref.nbytes}"
         )
     return buffer[ref.offset : ref.offset + ref.nbytes]
+
+
+def close_opened() -> None:
+    """Drop every sender buffer this process has mapped (a receiver, once its sync is done): a
+    sender may then free its buffers between syncs (`moe_rl.weight_sync.transport.DeviceIpc.release`);
+    the next sync's references are mapped anew."""
+    _OPENED.clear()
+
+
+def collect(device: torch.device | str) -> None:
+    """Free the buffers this process shared whose receivers have dropped them (CUDA keeps a shared
+    block until then); nothing to do on CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.ipc_collect()

@@ -127,6 +127,11 @@ class RankSender:
         """Whether this rank sends any tensor (`sends`)."""
         return any(sends(name) for name, _ in self.model.named_parameters())
 
+    def release(self) -> None:
+        """Device memory kept between syncs given back, for a colocated generation (`Transport.release`)."""
+        for transport in self.transports.values():
+            transport.release()
+
     def close(self) -> None:
         """Remove this rank's shared slots and arena file (before the process ends)."""
         for transport in self.transports.values():

@@ -73,6 +73,11 @@ class Transport(ABC):
     def close(self) -> None:
         """Release what the transport holds (buffers, shared slots, groups)."""
 
+    def release(self) -> None:
+        """Give back the device memory it keeps between syncs (a colocated generation needs it); the
+        next sync makes it again. Nothing by default: only `DeviceIpc` keeps device memory."""
+        return None
+
 
 class BucketTransport(Transport):
     """Buckets packed by a packer kept from sync to sync, each handed on as `message` makes it (`publish`)."""
@@ -168,6 +173,12 @@ class DeviceIpc(BucketTransport):
     def close(self) -> None:
         self._handles = {}
         super().close()
+
+    def release(self) -> None:
+        """The two buffers go (their receivers dropped their mappings when their sync finished,
+        `ipc.close_opened`); the next sync packs into new ones and shares those."""
+        self.close()
+        ipc.collect(self.device)
 
 
 class ProcessGroup(BucketTransport):

@@ -136,12 +136,15 @@ def test_an_incomplete_or_repeated_sync_is_refused(trainer_model):
 def test_a_colocated_sync_by_device_ipc_loads_what_a_whole_sync_loads(trainer_model):
     """A trainer rank that shares its device with the engine (`DeviceIpc`): buckets are packed into
     two buffers of the rank's device memory and only their entries and the buffer's handle travel;
-    the engine reads the bytes there. Two syncs: the second reads the buffers the first shared,
-    rewritten with the weights after an update."""
+    the engine reads the bytes there and drops its mappings when the sync finishes. Three syncs: the
+    second reads the buffers the first shared, rewritten with the weights after an update; before the
+    third the rank gives its buffers back (as before a colocated generation), and the third shares
+    new ones."""
     import pickle
 
     from moe_rl.config.modes import SyncRoute
     from moe_rl.config.sync_plan import sync_plan
+    from moe_rl.weight_sync import ipc
     from moe_rl.weight_sync.sender import RankSender
     from moe_rl.weight_sync.transport import DeviceIpc, Receiver
 
@@ -158,14 +161,20 @@ def test_a_colocated_sync_by_device_ipc_loads_what_a_whole_sync_loads(trainer_mo
         return engine.receive_bucket(pickle.loads(wire))
 
     try:
-        for version in (1, 2):
-            if version == 2:
+        handles = {}
+        for version in (1, 2, 3):
+            if version > 1:
                 with torch.no_grad():
                     for p in model.parameters():
                         p.mul_(1.5)
+            if version == 3:
+                sender.release()
+                assert sender.transports[SyncRoute.DEVICE_IPC]._packer is None
             engine.begin_weight_update(version)
             report = sender.send({0: Receiver(deliver)}, timeout_s=10.0)
             engine.finish_weight_update(version)
+            assert ipc._OPENED == {}  # the engine holds no mapping of the rank's buffers between syncs
+            handles[version] = dict(sender.transports[SyncRoute.DEVICE_IPC]._handles)
             whole = MegatronEngine(config)
             whole.update_weights(iter_hf_weights(model), version=version)
             for (name, a), b in zip(_state(whole).items(), _state(engine).values()):
@@ -174,7 +183,8 @@ def test_a_colocated_sync_by_device_ipc_loads_what_a_whole_sync_loads(trainer_mo
             assert isinstance(transport, DeviceIpc) and report.transports == {"device_ipc"}
             assert report.buckets > 3 and report.shared_memory
         assert max(sizes) < 4096  # entries and a handle, not the bytes
-        assert len(transport._handles) == 2  # two buffers, each shared once over both syncs
+        assert len(handles[1]) == 2 and handles[2] == handles[1]  # two buffers, shared once till released
+        assert all(handles[3][slot][1] != handles[1][slot][1] for slot in handles[1])  # new buffers
     finally:
         sender.close()
         with torch.no_grad():

@@ -97,3 +97,27 @@ def test_a_new_transport_of_the_same_sender_is_mapped_anew_after_close():
         assert in_another_process(READ_LAST, [old, new]) == 4.0 * 16
     finally:
         second.close()
+
+
+def test_a_released_transport_frees_its_buffers_and_the_next_sync_shares_new_ones(monkeypatch):
+    """Before a colocated generation a trainer rank gives back its two buffers (`DeviceIpc.release`),
+    once its receivers dropped their mappings at the end of their sync (`ipc.close_opened`); the next
+    sync packs into new buffers, shares them anew, and a receiver reads the new bytes."""
+    monkeypatch.setattr(ipc, "_OPENED", {})  # this test's mappings only
+    transport = DeviceIpc(64, sender=6)
+    try:
+        old = _messages(transport, _groups([1.0, 2.0]))
+        assert [sum(t.sum() for _, t in pickle.loads(pickle.dumps(m)).tensors()) for m in old] == [16.0, 32.0]
+        assert set(ipc._OPENED) == {m.ipc.key for m in old}  # this process mapped both slots
+        ipc.close_opened()
+        assert ipc._OPENED == {}
+        buffers = transport.packer.buffers
+        transport.release()
+        assert transport._packer is None and transport._handles == {}
+        new = _messages(transport, _groups([3.0, 4.0]))
+        assert all(b is not c for b, c in zip(buffers, transport.packer.buffers, strict=True))
+        assert [m.ipc.key for m in new] == [m.ipc.key for m in old]
+        assert all(n.ipc.handle != o.ipc.handle for n, o in zip(new, old, strict=True))
+        assert in_another_process(READ_LAST, new) == 4.0 * 16
+    finally:
+        transport.close()
