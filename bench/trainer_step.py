@@ -40,7 +40,10 @@ Devices (``--device``, default cuda when available):
 
 Printed: per-step times, TFLOP/s and MFU, the paired ratios ``r3/base − 1`` (target ≤ +3 %) and
 ``1 − r3/stack``, the share of the step spent in corrections + KSM + ESPO + diagnostics (target
-≤ 5 %), plus the stack worker's own phase timers. Not a test: numbers depend on the machine.
+≤ 5 %), plus the stack worker's own phase timers, and the ``perf/tflops`` and ``perf/mfu`` a training
+run logs for the base worker (three steps through `TrainerWorker.old_logp` and `TrainerWorker.train`,
+their own clock and FLOP count) against the bench's figure (target: within 1.5×). Not a test:
+numbers depend on the machine.
 
     python bench/trainer_step.py [--quick]                       # tiny MoE on the CPU
     python bench/trainer_step.py --device cuda --size mid        # mid-size MoE on one GPU
