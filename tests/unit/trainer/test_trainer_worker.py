@@ -219,7 +219,7 @@ def test_the_driver_counts_what_a_release_gives_back(device):
     """On CUDA the driver's count of this process's memory (NVML) grows by what it allocates and
     falls back when an `Offload` releases it (the caching allocator's segments go back); on a CPU
     there are no driver readings."""
-    from moe_rl.offload import GIB, DriverMemory, Offload
+    from moe_rl.offload import GIB, DriverMemory, Offload, release_device_cache
 
     driver = DriverMemory(device)
     if device.type == "cpu":
@@ -236,6 +236,11 @@ def test_the_driver_counts_what_a_release_gives_back(device):
     assert after["memory/engine_asleep_device_gib"] * GIB - before < 64 << 20
     assert after["memory/engine_context_gib"] * GIB <= before
     assert after["memory/engine_asleep_gpu_used_gib"] >= after["memory/engine_asleep_device_gib"]
+    x = torch.ones(256, 256, device=device)
+    _ = x @ x  # cuBLAS takes its workspace from the caching allocator
+    with_workspace = torch.cuda.memory_allocated(device)
+    release_device_cache()  # as every release does
+    assert torch.cuda.memory_allocated(device) < with_workspace
 
 
 def test_parameters_released_for_a_generation_come_back_for_a_weight_sync(stack_worker):
