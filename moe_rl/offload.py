@@ -32,7 +32,8 @@ class DriverMemory:
     """This process's memory on its CUDA device as the driver counts it (NVML's per-process figure)
     and the device's memory in use by every process (``cudaMemGetInfo``). ``context`` is what the
     process held when this was made, before it allocated anything: its CUDA context, which only
-    the process's end gives back. On a CPU every figure is NaN."""
+    the process's end gives back. On a CPU there is no driver figure: `process_bytes` is NaN and
+    `readings` empty."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
