@@ -10,8 +10,9 @@ What moves (`SyncPlan.wire`):
   them itself);
 * or the whole model in the engine's dtype, through vLLM's own weight-transfer API;
 * of a LoRA run with ``lora.sync=adapters`` (`SyncPlan.adapters`), the frozen base weights as they
-  are and the adapters beside them (the Megatron engines apply them), then, once an engine holds
-  that, only what trains: the adapters (and a router or output layer trained whole).
+  are and the adapters beside them (the Megatron engines apply them; vLLM engines load them through
+  vLLM's own LoRA, as buckets), then, once an engine holds that, only what trains: the adapters
+  (and, into Megatron engines, a router or output layer trained whole).
 
 The routes (`SyncRoute`; ``rollout.sync_transport`` picks one where a user has reason to):
 
@@ -126,6 +127,8 @@ def _automatic(config: RecipeConfig, device: str) -> tuple[SyncRoute, str]:
     engine, colocated = config.rollout.engine, placement_mode(config) == PlacementMode.COLOCATED
     one_stage = config.parallel.pipeline_model_parallel_size == 1
     where = "colocated" if colocated else "on nodes of their own"
+    if engine == Engine.VLLM and sends_adapters(config):
+        return SyncRoute.BUCKETS, f"auto: LoRA adapters into vllm engines' own LoRA, {where}"
     if device == "cuda" and one_stage and engine == Engine.VLLM:
         route = SyncRoute.VLLM_IPC if colocated else SyncRoute.VLLM_NCCL
         return route, f"auto: vllm engines on cuda, {where}, one pipeline stage"
@@ -164,7 +167,8 @@ def sync_plan(config: RecipeConfig, device: str, in_process: bool = False) -> Sy
 
 def sends_adapters(config: RecipeConfig) -> bool:
     """Whether the syncs carry LoRA's adapters apart (`SyncPlan.adapters`): the trainer sends them so,
-    the Megatron engines build their model with the adapters to take them."""
+    the Megatron engines build their model with the adapters to take them, vLLM engines start with
+    vLLM's LoRA enabled and load each sync's adapters as a LoRA request."""
     return config.lora.rank > 0 and config.lora.sync == LoraSync.ADAPTERS
 
 
@@ -205,18 +209,19 @@ def sync_rules(config: RecipeConfig, device: str, in_process: bool = False) -> l
 
 
 def _adapter_rules(config: RecipeConfig, device: str) -> list[Rule]:
-    """``lora.sync=adapters``: engines that apply adapters (the Megatron engine's model is the
-    trainer's), that keep the base between syncs, and a recipe that quantizes weights as they arrive."""
+    """``lora.sync=adapters``: engines that keep the base between syncs, a recipe that quantizes
+    weights as they arrive, and for vLLM engines (which load the adapters through vLLM's own LoRA,
+    `moe_rl.rollout.vllm_engine`) the adapters as buckets and nothing else trained."""
     lora = config.lora
     if not sends_adapters(config):  # (lora.sync with lora.rank=0 is the recipe's own error)
         return []
     key = f"lora.sync={lora.sync}"
     merged = f"use lora.sync={LoraSync.MERGED}"
     drops = releases_memory(config, device) and config.cluster.engine_sleep_level == 2
+    vllm = config.rollout.engine == Engine.VLLM
+    transport = config.rollout.sync_transport
+    whole = [f"lora.{name}=true" for name in ("train_router", "train_output_layer") if getattr(lora, name)]
     return [
-        Rule("LoRA adapter sync on the Megatron engine", config.rollout.engine == Engine.MEGATRON,
-             f"{key} with rollout.engine={config.rollout.engine}",
-             advice=f"vLLM engines take the merged weights (loading adapters through vLLM's LoRA is not built); {merged}"),
         Rule("LoRA adapter sync keeps the base", not drops,
              f"{key} with cluster.engine_sleep_level=2",
              advice="a level-2 sleep drops the engines' weights, base included, before every sync; set "
@@ -224,4 +229,13 @@ def _adapter_rules(config: RecipeConfig, device: str) -> list[Rule]:
         Rule("LoRA adapter sync and the quantization recipe", config.quant.method != QuantMethod.INT4_AWQ,
              f"{key} with rollout.quant={config.rollout.quant}",
              advice=f"AWQ calibrates the weights the engine computes with, merged; {merged}"),
+        Rule("LoRA adapters into vLLM as buckets",
+             not vllm or transport not in (SyncRoute.VLLM_NCCL, SyncRoute.VLLM_IPC),
+             f"{key} with rollout.engine=vllm, rollout.sync_transport={transport}",
+             advice="vLLM's weight transfer loads the model's own weights, not adapters; the adapters go to "
+             f"vLLM's LoRA as buckets: use rollout.sync_transport=auto or buckets, or {merged}"),
+        Rule("LoRA adapters into vLLM, nothing trained whole", not vllm or not whole,
+             f"{key} with rollout.engine=vllm, {', '.join(whole)}",
+             advice="vLLM's LoRA takes adapters only, and a weight trained whole would reload its whole layer "
+             f"at every sync; set {' and '.join(w.replace('=true', '=false') for w in whole)}, or {merged}"),
     ]  # fmt: skip

@@ -246,6 +246,30 @@ def _adapter_rule(model: torch.nn.Module, megatron_name: str) -> Rule:
     return Rule(tuple(module + ADAPTER_HF[1] for module in modules), rule.kind)
 
 
+def _fused_siblings() -> dict[str, str]:
+    """HF linear suffix -> the first linear of the Megatron linear that fuses it (``self_attn.k_proj``
+    -> ``self_attn.q_proj``, ``up_proj`` -> ``gate_proj``), over every rule that fuses several."""
+    rules = [*GLOBAL_RULES.values(), *EXPERT_RULES.values()]
+    rules += [rule for table in LAYER_RULES.values() for rule in table.values()]
+    out: dict[str, str] = {}
+    for rule in rules:
+        first, *rest = (name.removesuffix(".weight") for name in rule.hf)
+        out.update(dict.fromkeys(rest, first))
+    return out
+
+
+FUSED_SIBLINGS = _fused_siblings()
+
+
+def shared_a_module(module: str) -> str:
+    """The HF module whose adapter ``A`` a fused linear's module shares (`_adapter_rule` sends it
+    once, under the first HF linear): itself unless it is a later piece of a fused linear."""
+    for suffix in sorted(FUSED_SIBLINGS, key=len, reverse=True):
+        if module == suffix or module.endswith(f".{suffix}"):
+            return module[: len(module) - len(suffix)] + FUSED_SIBLINGS[suffix]
+    return module
+
+
 def hf_names_for(model: torch.nn.Module, megatron_name: str) -> Rule:
     """The rule for one Megatron tensor, with HF names made global (layer and expert offsets)."""
     from moe_rl.megatron.lora import is_adapter

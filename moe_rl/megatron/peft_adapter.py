@@ -16,12 +16,14 @@ apply to are the model's frozen weights (`drop_adapters`: exported with ``--lora
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from moe_rl.config.schema import LoraConfig
+from moe_rl.quant.recipes import ADAPTER_HF
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's name in an adapter file."""
@@ -29,30 +31,48 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def _module_of(hf_weight: str) -> str:
-    return hf_weight.removesuffix(".weight")
-
-
 def adapter_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
     """PEFT name -> tensor: ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` of every HF linear
-    an adapter covers, for a model held whole by this rank."""
-    from moe_rl.megatron.hf_weights import _unwrap, hf_names_for, split
-    from moe_rl.megatron.lora import adapted_linears
+    an adapter covers, for a model held whole by this rank (the adapters as a sync carries them,
+    `peft_tensors`)."""
+    from moe_rl.megatron.hf_weights import _unwrap, iter_hf_weight_groups
+    from moe_rl.megatron.lora import is_adapter
 
-    gpt = _unwrap(model)
-    config = gpt.config
+    config = _unwrap(model).config
     if (config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.expert_model_parallel_size) != (1, 1, 1):  # fmt: skip
         raise ValueError(
             "the adapter folder is written from a model held whole by one rank (TP = PP = EP = 1)"
         )
+    groups = iter_hf_weight_groups(model, adapters=True, part=is_adapter)
+    return peft_tensors(piece for _, pieces in groups for piece in pieces)
+
+
+def peft_tensors(named: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """PEFT name -> tensor of adapters under the HF names a sync gives them (`hf_weights`): a fused
+    linear's ``A`` comes once, under its first HF linear, and each HF linear gets its own ``B`` and
+    a copy of that ``A`` (`hf_weights.shared_a_module`). Raises on a tensor that is no adapter, a
+    ``B`` without its ``A`` or an ``A`` no ``B`` uses."""
+    from moe_rl.megatron.hf_weights import shared_a_module
+
+    a_of: dict[str, Tensor] = {}
+    b_of: dict[str, Tensor] = {}
+    for name, tensor in named:
+        if name.endswith(ADAPTER_HF[0]):
+            a_of[name.removesuffix(ADAPTER_HF[0])] = tensor
+        elif name.endswith(ADAPTER_HF[1]):
+            b_of[name.removesuffix(ADAPTER_HF[1])] = tensor
+        else:
+            raise ValueError(f"{name!r} is not a LoRA adapter tensor (its name ends in neither of {ADAPTER_HF})")
     out: dict[str, Tensor] = {}
-    for name, linear in adapted_linears(gpt).items():
-        rule = hf_names_for(gpt, f"{name}.weight")
-        a = linear.lora_a.detach().cpu().contiguous()
-        for hf, b in zip(rule.hf, split(rule.kind, linear.lora_b.detach().cpu(), config), strict=True):
-            module = PEFT_PREFIX + _module_of(hf)
-            out[f"{module}.lora_A.weight"] = a.clone()
-            out[f"{module}.lora_B.weight"] = b.contiguous().clone()
+    for module, b in b_of.items():
+        shared = shared_a_module(module)
+        if shared not in a_of:
+            raise ValueError(f"the adapter of {module!r} came without its A ({shared}{ADAPTER_HF[0]})")
+        out[f"{PEFT_PREFIX}{module}{ADAPTER_HF[0]}"] = a_of[shared].detach().cpu().contiguous().clone()
+        out[f"{PEFT_PREFIX}{module}{ADAPTER_HF[1]}"] = b.detach().cpu().contiguous().clone()
+    unused = sorted(set(a_of) - {shared_a_module(module) for module in b_of})
+    if unused:
+        raise ValueError(f"adapter A without a B: {unused[:3]}")
     return out
 
 
@@ -82,9 +102,13 @@ def adapter_config(lora: LoraConfig, tensors: dict[str, Tensor], base: str | Non
 
 def save_adapter(model: torch.nn.Module, lora: LoraConfig, folder: str | Path, base: str | None) -> list[str]:
     """Write the adapter folder of ``model`` into ``folder``; returns the target modules."""
+    return write_adapter(adapter_tensors(model), lora, folder, base)
+
+
+def write_adapter(tensors: dict[str, Tensor], lora: LoraConfig, folder: str | Path, base: str | None) -> list[str]:
+    """Write PEFT-named ``tensors`` (`peft_tensors`) as an adapter folder; returns the target modules."""
     from safetensors.torch import save_file
 
-    tensors = adapter_tensors(model)
     if not tensors:
         raise ValueError("the model has no adapters (lora.rank is 0)")
     folder = Path(folder)

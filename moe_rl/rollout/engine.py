@@ -224,6 +224,8 @@ class EngineCapabilities:
     ``ipc`` / ``nccl`` (vLLM's weight-transfer API), ``shared`` (the trainer's own model)."""
     sleeps: bool = True
     """Gives its memory back while the trainer works, and takes it again (``sleep`` / ``wake_up``)."""
+    adapters: bool = True
+    """Applies LoRA adapters it is sent apart from the base, on MoE models (``lora.sync=adapters``)."""
 
     @property
     def fp8(self) -> bool:

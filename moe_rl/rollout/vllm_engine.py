@@ -59,11 +59,17 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from moe_rl.config.derived import releases_memory, routing_trace_bytes
 from moe_rl.config.modes import Engine, SyncRoute
-from moe_rl.config.schema import QuantConfig, RecipeConfig
-from moe_rl.config.sync_plan import sync_plan
+from moe_rl.config.schema import LoraConfig, QuantConfig, RecipeConfig
+from moe_rl.config.sync_plan import sends_adapters, sync_plan
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.vllm_convert import from_vllm_outputs
-from moe_rl.rollout.capabilities import Machine, check_recipe, engine_capabilities, vllm_quantization
+from moe_rl.rollout.capabilities import (
+    Machine,
+    check_recipe,
+    engine_capabilities,
+    vllm_lora_rank,
+    vllm_quantization,
+)
 from moe_rl.rollout.engine import (
     EngineCapabilities,
     SamplingSpec,
@@ -112,11 +118,14 @@ class VLLMEngine:
         routing_store_bytes: int | None = None,
         sync_route: SyncRoute = SyncRoute.BUCKETS,
         sleep_mode: bool = False,
+        lora: LoraConfig | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """See `llm_kwargs` for what the settings become in vLLM (``routing_store_bytes``: the size
         of vLLM's store of routed experts; None lets vLLM size it from the KV cache;
-        ``sync_route``: how the engine takes its weights, the run's `moe_rl.config.sync_plan.SyncPlan.route`)."""
+        ``sync_route``: how the engine takes its weights, the run's `moe_rl.config.sync_plan.SyncPlan.route`;
+        ``lora``: the run's adapters, sent apart from the base (``lora.sync=adapters``), which the
+        engine loads through vLLM's own LoRA, `VllmAdapters`)."""
         self.model_path = Path(model_path)
         self.quant = quant if quant is not None else QuantConfig()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -142,7 +151,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             return_routing=return_routing, return_sampling_mask=return_sampling_mask,
             enable_prefix_caching=enable_prefix_caching, routing_store_bytes=routing_store_bytes,
-            sync_route=sync_route, sleep_mode=sleep_mode, engine_kwargs=engine_kwargs,
+            sync_route=sync_route, sleep_mode=sleep_mode, lora=lora, engine_kwargs=engine_kwargs,
         )  # fmt: skip
         self.sync_route = SyncRoute(sync_route)
         self.prefix_caching = kwargs["enable_prefix_caching"]  # emptied at every weight update
@@ -159,9 +168,11 @@ class VLLMEngine:
         self._rejoin = Rejoin()
         self._sync_stats: dict[str, float] = {}
         self._transferred = False  # this sync's weights came by vLLM's transfer (`transfer`)
+        self._base_arrived = False  # this sync brought base weights (not adapters alone)
         self._asleep = False
         self._version = int(initial_version)
         self._llm.llm_engine.set_weight_version(str(self._version))
+        self._adapters = VllmAdapters(lora, str(self.model_path)) if lora is not None else None
 
     @classmethod
     def from_recipe(
@@ -196,7 +207,8 @@ class VLLMEngine:
         per_sample_groups = expand_group_ids(group_ids, len(ids), sampling.n)
         requests, params = _requests(ids, sampling)
         start = time.perf_counter()
-        outputs = llm.generate(requests, params, use_tqdm=False)
+        lora_request = self._adapters.request if self._adapters is not None else None
+        outputs = llm.generate(requests, params, use_tqdm=False, lora_request=lora_request)
         seconds = time.perf_counter() - start
         batch = from_vllm_outputs(
             outputs,
@@ -223,6 +235,9 @@ class VLLMEngine:
         self._assembly = Assembly(self._layers, self._rejoined, kind="layers")
         self._rejoin = Rejoin()
         self._sync_stats = dict.fromkeys(("num_tensors", "bytes", "load_s", "write_s"), 0.0)
+        self._base_arrived = False
+        if self._adapters is not None:
+            self._adapters.begin()
 
     def receive_bucket(self, bucket: Any) -> dict[str, float]:
         """One message of a sync: a bucket of tensors, each layer reloaded once all of it arrived; or,
@@ -239,7 +254,11 @@ class VLLMEngine:
                 "this engine takes its weights by vLLM's NCCL transfer from trainer rank 0 (rollout sync "
                 "route vllm_nccl); it was sent buckets"
             )
-        for _, tensors in self._assembly.add(decoded(bucket, rejoin=self._rejoin)):
+        named = decoded(bucket, rejoin=self._rejoin)
+        if self._adapters is not None:
+            named = self._adapters.take(named)
+        for _, tensors in self._assembly.add(named):
+            self._base_arrived = True
             self._reload(tensors)
         return {"bytes": float(bucket.nbytes)}
 
@@ -264,9 +283,14 @@ class VLLMEngine:
         if self._incoming != int(version):
             raise ValueError(f"finish_weight_update({version}) but the sync in progress is {self._incoming}")
         self._rejoin.finish()
+        # a sync brings every layer, or (adapters apart, once the engine holds the base) none
+        adapters_only = self._adapters is not None and self._adapters.holds_base and not self._base_arrived
         if not self._transferred:  # (vLLM's transfer checks its own)
-            self._assembly.finish(self._layers.values())
-        if self.device != "cuda" or self._transferred:  # (buckets over IPC label it as they send)
+            self._assembly.finish(() if adapters_only else self._layers.values())
+        if self._adapters is not None:
+            self._sync_stats.update(self._adapters.load(self._require_alive(), int(version)))
+        if self.device != "cuda" or self._transferred or not self._base_arrived:
+            # (buckets over IPC label it as they send the base)
             self._llm.llm_engine.set_weight_version(str(int(version)))
         self._version, self._incoming = int(version), None
         self._weights_changed()
@@ -395,6 +419,68 @@ class VLLMEngine:
         return self._ipc.send(named_tensors, version)
 
 
+class VllmAdapters:
+    """LoRA adapters sent apart from the base (``lora.sync=adapters``), loaded through vLLM's own LoRA.
+
+    A sync's adapter tensors (HF names ending ``.lora_A.weight`` / ``.lora_B.weight``) are kept
+    aside from its buckets (`take`); when it finishes (`load`) they are written as a PEFT adapter
+    folder (`moe_rl.megatron.peft_adapter`) in host shared memory and handed to vLLM as one
+    ``LoRARequest`` (``load_inplace``: the same adapter id, reloaded), which vLLM's LoRA manager
+    reads, checks against the model's LoRA modules and keeps in host memory; every later request
+    names it (`request`) and vLLM copies it into its LoRA layers. vLLM has read the folder when
+    ``add_lora`` returns, so it is removed then (the engine holds one adapter, which vLLM's cache of
+    ``max_loras`` = 1 never evicts). The first sync, and the one after the engine restarts, brings
+    the base too (`holds_base` after it)."""
+
+    ADAPTER_ID = 1
+
+    def __init__(self, lora: LoraConfig, base: str) -> None:
+        self.lora, self.base = lora, base
+        self.request: Any = None
+        """The ``LoRARequest`` generation passes; None until the first sync brought adapters."""
+        self.holds_base = False
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def begin(self) -> None:
+        self._tensors = {}
+
+    def take(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The base tensors of ``named``; the adapters are kept (copied: the bucket is reused)."""
+        from moe_rl.quant.recipes import ADAPTER_HF
+
+        for name, tensor in named:
+            if name.endswith(ADAPTER_HF):
+                if name in self._tensors:
+                    raise ValueError(f"weight {name!r} arrived twice in one sync")
+                self._tensors[name] = tensor.detach().to("cpu", copy=True)
+            else:
+                yield name, tensor
+
+    def load(self, llm: Any, version: int) -> dict[str, float]:
+        """Hand this sync's adapters to vLLM; a sync must bring them (it is one of a LoRA run)."""
+        from vllm.lora.request import LoRARequest
+
+        from moe_rl.megatron.peft_adapter import peft_tensors, write_adapter
+
+        if not self._tensors:
+            raise ValueError("weight sync incomplete: a sync into an engine with LoRA adapters brought none")
+        start = time.perf_counter()
+        tensors = peft_tensors(self._tensors.items())
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(prefix="moe_rl_lora_", dir=folder) as path:
+            write_adapter(tensors, self.lora, path, self.base)
+            name = f"policy_v{version}"
+            if not llm.llm_engine.add_lora(LoRARequest(name, self.ADAPTER_ID, path, load_inplace=True)):
+                raise RuntimeError(f"vLLM did not load the adapters of weights v{version}")
+        # generation names the loaded adapter (not in place: vLLM would read the folder again)
+        self.request = LoRARequest(name, self.ADAPTER_ID, path)
+        self.holds_base, self._tensors = True, {}
+        return {
+            "adapters_load_s": time.perf_counter() - start,
+            "adapters_bytes": float(sum(t.numel() * t.element_size() for t in tensors.values())),
+        }
+
+
 def recipe_settings(config: RecipeConfig, caps: EngineCapabilities) -> dict[str, Any]:
     """The `VLLMEngine` settings of a recipe on an engine of ``caps`` (everything but the model)."""
     if config.rollout.engine != Engine.VLLM:
@@ -416,6 +502,7 @@ def recipe_settings(config: RecipeConfig, caps: EngineCapabilities) -> dict[str,
         "routing_store_bytes": -(-routing_trace_bytes(config) // r.num_engines) if routing else None,
         "sync_route": sync_plan(config, caps.device).route,
         "sleep_mode": releases_memory(config, caps.device),
+        "lora": config.lora if sends_adapters(config) else None,
     }
 
 
@@ -440,6 +527,7 @@ def llm_kwargs(
     routing_store_bytes: int | None = None,
     sync_route: SyncRoute = SyncRoute.BUCKETS,
     sleep_mode: bool = False,
+    lora: LoraConfig | None = None,
     engine_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments of an engine: what `VLLMEngine` starts vLLM with, and what
@@ -454,7 +542,8 @@ def llm_kwargs(
     whose size (``aux_output_config.max_bytes``) is ``routing_store_bytes`` (at least
     `ROUTING_STORE_MIN_BYTES`). The prefix cache is emptied at every weight update. Settings vLLM
     cannot combine with routing capture (pipeline-parallel engines, speculative decoding) are
-    refused here, naming why."""
+    refused here, naming why. With ``lora`` (adapters sent apart), vLLM's LoRA is on, one adapter at
+    a time, of the smallest ``max_lora_rank`` that holds the run's rank (`capabilities.vllm_lora_rank`)."""
     quant = quant if quant is not None else QuantConfig()
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     extra = dict(engine_kwargs or {})
@@ -477,6 +566,9 @@ def llm_kwargs(
         quantization = vllm_quantization(quant)
         if quantization is not None:
             cuda["quantization"] = quantization
+    adapters: dict[str, Any] = {}
+    if lora is not None:
+        adapters = {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank), "max_loras": 1}
     return {
         "model": str(model_path),
         "skip_tokenizer_init": True,
@@ -494,6 +586,7 @@ def llm_kwargs(
         "worker_extension_cls": WORKER_EXTENSION,
         "disable_log_stats": True,
         **cuda,
+        **adapters,
         **extra,
     }
 

@@ -92,14 +92,18 @@ LORA = ["lora.rank=8", "lora.sync=adapters"]
 @pytest.mark.parametrize(
     ("where", "overrides", "match"),
     [
-        ("cpu", [*LORA, "rollout.engine=vllm"],
-         r"lora.sync=adapters with rollout.engine=vllm: vLLM engines take the merged weights"),
+        ("cuda", [*LORA, "rollout.engine=vllm", "rollout.sync_transport=vllm_ipc"],
+         r"lora.sync=adapters with rollout.engine=vllm, rollout.sync_transport=vllm_ipc: vLLM's weight "
+         r"transfer loads the model's own weights, not adapters"),
+        ("cuda", [*LORA, "rollout.engine=vllm", "lora.train_output_layer=true"],
+         r"lora.sync=adapters with rollout.engine=vllm, lora.train_output_layer=true: vLLM's LoRA takes "
+         r"adapters only.*set lora.train_output_layer=false, or use lora.sync=merged"),
         ("cuda", [*LORA, "cluster.engine_sleep_level=2"],
          r"lora.sync=adapters with cluster.engine_sleep_level=2: a level-2 sleep drops the engines' weights"),
         ("cpu", [*LORA, "rollout.quant=int4_awq"],
          r"lora.sync=adapters with rollout.quant=int4_awq: AWQ calibrates the weights"),
     ],
-    ids=["vllm", "sleep-level-2", "awq"],
+    ids=["vllm-transfer", "vllm-head", "sleep-level-2", "awq"],
 )  # fmt: skip
 def test_an_adapter_sync_the_run_cannot_keep_is_refused_naming_the_keys(where, overrides, match):
     config = load_recipe(TINY, overrides)
@@ -112,3 +116,14 @@ def test_an_adapter_sync_is_in_the_plan_and_its_line():
     assert not merged.adapters and adapters.adapters and merged.route == adapters.route
     assert "LoRA adapters apart, only what trains once an engine holds the base" in adapters.describe()
     assert "LoRA" not in merged.describe()
+
+
+def test_adapters_into_vllm_travel_as_buckets():
+    """vLLM engines load the adapters through vLLM's LoRA, so the automatic route is buckets where
+    merged weights would take vLLM's own transfer."""
+    for placement in ([], ["cluster.rollout_nodes=1"]):
+        merged = _plan("cuda", "lora.rank=8", "rollout.engine=vllm", *placement)
+        adapters = _plan("cuda", *LORA, "rollout.engine=vllm", *placement)
+        assert merged.route in (SyncRoute.VLLM_IPC, SyncRoute.VLLM_NCCL)
+        assert adapters.route == SyncRoute.BUCKETS and adapters.adapters
+        assert "auto: LoRA adapters into vllm engines' own LoRA" in adapters.chosen_by

@@ -12,10 +12,12 @@ from moe_rl.config.schema import QuantConfig, RecipeConfig
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.capabilities import (
     VLLM_CPU_HEAD_SIZES,
+    VLLM_LORA_RANKS,
     Machine,
     check_recipe,
     engine_capabilities,
     resolve_device,
+    vllm_lora_rank,
     vllm_quantization,
 )
 
@@ -187,3 +189,37 @@ def test_shipped_tiny_recipe_passes_on_cpu():
     config = load_checked(REPO / "recipes" / "tiny_moe.yaml")
     caps = check_recipe(config, CPU)
     assert caps.engine == config.rollout.engine
+
+
+def _adapters(config: RecipeConfig, rank: int = 8) -> RecipeConfig:
+    config.lora.rank, config.lora.sync = rank, "adapters"
+    return config
+
+
+def test_adapters_into_vllm_need_its_cuda_build_a_gqa_model_and_a_rank_it_holds():
+    """``lora.sync=adapters``: vLLM's CPU build has no LoRA kernel for fused-MoE layers; vLLM's
+    DeepSeek loader cannot reload a LoRA-wrapped layer's base; vLLM's LoRA holds ranks to 512."""
+    with pytest.raises(ValueError) as err:
+        check_recipe(_adapters(recipe()), CPU)
+    message = str(err.value)
+    assert "rollout.engine=vllm on cpu (the vllm-cpu build) has no LoRA kernel for fused-MoE layers" in message
+    assert "rollout.engine=megatron (on cpu)" in message and "a CUDA GPU" in message
+    assert "lora.sync=merged" in message
+    assert check_recipe(_adapters(recipe(device="cuda")), H100).adapters
+    assert check_recipe(_adapters(recipe(engine="megatron")), CPU).adapters
+    mla = _adapters(recipe(device="cuda"))
+    mla.model.attention = "mla"
+    with pytest.raises(ValueError, match=r"model.attention=mla: vLLM's DeepSeek weight loader cannot reload"):
+        check_recipe(mla, H100)
+    mla.lora.sync = "merged"  # the merged weights load as any sync does
+    check_recipe(mla, H100)
+    with pytest.raises(ValueError, match=r"lora.rank=513 .* vLLM's LoRA holds ranks up to 512"):
+        check_recipe(_adapters(recipe(device="cuda"), rank=513), H100)
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 300, 321, 512)] == [1, 8, 8, 16, 320, 512, 512]
+
+
+def test_the_lora_ranks_are_vllms_own():
+    vllm_lora = pytest.importorskip("vllm.config.lora")
+    import typing
+
+    assert VLLM_LORA_RANKS == typing.get_args(vllm_lora.MaxLoRARanks)

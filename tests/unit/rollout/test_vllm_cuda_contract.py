@@ -248,6 +248,24 @@ def test_a_context_beyond_the_models_positions_is_refused_as_vllm_refuses_it(tmp
         engine_config({**kwargs, "max_model_len": 256})
 
 
+@pytest.mark.parametrize("extra", [[], ["rollout.quant=fp8_block128"], ["cluster.release_memory=auto"]],
+                         ids=["bf16", "fp8", "colocated-sleep"])  # fmt: skip
+def test_vllm_accepts_its_own_lora_for_adapters_sent_apart(extra, tmp_path):
+    """``lora.sync=adapters`` with vLLM engines: vLLM's LoRA on (one adapter, the smallest
+    ``max_lora_rank`` that holds the rank), the adapters as buckets, and vLLM's own checks accept it
+    with online quantization and with sleep mode."""
+    lora = ["lora.rank=4", "lora.sync=adapters", "lora.targets=[attention,experts]"]
+    kwargs, config = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, *lora, *extra], H100, tmp_path)
+    assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["max_loras"]) == (True, 8, 1)
+    assert kwargs["weight_transfer_config"] == {"backend": "ipc"}  # (the buckets' IPC hand-over)
+    cfg = engine_config(kwargs)
+    assert cfg.lora_config is not None and (cfg.lora_config.max_lora_rank, cfg.lora_config.max_loras) == (8, 1)
+    if extra == ["rollout.quant=fp8_block128"]:
+        assert cfg.model_config.quantization == "fp8_per_block"
+    merged, _ = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, "lora.rank=4"], H100, tmp_path)
+    assert "enable_lora" not in merged  # merged weights need no LoRA in the engine
+
+
 VLLM_QUANTS = ("fp8_block128", "fp8_tensor", "nvfp4")
 """The quantization recipes the CUDA engine runs with in these tests (vLLM's online quantization)."""
 
