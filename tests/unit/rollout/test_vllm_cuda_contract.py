@@ -255,11 +255,14 @@ def test_vllm_accepts_its_own_lora_for_adapters_sent_apart(extra, tmp_path):
     ``max_lora_rank`` that holds the rank), the adapters as buckets, and vLLM's own checks accept it
     with online quantization and with sleep mode."""
     lora = ["lora.rank=4", "lora.sync=adapters", "lora.targets=[attention,experts]"]
-    kwargs, config = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, *lora, *extra], H100, tmp_path)
+    kwargs, _ = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, *lora, *extra], H100, tmp_path)
     assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["max_loras"]) == (True, 8, 1)
     assert kwargs["weight_transfer_config"] == {"backend": "ipc"}  # (the buckets' IPC hand-over)
     cfg = engine_config(kwargs)
-    assert cfg.lora_config is not None and (cfg.lora_config.max_lora_rank, cfg.lora_config.max_loras) == (8, 1)
+    assert cfg.lora_config is not None and (cfg.lora_config.max_lora_rank, cfg.lora_config.max_loras) == (
+        8,
+        1,
+    )
     if extra == ["rollout.quant=fp8_block128"]:
         assert cfg.model_config.quantization == "fp8_per_block"
     merged, _ = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, "lora.rank=4"], H100, tmp_path)
