@@ -487,8 +487,9 @@ class LoraConfig:
     head bounds the logits and the adapters cannot make the policy sharp (docs/lora.md)."""
     sync: LoraSync = LoraSync.MERGED
     """What the weight syncs carry: `merged` (the merged model, every sync; any engine and route) or
-    `adapters` (the Megatron engines apply the adapters themselves: after the first sync into an
-    engine, each sync carries only the adapters and what else trains, `sync/bytes` shows it)."""
+    `adapters` (the engines apply the adapters themselves, Megatron engines in their model, vLLM
+    engines on a GPU through vLLM's own LoRA: after the first sync into an engine, each sync carries
+    only the adapters and what else trains, `sync/bytes` shows it)."""
 
 
 @dataclass

