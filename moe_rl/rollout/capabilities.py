@@ -211,7 +211,8 @@ def _check_adapters(config: RecipeConfig, caps: EngineCapabilities, where: str) 
             raise ValueError(
                 f"{where} with lora.sync=adapters and model.attention=mla: vLLM's DeepSeek weight loader "
                 "cannot reload the base weights of layers its LoRA wraps (the first sync into an engine "
-                "sends them); use lora.sync=merged or rollout.engine=megatron"
+                "sends them), and its MLA decode splits kv_b_proj's base weight with no adapter term; use "
+                "lora.sync=merged or rollout.engine=megatron"
             )
         vllm_lora_rank(config.lora.rank)
 
