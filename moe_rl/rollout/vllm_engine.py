@@ -62,7 +62,7 @@ from vllm import SamplingParams
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from moe_rl.config.derived import releases_memory, routing_trace_bytes
-from moe_rl.config.modes import Engine, SyncRoute
+from moe_rl.config.modes import Engine, LoraTarget, SyncRoute
 from moe_rl.config.schema import LoraConfig, QuantConfig, RecipeConfig
 from moe_rl.config.sync_plan import sends_adapters, sync_plan
 from moe_rl.data.trajectory import TrajectoryBatch
@@ -547,7 +547,8 @@ def llm_kwargs(
     `ROUTING_STORE_MIN_BYTES`). The prefix cache is emptied at every weight update. Settings vLLM
     cannot combine with routing capture (pipeline-parallel engines, speculative decoding) are
     refused here, naming why. With ``lora`` (adapters sent apart), vLLM's LoRA is on, one adapter at
-    a time, of the smallest ``max_lora_rank`` that holds the run's rank (`capabilities.vllm_lora_rank`)."""
+    a time, of the smallest ``max_lora_rank`` that holds the run's rank (`capabilities.vllm_lora_rank`),
+    on the modules of the run's targets (`vllm_lora_modules`)."""
     quant = quant if quant is not None else QuantConfig()
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     extra = dict(engine_kwargs or {})
@@ -572,7 +573,12 @@ def llm_kwargs(
             cuda["quantization"] = quantization
     adapters: dict[str, Any] = {}
     if lora is not None:
-        adapters = {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank), "max_loras": 1}
+        adapters = {
+            "enable_lora": True,
+            "max_lora_rank": vllm_lora_rank(lora.rank),
+            "max_loras": 1,
+            "lora_target_modules": vllm_lora_modules(lora),
+        }
     return {
         "model": str(model_path),
         "skip_tokenizer_init": True,
@@ -593,6 +599,25 @@ def llm_kwargs(
         **adapters,
         **extra,
     }
+
+
+VLLM_LORA_MODULES: dict[LoraTarget, tuple[str, ...]] = {
+    LoraTarget.ATTENTION: ("qkv_proj", "o_proj"),
+    LoraTarget.DENSE_MLP: ("gate_up_proj", "down_proj"),
+    LoraTarget.EXPERTS: ("experts",),
+    LoraTarget.SHARED_EXPERTS: ("gate_up_proj", "down_proj"),
+}
+"""The names (last parts) of vLLM's modules that carry each ``lora.targets`` kind, as vLLM's
+``lora_target_modules`` matches them: its fused attention and MLP linears and its fused MoE. Dense
+MLPs and shared experts share names there, so either kind wraps both; a wrapped module the adapter
+does not cover computes no LoRA term. (An adapter on a module vLLM did not wrap would be dropped
+without a word: `tests/e2e/test_vllm_lora.py` reads back every adapted linear.)"""
+
+
+def vllm_lora_modules(lora: LoraConfig) -> list[str]:
+    """vLLM's ``lora_target_modules`` for the run's targets (`VLLM_LORA_MODULES`): vLLM wraps only
+    those, not the embedding, the routers or the head it would wrap otherwise."""
+    return sorted({name for target in lora.targets for name in VLLM_LORA_MODULES[LoraTarget(target)]})
 
 
 def _check_routing_capture(extra: dict[str, Any]) -> None:

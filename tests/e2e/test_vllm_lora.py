@@ -44,4 +44,6 @@ def test_vllms_lora_layers_hold_the_trainers_adapters_after_each_sync():
         layers, experts = 2, 8
         assert len(sync["expected"]) == layers * (4 + 3 * experts)
         assert sync["held"] == sync["expected"]
+        # vLLM wraps only the targets' modules (not the embedding, the routers or the head)
+        assert sync["wrapped"] == ["experts", "o_proj", "qkv_proj"]
         assert sync["max_error"] < 1e-6 * sync["largest"] + 1e-7

@@ -95,6 +95,7 @@ def main(recipe: str, overrides: list[str]) -> dict:
                 "expected": sorted(want),
                 "held": sorted(n for n, d in held.items() if bool(d.abs().max() > 0)),
                 "max_error": max(errors.values(), default=None),
+                "wrapped": _wrapped(engine),
                 "largest": max(float(d.abs().max()) for d in want.values()),
             })  # fmt: skip
     finally:
@@ -135,6 +136,14 @@ def _held_deltas(engine, expected: set[str]) -> dict[str, torch.Tensor]:
         for sub, a, b in zip(names, a_stacked, b_stacked, strict=True):
             out[f"{parent}.{sub}.weight"] = b[slot, 0].float() @ a[slot, 0].float()
     return out
+
+
+def _wrapped(engine) -> list[str]:
+    """The last parts of the names of the modules vLLM's LoRA wraps."""
+    worker = engine._llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    return sorted(
+        {name.rsplit(".", 1)[-1] for name in worker.model_runner.lora_manager._adapter_manager.modules}
+    )
 
 
 if __name__ == "__main__":

@@ -259,10 +259,10 @@ def test_vllm_accepts_its_own_lora_for_adapters_sent_apart(extra, tmp_path):
     assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["max_loras"]) == (True, 8, 1)
     assert kwargs["weight_transfer_config"] == {"backend": "ipc"}  # (the buckets' IPC hand-over)
     cfg = engine_config(kwargs)
-    assert cfg.lora_config is not None and (cfg.lora_config.max_lora_rank, cfg.lora_config.max_loras) == (
-        8,
-        1,
-    )
+    held = cfg.lora_config
+    assert held is not None and (held.max_lora_rank, held.max_loras) == (8, 1)
+    # vLLM wraps the targets' modules only (the fused QKV, the output projection, the fused MoE)
+    assert kwargs["lora_target_modules"] == held.target_modules == ["experts", "o_proj", "qkv_proj"]
     if extra == ["rollout.quant=fp8_block128"]:
         assert cfg.model_config.quantization == "fp8_per_block"
     merged, _ = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, "lora.rank=4"], H100, tmp_path)
