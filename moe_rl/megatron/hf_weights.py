@@ -259,12 +259,13 @@ def _fused_siblings() -> dict[str, str]:
 
 
 FUSED_SIBLINGS = _fused_siblings()
+_SIBLINGS_LONGEST_FIRST = sorted(FUSED_SIBLINGS, key=len, reverse=True)  # (the most specific suffix wins)
 
 
 def shared_a_module(module: str) -> str:
     """The HF module whose adapter ``A`` a fused linear's module shares (`_adapter_rule` sends it
     once, under the first HF linear): itself unless it is a later piece of a fused linear."""
-    for suffix in sorted(FUSED_SIBLINGS, key=len, reverse=True):
+    for suffix in _SIBLINGS_LONGEST_FIRST:
         if module == suffix or module.endswith(f".{suffix}"):
             return module[: len(module) - len(suffix)] + FUSED_SIBLINGS[suffix]
     return module

@@ -66,13 +66,14 @@ def peft_tensors(named: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
                 f"{name!r} is not a LoRA adapter tensor (its name ends in neither of {ADAPTER_HF})"
             )
     out: dict[str, Tensor] = {}
+    shared_of = {module: shared_a_module(module) for module in b_of}
     for module, b in b_of.items():
-        shared = shared_a_module(module)
+        shared = shared_of[module]
         if shared not in a_of:
             raise ValueError(f"the adapter of {module!r} came without its A ({shared}{ADAPTER_HF[0]})")
         out[f"{PEFT_PREFIX}{module}{ADAPTER_HF[0]}"] = a_of[shared].detach().cpu().contiguous().clone()
         out[f"{PEFT_PREFIX}{module}{ADAPTER_HF[1]}"] = b.detach().cpu().contiguous().clone()
-    unused = sorted(set(a_of) - {shared_a_module(module) for module in b_of})
+    unused = sorted(set(a_of) - set(shared_of.values()))
     if unused:
         raise ValueError(f"adapter A without a B: {unused[:3]}")
     return out

@@ -106,8 +106,7 @@ def main(recipe: str, overrides: list[str]) -> dict:
 def _held_deltas(engine, expected: set[str]) -> dict[str, torch.Tensor]:
     """HF weight name -> ``B·A`` that vLLM's LoRA layers hold for the engine's adapter, after vLLM's
     LoRA manager activates it (what a request naming it does before a step)."""
-    worker = engine._llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-    manager = worker.model_runner.lora_manager._adapter_manager
+    manager = _lora_manager(engine)
     manager.activate_adapter(engine._adapters.ADAPTER_ID)
     slot = manager.lora_index_to_id.index(engine._adapters.ADAPTER_ID)
     packed = getattr(manager.model, "packed_modules_mapping", {})
@@ -140,10 +139,13 @@ def _held_deltas(engine, expected: set[str]) -> dict[str, torch.Tensor]:
 
 def _wrapped(engine) -> list[str]:
     """The last parts of the names of the modules vLLM's LoRA wraps."""
+    return sorted({name.rsplit(".", 1)[-1] for name in _lora_manager(engine).modules})
+
+
+def _lora_manager(engine):
+    """vLLM's LoRA model manager in the in-process engine's worker."""
     worker = engine._llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-    return sorted(
-        {name.rsplit(".", 1)[-1] for name in worker.model_runner.lora_manager._adapter_manager.modules}
-    )
+    return worker.model_runner.lora_manager._adapter_manager
 
 
 if __name__ == "__main__":
