@@ -159,3 +159,29 @@ def test_the_document_states_its_command_and_the_shipped_factors():
     assert f"| η_gen | {FITTED.generation:.3g} |" in text
     assert f"| training MFU | {FITTED.train_mfu:.3g} |" in text
     assert f"| η_sync | {FITTED.sync:.3g} |" in text
+
+
+def test_the_chip_a_missed_run_would_need_is_found_and_the_table_left_as_it_was():
+    """`bench/plan_model.py`'s `chip_scale_within`: the scale of the run's chip (FLOP/s and memory
+    bandwidth together) at which the model's step is half the published one; 1.0 for a run already
+    within; the chip table back as it was after each trial."""
+    from moe_rl.config.modes import GpuType
+    from moe_rl.config.step_time import FITTED, MACHINES
+
+    bench = _bench()
+    runs = {r.label: r for r in bench.STEPS}
+    gb200 = MACHINES[GpuType.GB200]
+    missed = runs["Qwen3-30B-A3B, 8+8 GB200, 1-step off"]
+    assert bench.predict(missed, FITTED).seconds < 0.5 * missed.seconds
+    scale = bench.chip_scale_within(missed, FITTED)
+    assert MACHINES[GpuType.GB200] is gb200
+    assert 0.5 < scale < 1.0
+    with bench._chip_scaled(GpuType.GB200, scale):
+        assert MACHINES[GpuType.GB200].bf16_tflops == pytest.approx(gb200.bf16_tflops * scale)
+        assert MACHINES[GpuType.GB200].memory_gbps == pytest.approx(gb200.memory_gbps * scale)
+        assert MACHINES[GpuType.GB200].network_gbps == gb200.network_gbps
+        assert bench.predict(missed, FITTED).seconds == pytest.approx(0.5 * missed.seconds, rel=1e-6)
+    with bench._chip_scaled(GpuType.GB200, scale * 1.001):  # a hair faster: too fast again
+        assert bench.predict(missed, FITTED).seconds < 0.5 * missed.seconds
+    assert MACHINES[GpuType.GB200] is gb200
+    assert bench.chip_scale_within(runs["Qwen3-235B, 64 GB200, on-policy"], FITTED) == 1.0
