@@ -466,6 +466,9 @@ def _trainer_passes(config: RecipeConfig, machine: Machine, mfu: float) -> list[
     # A forward moves it once, a backward once more (the gradients), a recompute once more.
     counts = count_params(config.model)
     ep_group = p.expert_model_parallel_size * p.expert_tensor_parallel_size
+    group = f"EP-{p.expert_model_parallel_size}" + (
+        f" x ETP-{p.expert_tensor_parallel_size}" if p.expert_tensor_parallel_size > 1 else ""
+    )
     a2a_bytes = 2 * n * lens.mean * counts.num_moe_layers * counts.topk * config.model.hidden_size * BF16
     a2a = (
         alltoall_seconds(a2a_bytes / max(p.trainer_world_size, 1), ep_group, machine) if ep_group > 1 else 0.0
@@ -482,7 +485,7 @@ def _trainer_passes(config: RecipeConfig, machine: Machine, mfu: float) -> list[
     phases = []
     for name, k, moves in passes:
         extra = (" (with the activation recompute)" if recompute and name == "training" else "") + (
-            f" + {moves * a2a * bubble:.3g} s of EP-{p.expert_model_parallel_size} all-to-all" if a2a else ""
+            f" + {moves * a2a * bubble:.3g} s of {group} all-to-all" if a2a else ""
         )
         seconds = (k * forward / rate + moves * a2a) * bubble
         phases.append(Phase(name, seconds, Bound.COMPUTE, f"{_flop(k * forward)} on {where}{extra}"))

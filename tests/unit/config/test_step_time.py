@@ -4,6 +4,7 @@ the refusals (an unknown chip, a factor out of range, a KV cache that holds no s
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -33,6 +34,10 @@ from moe_rl.config.step_time import (
     sync_cost,
 )
 from moe_rl.config.sync_plan import SyncPlan, sync_plan
+
+# relative only: the hand model's seconds are as small as 1e-11, below pytest.approx's default
+# absolute tolerance (1e-12), which would hide an error of a few percent
+approx = functools.partial(pytest.approx, rel=1e-6, abs=0)
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 ONE = Efficiency(1.0, 1.0, 1.0)
@@ -79,10 +84,10 @@ def test_the_hand_model_counts_as_the_hand_count():
 
 def test_experts_touched_by_a_batch():
     assert experts_touched(4, 1, 1) == 1.0
-    assert experts_touched(4, 1, 2) == pytest.approx(4 * (1 - 0.75**2))  # 1.75
+    assert experts_touched(4, 1, 2) == approx(4 * (1 - 0.75**2))  # 1.75
     assert experts_touched(8, 2, 0) == 0.0
     assert experts_touched(0, 0, 64) == 0.0
-    assert experts_touched(256, 8, 10_000) == pytest.approx(256)
+    assert experts_touched(256, 8, 10_000) == approx(256)
 
 
 def test_generation_by_hand():
@@ -90,7 +95,7 @@ def test_generation_by_hand():
     (the longest response) with 4 * 10/20 = 2 sequences in flight on average."""
     t = _step(_hand())
     # prefill: 4 samples x (5 tokens x 1,344 + 5*6/2 pairs x 64) at the bf16 peak
-    assert t.phase("prefill").seconds == pytest.approx(4 * (5 * PER_TOKEN + 15 * PER_PAIR) / H100_BF16)
+    assert t.phase("prefill").seconds == approx(4 * (5 * PER_TOKEN + 15 * PER_PAIR) / H100_BF16)
     assert t.phase("prefill").bound == Bound.COMPUTE
     # a step reads the weights but the input embedding and all but the touched share of the experts
     touched = 1 - 0.75**2  # 2 tokens, top-1 of 4
@@ -99,7 +104,7 @@ def test_generation_by_hand():
     # each sample reads its KV cache at every step: p*r + r^2/2 = 5*10 + 50 token reads
     kv = 4 * (5 * 10 + 10**2 / 2) * KV_TOKEN
     decode = t.phase("decode")
-    assert decode.seconds == pytest.approx((20 * per_step + kv) / H100_HBM)
+    assert decode.seconds == approx((20 * per_step + kv) / H100_HBM)
     assert decode.bound == Bound.MEMORY
     assert "20 steps, 2 sequences in flight (1 wave(s) of 4)" in decode.detail
 
@@ -115,7 +120,7 @@ def test_decode_is_compute_bound_on_the_cpu():
     flops = 64 * (r * 151_552 + (p * r + r**2 / 2) * 512)
     decode = t.phase("decode")
     assert decode.bound == Bound.COMPUTE
-    assert decode.seconds == pytest.approx(flops / (MACHINES[GpuType.CPU].fp32_tflops * 1e12))
+    assert decode.seconds == approx(flops / (MACHINES[GpuType.CPU].fp32_tflops * 1e12))
 
 
 def test_waves_when_the_kv_cache_holds_fewer_sequences_than_an_engine_has():
@@ -148,7 +153,7 @@ def test_continuous_batching_keeps_the_wave_full(depth, in_flight, steps):
     t = _step(config)
     per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + (1 - 0.75**in_flight) * EXPERT_BYTES
     kv = 4 * (5 * 10 + 50) * KV_TOKEN
-    assert t.phase("decode").seconds == pytest.approx((steps * per_step + kv) / H100_HBM)  # ceil(4 * 10 / b)
+    assert t.phase("decode").seconds == approx((steps * per_step + kv) / H100_HBM)  # ceil(4 * 10 / b)
     assert f"{steps} steps, {in_flight} sequences in flight (continuous batching)" in t.phase("decode").detail
 
 
@@ -174,13 +179,13 @@ def test_trainer_passes_by_hand():
     assert forward == 222_720
     t = _step(_hand("algo.kl.coef=0.01", "trainer.precision=bf16"), Efficiency(1.0, 0.5, 1.0))
     rate = 8 * H100_BF16 * 0.5
-    assert t.phase("π_old").seconds == pytest.approx(forward / rate)
-    assert t.phase("reference").seconds == pytest.approx(forward / rate)
-    assert t.phase("training").seconds == pytest.approx(3 * forward / rate)
+    assert t.phase("π_old").seconds == approx(forward / rate)
+    assert t.phase("reference").seconds == approx(forward / rate)
+    assert t.phase("training").seconds == approx(3 * forward / rate)
     without = _step(_hand(), Efficiency(1.0, 0.5, 1.0))
     assert [p.name for p in without.phases].count("reference") == 0
     fp32 = _step(_hand("trainer.precision=fp32"), Efficiency(1.0, 0.5, 1.0))  # TF32 tensor cores
-    assert fp32.phase("π_old").seconds == pytest.approx(forward / (8 * 494.5e12 * 0.5))
+    assert fp32.phase("π_old").seconds == approx(forward / (8 * 494.5e12 * 0.5))
 
 
 def test_lora_skips_the_frozen_weights_gradients_by_hand():
@@ -191,15 +196,13 @@ def test_lora_skips_the_frozen_weights_gradients_by_hand():
     forward = tokens * PER_TOKEN + pairs
     rate = 8 * H100_BF16 * 0.5
     lora = _step(_hand("lora.rank=4", "trainer.precision=bf16"), Efficiency(1.0, 0.5, 1.0))
-    assert lora.phase("training").seconds == pytest.approx((3 * forward - tokens * PER_TOKEN) / rate)
-    assert lora.phase("π_old").seconds == pytest.approx(forward / rate)
+    assert lora.phase("training").seconds == approx((3 * forward - tokens * PER_TOKEN) / rate)
+    assert lora.phase("π_old").seconds == approx(forward / rate)
     head = _step(
         _hand("lora.rank=4", "lora.train_output_layer=true", "trainer.precision=bf16"),
         Efficiency(1.0, 0.5, 1.0),
     )
-    assert head.phase("training").seconds == pytest.approx(
-        (3 * forward - tokens * (PER_TOKEN - 2 * 16 * 8)) / rate
-    )
+    assert head.phase("training").seconds == approx((3 * forward - tokens * (PER_TOKEN - 2 * 16 * 8)) / rate)
 
 
 def test_an_adapter_only_sync_moves_what_trains():
@@ -213,10 +216,8 @@ def test_an_adapter_only_sync_moves_what_trains():
     trained = lora_param_counts(adapters.model, adapters.lora).total
     assert 0 < trained < PARAMS
     half = Efficiency(1.0, 1.0, 0.5)
-    assert _step(merged, half).phase("weight sync").seconds == pytest.approx(PARAMS * 2 / (H100_NVLINK * 0.5))
-    assert _step(adapters, half).phase("weight sync").seconds == pytest.approx(
-        trained * 2 / (H100_NVLINK * 0.5)
-    )
+    assert _step(merged, half).phase("weight sync").seconds == approx(PARAMS * 2 / (H100_NVLINK * 0.5))
+    assert _step(adapters, half).phase("weight sync").seconds == approx(trained * 2 / (H100_NVLINK * 0.5))
 
 
 def test_the_pipeline_bubble_by_hand():
@@ -225,7 +226,7 @@ def test_the_pipeline_bubble_by_hand():
     one = load_recipe(RECIPES / "qwen3_30b_a3b.yaml")
     two = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", ["parallel.pipeline_model_parallel_size=2"])
     a, b = step_time(one, sync_plan(one, "cuda"), 0.0, ONE), step_time(two, sync_plan(two, "cuda"), 0.0, ONE)
-    assert b.phase("π_old").seconds / a.phase("π_old").seconds == pytest.approx(13 / 12)
+    assert b.phase("π_old").seconds / a.phase("π_old").seconds == approx(13 / 12)
     assert "pipeline bubble x1.08" in b.phase("training").detail
 
 
@@ -238,7 +239,7 @@ def test_weight_sync_through_the_routes_link():
     plan = sync_plan(config, "cuda")
     assert plan.route == SyncRoute.DEVICE_IPC
     t = _step(config, Efficiency(1.0, 1.0, 0.5))
-    assert t.phase("weight sync").seconds == pytest.approx(PARAMS * 4 / (H100_NVLINK * 0.5))
+    assert t.phase("weight sync").seconds == approx(PARAMS * 4 / (H100_NVLINK * 0.5))
     h100 = MACHINES[GpuType.H100]
     apart = _hand("cluster.nodes=2", "cluster.trainer_nodes=1", "cluster.rollout_nodes=1")
     buckets = sync_plan(apart, "cuda")
@@ -313,8 +314,8 @@ def test_nemo_rl_v06_refit_is_a_gather_and_a_broadcast_at_datasheet_rates():
     cost = gathered_sync_cost(colocated, counts, h100)
     assert (cost.nbytes, cost.gbps, cost.scaled) == (counts.total * 2, 50.0, False)
     assert "CUDA IPC" in cost.words
-    assert cost.seconds(0.5) == pytest.approx(counts.total * 2 / 50e9)
-    assert cost.seconds(0.5) == pytest.approx(26.8, abs=0.1)  # 1.34 TB through a 400 Gb/s NIC
+    assert cost.seconds(0.5) == approx(counts.total * 2 / 50e9)
+    assert cost.seconds(0.5) == approx(26.8, abs=0.1)  # 1.34 TB through a 400 Gb/s NIC
     # Qwen3-30B-A3B, EP 8 within a node (no pipeline): the gather runs over NVLink; with the engines
     # on nodes of their own the broadcast from trainer rank 0's NIC is the slower of the two
     q = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", ["parallel.trainer_world_size=16"])
@@ -329,7 +330,7 @@ def test_nemo_rl_v06_refit_is_a_gather_and_a_broadcast_at_datasheet_rates():
     assert gathered_sync_cost(together, qc, h100).gbps == 450.0
     # in a step: the sync phase is the bytes at the datasheet rate, whatever η_sync
     t = step_time(together, gathered_sync_cost(together, qc, h100), 0.0, Efficiency(1.0, 1.0, 0.1))
-    assert t.phase("weight sync").seconds == pytest.approx(qc.total * 2 / 450e9)
+    assert t.phase("weight sync").seconds == approx(qc.total * 2 / 450e9)
 
 
 def test_the_engines_hold_the_batches_in_flight_they_are_given():
@@ -342,7 +343,7 @@ def test_the_engines_hold_the_batches_in_flight_they_are_given():
     one = step_time(config, sync_plan(config, "cuda"), 0.0, ONE, batches_in_flight=1)
     per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + (1 - 0.75**4) * EXPERT_BYTES
     kv = 4 * (5 * 10 + 50) * KV_TOKEN
-    assert one.phase("decode").seconds == pytest.approx((10 * per_step + kv) / H100_HBM)
+    assert one.phase("decode").seconds == approx((10 * per_step + kv) / H100_HBM)
     assert "10 steps, 4 sequences in flight (continuous batching)" in one.phase("decode").detail
 
 
@@ -354,7 +355,7 @@ def test_the_engines_scheduler_bounds_the_sequences_in_flight():
     bounded = step_time(config, sync_plan(config, "cuda"), 0.0, ONE, max_num_seqs=3)
     per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + (1 - 0.75**3) * EXPERT_BYTES
     kv = 4 * (5 * 10 + 50) * KV_TOKEN
-    assert bounded.phase("decode").seconds == pytest.approx((14 * per_step + kv) / H100_HBM)
+    assert bounded.phase("decode").seconds == approx((14 * per_step + kv) / H100_HBM)
     assert "14 steps, 3 sequences in flight (continuous batching)" in bounded.phase("decode").detail
     above = step_time(config, sync_plan(config, "cuda"), 0.0, ONE, max_num_seqs=1024)
     assert above.phase("decode").seconds == _step(config).phase("decode").seconds  # the cache binds first
@@ -392,9 +393,9 @@ def test_offload_moves_the_released_bytes_and_the_engine_weights_out_and_back():
     config = _hand("cluster.release_memory=on")
     t = _step(config, Efficiency(1.0, 1.0, 0.5), released=1e9)
     weights = WEIGHT_BYTES  # the engine's weights on its one GPU, at sleep level 1
-    assert t.phase("offload").seconds == pytest.approx(2 * (1e9 + weights) / (64e9 * 0.5))
+    assert t.phase("offload").seconds == approx(2 * (1e9 + weights) / (64e9 * 0.5))
     level2 = _step(_hand("cluster.release_memory=on", "cluster.engine_sleep_level=2"), ONE, released=1e9)
-    assert level2.phase("offload").seconds == pytest.approx(2 * 1e9 / 64e9)
+    assert level2.phase("offload").seconds == approx(2 * 1e9 / 64e9)
     assert "offload" not in [p.name for p in _step(config).phases]  # nothing released: no phase
 
 
@@ -421,9 +422,7 @@ def test_how_the_phases_make_the_step(overrides, formula):
         t = _step(_hand("algo.kl.coef=0.01", *overrides), eff)
         g = t.phase("prefill").seconds + t.phase("decode").seconds
         o = t.phase("π_old").seconds + t.phase("reference").seconds
-        assert t.seconds == pytest.approx(
-            formula(g, o, t.phase("training").seconds, t.phase("weight sync").seconds)
-        )
+        assert t.seconds == approx(formula(g, o, t.phase("training").seconds, t.phase("weight sync").seconds))
 
 
 def test_the_shorter_side_of_an_async_step_is_marked_beside_it():
@@ -487,7 +486,7 @@ def test_the_recipes_mfu_replaces_the_fitted_one_and_defaults_to_it():
     config = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", ep1)
     half = load_recipe(RECIPES / "qwen3_30b_a3b.yaml", [*ep1, f"cluster.train_mfu={FITTED.train_mfu / 2}"])
     a, b = step_time(config, sync_plan(config, "cuda")), step_time(half, sync_plan(half, "cuda"))
-    assert b.phase("training").seconds == pytest.approx(2 * a.phase("training").seconds)
+    assert b.phase("training").seconds == approx(2 * a.phase("training").seconds)
     assert b.phase("decode").seconds == a.phase("decode").seconds
 
 
@@ -502,26 +501,28 @@ def test_the_recipes_mfu_replaces_the_fitted_one_and_defaults_to_it():
         (32, 8, 4.4 + 2 * (7 * 0.52 * 1.8 + 2 * 5.0)),  # tree over 4 nodes (ring: 67.2)
         (32, 72, 3.6 + 62 * 0.47),  # one NVLink domain: ring (tree: 4.4 + 62 * 0.52 = 36.64)
         (16, 8, 4.4 + 2 * (7 * 0.52 * 1.8 + 1 * 5.0)),  # tree over 2 nodes (ring: 3.6 + 28*.846 + 2*2.7)
+        (4, 2, 3.6 + 4 * 0.47 * 1.8 + 2 * 2.7),  # ring over 2 nodes of 2 (tree: 4.4 + 2 * (0.936 + 5.0))
+        (12, 8, 3.6 + 20 * 0.47 * 1.8 + 2 * 2.7),  # 8 + 4 over 2 nodes: ring (tree: 27.504)
     ],
 )
 def test_allreduce_latency_as_nccl_models_it(ranks, domain, expected):
-    assert allreduce_latency_us(ranks, domain) == pytest.approx(expected)
+    assert allreduce_latency_us(ranks, domain) == approx(expected)
 
 
 def test_allreduce_and_alltoall_seconds_by_hand():
     h100, gb200 = MACHINES[GpuType.H100], MACHINES[GpuType.GB200]
     # 1 MB over 32 H100 (4 nodes): the tree's latency + 2 * 31/32 of it through the 50 GB/s NIC
-    assert allreduce_seconds(1e6, 32, h100) == pytest.approx(37.504e-6 + 2 * 31 / 32 * 1e6 / 50e9)
+    assert allreduce_seconds(1e6, 32, h100) == approx(37.504e-6 + 2 * 31 / 32 * 1e6 / 50e9)
     # over 2 GPUs of a node: the ring's latency + 2 * 1/2 of it over NVLink (450 GB/s)
-    assert allreduce_seconds(1e6, 2, h100) == pytest.approx(4.54e-6 + 1e6 / 450e9)
+    assert allreduce_seconds(1e6, 2, h100) == approx(4.54e-6 + 1e6 / 450e9)
     # 32 GB200 share one NVLink domain (900 GB/s)
-    assert allreduce_seconds(1e6, 32, gb200) == pytest.approx(32.74e-6 + 2 * 31 / 32 * 1e6 / 900e9)
+    assert allreduce_seconds(1e6, 32, gb200) == approx(32.74e-6 + 2 * 31 / 32 * 1e6 / 900e9)
     assert allreduce_seconds(1e6, 1, h100) == 0.0
     # an all-to-all of 1 GB per GPU: within a node over NVLink; EP 16 over 2 nodes: half through the NIC
-    assert alltoall_seconds(1e9, 8, h100) == pytest.approx(1e9 / 450e9)
-    assert alltoall_seconds(1e9, 16, h100) == pytest.approx(0.5e9 / 50e9)
-    assert alltoall_seconds(1e9, 64, h100) == pytest.approx(56 / 64 * 1e9 / 50e9)
-    assert alltoall_seconds(1e9, 64, gb200) == pytest.approx(1e9 / 900e9)
+    assert alltoall_seconds(1e9, 8, h100) == approx(1e9 / 450e9)
+    assert alltoall_seconds(1e9, 16, h100) == approx(0.5e9 / 50e9)
+    assert alltoall_seconds(1e9, 64, h100) == approx(56 / 64 * 1e9 / 50e9)
+    assert alltoall_seconds(1e9, 64, gb200) == approx(1e9 / 900e9)
     assert alltoall_seconds(1e9, 1, h100) == 0.0
 
 
@@ -532,10 +533,10 @@ def test_tensor_parallel_all_reduces_by_hand():
     t = _step(_hand("rollout.tensor_parallel_size=2"))
     reduce_step = 3.6e-6 + 2 * 0.47e-6 + (2 * 8 * 2) / 450e9
     memory = (20 * 800 + 4 * (5 * 10 + 50) * KV_TOKEN) / H100_HBM
-    assert t.phase("decode").seconds == pytest.approx(memory + 20 * 4 * reduce_step)
+    assert t.phase("decode").seconds == approx(memory + 20 * 4 * reduce_step)
     assert "4 TP-2 all-reduces a step over NVLink (18 µs)" in t.phase("decode").detail
     prefill = 4 * (5 * PER_TOKEN + 15 * PER_PAIR) / 2 / H100_BF16
-    assert t.phase("prefill").seconds == pytest.approx(prefill + 4 * (4.54e-6 + (4 * 5 * 8 * 2) / 450e9))
+    assert t.phase("prefill").seconds == approx(prefill + 4 * (4.54e-6 + (4 * 5 * 8 * 2) / 450e9))
     # TP 1: no all-reduce
     assert "all-reduce" not in _step(_hand()).phase("decode").detail
 
@@ -550,10 +551,142 @@ def test_activation_recompute_and_expert_all_to_all_by_hand():
     a2a = 960 / 450e9
     t = _step(_hand("parallel.expert_model_parallel_size=4", "trainer.recompute_activations=true",
                     "trainer.precision=bf16"))  # fmt: skip
-    assert t.phase("π_old").seconds == pytest.approx(forward / rate + a2a)
-    assert t.phase("training").seconds == pytest.approx(4 * forward / rate + 3 * a2a)
+    assert t.phase("π_old").seconds == approx(forward / rate + a2a)
+    assert t.phase("training").seconds == approx(4 * forward / rate + 3 * a2a)
     assert "with the activation recompute" in t.phase("training").detail
     plain = _step(_hand("parallel.expert_model_parallel_size=4", "trainer.precision=bf16"))
-    assert plain.phase("training").seconds == pytest.approx(3 * forward / rate + 2 * a2a)
+    assert plain.phase("training").seconds == approx(3 * forward / rate + 2 * a2a)
     none = _step(_hand("trainer.precision=bf16"))  # EP 1: no all-to-all
-    assert none.phase("training").seconds == pytest.approx(3 * forward / rate)
+    assert none.phase("training").seconds == approx(3 * forward / rate)
+
+
+def test_an_all_reduce_over_a_whole_nvlink_domain_stays_on_nvlink():
+    """8 GPUs, the whole of an H100 node: the ring's latency + 2 * 7/8 of the bytes over NVLink."""
+    h100 = MACHINES[GpuType.H100]
+    assert allreduce_seconds(1e6, 8, h100) == approx((3.6 + 14 * 0.47) * 1e-6 + 2 * 7 / 8 * 1e6 / 450e9)
+
+
+# In FLOPs and bytes (the seconds times the rate) below, the numbers the docstrings count.
+PREFILL_FLOPS = 4 * (5 * PER_TOKEN + 15 * PER_PAIR)  # 4 samples x (5 tokens + 5*6/2 causal pairs)
+DECODE_BYTES = 20 * 1600 + 4 * (5 * 10 + 10**2 / 2) * KV_TOKEN  # test_generation_by_hand's
+
+
+@pytest.mark.parametrize(
+    ("quant", "peak"),
+    [("bf16", 989e12), ("fp8_block128", 989e12), ("fp8_tensor", 1979e12)],
+)
+def test_the_prefill_runs_at_the_peak_of_the_rollouts_activations(quant, peak):
+    """The hand model's prefill, 4 x (5 x 1,344 + 15 x 64) = 30,720 FLOPs, at the bf16 peak when the
+    activations stay bf16 (bf16, fp8 weights only) and at the fp8 peak with fp8 activations (W8A8)."""
+    assert PREFILL_FLOPS == 30_720
+    t = _step(_hand(f"rollout.quant={quant}"))
+    assert t.phase("prefill").seconds * peak == approx(PREFILL_FLOPS)
+
+
+def test_an_engine_takes_its_share_of_the_prompts_rounded_up():
+    """4 prompts of 2 over 3 engines: an engine takes 2 prompts, 4 samples, the hand model's
+    generation of test_generation_by_hand."""
+    t = _step(_hand("rollout.num_engines=3"))
+    assert t.phase("prefill").seconds * H100_BF16 == approx(PREFILL_FLOPS)
+    assert t.phase("decode").seconds * H100_HBM == approx(DECODE_BYTES)
+    assert "20 steps, 2 sequences in flight (1 wave(s) of 4)" in t.phase("decode").detail
+
+
+def test_a_tied_embedding_is_read_at_every_decode_step():
+    """Tied, the hand model has no separate head (1,016 parameters, 2,032 bytes): the embedding is
+    the output layer, read every step: 2,032 - 768 of experts + 7/16 of them = 1,600 bytes a step."""
+    config = _hand("model.tie_word_embeddings=true")
+    assert rollout_weight_bytes(config, count_params(config.model)) == 2032
+    t = _step(config)
+    assert t.phase("decode").seconds * H100_HBM == approx(20 * (2032 - 768 + (1 - 0.75**2) * 768) + 12_800)
+
+
+def test_the_generation_factor_scales_the_prefill_and_a_compute_bound_decode():
+    """The tiny recipe on the CPU machine (test_decode_is_compute_bound_on_the_cpu) at η_gen 0.5: the
+    prefill's 64 x (9.6 x 151,552 + 9.6 x 10.6 / 2 x 512) FLOPs and the decode's at half the rate."""
+    config = load_recipe(RECIPES / "tiny_moe.yaml")
+    t = step_time(config, sync_plan(config, "cpu"), 0.0, Efficiency(0.5, 1.0, 1.0))
+    p, r = 0.6 * 16, 0.6 * 8
+    rate = MACHINES[GpuType.CPU].fp32_tflops * 1e12 * 0.5
+    assert t.phase("prefill").seconds * rate == approx(64 * (p * 151_552 + p * (p + 1) / 2 * 512))
+    decode = t.phase("decode")
+    assert decode.bound == Bound.COMPUTE
+    assert decode.seconds * rate == approx(64 * (r * 151_552 + (p * r + r**2 / 2) * 512))
+
+
+def test_continuous_batching_on_the_cpu_holds_the_batches_in_flight():
+    """The tiny recipe's engine on a process of its own at depth 2 (no KV cache bounds it on the
+    CPU): 2 batches of 64 samples in flight, ceil(64 x 4.8 / 128) = 3 steps."""
+    config = load_recipe(RECIPES / "tiny_moe.yaml", [
+        "run.mode=async", "run.async_depth=2", "run.max_staleness=2", "cluster.nodes=2",
+        "cluster.trainer_nodes=1", "cluster.rollout_nodes=1",
+    ])  # fmt: skip
+    t = step_time(config, sync_plan(config, "cpu"), 0.0, ONE)
+    assert "3 steps, 128 sequences in flight (continuous batching)" in t.phase("decode").detail
+
+
+def test_context_parallelism_takes_its_ranks_from_data_parallelism():
+    """PP 2 x CP 2 of 8 GPUs: DP 2, 4 sequences of 15 tokens a rank, micro-batches of 32 tokens: 2 of
+    them, the bubble (2 + 2 - 1) / 2 = 1.5 on the hand model's 222,720 forward FLOPs (DP 4 would
+    be one micro-batch and a bubble of 2)."""
+    t = _step(_hand(
+        "parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+        "trainer.max_tokens_per_microbatch=32", "trainer.precision=bf16", "algo.routing_replay=off",
+    ))  # fmt: skip
+    forward = 8 * 15 * PER_TOKEN + 8 * (15 * 16 // 2) * PER_PAIR
+    assert t.phase("π_old").seconds * 8 * H100_BF16 == approx(forward * 1.5)
+    assert "pipeline bubble x1.50" in t.phase("π_old").detail
+
+
+def test_expert_tensor_parallelism_widens_the_all_to_all_group():
+    """EP 4 x ETP 4 over 16 GPUs of 2 nodes (experts of width 4, 16 samples): an all-to-all group of
+    16, half of it through the NIC. 16 sequences' 15 tokens to their top-1 expert and back in 2 MoE
+    layers, hidden 8 in bf16: 15,360 bytes, 960 per GPU, 480 of them to the other node at 50 GB/s.
+    Per token the hand model's 1,344 FLOPs with an expert of 2 x 2 x 96 instead of 2 x 2 x 48."""
+    t = _step(_hand(
+        "cluster.nodes=2", "cluster.trainer_nodes=2", "parallel.trainer_world_size=16", "rollout.batch_size=16",
+        "parallel.expert_model_parallel_size=4", "parallel.expert_tensor_parallel_size=4", "trainer.precision=bf16",
+        "model.moe_ffn_hidden_size=4",
+    ))  # fmt: skip
+    forward = 16 * 15 * (PER_TOKEN + 2 * 2 * 48) + 16 * (15 * 16 // 2) * PER_PAIR
+    assert forward == 491_520
+    assert t.phase("π_old").seconds == approx(forward / (16 * H100_BF16) + 480 / 50e9)
+    assert t.phase("π_old").detail.endswith(" s of EP-4 x ETP-4 all-to-all")
+
+
+def test_lora_with_the_router_trained_keeps_the_routers_gradients():
+    """``lora.train_router``: the routers' 2 x 2 x 8 x 4 = 128 FLOPs a token keep their weights'
+    gradients; the other 1,216 of the 1,344 skip theirs (test_lora_skips_the_frozen_weights_gradients_by_hand)."""
+    tokens = 8 * 15
+    forward = tokens * PER_TOKEN + 8 * (15 * 16 // 2) * PER_PAIR
+    t = _step(_hand("lora.rank=4", "lora.train_router=true", "trainer.precision=bf16"))
+    assert t.phase("training").seconds * 8 * H100_BF16 == approx(3 * forward - tokens * (PER_TOKEN - 128))
+
+
+def test_a_vllm_engine_takes_bf16_buckets_from_an_fp32_trainer():
+    """vLLM loads the model in bf16: buckets to it carry the hand model's 1,144 parameters in 2 bytes,
+    though the trainer holds them in fp32, through the engine's NIC."""
+    config = _hand(
+        "rollout.engine=vllm", "rollout.max_model_len=128", "trainer.precision=fp32", *APART,
+        "rollout.sync_transport=buckets",
+    )  # fmt: skip
+    assert sync_plan(config, "cuda").route == SyncRoute.BUCKETS
+    t = _step(config, Efficiency(1.0, 1.0, 0.5))
+    assert t.phase("weight sync").seconds * 50e9 * 0.5 == approx(PARAMS * 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "engines_hidden"),
+    [
+        (["rollout.inflight_updates=true"], {"training", "weight sync"}),  # depth 1: max(gen, train + sync)
+        (["run.async_depth=2", "run.max_staleness=2"], {"π_old", "training", "weight sync"}),
+    ],
+)
+def test_the_shorter_side_of_a_deeper_or_inflight_async_step_is_marked_beside_it(overrides, engines_hidden):
+    """Slow engines: the trainer's side of the max is beside the step (at depth 2 all of π_old,
+    training and the sync); a slow trainer: the generation."""
+    config = _hand(*APART, "run.mode=async", *overrides)
+    slow_engines = _step(config, Efficiency(1e-6, 1.0, 1.0))
+    assert {p.name for p in slow_engines.phases if p.overlapped} == engines_hidden
+    slow_trainer = _step(config, Efficiency(1.0, 1e-6, 1.0))
+    assert {p.name for p in slow_trainer.phases if p.overlapped} == {"prefill", "decode"}
