@@ -616,8 +616,8 @@ def document(eff: Efficiency, measured: dict[str, float]) -> str:
     gb_flops, gb_memory = gb200_chip.bf16_tflops / h100.bf16_tflops, gb200_chip.memory_gbps / h100.memory_gbps
     gb_misses = [(r, chip_scale_within(r, eff)) for r in STEPS if r.gpu == "gb200" and r.label in misses]
     mlperf_within = sum(scale * gb_flops >= MLPERF_GB200_OVER_H100 for _, scale in gb_misses)
-    gb_needed = "; ".join(
-        f"{r.label}: {scale * gb_flops:.2f}× and {scale * gb_memory:.2f}×" for r, scale in gb_misses
+    gb_needed = "\n".join(
+        f"    - {r.label}: {scale * gb_flops:.2f}× and {scale * gb_memory:.2f}×" for r, scale in gb_misses
     )
     return f"""# The step-time model of `moe-rl plan`
 
@@ -805,7 +805,9 @@ run (EP 8 within a node, over NVLink).
     the peaks' 2.5×, and no bf16 figure at micro-batch 1 on GB200 to take a constant from.
   - *What the chip would have to be.* Scaling the GB200's FLOP/s and memory bandwidth together until
     each miss reaches half its published step, the model needs a GB200 of at most (its FLOP/s over an
-    H100's, its memory bandwidth over an H100's) {gb_needed}, where the datasheets give {gb_flops:.2f}× and {gb_memory:.2f}×.
+    H100's and its memory bandwidth over an H100's; the datasheets give {gb_flops:.2f}× and {gb_memory:.2f}×):
+{gb_needed}
+
     Tuned GB200 runs measure about what the datasheets say: NVIDIA's MLPerf Training v5.0 submissions
     ran Llama 3.1 405B pretraining {MLPERF_GB200_OVER_H100:g}× faster per GPU than Hopper at the same GPU count, and
     up to 2.6× across the benchmarks (NVIDIA technical blog, "NVIDIA Blackwell Delivers up to 2.6x
