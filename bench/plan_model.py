@@ -577,6 +577,8 @@ def document(eff: Efficiency, measured: dict[str, float]) -> str:
     dsv3_h100 = [x for r, x in zip(STEPS, shipped, strict=True) if r.model == DS and r.gpu == "h100"]
     gb200 = [x for r, x in zip(STEPS, shipped, strict=True) if r.gpu == "gb200"]
     gb200_within = sum(0.5 <= x <= 2 for x in gb200)
+    h100_rows = [x for r, x in zip(STEPS, shipped, strict=True) if r.gpu == "h100"]
+    h100_within = sum(0.5 <= x <= 2 for x in h100_rows)
     ds256 = next(r for r in STEPS if r.label == "DeepSeek-V3, 256 H100, on-policy")
     ds_comm = _generation_s(
         predict(ds256, Efficiency(1e9, 1e9, 1e9))
@@ -715,7 +717,8 @@ both families within 2×: the model has one factor per phase, and the two famili
 NeMo-RL v0.6's performance summary (`docs/about/performance-summary.md`), every GRPO row of the
 three MoE models, each with the settings of its recipe
 (`examples/configs/recipes/llm/performance/`, named in the table). Model / published within 0.5–2 is
-the target; {within} of {len(STEPS)} rows meet it.
+the target; {within} of {len(STEPS)} rows meet it: {h100_within} of the {len(h100_rows)} on H100, {gb200_within} of the {len(gb200)} on GB200
+(the misses, below).
 
 {table(["run", "settings", "NeMo-RL recipe", "published s", "model s", "model / published", "generation s", "π_old + ref + training s", "sync s", "offload s"], step_rows(eff))}
 
