@@ -38,6 +38,7 @@ def test_vllms_lora_layers_hold_the_trainers_adapters_after_each_sync():
     for version, sync in enumerate((first, second), start=1):
         assert sync["version"] == version and sync["label"] == str(version)
         assert sync["loras"] == [1] and sync["request"] == [f"policy_v{version}", 1]
+        assert not sync["folder_left"]  # vLLM read the adapter folder in add_lora; it is removed then
         assert sync["adapters_sent"] > 0 and sync["adapters_bytes"] > 0
         # every adapted HF linear (q, k, v, o, each expert's gate, up and down) moved, and vLLM's LoRA
         # layers hold exactly the trainer's (alpha/r)·B·A for each: vLLM folds the scale into B

@@ -92,6 +92,7 @@ def main(recipe: str, overrides: list[str]) -> dict:
                 "adapters_bytes": stats.get("adapters_bytes", 0.0),
                 "loras": sorted(engine._llm.llm_engine.list_loras()),
                 "request": [engine._adapters.request.lora_name, engine._adapters.request.lora_int_id],
+                "folder_left": Path(engine._adapters.request.lora_path).exists(),
                 "expected": sorted(want),
                 "held": sorted(n for n, d in held.items() if bool(d.abs().max() > 0)),
                 "max_error": max(errors.values(), default=None),

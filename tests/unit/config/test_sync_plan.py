@@ -95,6 +95,12 @@ LORA = ["lora.rank=8", "lora.sync=adapters"]
         ("cuda", [*LORA, "rollout.engine=vllm", "rollout.sync_transport=vllm_ipc"],
          r"lora.sync=adapters with rollout.engine=vllm, rollout.sync_transport=vllm_ipc: vLLM's weight "
          r"transfer loads the model's own weights, not adapters"),
+        ("cuda", [*LORA, "rollout.engine=vllm", "cluster.rollout_nodes=1", "rollout.sync_transport=vllm_nccl"],
+         r"lora.sync=adapters with rollout.engine=vllm, rollout.sync_transport=vllm_nccl: vLLM's weight "
+         r"transfer loads the model's own weights, not adapters"),
+        ("cuda", [*LORA, "rollout.engine=vllm", "lora.train_router=true"],
+         r"lora.sync=adapters with rollout.engine=vllm, lora.train_router=true: vLLM's LoRA takes "
+         r"adapters only.*set lora.train_router=false, or use lora.sync=merged"),
         ("cuda", [*LORA, "rollout.engine=vllm", "lora.train_output_layer=true"],
          r"lora.sync=adapters with rollout.engine=vllm, lora.train_output_layer=true: vLLM's LoRA takes "
          r"adapters only.*set lora.train_output_layer=false, or use lora.sync=merged"),
@@ -103,7 +109,7 @@ LORA = ["lora.rank=8", "lora.sync=adapters"]
         ("cpu", [*LORA, "rollout.quant=int4_awq"],
          r"lora.sync=adapters with rollout.quant=int4_awq: AWQ calibrates the weights"),
     ],
-    ids=["vllm-transfer", "vllm-head", "sleep-level-2", "awq"],
+    ids=["vllm-transfer", "vllm-nccl-transfer", "vllm-router", "vllm-head", "sleep-level-2", "awq"],
 )  # fmt: skip
 def test_an_adapter_sync_the_run_cannot_keep_is_refused_naming_the_keys(where, overrides, match):
     config = load_recipe(TINY, overrides)
