@@ -23,7 +23,6 @@ recipe on the CPU is compared phase by phase with the `time/*` metrics of
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import math
@@ -46,6 +45,7 @@ from moe_rl.config.step_time import (  # noqa: E402
     FITTED,
     MACHINES,
     Efficiency,
+    Machine,
     StepTime,
     SyncCost,
     gathered_sync_cost,
@@ -240,13 +240,14 @@ def run_config(run: NemoRun | Refit, overrides: list[str] | None = None) -> Reci
     )
 
 
-def predict(run: NemoRun, eff: Efficiency) -> StepTime:
+def predict(run: NemoRun, eff: Efficiency, machine: Machine | None = None) -> StepTime:
     """The model's step for a published run: its refit resharded, its colocated phases releasing
-    everything the trainer holds (NeMo-RL offloads the optimizer and the weights)."""
+    everything the trainer holds (NeMo-RL offloads the optimizer and the weights); ``machine``: in
+    place of the run's chip."""
     config, sync, released = _run_inputs(run)
     # NeMo-RL's async GRPO (nemo_rl/algorithms/async_utils.py, v0.6.0): at most
     # num_prompts_per_step * max_trajectory_age_steps prompt groups in flight, N batches
-    return step_time(config, sync, released, eff, batches_in_flight=run.off_policy or None)
+    return step_time(config, sync, released, eff, batches_in_flight=run.off_policy or None, machine=machine)
 
 
 # vLLM's scheduler runs at most ``max_num_seqs`` sequences at once. Unset, vLLM (NeMo-RL v0.6 pins
@@ -284,23 +285,18 @@ def predict_capped(run: NemoRun, eff: Efficiency) -> StepTime:
 MLPERF_GB200_OVER_H100 = 2.2
 
 
-@contextlib.contextmanager
-def _chip_scaled(gpu: GpuType, scale: float):
-    """The chip's FLOP/s (every precision) and memory bandwidth × ``scale`` while inside; its links
-    as they are."""
+def scaled_chip(gpu: GpuType, scale: float) -> Machine:
+    """The chip with its FLOP/s (every precision) and memory bandwidth × ``scale``; its links as they
+    are."""
     chip = MACHINES[gpu]
-    MACHINES[gpu] = replace(
+    return replace(
         chip, bf16_tflops=chip.bf16_tflops * scale, fp8_tflops=chip.fp8_tflops * scale,
         fp32_tflops=chip.fp32_tflops * scale, memory_gbps=chip.memory_gbps * scale,
     )  # fmt: skip
-    try:
-        yield
-    finally:
-        MACHINES[gpu] = chip
 
 
 def chip_scale_within(run: NemoRun, eff: Efficiency, low: float = 0.5) -> float:
-    """The largest scale of the run's chip (`_chip_scaled`) at which the model's step is ``low`` of the
+    """The largest scale of the run's chip (`scaled_chip`) at which the model's step is ``low`` of the
     published one (1.0 when it already is at the datasheet): how much slower the chip would have to
     be for a run the model makes too fast to come within the target."""
     if predict(run, eff).seconds >= low * run.seconds:
@@ -308,8 +304,7 @@ def chip_scale_within(run: NemoRun, eff: Efficiency, low: float = 0.5) -> float:
     below, above = 0.01, 1.0  # the step at ``below`` is slow enough, at ``above`` too fast
     for _ in range(40):
         mid = (below + above) / 2
-        with _chip_scaled(GpuType(run.gpu), mid):
-            slow_enough = predict(run, eff).seconds >= low * run.seconds
+        slow_enough = predict(run, eff, scaled_chip(GpuType(run.gpu), mid)).seconds >= low * run.seconds
         below, above = (mid, above) if slow_enough else (below, mid)
     return below
 
@@ -575,10 +570,11 @@ def document(eff: Efficiency, measured: dict[str, float]) -> str:
     other_within = sum(0.5 <= r <= 2 for r in other)
     by_label = {r.label: x for r, x in zip(STEPS, shipped, strict=True)}
     dsv3_h100 = [x for r, x in zip(STEPS, shipped, strict=True) if r.model == DS and r.gpu == "h100"]
-    gb200 = [x for r, x in zip(STEPS, shipped, strict=True) if r.gpu == "gb200"]
-    gb200_within = sum(0.5 <= x <= 2 for x in gb200)
-    h100_rows = [x for r, x in zip(STEPS, shipped, strict=True) if r.gpu == "h100"]
-    h100_within = sum(0.5 <= x <= 2 for x in h100_rows)
+    on_chip = {
+        chip: [x for r, x in zip(STEPS, shipped, strict=True) if r.gpu == chip] for chip in ("h100", "gb200")
+    }
+    h100_rows, gb200 = on_chip["h100"], on_chip["gb200"]
+    h100_within, gb200_within = (sum(0.5 <= x <= 2 for x in rows) for rows in (h100_rows, gb200))
     ds256 = next(r for r in STEPS if r.label == "DeepSeek-V3, 256 H100, on-policy")
     ds_comm = _generation_s(
         predict(ds256, Efficiency(1e9, 1e9, 1e9))

@@ -630,6 +630,7 @@ def step_time(
     efficiency: Efficiency | None = None,
     batches_in_flight: int | None = None,
     max_num_seqs: int | None = None,
+    machine: Machine | None = None,
 ) -> StepTime:
     """The step of ``config`` by phase (module docstring). ``sync``: the run's sync plan (None: its
     route is refused, and so is the step's time), or what its sync moves (`SyncCost`);
@@ -640,8 +641,9 @@ def step_time(
     once (default ``run.async_depth``, what this project's loop launches ahead; another framework's
     loop may hold fewer than it overlaps, as NeMo-RL's async GRPO, which the comparison with its
     published runs describes). ``max_num_seqs``: the most sequences an engine's scheduler runs at
-    once (vLLM's ``max_num_seqs``), below what its KV cache holds (default: no such bound)."""
-    machine = machine_of(config)
+    once (vLLM's ``max_num_seqs``), below what its KV cache holds (default: no such bound).
+    ``machine``: the chip's rates (default: `machine_of` the recipe)."""
+    machine = machine_of(config) if machine is None else machine
     eff = efficiency_of(config) if efficiency is None else efficiency
     if sync is None:
         raise PhaseCannotRun("weight sync cannot run: the recipe's sync route is refused (see Constraints)")

@@ -163,8 +163,8 @@ def test_the_document_states_its_command_and_the_shipped_factors():
 
 def test_the_chip_a_missed_run_would_need_is_found_and_the_table_left_as_it_was():
     """`bench/plan_model.py`'s `chip_scale_within`: the scale of the run's chip (FLOP/s and memory
-    bandwidth together) at which the model's step is half the published one; 1.0 for a run already
-    within; the chip table back as it was after each trial."""
+    bandwidth together, `scaled_chip`) at which the model's step is half the published one; 1.0 for
+    a run already within; the chip table as it was."""
     from moe_rl.config.modes import GpuType
     from moe_rl.config.step_time import FITTED, MACHINES
 
@@ -176,12 +176,12 @@ def test_the_chip_a_missed_run_would_need_is_found_and_the_table_left_as_it_was(
     scale = bench.chip_scale_within(missed, FITTED)
     assert MACHINES[GpuType.GB200] is gb200
     assert 0.5 < scale < 1.0
-    with bench._chip_scaled(GpuType.GB200, scale):
-        assert MACHINES[GpuType.GB200].bf16_tflops == pytest.approx(gb200.bf16_tflops * scale)
-        assert MACHINES[GpuType.GB200].memory_gbps == pytest.approx(gb200.memory_gbps * scale)
-        assert MACHINES[GpuType.GB200].network_gbps == gb200.network_gbps
-        assert bench.predict(missed, FITTED).seconds == pytest.approx(0.5 * missed.seconds, rel=1e-6)
-    with bench._chip_scaled(GpuType.GB200, scale * 1.001):  # a hair faster: too fast again
-        assert bench.predict(missed, FITTED).seconds < 0.5 * missed.seconds
+    chip = bench.scaled_chip(GpuType.GB200, scale)
+    assert chip.bf16_tflops == pytest.approx(gb200.bf16_tflops * scale)
+    assert chip.memory_gbps == pytest.approx(gb200.memory_gbps * scale)
+    assert chip.network_gbps == gb200.network_gbps
+    assert bench.predict(missed, FITTED, chip).seconds == pytest.approx(0.5 * missed.seconds, rel=1e-6)
+    faster = bench.scaled_chip(GpuType.GB200, scale * 1.001)  # a hair faster: too fast again
+    assert bench.predict(missed, FITTED, faster).seconds < 0.5 * missed.seconds
     assert MACHINES[GpuType.GB200] is gb200
     assert bench.chip_scale_within(runs["Qwen3-235B, 64 GB200, on-policy"], FITTED) == 1.0
