@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.orchestration.run_state import RunState
 from moe_rl.rewards.registry import build_prompt_source
@@ -50,3 +52,57 @@ def test_without_prompts_drawn_ahead_the_stream_resumes_as_it_is_and_an_older_dr
     again = build_prompt_source(config)
     again.load_state(source_state)
     assert _ids(again.next_batch(8)) == _ids(source.next_batch(8))
+
+
+def test_a_new_run_starts_before_step_0_at_policy_version_0_with_nothing_counted():
+    """A run without a checkpoint starts from these: its first checkpoint then stores step 0."""
+    config = load_checked(TINY)
+    source = build_prompt_source(config)
+    fresh = RunState()
+    assert (fresh.step_done, fresh.version, fresh.stale_rejected, fresh.flat_steps) == (-1, 0, 0, 0)
+    stored = fresh.to_json(source.state())
+    assert (stored["step"], stored["version"], stored["num_stale_rejected"], stored["flat_steps"]) == (
+        -1,
+        0,
+        0,
+        0,
+    )
+
+
+def _flat_stages():
+    from moe_rl.orchestration.batches import ScoredSummary
+    from moe_rl.orchestration.preflight import RunInputs
+    from moe_rl.orchestration.stages import Rollout, Stages, Workers
+
+    config = load_checked(TINY)
+    stages = Stages(config, None, Workers(None, None, None), RunInputs(build_prompt_source(config)))
+    groups = torch.arange(4).repeat_interleave(2)
+
+    def rollout(rewards: list[float]) -> Rollout:
+        summary = ScoredSummary(8, torch.tensor(rewards), groups, plan=None, min_version=0)
+        return Rollout([], summary)
+
+    return stages, rollout
+
+
+FLAT = [1.0] * 8
+VARIED = [1.0, 0.0] + [1.0] * 6
+
+
+def test_the_flat_reward_count_runs_over_flat_steps_in_a_row_and_warns_once_at_its_bound(caplog):
+    """Every group's rewards equal: the count grows by one a step; one step with any varied group
+    sets it back to 0. The warning comes at exactly `FLAT_REWARD_STEPS` in a row, not before and not
+    again after (a checkpoint stores the count, so a resume goes on counting)."""
+    from moe_rl.orchestration.stages import FLAT_REWARD_STEPS
+
+    stages, rollout = _flat_stages()
+    warned = []
+    for step, rewards in enumerate([FLAT, FLAT, VARIED] + [FLAT] * (FLAT_REWARD_STEPS + 2)):
+        caplog.clear()
+        stages.advantages(rollout(rewards), {})
+        warned += [(step, r.getMessage()) for r in caplog.records if "rewards have varied" in r.getMessage()]
+        if step == 2:
+            assert stages.state.flat_steps == 0
+    assert [step for step, _ in warned] == [2 + FLAT_REWARD_STEPS]
+    assert f"for {FLAT_REWARD_STEPS} steps in a row (reward/mean 1.000, min 1.000, max 1.000)" in warned[0][1]
+    assert stages.state.flat_steps == FLAT_REWARD_STEPS + 2

@@ -1,0 +1,70 @@
+"""The mutation tool's own decisions (scripts/mutate.py): which tests it runs for a module, which
+line a changed line counts as, where a mutant cannot change what runs, and how a change reads."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "scripts"))
+import mutate  # noqa: E402
+
+
+def test_a_module_is_named_by_path_or_dotted_name_and_a_missing_one_is_refused():
+    assert mutate.module_path("moe_rl.orchestration.run_state") == Path("moe_rl/orchestration/run_state.py")
+    assert mutate.module_path("moe_rl/run_dir.py") == Path("moe_rl/run_dir.py")
+    assert mutate.module_path("moe_rl.rewards") == Path("moe_rl/rewards/__init__.py")
+    with pytest.raises(mutate.MutateError, match=r"module 'moe_rl\.nope': no file moe_rl/nope\.py"):
+        mutate.module_path("moe_rl.nope")
+    with pytest.raises(mutate.MutateError, match="not_the_library"):
+        mutate.module_path("tests/conftest.py".replace("tests", "not_the_library"))
+
+
+def test_the_tests_chosen_are_those_that_import_the_module_through_helpers_and_packages():
+    run_state = mutate.select_tests([Path("moe_rl/orchestration/run_state.py")], depth=0)
+    assert Path("tests/unit/orchestration/test_run_state.py") in run_state
+    # a distributed test reaches the critic through its worker helper, imported by bare name
+    critic = mutate.select_tests([Path("moe_rl/trainer/critic.py")], depth=0)
+    assert Path("tests/distributed/test_trainer_dp.py") in critic
+    assert critic.index(Path("tests/unit/trainer/test_critic.py")) < critic.index(
+        Path("tests/distributed/test_trainer_dp.py")
+    )  # the unit tier first
+    # one library module in between: none at depth 0, found at depth 1
+    assert mutate.select_tests([Path("moe_rl/trainer/returns.py")], depth=0) == []
+    assert Path("tests/unit/trainer/test_distill.py") in mutate.select_tests(
+        [Path("moe_rl/trainer/returns.py")], depth=1
+    )
+
+
+def test_a_line_of_a_statement_counts_as_its_first_line_a_compound_statement_as_its_header():
+    source = "x = f(\n    1,\n    2,\n)\nif (a and\n        b):\n    y = 3\n@dec\ndef g(\n    p,\n):\n    return p\n"
+    first = mutate.statement_lines(source)
+    assert [first[n] for n in (1, 2, 3, 4)] == [1, 1, 1, 1]
+    assert (first[5], first[6], first[7]) == (5, 5, 7)
+    assert (first[8], first[9], first[10], first[11], first[12]) == (9, 9, 9, 9, 12)
+
+
+def test_annotations_and_bare_star_are_inert_defaults_and_bodies_are_not():
+    source = (
+        "def f(a: int | None, *, b: float = 0.5) -> int | None:\n    return a * b\nx: int | str = 1 | 2\n"
+    )
+    spans = mutate.inert_spans(source)
+
+    def inert(line: int, col: int) -> bool:
+        return any(a <= (line, col) and (line, col + 1) <= b for a, b in spans)
+
+    line1 = source.splitlines()[0]
+    assert inert(1, line1.index("|"))  # a's annotation
+    assert inert(1, line1.index("*"))  # the keyword-only marker
+    assert not inert(1, line1.index("0.5"))  # a default runs
+    assert inert(1, line1.rindex("|"))  # the return annotation
+    assert not inert(2, source.splitlines()[1].index("*"))  # a product in the body
+    assert inert(3, 7) and not inert(3, source.splitlines()[2].index("1 | 2") + 2)
+
+
+def test_a_change_reads_as_the_old_lines_then_the_new():
+    diff = "--- a/m.py\n+++ b/m.py\n@@ -3 +3 @@\n-    if k < n:\n+    if k <= n:\n"
+    assert mutate._change(diff) == "if k < n:  ->  if k <= n:"
