@@ -644,11 +644,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(modules: list[str], tests: list[str], args: argparse.Namespace) -> int:
-    work = _session_dir(modules)
-    work.mkdir(parents=True, exist_ok=True)
     if args.list:
         print("\n".join(tests))
         return 0
+    work = _session_dir(modules)
+    work.mkdir(parents=True, exist_ok=True)
     if args.resume and (work / "session.json").exists():
         session = Session.load(work / "session.json")
         for module in session.modules:  # a stopped run may have left its mutant in place

@@ -190,3 +190,88 @@ def test_the_service_keys_are_checked_before_the_run():
         "reward service: data.reward_url=http://judge/score, data.reward_pool=process: requests wait on "
         "the network in threads: set data.reward_pool=thread"
     ]
+
+
+def _direct(url: str, *, retries: int, timeout_s: float | None = 5.0, backoff_s: float = 0.25):
+    from moe_rl.rewards.http import HttpReward
+
+    return HttpReward(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
+
+
+@pytest.fixture
+def waits(monkeypatch) -> list[float]:
+    """The back-off waits a call asks for, in order (recorded, not slept)."""
+    from moe_rl.rewards import http
+
+    asked: list[float] = []
+    monkeypatch.setattr(http.time, "sleep", asked.append)
+    return asked
+
+
+def test_the_back_off_doubles_before_each_next_try_and_none_comes_before_the_first(service, waits):
+    service.statuses = [503, 503, 503]
+    reward = _direct(service.url, retries=3)
+    assert reward([{"prompt": "p", "response": "1", "answer": "1"}]) == [1.0]
+    assert waits == [0.25, 0.5, 1.0] and len(service.requests) == 4
+
+
+@pytest.mark.parametrize(
+    ("status", "retried"), [(429, True), (428, False), (430, False), (499, False), (500, True), (404, False)]
+)
+def test_a_429_and_a_5xx_are_retried_every_other_4xx_fails_at_once(service, waits, status, retried):
+    from moe_rl.rewards.pool import CallError
+
+    service.statuses = [status]
+    reward = _direct(service.url, retries=1)
+    item = [{"prompt": "p", "response": "1", "answer": "1"}]
+    if retried:
+        assert reward(item) == [1.0] and len(service.requests) == 2
+    else:
+        with pytest.raises(CallError, match=f"answered HTTP {status} "):
+            reward(item)
+        assert len(service.requests) == 1 and waits == []
+
+
+def test_one_try_is_said_in_the_singular(service, waits):
+    from moe_rl.rewards.pool import CallError
+
+    service.statuses = [503]
+    with pytest.raises(CallError, match=r"\(1 try, data.reward_retries=0\)$"):
+        _direct(service.url, retries=0)([{"prompt": "p", "response": "1", "answer": "1"}])
+
+
+def test_the_longest_a_call_takes_counts_every_try_at_both_limits_and_the_waits():
+    # 3 tries, each up to 5 s to connect and 5 s to be answered, and waits of 0.25 + 0.5
+    assert _direct("http://x/s", retries=2).longest_s() == pytest.approx(3 * 2 * 5.0 + 0.75)
+    assert _direct("http://x/s", retries=0, backoff_s=9.0).longest_s() == pytest.approx(10.0)
+    assert _direct("http://x/s", retries=2, timeout_s=None).longest_s() is None
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b"not json", "answered 'not json', not {\"rewards\": [...]}"),
+        (b'{"scores": [1.0]}', 'not {"rewards": [...]}'),
+        (b'["rewards"]', 'not {"rewards": [...]}'),
+        (b'{"rewards": [1.0, NaN]}', "answered nan for item 1; every reward must be a finite number"),
+        (b'{"rewards": [Infinity, 1.0]}', "answered inf for item 0; every reward must be a finite number"),
+        (b'{"rewards": [1.0, "1"]}', "answered '1' for item 1; every reward must be a finite number"),
+        (b'{"rewards": 2}', "answered 2 for 2 responses"),
+    ],
+)
+def test_an_answer_other_than_finite_rewards_fails_at_once_saying_what_came(service, waits, body, said):
+    from moe_rl.rewards.pool import CallError
+
+    service.body = body
+    items = [{"prompt": "p", "response": "1", "answer": "1"}] * 2
+    with pytest.raises(CallError) as err:
+        _direct(service.url, retries=2)(items)
+    assert said in str(err.value) and len(service.requests) == 1
+
+
+def test_an_answer_is_quoted_up_to_its_first_200_characters():
+    from moe_rl.rewards.http import BODY_SHOWN, _shown
+
+    assert BODY_SHOWN == 200
+    assert _shown(b"a" * 200) == repr("a" * 200)
+    assert _shown(b"a" * 201) == repr("a" * 200 + "...")
