@@ -213,3 +213,54 @@ def test_the_progress_of_a_scoring_in_flight_names_the_calls_and_the_prompt_wait
             break
         threading.Event().wait(0.05)
     assert line is not None and "the longest for" in line and "(prompt 1)" in line, line
+
+
+def test_the_progress_names_the_call_running_longest_and_for_how_long():
+    """`Progress.longest` is the call that started first among those still running, with the
+    seconds since it started (a lower bound: they keep growing)."""
+    import time
+
+    from moe_rl.rewards.pool import Progress
+
+    progress = Progress(total=5)
+    assert progress.longest() is None
+    now = time.monotonic()
+    progress.running = {3: now - 2.0, 1: now - 7.0, 4: now - 0.5}
+    index, seconds = progress.longest()
+    assert index == 1 and 7.0 <= seconds < 7.0 + DEADLINE_S
+
+
+DIES = """
+    import os
+    def score(response, answer):
+        if answer == "die":
+            os._exit(7)
+        if answer == "raise":
+            raise ValueError("no score for this")
+        return float(os.getpid())
+"""
+
+
+def test_a_worker_process_that_dies_fails_its_call_and_a_new_one_serves_the_next(tmp_path, monkeypatch):
+    """The call whose process ended says so with the exit code; a call that raised leaves its
+    process serving (the same pid answers next); every call after a death gets a live process."""
+    from moe_rl.rewards.pool import CallFailed, ScoringPool
+
+    spec = _module(tmp_path, monkeypatch, DIES)
+    module, name = spec.split(":")
+    fn = getattr(__import__(module), name)
+    pool = ScoringPool(fn, spec, RewardPool.PROCESS, workers=1, timeout_s=DEADLINE_S, timeout_cause="late")
+    ok = lambda value: None  # noqa: E731
+    try:
+        calls = [("7", "pid"), ("7", "raise"), ("7", "pid"), ("7", "die"), ("7", "pid")]
+        first, raised, again, died, after = _within(lambda: pool.run(calls, ok, stop_on_failure=False))
+        assert raised.cause == "raised ValueError: no score for this" and raised.value is None
+        assert again.value == first.value  # the process that raised still serves
+        assert died.cause == "lost its worker process (exit code 7)" and died.value is None
+        assert after.cause is None and after.value != first.value  # a new process
+        assert (pool.progress.done, pool.progress.failed, pool.progress.total) == (5, 2, 5)
+        with pytest.raises(CallFailed) as err:
+            _within(lambda: pool.run([("7", "pid"), ("7", "die")], ok, stop_on_failure=True))
+        assert (err.value.index, err.value.cause) == (1, "lost its worker process (exit code 7)")
+    finally:
+        pool.close()
