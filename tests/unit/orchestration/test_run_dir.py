@@ -17,6 +17,7 @@ import pytest
 
 from moe_rl import run_dir as rd
 from moe_rl.config import ConfigError
+from moe_rl.errors import UserError
 from moe_rl.orchestration.metrics import MetricsSink
 from moe_rl.run_dir import read_metrics
 
@@ -458,3 +459,64 @@ def test_a_checkpoint_cut_by_a_full_disk_is_one_line_and_a_resume_skips_it(tmp_p
     (aside,) = [p.name for p in (tmp_path / "checkpoints").iterdir()]
     assert aside.startswith("step_000000.unusable-")
     assert read_metrics(tmp_path) == []
+
+
+@pytest.mark.parametrize("entry", ["a file", "a link to nothing", "a link loop"])
+def test_a_step_entry_that_is_not_a_readable_folder_is_never_taken_for_a_save_cut_short(tmp_path, entry):
+    """A ``step_N`` that is a file or a dead link was never a save that stopped half way (those are
+    readable folders without a manifest): a resume with nothing older stops, naming it, rather than
+    starting from step 0 over it; beside an older good checkpoint it is skipped with its reason."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    odd = folder / "step_000005"
+    if entry == "a file":
+        odd.write_text("")
+    elif entry == "a link to nothing":
+        odd.symlink_to(tmp_path / "gone")
+    else:
+        odd.symlink_to("step_000005")
+    assert not rd.unsealed(odd)
+    with pytest.raises(ConfigError, match=r"no usable checkpoint \(step_000005: no manifest.json "):
+        rd.newest_usable(tmp_path)
+    good = _checkpoint(folder, 3)
+    assert rd.newest_usable(tmp_path) == rd.Usable(good, 3)
+
+
+@pytest.mark.parametrize("link", ["to nothing", "a loop"])
+def test_init_from_a_run_whose_checkpoints_is_a_broken_link_names_the_link(tmp_path, link):
+    """`model.init_from=RUN` whose ``checkpoints/`` is a link that leads nowhere: the error names
+    the link and why, not "neither a run directory nor a checkpoint folder"."""
+    from moe_rl.errors import EnvironmentFault
+
+    run = tmp_path / "sft"
+    run.mkdir()
+    if link == "to nothing":
+        (run / "checkpoints").symlink_to(tmp_path / "scratch")
+        why = f"a link to {tmp_path / 'scratch'}, which is not there"
+    else:
+        (run / "checkpoints").symlink_to("checkpoints")
+        why = "a symbolic link loop"
+    with pytest.raises(EnvironmentFault) as err:
+        rd.init_checkpoint(run)
+    assert str(err.value).startswith(f"{run / 'checkpoints'}: cannot be read ({why}); ")
+    with pytest.raises(UserError, match=r"model.init_from=.*: neither a run directory with checkpoints/"):
+        rd.init_checkpoint(tmp_path / "empty")
+
+
+def test_init_from_a_checkpoint_or_a_run_takes_its_trainer_state_and_refuses_what_cannot_be_used(tmp_path):
+    run = tmp_path / "run"
+    ckpt = _checkpoint(run / "checkpoints", 4)
+    newer = _checkpoint(run / "checkpoints", 6)
+    assert rd.init_checkpoint(ckpt) == ckpt / "trainer"
+    assert rd.init_checkpoint(run) == newer / "trainer"
+    (newer / "driver.json").write_text("{}")  # damaged: the run's newest usable is the older one
+    assert rd.init_checkpoint(run) == ckpt / "trainer"
+    with pytest.raises(UserError, match=r"^critic.init_from=X: the checkpoint is not usable: driver.json "):
+        rd.init_checkpoint(newer, "critic.init_from=X")
+    (ckpt / "driver.json").write_text("{}")
+    with pytest.raises(UserError, match=r"^model.init_from=.*: no usable checkpoint \(step_000006: "):
+        rd.init_checkpoint(run)
+    empty = tmp_path / "empty_run"
+    (empty / "checkpoints").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"^model.init_from=.*: the run has no checkpoint yet$"):
+        rd.init_checkpoint(empty)
