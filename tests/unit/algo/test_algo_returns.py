@@ -242,3 +242,31 @@ def test_whitening_does_not_depend_on_how_the_batch_is_split(b, cut):
         assert float(whole.mean()) == pytest.approx(0.0, abs=1e-9)
         var = float(x.double().var())  # ε under the root: the spread is sqrt(var / (var + ε)), not 1
         assert float(whole.std()) == pytest.approx((var / (var + WHITEN_EPS)) ** 0.5, rel=1e-6)
+
+
+def test_whitening_a_near_constant_batch_puts_eps_under_the_root():
+    """x = [1, 1 + 2e-5]: mean 1 + 1e-5, unbiased variance 2e-10, far below ε = 1e-8. Under the
+    root, ε dominates: ±1e-5 / sqrt(2e-10 + 1e-8) = ±0.0990 (added to the standard deviation it
+    would give ±0.7066; without it, ±0.7071)."""
+    x = torch.tensor([1.0, 1.0 + 2e-5], dtype=torch.float64)
+    mask = all_true(2)
+    got = whiten(x, mask, whiten_sums(x, mask))
+    d = float(x[1] - x[0]) / 2  # what float64 holds of 1e-5
+    expected = d / math.sqrt(2 * d * d + WHITEN_EPS)
+    assert got.tolist() == pytest.approx([-expected, expected], rel=1e-6)
+    assert expected == pytest.approx(0.0990, abs=1e-4)
+    assert whiten(x, mask, whiten_sums(x, mask), eps=0.0).tolist() == pytest.approx(
+        [-(0.5**0.5), 0.5**0.5], rel=1e-5
+    )  # the variance from sums of squares near 1 keeps about 6 of its digits
+
+
+def test_a_constant_batch_whose_sums_round_to_a_negative_variance_whitens_to_zero():
+    """3,001 equal tokens of 89378.3984375: Σx² and n·mean² round apart in float64 and their
+    difference is about −1.3e-6, below −ε; the variance is clamped at 0, so every token whitens to
+    0, not to NaN."""
+    x = torch.full((3001,), 89378.3984375)
+    mask = all_true(3001)
+    count, total, squares = whiten_sums(x, mask).unbind()
+    assert float((squares - count * (total / count) ** 2) / (count - 1)) < -WHITEN_EPS  # the round-off
+    got = whiten(x, mask, whiten_sums(x, mask))
+    assert torch.equal(got, torch.zeros_like(x))
