@@ -156,3 +156,26 @@ def test_config_check_takes_an_override_longer_than_a_file_name():
     file system takes as a name is an override, not a traceback."""
     out, _ = run_cli("config", "check", "recipes/tiny_moe.yaml", f"run.name={'x' * 300}", timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("OK    recipes/tiny_moe.yaml"), out.stderr[-2000:]
+
+
+def test_the_bound_holds_exactly_max_values_and_refuses_one_more():
+    """Counted by hand: ``a`` (99 scalars) is 100 values, ``b`` (998 uses of ``a``) 1 + 99,800, ``c``
+    (k scalars) 1 + k, each key 1 and the mapping 1: 99,906 + k in all. k = 94 is exactly
+    `MAX_VALUES` and composes; k = 95 is refused, the whole file named (no key alone is too big)."""
+    import yaml
+
+    from moe_rl.config.loader import TooManyValues, _YamlLoader
+
+    assert MAX_VALUES == 100_000
+
+    def doc(k: int) -> str:
+        return (
+            f"a: &a [{', '.join(['x'] * 99)}]\nb: [{', '.join(['*a'] * 998)}]\nc: [{', '.join(['x'] * k)}]\n"
+        )
+
+    assert yaml.compose(doc(94), Loader=_YamlLoader) is not None
+    with pytest.raises(TooManyValues) as err:
+        yaml.compose(doc(95), Loader=_YamlLoader)
+    assert str(err.value) == (
+        "line 1: the file expands to 100,001 values with its YAML aliases followed; a recipe holds at most 100,000"
+    )
