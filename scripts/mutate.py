@@ -14,7 +14,8 @@ How a run goes (all of it in a copy of the tree under ``.mutate/``, never in the
 2. cosmic-ray lists the mutants of the operators in ``OPERATORS`` (lines marked
    ``# pragma: no mutate`` are skipped) and applies each in turn, running
    ``mutate.py run-mutant``: the tests that execute the changed line, ``-x``, within a deadline
-   of five times their unmutated time. A mutant on a line no chosen test executes survives
+   of five times their unmutated time. A mutant on a line with no coverage recorded (no chosen
+   test runs it, or only a process that was killed did: coverage saves at a normal exit) survives
    without a run;
 3. the report: per module its mutants, killed and survivors, then each survivor as
    ``file:line``, the change and the test files run. ``.mutate/scores.json`` keeps each
@@ -45,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STATE = ROOT / ".mutate"
 PYTHON = sys.executable
 RECORD = "MUTATE-RECORD "
+UNRECORDED = "no coverage recorded"
 LIBRARY = ("moe_rl", "launch")
 
 # The mutation operators run: each changes what a result can depend on, one mutant a site (the
@@ -232,6 +234,8 @@ class Session:
     lines: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     durations: dict[str, float] = field(default_factory=dict)
     baseline_s: float = 0.0
+    run_unrecorded: bool = False
+    """Run a mutant on a line with no coverage recorded against the module's tests anyway."""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -270,7 +274,7 @@ def measure_baseline(session: Session, work: Path) -> None:
     rc_file = work / "coveragerc"
     includes = "\n    ".join(str(tree / m) for m in session.modules)
     rc_file.write_text(
-        f"[run]\ndata_file = {data}/.coverage\nparallel = true\npatch = subprocess\n"
+        f"[run]\ndata_file = {data}/.coverage\nparallel = true\npatch =\n    subprocess\n    _exit\n"
         f"include =\n    {includes}\n"
     )
     durations = work / "durations.json"
@@ -312,7 +316,7 @@ def run_mutant(work: Path) -> int:
     """cosmic-ray's test command: find the changed lines, run the tests that execute them."""
     session = Session.load(work / "session.json")
     tree = Path(session.tree)
-    record: dict = {"tests": [], "outcome": "not executed"}
+    record: dict = {"tests": [], "outcome": UNRECORDED}
     changed: list[tuple[str, int]] = []
     for module in session.modules:
         before = (work / "pristine" / module).read_text().splitlines()
@@ -329,7 +333,12 @@ def run_mutant(work: Path) -> int:
             )
     tests: set[str] = set()
     for module, line in changed:
-        tests.update(session.lines.get(module, {}).get(str(line), []))
+        found = set(session.lines.get(module, {}).get(str(line), []))
+        if not found and session.run_unrecorded:
+            found = {"*"}
+        if "*" in found:  # run at import: the tests that run any line of the module
+            found = {t for ts in session.lines.get(module, {}).values() for t in ts} - {"*"} or {"*"}
+        tests |= found
     if "*" in tests:
         tests = set(session.tests)
     if tests:
@@ -440,7 +449,7 @@ def _cosmic(args: list[str], cwd: Path) -> None:
         raise MutateError(f"{' '.join(args[:2])} failed:\n{done.stdout}{done.stderr}")
 
 
-def prepare(modules: list[str], tests: list[str], work: Path) -> Session:
+def prepare(modules: list[str], tests: list[str], work: Path, run_unrecorded: bool) -> Session:
     tree = work / "tree"
     _copy_tree(tree)
     pristine = work / "pristine"
@@ -448,7 +457,7 @@ def prepare(modules: list[str], tests: list[str], work: Path) -> Session:
     for module in modules:
         (pristine / module).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / module, pristine / module)
-    session = Session(modules=modules, tests=tests, tree=str(tree))
+    session = Session(modules=modules, tests=tests, tree=str(tree), run_unrecorded=run_unrecorded)
     measure_baseline(session, work)
     session.save(work / "session.json")
     return session
@@ -534,7 +543,7 @@ class ModuleScore:
 
     @property
     def not_executed(self) -> int:
-        return sum(s["outcome"] == "not executed" for s in self.survived)
+        return sum(s["outcome"] == UNRECORDED for s in self.survived)
 
 
 def collect(work: Path, session: Session) -> dict[str, ModuleScore]:
@@ -579,10 +588,10 @@ def report(scores: dict[str, ModuleScore], tests: list[str]) -> None:
         share = len(score.survived) / score.mutants if score.mutants else 0.0
         print(
             f"\n{score.module}: {score.mutants} mutants, {score.killed} killed, {len(score.survived)} "
-            f"survived ({share:.1%}; {score.not_executed} on lines no chosen test executes)"
+            f"survived ({share:.1%}; {score.not_executed} on lines with no coverage recorded)"
         )
         for s in sorted(score.survived, key=lambda s: int(s["where"].rsplit(":", 1)[1])):
-            ran = ", ".join(s["tests"]) if s["tests"] else "none (no chosen test executes this line)"
+            ran = ", ".join(s["tests"]) if s["tests"] else "none: no coverage recorded for this line"
             print(f"  {s['where']}  [{s['operator']}]  {s['change']}\n      tests run: {ran}")
     _save_scores(scores)
 
@@ -623,6 +632,11 @@ def main(argv: list[str] | None = None) -> int:
         "--list", action="store_true", help="print the chosen tests and the mutants, run nothing"
     )
     parser.add_argument("--resume", action="store_true", help="go on with the last run of these modules")
+    parser.add_argument(
+        "--run-unrecorded", action="store_true",
+        help="run the module's tests against mutants on lines with no coverage recorded (code only a "
+        "killed process ran) instead of counting them survivors unrun",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         modules = [str(module_path(m)) for m in args.modules]
@@ -654,7 +668,7 @@ def _run(modules: list[str], tests: list[str], args: argparse.Namespace) -> int:
         for module in session.modules:  # a stopped run may have left its mutant in place
             shutil.copy2(work / "pristine" / module, Path(session.tree) / module)
     else:
-        session = prepare(modules, tests, work)
+        session = prepare(modules, tests, work, args.run_unrecorded)
         print(f"  {session.baseline_s:.0f} s unmutated", flush=True)
         config = cosmic_config(session, work)
         db = work / "session.sqlite"

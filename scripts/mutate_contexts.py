@@ -1,8 +1,11 @@
 """pytest plugin of scripts/mutate.py's unmutated run: each test in its own coverage context (its
-node id), and each test's time written to ``$MUTATE_DURATIONS`` at the end."""
+node id), in this process and in every Python process it starts meanwhile (coverage's
+``patch = subprocess`` hands them its settings in ``COVERAGE_PROCESS_CONFIG``: the test's node id
+goes in as their static context), and each test's time written to ``$MUTATE_DURATIONS`` at the end."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -11,6 +14,21 @@ import coverage
 import pytest
 
 _durations: dict[str, float] = {}
+_CHILDREN = "COVERAGE_PROCESS_CONFIG"
+_children_config = os.environ.get(_CHILDREN)
+
+
+def _children_context(nodeid: str) -> None:
+    """The coverage context of the processes started from now on (coverage's serialized settings:
+    base64 of a JSON object; left as they are if that ever changes)."""
+    if _children_config is None:
+        return
+    try:
+        settings = json.loads(base64.b64decode(_children_config))
+    except ValueError:
+        return
+    settings["context"] = nodeid or None
+    os.environ[_CHILDREN] = base64.b64encode(json.dumps(settings).encode()).decode()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -18,6 +36,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     cov = coverage.Coverage.current()
     if cov is not None:
         cov.switch_context(item.nodeid)
+    _children_context(item.nodeid)
     item.stash[_start] = time.monotonic()
 
 
@@ -32,6 +51,7 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
     cov = coverage.Coverage.current()
     if cov is not None:
         cov.switch_context("")
+    _children_context("")
 
 
 @pytest.hookimpl(hookwrapper=True)
