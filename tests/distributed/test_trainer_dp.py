@@ -61,16 +61,28 @@ def critic_reference(weights):
     return trainer_dp_worker.critic_outputs(config, list(range(trainer_dp_worker.GLOBAL_MICRO_BATCHES)))
 
 
+@pytest.fixture(scope="module")
+def teacher(weights, tmp_path_factory) -> tuple[str, str]:
+    """The distillation's teacher: its Hugging Face folder and the recipe of its architecture."""
+    return trainer_dp_worker.write_teacher(str(tmp_path_factory.mktemp("teacher")))
+
+
+@pytest.fixture(scope="module")
+def distill_reference(weights, teacher):
+    """On-policy distillation at DP=1 on the whole global batch, in this process."""
+    config = trainer_dp_worker.distill_recipe(1, weights, teacher)
+    return trainer_dp_worker.distill_outputs(config, list(range(trainer_dp_worker.GLOBAL_MICRO_BATCHES)))
+
+
 EPS = (1, 2)
 
 
 @pytest.fixture(scope="module")
-def dp_runs(weights, tmp_path_factory) -> Path:
+def dp_runs(weights, teacher, tmp_path_factory) -> Path:
     """DP=2 with EP=1, then EP=2, both ranks in one spawn (one start-up for both)."""
     out = tmp_path_factory.mktemp("dp_runs")
-    mp.spawn(
-        trainer_dp_worker.rank_main, args=(2, free_port(), list(EPS), weights, str(out)), nprocs=2, join=True
-    )
+    args = (2, free_port(), list(EPS), weights, str(out), teacher)
+    mp.spawn(trainer_dp_worker.rank_main, args=args, nprocs=2, join=True)
     return out
 
 
@@ -150,3 +162,24 @@ def test_ep2_gradients_equal_ep1(spawn, reference):
     assert experts[0] | experts[1] == {k for k in reference if ".mlp.experts." in k}
     for got in ranks:
         _compare(got, reference)
+
+
+def test_distillation_at_dp2_takes_the_whole_batchs_mean_gap_as_its_baseline(dp_runs, distill_reference):
+    """Rank 0 holds micro-batch 0, rank 1 the other three: each rank's own mean teacher − π_old gap
+    differs from the batch's, yet both report the batch's ``distill/reverse_kl`` and every
+    micro-batch's advantages equal the one-process run's (the baseline summed over the ranks)."""
+    ranks = [torch.load(dp_runs / f"distill.{rank}.pt") for rank in range(2)]
+    batch_kl = distill_reference["__old__/distill/reverse_kl"]
+    local = []
+    for got in ranks:
+        torch.testing.assert_close(got["__old__/distill/reverse_kl"], batch_kl, rtol=1e-5, atol=1e-7)
+        gaps = [
+            got[k] - got[k.replace("teacher_logp", "old_logp")] for k in got if k.endswith("teacher_logp")
+        ]
+        local.append(float(torch.cat(gaps).double().mean()))
+        for key, value in got.items():
+            if key.startswith("__mb"):
+                torch.testing.assert_close(value, distill_reference[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert abs(local[0] - local[1]) > 1e-3 and abs(local[0] + float(batch_kl)) > 1e-4
+    found = {k for got in ranks for k in got if k.startswith("__mb")}
+    assert found == {k for k in distill_reference if k.startswith("__mb")}

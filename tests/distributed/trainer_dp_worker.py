@@ -1,6 +1,7 @@
 """Rank body for tests/distributed/test_trainer_dp.py: one gradient accumulation of the tiny MoE
 on a share of a fixed global batch, gradients saved under global (HF) tensor names; then PPO with a
-critic on the same share (its values, returns, advantages and its step: `critic_outputs`)."""
+critic on the same share (its values, returns, advantages and its step: `critic_outputs`) and
+on-policy distillation from a wider teacher (`distill_outputs`)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,52 @@ def shard(batches, rank: int, world: int, even: bool):
 
 
 LORA = ("lora.rank=4", "lora.alpha=8")
+
+TEACHER = ("model.hidden_size=48", "algo.routing_replay=off")
+"""The teacher of the distillation case: the tiny model half again as wide, weights of its own."""
+
+
+def write_teacher(folder: str) -> tuple[str, str]:
+    """The teacher as a Hugging Face folder and the recipe file of its architecture."""
+    from moe_rl.config.loader import to_yaml
+    from moe_rl.megatron.hf_weights import save_hf_checkpoint
+    from moe_rl.megatron.model import build_gpt_model, model_config_to_hf_config
+
+    config = recipe(1, 1, None, 1, *TEACHER)
+    weights = Path(folder) / "hf"
+    save_hf_checkpoint(
+        build_gpt_model(config.model, seed=11), str(weights), model_config_to_hf_config(config.model)
+    )
+    (Path(folder) / "teacher.yaml").write_text(to_yaml(config))
+    return str(weights), str(Path(folder) / "teacher.yaml")
+
+
+def distill_recipe(world: int, hf_path: str, teacher: tuple[str, str]):
+    weights, model_recipe = teacher
+    return recipe(
+        world,
+        1,
+        hf_path,
+        1,
+        "algo.distill.coef=0.5",
+        f"teacher.path={weights}",
+        f"teacher.model_recipe={model_recipe}",
+    )
+
+
+def distill_outputs(config, mine: list[int]) -> dict[str, torch.Tensor]:
+    """On-policy distillation (``config``) on the micro-batches ``mine`` of this rank: the π_old
+    pass's ``distill/reverse_kl`` (``__old__/``) and each micro-batch's ``advantages``, ``old_logp``
+    and ``teacher_logp`` (``__mb{i}__/``)."""
+    from moe_rl.trainer.worker import TrainerWorker
+
+    worker = TrainerWorker(config)
+    batches = global_batch(config)
+    prepared, old = worker.compute_old_logp([batches[i] for i in mine])
+    out = {"__old__/distill/reverse_kl": torch.tensor(old["distill/reverse_kl"], dtype=torch.float64)}
+    for i, mb in zip(mine, prepared):
+        out |= {f"__mb{i}__/{k}": getattr(mb, k).clone() for k in ("advantages", "old_logp", "teacher_logp")}
+    return out
 
 
 def _global_key(model, name: str) -> str:
@@ -223,11 +270,14 @@ def critic_outputs(config, mine: list[int], train: bool = True) -> dict[str, tor
 CRITIC_STEP = ("critic/loss", "critic/grad_norm", "critic/update_ok")
 
 
-def rank_main(rank: int, world: int, port: int, eps: list[int], hf_path: str, out_dir: str) -> None:
+def rank_main(
+    rank: int, world: int, port: int, eps: list[int], hf_path: str, out_dir: str, teacher: tuple[str, str]
+) -> None:
     """For each expert-parallel size of ``eps`` in turn, in one process (Megatron's groups made again
     for each): the gradients, what the rank sends to vLLM and to a Megatron engine, the critic's
     outputs on the rank's micro-batches, LoRA's gradients (`grads.<ep>.<rank>.pt`,
-    `sent.<ep>.<rank>.pt`, `critic.<ep>.<rank>.pt`, `lora.<ep>.<rank>.pt`)."""
+    `sent.<ep>.<rank>.pt`, `critic.<ep>.<rank>.pt`, `lora.<ep>.<rank>.pt`); at EP 1 also the
+    distillation's outputs from ``teacher`` (`write_teacher`: `distill.<rank>.pt`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from megatron.core import parallel_state as ps
 
@@ -242,6 +292,9 @@ def rank_main(rank: int, world: int, port: int, eps: list[int], hf_path: str, ou
         critic = critic_outputs(recipe(world, ep, hf_path, 1, *PPO), mine)
         torch.save(critic, Path(out_dir) / f"critic.{ep}.{rank}.pt")
         torch.save(gradients(world, rank, ep, hf_path, lora=True), Path(out_dir) / f"lora.{ep}.{rank}.pt")
+        if ep == 1:
+            distill = distill_outputs(distill_recipe(world, hf_path, teacher), mine)
+            torch.save(distill, Path(out_dir) / f"distill.{rank}.pt")
 
 
 def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tensor]:
