@@ -260,20 +260,37 @@ def _damage(checkpoint: Path, truncate: bool) -> None:
         largest.write_bytes(data[:middle] + bytes(4096) + data[middle + 4096 :])
 
 
+def _engines_of(tag: str) -> list[int]:
+    """The engine actor processes of the run started with ``MOE_RL_TEST_TAG=tag`` (its Ray cluster's
+    processes inherit the driver's environment), never those of another run on the machine."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # not a process, or gone
+            continue
+        if f"MOE_RL_TEST_TAG={tag}".encode() in environ and cmdline.startswith(b"ray::EngineActor"):
+            found.append(int(entry.name))
+    return found
+
+
 def test_engine_crash_is_detected_and_the_engine_restarted(tmp_path):
+    tag = f"crash-{os.getpid()}-{time.monotonic_ns()}"
     proc = _train(
-        [TINY, "run.steps=6", "run.name=crash", "logging.diagnose_every=3"], tmp_path, start_new_session=True
-    )
+        [TINY, "run.steps=6", "run.name=crash", "logging.diagnose_every=3"], tmp_path, start_new_session=True,
+        env={**os.environ, "MOE_RL_TEST_TAG": tag},
+    )  # fmt: skip
     metrics = tmp_path / "crash" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and metrics.read_text().strip()):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    pids = subprocess.run(["pgrep", "-f", "ray::EngineActor"], capture_output=True, text=True).stdout.split()
+    pids = _engines_of(tag)
     assert pids, "no engine actor process found"
     for pid in pids:
-        os.kill(int(pid), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     _finish(proc)
     records = _metrics(tmp_path / "crash")
     assert [r["step"] for r in records] == list(range(6))
