@@ -251,3 +251,73 @@ def test_a_lora_run_starts_from_a_full_runs_weights_and_exports_its_merged_polic
     (adapted / "config.yaml").unlink()
     with pytest.raises(UserError, match="settings \\(lora.rank, lora.alpha\\) are in its run's config.yaml"):
         TrainerWorker(tiny_recipe(f"model.init_from={adapted}"))
+
+
+def test_an_adapter_adds_alpha_over_rank_times_b_a_x_by_hand(pair):
+    """rank 4, alpha 8: s = 2. With A and B set by hand, one adapted linear's output is W·x + 2·B·A·x,
+    and its merged weight W + 2·B·A (the sync's and the export's)."""
+    _, lora = pair
+    name, module = next(iter(adapted_linears(lora.model).items()))
+    assert module.lora_scale == 2.0
+    a = torch.arange(module.lora_a.numel(), dtype=torch.float32).reshape(module.lora_a.shape) / 100.0
+    b = torch.ones_like(module.lora_b) * 0.5
+    x = torch.linspace(-1.0, 1.0, module.lora_a.shape[1]).reshape(1, 1, -1)
+    before = (module.lora_a.detach().clone(), module.lora_b.detach().clone())
+    try:
+        with torch.no_grad():
+            module.lora_a.copy_(a)
+            module.lora_b.copy_(b)
+        module.eval()
+        out = module(x)[0]
+        expected = x @ module.weight.t() + 2.0 * (x @ a.t()) @ b.t()
+        torch.testing.assert_close(out, expected.to(out.dtype), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            module.merged_weight(), (module.weight + 2.0 * b @ a).to(module.weight.dtype)
+        )
+    finally:
+        with torch.no_grad():
+            module.lora_a.copy_(before[0])
+            module.lora_b.copy_(before[1])
+
+
+def test_adapter_dropout_acts_in_training_only():
+    """lora.dropout=0.5: in training the input of A is dropped at random (two forwards differ); in
+    evaluation (the π_old and reference passes, the engine) it is not: output as by hand, every time."""
+    worker = TrainerWorker(tiny_recipe(*LORA, "lora.dropout=0.5"))
+    name, module = next(iter(adapted_linears(worker.model).items()))
+    with torch.no_grad():
+        module.lora_b.normal_(0.0, 0.5)
+    x = torch.linspace(-1.0, 1.0, module.lora_a.shape[1]).reshape(1, 1, -1)
+    module.train()
+    torch.manual_seed(0)
+    first = module(x)[0]
+    second = module(x)[0]
+    assert not torch.equal(first, second)
+    module.eval()
+    expected = x @ module.weight.t() + module.lora_scale * (x @ module.lora_a.t()) @ module.lora_b.t()
+    torch.testing.assert_close(module(x)[0], expected.to(first.dtype), rtol=1e-5, atol=1e-5)
+    mbs = _batches(worker.config)
+    once, _ = worker.compute_old_logp(mbs)
+    again, _ = worker.compute_old_logp(mbs)
+    for a, b in zip(once, again, strict=True):
+        assert torch.equal(a.old_logp, b.old_logp)  # π_old's pass runs the model in evaluation
+
+
+@pytest.mark.parametrize("head", ["true", "false"])
+def test_with_tied_embeddings_the_trained_output_layer_is_the_shared_embedding(head):
+    """``model.tie_word_embeddings=true``: the output layer is the embedding. With
+    ``lora.train_output_layer`` that one weight trains (in the optimizer, moved by a step); without,
+    it stays frozen like the rest of the base."""
+    worker = TrainerWorker(
+        tiny_recipe(*LORA, "model.tie_word_embeddings=true", f"lora.train_output_layer={head}")
+    )
+    model = worker.model
+    assert model.share_embeddings_and_output_weights
+    embedding = model.embedding.word_embeddings.weight
+    assert embedding.requires_grad == (head == "true")
+    optimized = {id(p) for group in worker.optimizer.param_groups for p in group["params"]}
+    assert (id(embedding) in optimized) == (head == "true")
+    before = embedding.detach().clone()
+    prepared, _ = worker.compute_old_logp(_batches(worker.config))
+    assert worker.train_step(prepared)["train/update_ok"] == 1.0
+    assert torch.equal(embedding, before) == (head == "false")
