@@ -257,7 +257,7 @@ def test_an_adapter_adds_alpha_over_rank_times_b_a_x_by_hand(pair):
     """rank 4, alpha 8: s = 2. With A and B set by hand, one adapted linear's output is W·x + 2·B·A·x,
     and its merged weight W + 2·B·A (the sync's and the export's)."""
     _, lora = pair
-    name, module = next(iter(adapted_linears(lora.model).items()))
+    module = next(iter(adapted_linears(lora.model).values()))
     assert module.lora_scale == 2.0
     a = torch.arange(module.lora_a.numel(), dtype=torch.float32).reshape(module.lora_a.shape) / 100.0
     b = torch.ones_like(module.lora_b) * 0.5
@@ -284,7 +284,7 @@ def test_adapter_dropout_acts_in_training_only():
     """lora.dropout=0.5: in training the input of A is dropped at random (two forwards differ); in
     evaluation (the π_old and reference passes, the engine) it is not: output as by hand, every time."""
     worker = TrainerWorker(tiny_recipe(*LORA, "lora.dropout=0.5"))
-    name, module = next(iter(adapted_linears(worker.model).items()))
+    module = next(iter(adapted_linears(worker.model).values()))
     with torch.no_grad():
         module.lora_b.normal_(0.0, 0.5)
     x = torch.linspace(-1.0, 1.0, module.lora_a.shape[1]).reshape(1, 1, -1)
