@@ -278,7 +278,7 @@ def measure_baseline(session: Session, work: Path) -> None:
         f"include =\n    {includes}\n"
     )
     durations = work / "durations.json"
-    cmd = [PYTHON, "-m", "coverage", "run", f"--rcfile={rc_file}", "-m", "pytest", "-q", "-x", "-n", "0"]
+    cmd = [PYTHON, "-m", "coverage", "run", f"--rcfile={rc_file}", "-m", "pytest", "-q", "-x"]
     cmd += ["-p", "no:cacheprovider", "-p", "mutate_contexts", *session.tests]
     env = _test_env(tree)
     env["PYTHONPATH"] += os.pathsep + str(ROOT / "scripts")
@@ -356,7 +356,7 @@ def run_mutant(work: Path) -> int:
 def _pytest(tests: list[str], tree: Path, deadline: float) -> tuple[str, int]:
     """Run pytest on ``tests`` in ``tree``: in a fork of the warm server when one is up (the
     heavy libraries already imported), else in a process of its own."""
-    args = ["-q", "-x", "-n", "0", "-p", "no:cacheprovider", *tests]  # one process: no xdist workers
+    args = ["-q", "-x", "-p", "no:cacheprovider", *tests]
     sock = tree.parent / SOCKET
     if sock.exists():
         import socket

@@ -6,7 +6,6 @@
   ``[cuda]`` variants run where CUDA is present, the ``[cpu]`` variants where it is not, and the
   other variant is skipped with the reason. So ``pytest -m gpu`` is the GPU tier, and on a CPU
   machine the suite runs as before.
-* Order: the slurm, e2e and distributed tiers first (`FIRST`), for the two workers to share them.
 * CI rule: in CI (CI=true), a skipped test marked `slurm` or `e2e` is a failure, so those tiers can
   never silently stop running — unless it is a ``gpu`` test on a machine without CUDA. A file or
   folder skipped whole at collection (a module-level ``pytest.importorskip`` whose library failed to
@@ -87,20 +86,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-FIRST = ("slurm", "e2e", "distributed")
-"""The tiers run first, in this order: their files take minutes each, the unit tier's seconds. The
-two workers (pyproject's ``-n 2 --dist loadfile``) each take the next file when they finish one,
-so the long files spread over both and the short ones fill in at the end."""
-
-
-def _tier_rank(item: pytest.Item) -> int:
-    parts = item.path.relative_to(item.config.rootpath).parts
-    tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
-    return FIRST.index(tier) if tier in FIRST else len(FIRST)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=_tier_rank)  # stable: the order within a tier is pytest's
     has_cuda = _has_cuda()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_cpu = pytest.mark.skip(
