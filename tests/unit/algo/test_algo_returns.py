@@ -270,3 +270,36 @@ def test_a_constant_batch_whose_sums_round_to_a_negative_variance_whitens_to_zer
     assert float((squares - count * (total / count) ** 2) / (count - 1)) < -WHITEN_EPS  # the round-off
     got = whiten(x, mask, whiten_sums(x, mask))
     assert torch.equal(got, torch.zeros_like(x))
+
+
+def test_rates_and_the_kl_coefficient_are_refused_below_zero_and_taken_at_zero():
+    """The boundary pairs: a discount or λ of exactly 0 and 1 works, −0.5 is refused; a KL
+    coefficient of exactly 0 works, −0.5 is refused."""
+    x, seq = t([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0])
+    assert reverse_discounted_sum(x, seq, coef=0.0).tolist() == [1.0, 2.0, 3.0]
+    assert reverse_discounted_sum(x, seq, coef=1.0).tolist() == [6.0, 5.0, 3.0]
+    with pytest.raises(ValueError, match=r"coef must be a number in \[0, 1\], got -0.5"):
+        reverse_discounted_sum(x, seq, coef=-0.5)
+    scores = t([2.0])
+    assert token_rewards(scores, seq, num_seqs=1, kl=t([1.0, 1.0, 1.0]), kl_coef=0).tolist() == [
+        0.0,
+        0.0,
+        2.0,
+    ]
+    with pytest.raises(ValueError, match=r"kl_coef must be a number >= 0, got -0.5"):
+        token_rewards(scores, seq, num_seqs=1, kl=t([1.0, 1.0, 1.0]), kl_coef=-0.5)
+
+
+def test_without_a_kl_coefficient_the_reward_carries_no_kl_and_with_one_it_needs_both_log_probs():
+    """The default coefficient is 0: a KL given, or log-probs given, put nothing in the reward. With
+    a coefficient, π_old's and π_ref's log-probs are both needed: either one missing is refused."""
+    seq, scores = torch.tensor([0, 0, 1]), t([1.0, 0.5])
+    assert token_rewards(scores, seq, num_seqs=2, kl=t([3.0, 3.0, 3.0])).tolist() == [0.0, 1.0, 0.5]
+    old, ref = t([-1.0, -2.0, -0.5]), t([-1.5, -1.0, -0.5])
+    plain = reinforce_pp_estimate(scores, seq, num_seqs=2, gamma=1.0, old_logp=old, ref_logp=ref)
+    assert plain.rewards.tolist() == [0.0, 1.0, 0.5]
+    for one in ({"old_logp": old}, {"ref_logp": ref}):
+        with pytest.raises(
+            ValueError, match=r"kl_coef=0.1 puts the KL in the reward: it needs old_logp and ref_logp"
+        ):
+            reinforce_pp_estimate(scores, seq, num_seqs=2, gamma=1.0, kl_coef=0.1, **one)
