@@ -169,8 +169,9 @@ def test_value_loss_hand_values_clip_and_gradient():
         values, t([0.8, 0.5]), t([2.0, 0.2]), all_true(2), seq_ids_for([2]), num_seqs=1, clip=math.inf
     )
     assert float(unclipped.loss_sum.detach()) == pytest.approx(0.5 * 1.0 + 0.03125)
-    with pytest.raises(ValueError, match="clip must be > 0"):
-        value_loss(values, values, values, all_true(2), seq_ids_for([2]), num_seqs=1, clip=0.0)
+    for bad in (0.0, -1.0, math.nan, "0.2"):  # a NaN compares False with everything: named on its own
+        with pytest.raises(ValueError, match=r"clip must be > 0 \(inf: no clip\), got "):
+            value_loss(values, values, values, all_true(2), seq_ids_for([2]), num_seqs=1, clip=bad)
 
 
 # ---------------------------------------------------------------------------- properties
