@@ -133,3 +133,33 @@ def test_adapters_into_vllm_travel_as_buckets():
         assert merged.route in (SyncRoute.VLLM_IPC, SyncRoute.VLLM_NCCL)
         assert adapters.route == SyncRoute.BUCKETS and adapters.adapters
         assert "auto: LoRA adapters into vllm engines' own LoRA" in adapters.chosen_by
+
+
+@pytest.mark.parametrize(
+    ("where", "overrides", "in_process", "route"),
+    [
+        ("cuda", ["rollout.engine=vllm", "rollout.sync_transport=vllm_ipc"], False, SyncRoute.VLLM_IPC),
+        ("cuda", ["rollout.engine=vllm", "rollout.sync_transport=vllm_nccl", *APART], False, SyncRoute.VLLM_NCCL),
+        ("cuda", ["rollout.sync_transport=buckets", *APART], False, SyncRoute.BUCKETS),
+        ("cpu", ["rollout.sync_transport=buckets"], True, SyncRoute.IN_PROCESS),
+        ("cpu", [], True, SyncRoute.IN_PROCESS),
+        # what refuses an adapter sync elsewhere, where it does not apply
+        ("cuda", [*LORA, "cluster.engine_sleep_level=2", *APART], False, SyncRoute.BUCKETS),
+        ("cpu", [*LORA, "cluster.engine_sleep_level=2"], False, SyncRoute.BUCKETS),
+        ("cuda", [*LORA, "cluster.engine_sleep_level=1"], False, SyncRoute.DEVICE_IPC),
+        ("cuda", [*LORA, "lora.train_router=true", "lora.train_output_layer=true"], False, SyncRoute.DEVICE_IPC),
+        ("cpu", ["lora.rank=8", "rollout.quant=int4_awq"], False, SyncRoute.BUCKETS),
+        ("cuda", [*LORA, "rollout.engine=vllm", "rollout.sync_transport=buckets"], False, SyncRoute.BUCKETS),
+        ("cuda", ["lora.rank=8", "rollout.engine=vllm", "lora.train_router=true"], False, SyncRoute.VLLM_IPC),
+    ],
+    ids=[
+        "vllm-ipc", "vllm-nccl", "buckets-apart", "one-process-buckets", "one-process-auto", "lora-sleep2-apart",
+        "lora-sleep2-cpu", "lora-sleep1", "lora-whole-megatron", "awq-merged", "lora-vllm-buckets",
+        "merged-vllm-router",
+    ],
+)  # fmt: skip
+def test_a_layout_a_route_suits_is_taken_with_no_rule_broken(where, overrides, in_process, route):
+    """The other side of each refusal: the same keys where the route or the adapter sync works."""
+    config = load_recipe(TINY, overrides)
+    assert [rule.message for rule in sync_rules(config, where, in_process) if rule.broken] == []
+    assert sync_plan(config, where, in_process).route is route
