@@ -6,6 +6,7 @@ records which engines each attempt streamed to."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class Engine:
         return None
 
     def finish_weight_update(self, version: int, target: SyncTarget) -> dict:
+        if getattr(self, "dies", False):
+            os._exit(1)
         if self.breaks:
             self.breaks -= 1
             raise StreamBroken("a weight stream broke: connection closed by peer")
@@ -47,6 +50,10 @@ class Engine:
 
     def break_next(self) -> None:
         self.breaks += 1
+
+    def die_at_finish(self) -> None:
+        """The process ends in the next sync's finish (as an engine killed mid-sync does)."""
+        self.dies = True
 
     def replica(self) -> int:
         return self.index
@@ -106,3 +113,32 @@ def test_a_stream_that_keeps_breaking_stops_the_run_with_the_reason(local_ray):
         sync.run(7)
     assert streams.attempts == [[0, 1]] + [[1]] * MAX_STREAM_BREAKS
     assert pool.restarts == 0
+
+
+class _Pool(EnginePool):
+    """The pool with its restart's new process an `Engine` like the others (the real one builds a
+    model; the coordinator's side of a restart is what is tested here)."""
+
+    def _spawn(self, replica) -> None:
+        replica.actor = Engine.remote(replica.index, 0)
+
+
+def test_an_engine_restarted_during_an_adapter_only_sync_takes_everything_again(local_ray):
+    """Once both engines hold the base, a sync carries only what trains (a LoRA run's adapters).
+    Engine 1 dies in such a sync: its new process holds nothing, so the coordinator streams it the
+    whole model; the next sync is adapters-only again for both."""
+    pool = _Pool(load_recipe(TINY), Seats(Placement("cpu", 1, 0.0, 2, 0.0, False, PlacementMode.COLOCATED)))
+    for replica in pool.replicas:
+        replica.actor = Engine.remote(replica.index, 0)
+    streams = Streams()
+    sync = WeightSync(streams, pool)
+    sync.run(7)
+    first = pool.replicas[1].actor
+    ray.get(first.die_at_finish.remote())
+    sync.run(8)
+    assert pool.restarts == 1 and pool.replicas[1].actor is not first
+    assert streams.attempts == [[0, 1], [0, 1], [1]] and streams.whole == [True, False, True]
+    assert ray.get(pool.replicas[1].actor.versions.remote()) == [8]
+    sync.run(9)
+    assert streams.attempts[-1] == [0, 1] and streams.whole[-1] is False
+    assert [ray.get(r.actor.versions.remote()) for r in pool.replicas] == [[7, 8, 9], [8, 9]]
