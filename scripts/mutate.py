@@ -8,9 +8,10 @@ The tests run are the test files that import a named module (directly, through a
 
 How a run goes (all of it in a copy of the tree under ``.mutate/``, never in the working tree):
 
-1. the chosen tests run once unmutated under coverage, each test in its own coverage context;
-   they must pass. This gives, for every line of the named modules, the tests that execute it
-   (a line run outside any test, at import or in a process a test started, counts for all);
+1. the chosen tests run once unmutated under coverage, each test in its own coverage context,
+   and so does each Python process a test starts; they must pass. This gives, for every line of
+   the named modules, the tests that execute it (a line run outside any test, at import, counts
+   for every test that runs some line of the module);
 2. cosmic-ray lists the mutants of the operators in ``OPERATORS`` (lines marked
    ``# pragma: no mutate`` are skipped) and applies each in turn, running
    ``mutate.py run-mutant``: the tests that execute the changed line, ``-x``, within a deadline
