@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -59,6 +60,45 @@ def _gpus_visible_again():
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     else:
         os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+SHARED_RAY_CPUS = 8
+"""CPUs the shared Ray cluster offers: the largest test run's processes (two trainer ranks, two
+engines, the reward worker) fit, whatever the machine's core count."""
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator:
+    """One Ray cluster on this machine that `moe-rl train` runs join through ``RAY_ADDRESS``, as the
+    runs of a Slurm job join the job's: its processes start with the runs' process environment
+    (`moe_rl.orchestration.placement.PROCESS_ENV`), and each run brings its own settings in its job's
+    runtime env (`moe_rl.orchestration.actors.start_ray`). The end-to-end tier's runs share it
+    (tests/e2e/conftest.py), so each run pays its actors' start, not a cluster's."""
+    from ray.cluster_utils import Cluster
+
+    from moe_rl.orchestration.placement import PROCESS_ENV
+
+    before = {key: os.environ.get(key) for key in PROCESS_ENV}
+    os.environ.update(PROCESS_ENV)  # read by the cluster's processes as they start
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": SHARED_RAY_CPUS,
+                "object_store_memory": 2 << 30,
+                "include_dashboard": False,
+            },
+        )
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
 
 
 def _in_ci() -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import typing
 from collections.abc import Iterable, Sequence
@@ -354,8 +355,21 @@ def _expected_type(full_key: str) -> str:
     return getattr(tp, "__name__", None) or str(tp)
 
 
+@functools.cache
+def _schema() -> DictConfig:
+    """The recipe's schema as OmegaConf's structured config, built once: `OmegaConf.merge` copies
+    what it merges into and never changes its arguments."""
+    return OmegaConf.structured(RecipeConfig)
+
+
 def _merge(layers: Iterable[tuple[str, dict[str, Any]]]) -> DictConfig:
-    merged = OmegaConf.structured(RecipeConfig)
+    layers = list(layers)
+    try:  # all at once: one copy of the whole config, not one per layer
+        created = [OmegaConf.create(_typed_modes(data)) for _, data in layers]
+        return OmegaConf.merge(_schema(), *created)  # type: ignore[return-value]
+    except OmegaConfBaseException:
+        pass  # layer by layer below, to name the layer at fault
+    merged = _schema()
     for source, data in layers:
         try:
             merged = OmegaConf.merge(merged, OmegaConf.create(_typed_modes(data)))

@@ -291,6 +291,23 @@ class RewardActor:
         self.rewarder.dump(folder, step)
 
 
+PROJECT_ENV_PREFIX = "MOE_RL_"
+CARRIED_ENV = ("PYTHONPATH",)
+"""What else of the driver's environment a run takes into a joined cluster: the path the preflight
+found the user's modules on (a reward function, an environment), which the actors import again."""
+
+
+def carried_env() -> dict[str, str]:
+    """What of this process's environment a run's actors need: the project's settings (``MOE_RL_*``,
+    e.g. `FAULTS_ENV`) and `CARRIED_ENV`. A local cluster's workers inherit it; a joined cluster's
+    get it through the run's Ray job runtime env (`start_ray`)."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key.startswith(PROJECT_ENV_PREFIX) or (key in CARRIED_ENV and value)
+    }
+
+
 def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
     """Join the Ray cluster of a Slurm job (RAY_ADDRESS) or start a local one sized for the run's
     processes (never one another run started on this machine); returns whether this call started Ray (then the caller shuts it down). With
@@ -302,8 +319,12 @@ def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
         os.environ.setdefault(key, value)
     logs = {LOG_DIR_ENV: str(Path(log_dir).resolve())} if log_dir else {}
     address = os.environ.get("RAY_ADDRESS")
-    if address:  # the cluster's workers were started by others: the job's runtime env carries it
-        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": logs} if logs else None)
+    if address:  # the cluster's workers were started by others: the job's runtime env carries
+        # the run's log folder and what else the actors need of the driver's environment
+        env_vars = {**carried_env(), **logs}
+        ray.init(
+            address=address, log_to_driver=True, runtime_env={"env_vars": env_vars} if env_vars else None
+        )
         return True
     os.environ.update(logs)  # the local cluster's workers inherit the driver's environment
     processes = config.parallel.trainer_world_size + config.rollout.num_engines + 1

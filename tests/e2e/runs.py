@@ -22,3 +22,9 @@ def train_tiny(tmp_path: Path, name: str, *overrides: str, env: dict | None = No
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def own_ray_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment (and ``env``) for a run that starts a Ray cluster of its own, the
+    README's path, instead of joining the tier's shared one (tests/e2e/conftest.py)."""
+    return {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "RAY_ADDRESS"}

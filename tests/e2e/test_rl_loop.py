@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.orchestration.metrics import repeatable
+from tests.e2e.runs import own_ray_env
 
 pytestmark = pytest.mark.e2e
 
@@ -162,7 +163,8 @@ def _check_terminal(out: str, run_dir: Path, records: list[dict]) -> None:
 
 
 def test_tiny_run_learns_and_writes_every_metric(tmp_path):
-    out = _finish(_train([TINY, "run.name=learn", f"run.steps={LEARN_STEPS}"], tmp_path))
+    """The README's command: the run starts a Ray cluster of its own (the tier's other runs join one)."""
+    out = _finish(_train([TINY, "run.name=learn", f"run.steps={LEARN_STEPS}"], tmp_path, env=own_ray_env()))
     run_dir = tmp_path / "learn"
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == list(range(LEARN_STEPS))

@@ -24,6 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.e2e.runs import own_ray_env
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,12 +33,13 @@ TINY = "recipes/tiny_moe.yaml"
 DEADLINE_S = 300
 
 
-def _train(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`moe-rl train` in a session of its own (a terminal's Ctrl-C reaches the whole group)."""
+def _train(args: list[str], env: dict[str, str] | None = None, own_ray: bool = False) -> subprocess.Popen:
+    """`moe-rl train` in a session of its own (a terminal's Ctrl-C reaches the whole group); with
+    ``own_ray`` it starts a Ray cluster of its own, as the README's command does."""
     return subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "train", *args, "logging.progress=false"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, **(env or {})}, start_new_session=True,
+        env=own_ray_env(env) if own_ray else {**os.environ, **(env or {})}, start_new_session=True,
     )  # fmt: skip
 
 
@@ -132,7 +135,7 @@ def test_ctrl_c_while_ray_starts_removes_the_new_run_directory(tmp_path):
     tag = uuid.uuid4().hex
     env = {"PYTHONPATH": str(tmp_path), "RAY_RUNTIME_ENV_HOOK": "slow_ray_hook.hook",
            "SLOW_HOOK_FIFO": str(fifo), "MOE_RL_TEST_TAG": tag}  # fmt: skip
-    proc = _train([TINY, f"run.output_dir={tmp_path / 'runs'}", "run.name=ray"], env=env)
+    proc = _train([TINY, f"run.output_dir={tmp_path / 'runs'}", "run.name=ray"], env=env, own_ray=True)
     writer = _reading(fifo, proc)
     assert (tmp_path / "runs" / "ray" / "config.yaml").is_file()  # the run had begun
     try:
@@ -152,7 +155,11 @@ def test_ctrl_c_while_the_workers_start_stops_ray_and_leaves_no_run(tmp_path):
     (run / "logs").mkdir(parents=True)
     os.mkfifo(run / "logs" / "trainer0.log")  # no reader: the rank waits to open it
     tag = uuid.uuid4().hex
-    proc = _train([TINY, f"run.output_dir={tmp_path / 'runs'}", "run.name=workers"], {"MOE_RL_TEST_TAG": tag})
+    proc = _train(
+        [TINY, f"run.output_dir={tmp_path / 'runs'}", "run.name=workers"],
+        {"MOE_RL_TEST_TAG": tag},
+        own_ray=True,
+    )
     deadline = time.monotonic() + DEADLINE_S
     seen = ""
     while "placement on" not in seen:  # the driver is building the workers

@@ -31,3 +31,38 @@ def test_a_local_run_s_ray_processes_start_with_the_process_env(monkeypatch):
     finally:
         ray.shutdown()
     assert {f"{key}={value}" for key, value in PROCESS_ENV.items()} <= set(started_with)
+
+
+def test_a_run_joining_a_cluster_brings_its_log_folder_and_the_project_s_settings(
+    ray_cluster, monkeypatch, tmp_path
+):
+    """A joined cluster's processes were started by others (a Slurm job's nodes, the tests' shared
+    cluster): the run's log folder and its ``MOE_RL_*`` settings reach its workers through the job's
+    runtime env, and nothing else of the driver's environment does."""
+    ray = pytest.importorskip("ray")
+    from moe_rl.log import LOG_DIR_ENV
+    from moe_rl.orchestration.actors import FAULTS_ENV, start_ray
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    monkeypatch.setenv(FAULTS_ENV, "die_in_generate=9@9")
+    monkeypatch.setenv("NOT_THE_PROJECTS", "1")
+    (tmp_path / "users_module.py").write_text("ANSWER = 42\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+    def environment() -> dict[str, str]:
+        import os
+
+        import users_module  # on the driver's PYTHONPATH only
+
+        return {**os.environ, "answer": str(users_module.ANSWER)}
+
+    assert start_ray(load_checked(TINY), tmp_path / "logs")
+    try:
+        seen = ray.get(ray.remote(environment).remote(), timeout=120)
+    finally:
+        ray.shutdown()
+    assert seen[FAULTS_ENV] == "die_in_generate=9@9"
+    assert seen[LOG_DIR_ENV] == str((tmp_path / "logs").resolve())
+    assert seen["answer"] == "42"
+    assert "NOT_THE_PROJECTS" not in seen
+    assert {key: seen.get(key) for key in PROCESS_ENV} == PROCESS_ENV  # the cluster's own start

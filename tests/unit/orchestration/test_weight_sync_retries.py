@@ -75,7 +75,7 @@ class Streams:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)  # its own, whatever runs
     yield
     ray.shutdown()
 
