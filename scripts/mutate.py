@@ -22,6 +22,9 @@ How a run goes (all of it in a copy of the tree under ``.mutate/``, never in the
    ``file:line``, the change and the test files run. ``.mutate/scores.json`` keeps each
    module's last figures (docs/testing.md lists them).
 
+``--since REV`` keeps only the mutants on the lines changed since git revision REV: a change's own
+lines, checked before it lands without waiting for every mutant of a large module.
+
 Not part of CI (it runs the tests once per mutant); it is how a change is checked before it lands.
 """
 
@@ -35,6 +38,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -237,6 +241,8 @@ class Session:
     baseline_s: float = 0.0
     run_unrecorded: bool = False
     """Run a mutant on a line with no coverage recorded against the module's tests anyway."""
+    since: str | None = None
+    """Only the mutants on lines changed since this git revision (`changed_lines`)."""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -450,7 +456,9 @@ def _cosmic(args: list[str], cwd: Path) -> None:
         raise MutateError(f"{' '.join(args[:2])} failed:\n{done.stdout}{done.stderr}")
 
 
-def prepare(modules: list[str], tests: list[str], work: Path, run_unrecorded: bool) -> Session:
+def prepare(
+    modules: list[str], tests: list[str], work: Path, run_unrecorded: bool, since: str | None = None
+) -> Session:
     tree = work / "tree"
     _copy_tree(tree)
     pristine = work / "pristine"
@@ -458,7 +466,9 @@ def prepare(modules: list[str], tests: list[str], work: Path, run_unrecorded: bo
     for module in modules:
         (pristine / module).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / module, pristine / module)
-    session = Session(modules=modules, tests=tests, tree=str(tree), run_unrecorded=run_unrecorded)
+    session = Session(
+        modules=modules, tests=tests, tree=str(tree), run_unrecorded=run_unrecorded, since=since
+    )
     measure_baseline(session, work)
     session.save(work / "session.json")
     return session
@@ -535,6 +545,52 @@ def skip_inert(db_path: Path, tree: Path) -> int:
     return skipped
 
 
+def changed_lines(module: str, since: str) -> set[int]:
+    """The lines of ``module`` in the working tree that differ from revision ``since`` (added or
+    changed; a deletion marks nothing: no mutant sits on a line that is gone)."""
+    done = subprocess.run(
+        ["git", "diff", "--no-color", "-U0", since, "--", module], cwd=ROOT, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise MutateError(f"--since {since}: git diff failed: {done.stderr.strip()}")
+    if not done.stdout and module not in _tracked_at(since):  # new since then: every line
+        return set(range(1, len((ROOT / module).read_text().splitlines()) + 1))
+    lines: set[int] = set()
+    for hunk in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", done.stdout, re.MULTILINE):
+        start, count = int(hunk.group(1)), int(hunk.group(2) or 1)
+        lines.update(range(start, start + count))
+    return lines
+
+
+def _tracked_at(revision: str) -> set[str]:
+    done = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", revision],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return set(done.stdout.splitlines())
+
+
+def skip_unchanged(db_path: Path, changed: dict[str, set[int]]) -> int:
+    """Mark the mutants outside ``changed`` (module -> lines) skipped; how many."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    skipped = 0
+    with use_db(str(db_path), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            (m,) = item.mutations
+            first, last = m.start_pos[0], m.end_pos[0]
+            if not changed[str(m.module_path)] & set(range(first, last + 1)):
+                db.set_result(
+                    item.job_id, WorkResult(output="unchanged", worker_outcome=WorkerOutcome.SKIPPED)
+                )
+                skipped += 1
+    return skipped
+
+
 @dataclass
 class ModuleScore:
     module: str
@@ -583,8 +639,10 @@ def _change(diff: str) -> str:
     return f"{' / '.join(old)}  ->  {' / '.join(new)}"
 
 
-def report(scores: dict[str, ModuleScore], tests: list[str]) -> None:
+def report(scores: dict[str, ModuleScore], tests: list[str], since: str | None = None) -> None:
     print(f"\ntests chosen ({len(tests)}): {' '.join(tests)}")
+    if since:
+        print(f"mutants on the lines changed since {since} only")
     for score in scores.values():
         share = len(score.survived) / score.mutants if score.mutants else 0.0
         print(
@@ -594,10 +652,10 @@ def report(scores: dict[str, ModuleScore], tests: list[str]) -> None:
         for s in sorted(score.survived, key=lambda s: int(s["where"].rsplit(":", 1)[1])):
             ran = ", ".join(s["tests"]) if s["tests"] else "none: no coverage recorded for this line"
             print(f"  {s['where']}  [{s['operator']}]  {s['change']}\n      tests run: {ran}")
-    _save_scores(scores)
+    _save_scores(scores, since)
 
 
-def _save_scores(scores: dict[str, ModuleScore]) -> None:
+def _save_scores(scores: dict[str, ModuleScore], since: str | None = None) -> None:
     path = STATE / "scores.json"
     table = json.loads(path.read_text()) if path.exists() else {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -608,6 +666,7 @@ def _save_scores(scores: dict[str, ModuleScore]) -> None:
             "not_executed": score.not_executed,
             "commit": commit.stdout.strip(),
             "date": time.strftime("%Y-%m-%d"),
+            **({"since": since} if since else {}),  # the lines of one change, not the whole module
         }
     path.write_text(json.dumps(table, indent=1, sort_keys=True))
 
@@ -634,6 +693,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--resume", action="store_true", help="go on with the last run of these modules")
     parser.add_argument(
+        "--only", action="store_true",
+        help="run only the tests named after --, not those chosen by imports (a quick look at a "
+        "module many tests import)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--since", metavar="REV",
+        help="only the mutants on lines changed since git revision REV (a change's own lines: "
+        "scripts/mutate.sh MODULE --since main)",
+    )  # fmt: skip
+    parser.add_argument(
         "--run-unrecorded", action="store_true",
         help="run the module's tests against mutants on lines with no coverage recorded (code only a "
         "killed process ran) instead of counting them survivors unrun",
@@ -644,8 +713,10 @@ def main(argv: list[str] | None = None) -> int:
         missing = [t for t in extra if not (ROOT / t.split("::")[0]).exists()]
         if missing:
             raise MutateError(f"tests given after --: no such file {', '.join(missing)}")
-        depths = [args.depth] if args.depth is not None else range(4)
-        for depth in depths:
+        if args.only and not extra:
+            raise MutateError("--only runs the tests named after --, and none is named")
+        tests = []
+        for depth in [] if args.only else [args.depth] if args.depth is not None else range(4):
             tests = [str(p) for p in select_tests([Path(m) for m in modules], depth)]
             if tests:
                 break
@@ -669,7 +740,8 @@ def _run(modules: list[str], tests: list[str], args: argparse.Namespace) -> int:
         for module in session.modules:  # a stopped run may have left its mutant in place
             shutil.copy2(work / "pristine" / module, Path(session.tree) / module)
     else:
-        session = prepare(modules, tests, work, args.run_unrecorded)
+        changed = {m: changed_lines(m, args.since) for m in modules} if args.since else None
+        session = prepare(modules, tests, work, args.run_unrecorded, args.since)
         print(f"  {session.baseline_s:.0f} s unmutated", flush=True)
         config = cosmic_config(session, work)
         db = work / "session.sqlite"
@@ -678,6 +750,8 @@ def _run(modules: list[str], tests: list[str], args: argparse.Namespace) -> int:
         _cosmic(["cr-filter-operators", str(db), str(config)], Path(session.tree))
         _cosmic(["cr-filter-pragma", str(db)], Path(session.tree))
         skip_inert(db, Path(session.tree))
+        if changed is not None:
+            skip_unchanged(db, changed)
     config, db = work / "cosmic-ray.toml", work / "session.sqlite"
     print(
         "mutants running (cosmic-ray exec; progress: scripts/mutate.sh --resume ... after a stop)", flush=True
@@ -701,7 +775,7 @@ def _run(modules: list[str], tests: list[str], args: argparse.Namespace) -> int:
         server.kill()
         server.wait()
         sock.unlink(missing_ok=True)
-    report(collect(work, session), session.tests)
+    report(collect(work, session), session.tests, session.since)
     return 0
 
 

@@ -33,12 +33,16 @@ def test_a_local_run_s_ray_processes_start_with_the_process_env(monkeypatch):
     assert {f"{key}={value}" for key, value in PROCESS_ENV.items()} <= set(started_with)
 
 
-def test_a_run_joining_a_cluster_brings_its_log_folder_and_the_project_s_settings(
-    ray_cluster, monkeypatch, tmp_path
+def test_a_run_joining_a_cluster_brings_its_log_folder_settings_and_module_path(
+    ray_cluster, monkeypatch, tmp_path, capfd
 ):
     """A joined cluster's processes were started by others (a Slurm job's nodes, the tests' shared
-    cluster): the run's log folder and its ``MOE_RL_*`` settings reach its workers through the job's
-    runtime env, and nothing else of the driver's environment does."""
+    cluster): the run's log folder, its ``MOE_RL_*`` settings and the PYTHONPATH its preflight found
+    the user's modules on reach its workers through the job's runtime env, and nothing else of the
+    driver's environment does. What a worker prints to stderr (the project's warnings, a crash)
+    reaches the run's terminal, as in a local run."""
+    import time
+
     ray = pytest.importorskip("ray")
     from moe_rl.log import LOG_DIR_ENV
     from moe_rl.orchestration.actors import FAULTS_ENV, start_ray
@@ -48,17 +52,25 @@ def test_a_run_joining_a_cluster_brings_its_log_folder_and_the_project_s_setting
     monkeypatch.setenv("NOT_THE_PROJECTS", "1")
     (tmp_path / "users_module.py").write_text("ANSWER = 42\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    marker = f"a worker's line {tmp_path.name}"
 
     def environment() -> dict[str, str]:
         import os
+        import sys
 
         import users_module  # on the driver's PYTHONPATH only
 
+        print(marker, file=sys.stderr, flush=True)
         return {**os.environ, "answer": str(users_module.ANSWER)}
 
     assert start_ray(load_checked(TINY), tmp_path / "logs")
+    printed = ""
     try:
         seen = ray.get(ray.remote(environment).remote(), timeout=120)
+        deadline = time.monotonic() + 60  # Ray forwards a worker's output about once a second
+        while marker not in printed and time.monotonic() < deadline:
+            time.sleep(0.2)
+            printed += capfd.readouterr().err
     finally:
         ray.shutdown()
     assert seen[FAULTS_ENV] == "die_in_generate=9@9"
@@ -66,3 +78,4 @@ def test_a_run_joining_a_cluster_brings_its_log_folder_and_the_project_s_setting
     assert seen["answer"] == "42"
     assert "NOT_THE_PROJECTS" not in seen
     assert {key: seen.get(key) for key in PROCESS_ENV} == PROCESS_ENV  # the cluster's own start
+    assert marker in printed

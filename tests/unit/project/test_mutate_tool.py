@@ -68,3 +68,51 @@ def test_annotations_and_bare_star_are_inert_defaults_and_bodies_are_not():
 def test_a_change_reads_as_the_old_lines_then_the_new():
     diff = "--- a/m.py\n+++ b/m.py\n@@ -3 +3 @@\n-    if k < n:\n+    if k <= n:\n"
     assert mutate._change(diff) == "if k < n:  ->  if k <= n:"
+
+
+def _git(repo: Path, *args: str) -> None:
+    import subprocess
+
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True, capture_output=True
+    )
+
+
+def test_since_a_revision_the_changed_and_added_lines_count_a_new_file_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(mutate, "ROOT", tmp_path)
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "m.py").write_text("a = 1\nb = 2\nc = 3\nd = 4\ne = 5\nf = 6\n")
+    _git(tmp_path, "add", "m.py")
+    _git(tmp_path, "commit", "-qm", "one")
+    # line 2 changed, two lines added after d, the last one deleted
+    (tmp_path / "m.py").write_text("a = 1\nb = 20\nc = 3\nd = 4\nx = 7\ny = 8\ne = 5\n")
+    assert mutate.changed_lines("m.py", "HEAD") == {2, 5, 6}
+    (tmp_path / "new.py").write_text("p = 1\nq = 2\n")
+    assert mutate.changed_lines("new.py", "HEAD") == {1, 2}
+    with pytest.raises(mutate.MutateError, match="--since nope: git diff failed"):
+        mutate.changed_lines("m.py", "nope")
+
+
+def test_the_mutants_outside_the_changed_lines_are_skipped(tmp_path, monkeypatch):
+    import subprocess
+
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    (tmp_path / "m.py").write_text("def f(a, b):\n    x = a + b\n    y = a - b\n    return x < y\n")
+    config = tmp_path / "cr.toml"
+    config.write_text(
+        '[cosmic-ray]\nmodule-path = "m.py"\ntimeout = 10\nexcluded-modules = []\ntest-command = "true"\n'
+        '[cosmic-ray.distributor]\nname = "local"\n'
+    )
+    exe = Path(sys.executable).parent / "cosmic-ray"
+    subprocess.run(
+        [str(exe), "init", str(config), "db.sqlite"], cwd=tmp_path, check=True, capture_output=True
+    )
+
+    def pending_lines() -> list[int]:
+        with use_db(str(tmp_path / "db.sqlite"), WorkDB.Mode.open) as db:
+            return sorted({item.mutations[0].start_pos[0] for item in db.pending_work_items})
+
+    assert {2, 3, 4} <= set(pending_lines())
+    skipped = mutate.skip_unchanged(tmp_path / "db.sqlite", {"m.py": {3}})
+    assert pending_lines() == [3] and skipped > 0
