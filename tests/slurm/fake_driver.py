@@ -1,9 +1,9 @@
 """A stand-in for `moe-rl train` in the Slurm tests: `fake_driver.py --marker FILE --mode MODE
 CONFIG [--resume RUN_DIR]` appends one line per event to FILE.
 
-Modes: `quick` records the start and exits 0; `hold` records the start and waits; SIGINT (what
-the sbatch script sends before a requeue) records a checkpoint and exits 130; a resumed start
-(`--resume`) records the resume and exits 0.
+Mode `hold` (the only one): it records the start and waits; SIGINT (what the sbatch script sends
+before a requeue) records a checkpoint and exits 130; a resumed start (`--resume`) records the
+resume and exits 0.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _record(marker: Path, event: str, args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--marker", type=Path, required=True)
-    parser.add_argument("--mode", choices=("quick", "hold"), default="quick")
+    parser.add_argument("--mode", choices=("hold",), default="hold")
     parser.add_argument("config")
     parser.add_argument("--resume")
     args = parser.parse_args()
@@ -39,8 +39,6 @@ def main() -> int:
         _record(args.marker, "resume", args)
         return 0
     _record(args.marker, "start", args)
-    if args.mode == "quick":
-        return 0
     try:
         time.sleep(600)
     except KeyboardInterrupt:

@@ -108,26 +108,6 @@ def all_text(folder: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in folder.rglob("*") if p.is_file())
 
 
-def test_job_runs_ray_and_driver_with_per_node_logs(slurm_cluster, tmp_path):
-    name = "smoke; touch PWNED $(touch PWNED2) `touch PWNED3` 'q\""
-    run_dir = submit(slurm_cluster, tmp_path, name, "quick")
-    fields = wait_done(slurm_cluster, run_dir)
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", batch_log(run_dir)
-    assert fields["JobName"] == "moe-rl-smoke__touch_PWNED___touch_PWNED2___touch_PWNED3___q_"
-    (start,) = events(tmp_path)
-    assert start["event"] == "start" and start["config"] == str(run_dir / "config.yaml")
-    assert start["wandb_key"] == "set" and start["ray_token"] == "set" and start["ray"]
-    assert "all 1 node(s) joined Ray" in batch_log(run_dir)
-    (node_log,) = (run_dir / "logs").glob("*-node0.log")
-    assert "Ray runtime started" in node_log.read_text()
-    assert not list(tmp_path.rglob("PWNED*")), "a run name executed as shell code"
-    assert SECRET not in all_text(run_dir), "the W&B key landed in the run directory"
-    status = moe_rl(slurm_cluster, tmp_path, "status", str(run_dir))
-    assert status.returncode == 0 and "COMPLETED" in status.stdout
-    logs = moe_rl(slurm_cluster, tmp_path, "logs", str(run_dir), "--node", "0")
-    assert logs.returncode == 0 and "Ray runtime started" in logs.stdout
-
-
 def test_requeued_job_restarts_and_resumes(slurm_cluster, tmp_path):
     run_dir = submit(slurm_cluster, tmp_path, "requeue", "hold")
     wait_for(lambda: events(tmp_path), 300, "the driver started", run_dir)
@@ -153,20 +133,42 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_p
     assert f"requeueing job {job_id(run_dir)}" in log
 
 
-def test_cancel_stops_the_job_and_its_processes(slurm_cluster, tmp_path):
+def test_a_job_runs_ray_and_the_driver_with_per_node_logs_and_cancel_stops_it_all(slurm_cluster, tmp_path):
+    """A job whose name is shell code in every quoting: its Ray head starts, the driver runs with
+    the W&B key in its environment and nowhere in the run directory; `status` and `logs` read it;
+    `cancel` ends it, its Ray processes and its Ray folder."""
     from tests.slurm.conftest import _pids_with_env
 
-    run_dir = submit(slurm_cluster, tmp_path, "cancel", "hold")
+    name = "smoke; touch PWNED $(touch PWNED2) `touch PWNED3` 'q\""
+    run_dir = submit(slurm_cluster, tmp_path, name, "hold")
     wait_for(lambda: events(tmp_path), 300, "the driver started", run_dir)
+    jid = job_id(run_dir)
+    assert (
+        job_fields(slurm_cluster, jid)["JobName"]
+        == "moe-rl-smoke__touch_PWNED___touch_PWNED2___touch_PWNED3___q_"
+    )
+    (start,) = events(tmp_path)
+    assert start["event"] == "start" and start["config"] == str(run_dir / "config.yaml")
+    assert start["wandb_key"] == "set" and start["ray_token"] == "set" and start["ray"]
+    assert "all 1 node(s) joined Ray" in batch_log(run_dir)
+    (node_log,) = (run_dir / "logs").glob("*-node0.log")
+    assert "Ray runtime started" in node_log.read_text()
+    status = moe_rl(slurm_cluster, tmp_path, "status", str(run_dir))
+    assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout
+    logs = moe_rl(slurm_cluster, tmp_path, "logs", str(run_dir), "--node", "0")
+    assert logs.returncode == 0 and "Ray runtime started" in logs.stdout
+
     out = moe_rl(slurm_cluster, tmp_path, "cancel", str(run_dir))
-    assert out.returncode == 0 and f"cancelled job {job_id(run_dir)}" in out.stdout
+    assert out.returncode == 0 and f"cancelled job {jid}" in out.stdout
     fields = wait_done(slurm_cluster, run_dir, timeout=120)
     assert fields["JobState"] == "CANCELLED"
     status = moe_rl(slurm_cluster, tmp_path, "status", str(run_dir))
     assert "CANCELLED" in status.stdout
-    ray_dir = f"/tmp/moe-rl-ray-moerltest-{job_id(run_dir)}"
+    ray_dir = f"/tmp/moe-rl-ray-moerltest-{jid}"
     wait_for(lambda: not _pids_with_env(f"RAY_TMPDIR={ray_dir}"), 60, "the job's Ray processes gone")
     wait_for(lambda: not Path(ray_dir).exists(), 30, f"{ray_dir} removed")
+    assert not list(tmp_path.rglob("PWNED*")), "a run name executed as shell code"
+    assert SECRET not in all_text(run_dir), "the W&B key landed in the run directory"
 
 
 @pytest.mark.e2e
