@@ -520,3 +520,149 @@ def test_init_from_a_checkpoint_or_a_run_takes_its_trainer_state_and_refuses_wha
     (empty / "checkpoints").mkdir(parents=True)
     with pytest.raises(UserError, match=r"^model.init_from=.*: the run has no checkpoint yet$"):
         rd.init_checkpoint(empty)
+
+
+# ----------------------------------------------------------------- edges (mutation survivors)
+def test_the_lock_makes_a_run_directory_whose_parents_are_not_there_yet(tmp_path):
+    run = tmp_path / "runs" / "team" / "first"
+    with rd.RunLock(run) as lock:
+        assert run.is_dir() and lock.owner in (run / rd.LOCK).read_text()
+    with pytest.raises(rd.RunDirLost):  # a lock taken, then its directory gone
+        lock = rd.RunLock(tmp_path / "gone")
+        lock.acquire()
+        try:
+            (tmp_path / "gone").rename(tmp_path / "elsewhere")
+            lock.check()
+        finally:
+            lock.release()
+
+
+def test_the_full_disk_bound_holds_at_64_mib_free_and_not_one_byte_under(tmp_path, monkeypatch):
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    for free, full in ((64 << 20, False), ((64 << 20) - 1, True)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage._replace(free=free))
+        assert (rd.disk_full(tmp_path, "x") is not None) == full, free
+    # said by the operating system: full whatever the free space shows
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1 << 40))
+    assert rd.disk_full(tmp_path, "x", said=True) is not None
+
+
+def test_the_free_space_is_read_on_the_nearest_folder_that_exists(tmp_path, monkeypatch):
+    import shutil
+
+    asked = []
+    real = shutil.disk_usage
+
+    def usage(path):
+        asked.append(Path(path))
+        return real(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    assert rd.disk_full(tmp_path / "not" / "yet" / "there.bin", "x") is None
+    assert asked == [tmp_path]
+    assert rd._nearest_existing(Path("/")) == Path("/")  # the root ends the walk
+
+
+def test_an_os_refusal_without_a_file_name_names_the_path_written(tmp_path, monkeypatch):
+    import shutil
+
+    from moe_rl.errors import EnvironmentFault
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1 << 40))
+    unnamed = pytest.raises(EnvironmentFault, match=rf"^{tmp_path}/m\.bin: .* while writing the metrics")
+    with unnamed, rd.writing(tmp_path / "m.bin", "the metrics"):
+        raise OSError(errno.EROFS, "Read-only file system")  # a write to an open file: no name
+    with (
+        pytest.raises(EnvironmentFault, match=r"^/data/other: "),
+        rd.writing(tmp_path / "m.bin", "the metrics"),
+    ):
+        raise OSError(errno.EROFS, "Read-only file system", "/data/other")
+
+
+def test_a_stopped_start_removes_what_it_made_and_only_that(tmp_path):
+    made = tmp_path / "made"
+    (made / "logs").mkdir(parents=True)
+    (made / "config.yaml").write_text("x: 1\n")
+    assert rd.unclaim(made, made=True) == f"removed the run directory {made}"
+    assert not made.exists()
+    theirs = tmp_path / "theirs"
+    (theirs / "logs").mkdir(parents=True)
+    (theirs / "config.yaml").write_text("x: 1\n")
+    assert rd.unclaim(theirs, made=False) == f"nothing of the run is left in {theirs}"
+    assert sorted(p.name for p in theirs.iterdir()) == ["logs"]
+    assert rd.unclaim(theirs, made=False) == f"nothing of the run is left in {theirs}"  # no config.yaml: fine
+    ran = tmp_path / "ran"
+    ran.mkdir()
+    (ran / "metrics.jsonl").write_text('{"step": 0}\n')
+    (ran / "config.yaml").write_text("x: 1\n")
+    assert rd.unclaim(ran, made=True) == f"{ran} holds what the run wrote"
+    assert sorted(p.name for p in ran.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
+def test_a_folder_that_cannot_be_listed_for_a_reason_without_a_name_says_the_system_s_words(
+    tmp_path, monkeypatch
+):
+    from moe_rl.errors import EnvironmentFault
+
+    def listdir(folder):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    with pytest.raises(EnvironmentFault, match=r"cannot be read \(input/output error\)"):
+        rd._names(tmp_path)
+
+
+def test_the_manifest_holds_zlib_s_crc32_of_each_file_so_older_manifests_verify(tmp_path):
+    import zlib
+
+    ckpt = tmp_path / "step_000001"
+    (ckpt / "trainer").mkdir(parents=True)
+    data = os.urandom(3 << 20)
+    (ckpt / "trainer" / "a.bin").write_bytes(data)
+    rd.write_manifest(ckpt)
+    files = json.loads((ckpt / rd.MANIFEST).read_text())["files"]
+    assert files == {"trainer/a.bin": {"bytes": len(data), "crc32": zlib.crc32(data)}}
+    assert rd.verify(ckpt) is None
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    ["{not json", '{"no_files": 1}', '["a list"]', b"\xff\xfe not utf-8"],
+    ids=["not-json", "no-files-key", "not-a-mapping", "not-utf8"],
+)
+def test_a_manifest_that_cannot_be_read_is_a_reason_not_a_crash(tmp_path, manifest):
+    ckpt = tmp_path / "step_000001"
+    ckpt.mkdir()
+    path = ckpt / rd.MANIFEST
+    path.write_bytes(manifest if isinstance(manifest, bytes) else manifest.encode())
+    assert rd.verify(ckpt).startswith("manifest.json is unreadable (")
+
+
+def test_a_run_s_records_must_be_mappings_with_an_integer_step(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    for bad in ("[1, 2]", '{"step": "3"}', '{"no_step": 1}', '{"step": 1.5}'):
+        path.write_text(f'{{"step": 0}}\n{bad}\n{{"step": 2}}\n')
+        with pytest.raises(ValueError, match=r"line 2 is not a metrics record \(not a step record\)"):
+            rd.read_records(path)
+    # a bad line followed only by blank lines is the torn last one; blank lines between are skipped
+    path.write_text('{"step": 0}\n\n{"step": 1}\n{"ste\n\n\n')
+    with caplog.at_level(logging.WARNING):
+        assert [r["step"] for r in rd.read_records(path)] == [0, 1]
+    assert "line 4 is incomplete" in caplog.text
+    long = '{"step": "' + "x" * 200 + '"}'
+    path.write_text(f'{long}\n{{"step": 1}}\n')
+    with pytest.raises(ValueError) as err:
+        rd.read_records(path)
+    assert str(err.value).endswith(repr(long.encode()[:80]))
+
+
+def test_the_run_directory_s_values_are_immutable(tmp_path):
+    import dataclasses
+
+    values = [v for v in vars(rd).values() if dataclasses.is_dataclass(v) and isinstance(v, type)]
+    assert values
+    for cls in values:
+        assert cls.__dataclass_params__.frozen, cls.__name__
