@@ -514,8 +514,8 @@ def test_init_from_a_checkpoint_or_a_run_takes_its_trainer_state_and_refuses_wha
     with pytest.raises(UserError, match=r"^critic.init_from=X: the checkpoint is not usable: driver.json "):
         rd.init_checkpoint(newer, "critic.init_from=X")
     (ckpt / "driver.json").write_text("{}")
-    with pytest.raises(UserError, match=r"^model.init_from=.*: no usable checkpoint \(step_000006: "):
-        rd.init_checkpoint(run)
+    with pytest.raises(UserError, match=rf"^model.init_from={run}: no usable checkpoint \(step_000006: "):
+        rd.init_checkpoint(run)  # the resume's wording (--resume RUN) left out
     empty = tmp_path / "empty_run"
     (empty / "checkpoints").mkdir(parents=True)
     with pytest.raises(UserError, match=r"^model.init_from=.*: the run has no checkpoint yet$"):
@@ -659,10 +659,25 @@ def test_a_run_s_records_must_be_mappings_with_an_integer_step(tmp_path, caplog)
     assert str(err.value).endswith(repr(long.encode()[:80]))
 
 
-def test_the_run_directory_s_values_are_immutable(tmp_path):
+def test_where_a_resume_continues_is_decided_once_and_cannot_be_changed(tmp_path):
     import dataclasses
 
-    values = [v for v in vars(rd).values() if dataclasses.is_dataclass(v) and isinstance(v, type)]
-    assert values
-    for cls in values:
-        assert cls.__dataclass_params__.frozen, cls.__name__
+    _checkpoint(tmp_path / "checkpoints", 3)
+    usable = rd.newest_usable(tmp_path)
+    assert usable.step == 3
+    point = rd.Resume(usable)
+    for value, field in ((usable, "step"), (point, "checkpoint")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, field, None)
+
+
+def test_a_device_whose_free_space_cannot_be_read_is_full_only_when_the_system_said_so(tmp_path, monkeypatch):
+    import shutil
+
+    def unreadable(path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "disk_usage", unreadable)
+    assert rd.disk_full(tmp_path, "x") is None
+    said = rd.disk_full(tmp_path, "x", said=True)
+    assert str(said).startswith(f"{tmp_path}: no space left on the device while writing x;")  # no MiB free
