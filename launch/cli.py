@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -340,6 +341,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Ctrl-C (SIGINT) always stops a command cleanly, also where it started ignored, as in a script's
+    # background job (`moe-rl train ... &`, the sbatch script's driver); a run's steps take it over
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     args = _parse(argv)
     setup_logging(args.log_level or "INFO")
     try:

@@ -33,13 +33,20 @@ TINY = "recipes/tiny_moe.yaml"
 DEADLINE_S = 300
 
 
+def _ignoring_ctrl_c() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _train(args: list[str], env: dict[str, str] | None = None, own_ray: bool = False) -> subprocess.Popen:
     """`moe-rl train` in a session of its own (a terminal's Ctrl-C reaches the whole group); with
-    ``own_ray`` it starts a Ray cluster of its own, as the README's command does."""
+    ``own_ray`` it starts a Ray cluster of its own, as the README's command does. It starts with
+    SIGINT ignored, as a script's background job does (the sbatch script's driver): Ctrl-C stops
+    it all the same."""
     return subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "train", *args, "logging.progress=false"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=own_ray_env(env) if own_ray else {**os.environ, **(env or {})}, start_new_session=True,
+        preexec_fn=_ignoring_ctrl_c,
     )  # fmt: skip
 
 
