@@ -78,9 +78,9 @@ def ray_cluster() -> Iterator:
 
     from moe_rl.orchestration.placement import PROCESS_ENV
 
-    before = {key: os.environ.get(key) for key in PROCESS_ENV}
-    os.environ.update(PROCESS_ENV)  # read by the cluster's processes as they start
-    try:
+    with pytest.MonkeyPatch.context() as env:  # read by the cluster's processes as they start
+        for key, value in PROCESS_ENV.items():
+            env.setenv(key, value)
         cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -89,12 +89,6 @@ def ray_cluster() -> Iterator:
                 "include_dashboard": False,
             },
         )
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     try:
         yield cluster
     finally:

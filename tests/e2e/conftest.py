@@ -5,7 +5,6 @@ start interrupted, its processes gone afterwards) runs without it (`tests.e2e.ru
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -13,12 +12,6 @@ import pytest
 
 @pytest.fixture(scope="package", autouse=True)
 def _runs_join_the_shared_ray_cluster(ray_cluster) -> Iterator[None]:
-    before = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = ray_cluster.address
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_ADDRESS", ray_cluster.address)
         yield
-    finally:
-        if before is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = before
