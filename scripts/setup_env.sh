@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 extras="${MOE_RL_EXTRAS:-cpu,dev}"
 venv=.venv
 stamp="$venv/.moe-rl-installed"
-want="$(cat pyproject.toml constraints/cpu-overrides.txt constraints/gpu.txt | sha256sum | cut -d' ' -f1) $extras"
+want="$(cat pyproject.toml constraints/cpu-overrides.txt constraints/gpu.txt | sha256sum | cut -d' ' -f1) $extras bytecode"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/moe-rl" ]; then
   exit 0
@@ -26,6 +26,10 @@ if [[ ",$extras," == *",gpu,"* ]]; then
 else
   pins=(--override constraints/cpu-overrides.txt)  # the CPU build's deliberate overrides
 fi
-"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" "${pins[@]}" -e ".[$extras]"
+# --compile-bytecode: every library's modules compiled once here. Without it each new process
+# (every Ray worker, every `moe-rl` command) compiles Megatron-core, vLLM, Ray and transformers
+# from source again where bytecode is not written (PYTHONDONTWRITEBYTECODE, read-only installs):
+# `import megatron.core` took 7.0 s that way, 4.7 s compiled.
+"$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" "${pins[@]}" -e ".[$extras]"
 "$venv/bin/python" scripts/check_deps.py "$extras"
 echo "$want" > "$stamp"
