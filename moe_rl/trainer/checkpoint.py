@@ -10,8 +10,10 @@ a KL penalty holds none, and the reference stays the starting weights the worker
 from __future__ import annotations
 
 import logging
+import queue
 import random
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +76,27 @@ def _reference_resident(worker) -> AbstractContextManager:
     return worker.reference.resident() if worker.reference is not None else nullcontext()
 
 
+@contextmanager
+def _write_results_in_process() -> Iterator[None]:
+    """Megatron's checkpoint writer hands its write results to the caller through a queue served by
+    a process it spawns once per process (``filesystem_async._get_write_results_queue``), made for
+    saves that finish in a background process. This project's saves are synchronous: the results
+    are put and read in this process, so a plain queue holds them, and no helper process starts
+    (that process imports torch to unpickle the first results: about 2.5 s on each run's first
+    checkpoint). Where Megatron keeps no such queue, its own is used."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        yield
+        return
+    held = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = held
+
+
 def save(worker, directory: str | Path) -> Path:
     """Save ``worker``'s state (see the module docstring) into ``directory`` (collective)."""
     from megatron.core import dist_checkpointing
@@ -82,7 +105,7 @@ def save(worker, directory: str | Path) -> Path:
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    with _reference_resident(worker):
+    with _reference_resident(worker), _write_results_in_process():
         dist_checkpointing.save(_sharded_state(worker, is_loading=False), str(directory))
     log.info("saved checkpoint of step %d to %s", worker.step, directory)
     return directory

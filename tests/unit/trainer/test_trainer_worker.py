@@ -4,6 +4,7 @@ device (the worker gets CPU micro-batches, as from a trajectory, and moves them 
 from __future__ import annotations
 
 import math
+import multiprocessing
 
 import pytest
 import torch
@@ -65,6 +66,8 @@ def test_checkpoint_resume_is_exact(tmp_path, device):
     first = TrainerWorker(config)
     _run(first, batches, 1)
     first.save_checkpoint(tmp_path / "ckpt")
+    # the save finished in this process, and started no helper process for Megatron's write results
+    assert not [p.name for p in multiprocessing.active_children() if "Manager" in p.name]
     resumed = TrainerWorker(tiny_recipe("algo.routing_replay=r2", "trainer.lr_warmup_steps=2",
                                         "trainer.lr_decay_style=cosine", "run.seed=99"))  # fmt: skip
     assert resumed.load_checkpoint(tmp_path / "ckpt") == 1
