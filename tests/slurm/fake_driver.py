@@ -3,7 +3,7 @@ CONFIG [--resume RUN_DIR]` appends one line per event to FILE.
 
 Mode `hold` (the only one): it records the start and waits; SIGINT (what the sbatch script sends
 before a requeue) records a checkpoint and exits 130; a resumed start (`--resume`) records the
-resume and exits 0.
+resume and exits 0, or, before restart `--hold-until-restart N` (default 0), waits as a start does.
 """
 
 from __future__ import annotations
@@ -34,11 +34,14 @@ def main() -> int:
     parser.add_argument("--mode", choices=("hold",), default="hold")
     parser.add_argument("config")
     parser.add_argument("--resume")
+    parser.add_argument("--hold-until-restart", type=int, default=0)
     args = parser.parse_args()
     if args.resume:
         _record(args.marker, "resume", args)
-        return 0
-    _record(args.marker, "start", args)
+        if int(os.environ.get("SLURM_RESTART_COUNT", "0")) >= args.hold_until_restart:
+            return 0
+    else:
+        _record(args.marker, "start", args)
     try:
         time.sleep(600)
     except KeyboardInterrupt:

@@ -38,8 +38,11 @@ def moe_rl(cluster: SlurmCluster, cwd: Path, *args: str) -> subprocess.Completed
     )
 
 
-def submit(cluster: SlurmCluster, tmp: Path, name: str, mode: str | None, *overrides: str) -> Path:
-    """Submit the tiny recipe as run `name` (with the stand-in driver in `mode`); the run dir."""
+def submit(
+    cluster: SlurmCluster, tmp: Path, name: str, mode: str | None, *overrides: str, driver_args: tuple = ()
+) -> Path:
+    """Submit the tiny recipe as run `name` (with the stand-in driver in `mode`, given
+    ``driver_args``); the run dir."""
     args = ["submit", str(REPO / "recipes" / "tiny_moe.yaml"), f"run.output_dir={tmp / 'runs'}"]
     args += [
         f"run.name={name}",
@@ -50,7 +53,7 @@ def submit(cluster: SlurmCluster, tmp: Path, name: str, mode: str | None, *overr
     args += ["--nodes", "1", "--gpus-per-node", "0", "--time", "00:20:00", "--requeue"]
     if mode is not None:
         marker = tmp / "marker.txt"
-        driver = [sys.executable, str(FAKE_DRIVER), "--marker", str(marker), "--mode", mode]
+        driver = [sys.executable, str(FAKE_DRIVER), "--marker", str(marker), "--mode", mode, *driver_args]
         args += ["--command", shlex.join(driver)]
     out = moe_rl(cluster, tmp, *args)
     assert out.returncode == 0, out.stderr
@@ -108,29 +111,33 @@ def all_text(folder: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in folder.rglob("*") if p.is_file())
 
 
-def test_requeued_job_restarts_and_resumes(slurm_cluster, tmp_path):
-    run_dir = submit(slurm_cluster, tmp_path, "requeue", "hold")
+def test_a_requeued_job_resumes_and_the_time_limit_signal_checkpoints_requeues_and_resumes(
+    slurm_cluster, tmp_path
+):
+    """One job, restarted twice: `scontrol requeue` (restart 1) starts the driver again with
+    `--resume`; then USR1, what `--signal=B:USR1@N` delivers N seconds before the time limit, makes
+    the driver save a checkpoint and the job requeue itself (restart 2), which resumes and ends."""
+    run_dir = submit(slurm_cluster, tmp_path, "requeue", "hold", driver_args=("--hold-until-restart", "2"))
     wait_for(lambda: events(tmp_path), 300, "the driver started", run_dir)
-    slurm_cluster.run("scontrol", "requeue", job_id(run_dir))
-    fields = wait_done(slurm_cluster, run_dir)
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", batch_log(run_dir)
-    first, last = events(tmp_path)[0], events(tmp_path)[-1]
-    assert first["event"] == "start" and first["restarts"] == "0"
-    assert last["event"] == "resume" and last["resume"] == str(run_dir) and last["restarts"] == "1"
+    jid = job_id(run_dir)
+    slurm_cluster.run("scontrol", "requeue", jid)
+    resumed = lambda restart: any(
+        e["event"] == "resume" and e["restarts"] == restart for e in events(tmp_path)
+    )  # noqa: E731
+    wait_for(lambda: resumed("1"), 300, "the driver resumed after the requeue", run_dir)
+    first = events(tmp_path)
+    assert first[0]["event"] == "start" and first[0]["restarts"] == "0"
+    assert first[-1]["resume"] == str(run_dir), first
     assert f"requeued (restart 1): resuming from {run_dir}" in batch_log(run_dir)
 
-
-def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
-    """USR1 is what `--signal=B:USR1@N` delivers N seconds before the time limit."""
-    run_dir = submit(slurm_cluster, tmp_path, "preempt", "hold")
-    wait_for(lambda: events(tmp_path), 300, "the driver started", run_dir)
-    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id(run_dir))
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", jid)
     fields = wait_done(slurm_cluster, run_dir)
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", batch_log(run_dir)
-    assert [e["event"] for e in events(tmp_path)] == ["start", "checkpoint", "resume"]
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "2", batch_log(run_dir)
+    after = events(tmp_path)[len(first) :]
+    assert [(e["event"], e["restarts"]) for e in after] == [("checkpoint", "1"), ("resume", "2")], after
     log = batch_log(run_dir)
     assert "SIGUSR1: asking the driver to save a checkpoint" in log
-    assert f"requeueing job {job_id(run_dir)}" in log
+    assert f"requeueing job {jid}" in log and f"requeued (restart 2): resuming from {run_dir}" in log
 
 
 def test_a_job_runs_ray_and_the_driver_with_per_node_logs_and_cancel_stops_it_all(slurm_cluster, tmp_path):
