@@ -4,16 +4,18 @@ that runs them, on the tiny recipe's model)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-from trainer_testing import micro_batches, tiny_recipe
+from trainer_testing import micro_batches, one_response, tiny_recipe
 
 from moe_rl.algo.kl import kl_penalty
 from moe_rl.algo.modes import KLEstimator
 from moe_rl.megatron.forward import packed_seq_params, pad_micro_batch
-from moe_rl.trainer.critic import HEAD, ValueHead
+from moe_rl.megatron.lora import is_adapter
+from moe_rl.trainer.critic import HEAD, ValueHead, body_state
 from moe_rl.trainer.worker import TrainerWorker
 
 PPO = ("algo.advantage=gae", "rollout.group_size=1", "critic.lr=1e-3")
@@ -91,6 +93,62 @@ def test_gae_by_hand_with_values_and_discount():
     )
 
 
+def test_the_batch_statistics_of_one_response_of_one_and_two_tokens():
+    """At the smallest batches, with a critic whose head is not zero: the raw advantages' mean and
+    unbiased standard deviation (0 for one token), the returns', values' and token rewards' means,
+    each over the batch's tokens."""
+    worker = TrainerWorker(tiny_recipe(*PPO, "critic.init=config"))
+    with torch.no_grad():
+        worker.critic.model.output_layer.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    for tokens in (1, 2):
+        mbs = one_response(worker.config.model, tokens)
+        prepared, metrics = worker.compute_old_logp(mbs)
+        returns = torch.cat([mb.returns for mb in prepared]).double()
+        values = torch.cat([mb.old_values for mb in prepared]).double()
+        raw = returns - values  # the returns are A + V
+        assert returns.numel() == tokens and values.abs().min() > 0
+        assert metrics["advantage/token_mean_raw"] == pytest.approx(float(raw.mean()), rel=1e-5)
+        std = float(raw.std()) if tokens > 1 else 0.0
+        assert metrics["advantage/token_std_raw"] == pytest.approx(std, rel=1e-4, abs=1e-12), tokens
+        assert metrics["returns/mean"] == pytest.approx(float(returns.mean()), rel=1e-5)
+        assert metrics["returns/values_mean"] == pytest.approx(float(values.mean()), rel=1e-5)
+        score = float(mbs[0].advantages[0])  # the reward is the response's score, on its last token
+        assert metrics["returns/token_reward_mean"] == pytest.approx(score / tokens, rel=1e-5)
+
+
+def test_the_critic_is_a_model_of_its_own_with_settings_of_its_own():
+    """A tied policy's critic is untied (its head is not the embedding); its own initialization
+    (critic.init=config) is the policy's model built from run.seed + 1; it learns at critic.lr from
+    its first step whatever the trainer's warm-up; its gradient buffers hold every parameter's
+    gradient (dense and expert)."""
+    from moe_rl.megatron.model import build_gpt_model
+
+    config = tiny_recipe(
+        *PPO, "model.tie_word_embeddings=true", "critic.init=config", "trainer.lr_warmup_steps=3"
+    )
+    worker = TrainerWorker(config)
+    critic = worker.critic
+    assert worker.model.share_embeddings_and_output_weights
+    assert not critic.model.share_embeddings_and_output_weights
+    untied = dataclasses.replace(config.model, tie_word_embeddings=False)
+    body = body_state(critic.model)
+    for seed, same in ((config.run.seed + 1, True), (config.run.seed, False)):
+        built = build_gpt_model(untied, config.parallel, config.trainer, seed=seed).state_dict()
+        assert all(torch.equal(v, built[k]) for k, v in body.items() if isinstance(v, torch.Tensor)) == same
+    assert {group["lr"] for group in critic.optimizer.param_groups} == {config.critic.lr}
+    assert all(group["lr"] < config.trainer.lr for group in worker.optimizer.param_groups)  # warming up
+    held = sum(buffer.numel() for buffer in critic.grad_buffers())
+    assert held >= sum(p.numel() for p in critic.model.parameters())
+
+
+def test_a_critic_body_holds_neither_the_head_nor_adapters():
+    worker = TrainerWorker(tiny_recipe("lora.rank=4", "lora.alpha=8"))
+    state = worker.model.state_dict()
+    assert any(is_adapter(k) for k in state) and any(k.startswith(HEAD) for k in state)
+    body = body_state(worker.model)
+    assert body and not [k for k in body if is_adapter(k) or k.startswith(HEAD)]
+
+
 def _policy_params(worker):
     return [p.detach().clone() for p in worker.model.parameters()]
 
@@ -108,6 +166,12 @@ def test_warm_up_trains_the_critic_alone_then_both(ppo_worker):
     assert all(torch.equal(a, b) for a, b in zip(before, _policy_params(worker)))
     assert not torch.equal(head, head_before) and first["critic/update_ok"] == 1.0
     assert first["critic/loss"] > 0 and math.isfinite(first["critic/grad_norm"])
+    # from V = V_old = 0 the loss is ½·mean(R²) over the tokens, and Adam's first step moves each
+    # weight of the head by the learning rate (g / (|g| + ε), no weight decay)
+    returns = torch.cat([mb.returns for mb in prepared]).double()
+    assert first["critic/loss"] == pytest.approx(float(0.5 * (returns**2).mean()), rel=1e-5)
+    moved = (head.detach() - head_before).abs().max()
+    assert float(moved) == pytest.approx(worker.config.critic.lr, rel=1e-3)
     prepared, _ = worker.compute_old_logp(mbs)
     second = worker.train_step(prepared)
     assert "train/policy_frozen" not in second and second["train/update_ok"] == 1.0

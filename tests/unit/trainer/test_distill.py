@@ -5,13 +5,16 @@ teacher of another vocabulary, or a run without a usable checkpoint, is one line
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from trainer_testing import micro_batches, tiny_recipe
+from trainer_testing import micro_batches, one_response, tiny_recipe
 
 from moe_rl.config.loader import to_yaml
 from moe_rl.errors import UserError
 from moe_rl.run_dir import write_manifest
+from moe_rl.trainer.teacher import teacher_source
 from moe_rl.trainer.worker import TrainerWorker
 
 WIDER = ("model.hidden_size=48", "algo.routing_replay=off", "run.seed=5")
@@ -56,6 +59,14 @@ def test_the_teacher_scores_the_students_tokens(teacher):
     assert metrics["distill/teacher_s"] > 0
     out = student.train_step(prepared)
     assert out["train/update_ok"] == 1.0
+    # a batch of one token: its gap is the whole mean, and its advantage is the driver's alone
+    (mb,) = one_response(student.config.model, 1)
+    (one,), metrics = student.compute_old_logp([mb])
+    assert metrics["distill/reverse_kl"] == pytest.approx(float(one.old_logp - one.teacher_logp), rel=1e-6)
+    torch.testing.assert_close(one.advantages, mb.advantages)
+    source = teacher_source(student.config)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        source.hf = True
 
 
 def test_a_teacher_of_another_vocabulary_is_refused(tmp_path):

@@ -97,6 +97,16 @@ def tiny_recipe(*overrides: str) -> RecipeConfig:
     return load_checked(TINY_RECIPE, [*TINY_MODEL_OVERRIDES, *overrides])
 
 
+def one_response(model: ModelConfig, tokens: int) -> list[TrainMicroBatch]:
+    """A batch of one response of exactly ``tokens`` tokens (the first seed of `micro_batches` that
+    draws one): the boundary cases of a batch's statistics."""
+    for seed in range(1000):
+        mbs = micro_batches(seed, 1, model)
+        if sum(mb.micro.response_positions.numel() for mb in mbs) == tokens:
+            return mbs
+    raise AssertionError(f"no seed below 1000 draws one response of {tokens} tokens")
+
+
 def micro_batches(
     seed: int,
     num_samples: int,
