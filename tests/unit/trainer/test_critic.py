@@ -96,10 +96,16 @@ def test_gae_by_hand_with_values_and_discount():
 def test_the_batch_statistics_of_one_response_of_one_and_two_tokens():
     """At the smallest batches, with a critic whose head is not zero: the raw advantages' mean and
     unbiased standard deviation (0 for one token), the returns', values' and token rewards' means,
-    each over the batch's tokens."""
+    each over the batch's tokens; all 0 for a batch of no token."""
     worker = TrainerWorker(tiny_recipe(*PPO, "critic.init=config"))
     with torch.no_grad():
         worker.critic.model.output_layer.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    (empty,) = one_response(worker.config.model, 0)  # a batch whose responses have no token
+    _, metrics = worker.compute_old_logp([empty])
+    assert {k: v for k, v in metrics.items() if k.startswith(("advantage/", "returns/"))} == {
+        "advantage/token_mean_raw": 0.0, "advantage/token_std_raw": 0.0, "returns/mean": 0.0,
+        "returns/token_reward_mean": 0.0, "returns/values_mean": 0.0,
+    }  # fmt: skip
     for tokens in (1, 2):
         mbs = one_response(worker.config.model, tokens)
         prepared, metrics = worker.compute_old_logp(mbs)

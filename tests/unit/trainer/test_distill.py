@@ -60,10 +60,18 @@ def test_the_teacher_scores_the_students_tokens(teacher):
     out = student.train_step(prepared)
     assert out["train/update_ok"] == 1.0
     # a batch of one token: its gap is the whole mean, and its advantage is the driver's alone
-    (mb,) = one_response(student.config.model, 1)
-    (one,), metrics = student.compute_old_logp([mb])
+    for seed in range(200):  # one that the teacher and student score apart (a kept set of one: both 0)
+        (mb,) = micro_batches(seed, 1, student.config.model)
+        if mb.micro.response_positions.numel() == 1:
+            (one,), metrics = student.compute_old_logp([mb])
+            if float(one.old_logp - one.teacher_logp) != 0:
+                break
+    else:
+        raise AssertionError("no one-token response that the teacher and the student score apart")
     assert metrics["distill/reverse_kl"] == pytest.approx(float(one.old_logp - one.teacher_logp), rel=1e-6)
     torch.testing.assert_close(one.advantages, mb.advantages)
+    _, metrics = student.compute_old_logp(one_response(student.config.model, 0))  # no token at all
+    assert metrics["distill/reverse_kl"] == 0.0
     source = teacher_source(student.config)
     with pytest.raises(dataclasses.FrozenInstanceError):
         source.hf = True
