@@ -121,10 +121,11 @@ def test_a_requeued_job_resumes_and_the_time_limit_signal_checkpoints_requeues_a
     wait_for(lambda: events(tmp_path), 300, "the driver started", run_dir)
     jid = job_id(run_dir)
     slurm_cluster.run("scontrol", "requeue", jid)
-    resumed = lambda restart: any(
-        e["event"] == "resume" and e["restarts"] == restart for e in events(tmp_path)
-    )  # noqa: E731
-    wait_for(lambda: resumed("1"), 300, "the driver resumed after the requeue", run_dir)
+
+    def resumed() -> bool:
+        return any(e["event"] == "resume" and e["restarts"] == "1" for e in events(tmp_path))
+
+    wait_for(resumed, 300, "the driver resumed after the requeue", run_dir)
     first = events(tmp_path)
     assert first[0]["event"] == "start" and first[0]["restarts"] == "0"
     assert first[-1]["resume"] == str(run_dir), first
