@@ -9,7 +9,7 @@ import pytest
 
 from moe_rl.config import load_recipe
 from moe_rl.config.modes import SyncRoute
-from moe_rl.config.sync_plan import Senders, sync_plan, sync_rules
+from moe_rl.config.sync_plan import Senders, SyncPlan, sync_plan, sync_rules
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "recipes" / "tiny_moe.yaml"
@@ -53,6 +53,39 @@ def test_what_travels_follows_the_engine_and_the_recipe():
     assert not _plan("cuda", "rollout.engine=vllm", "rollout.quant=fp8_block128").quantized_wire
     line = megatron.describe()
     assert line.startswith("buckets (shared memory on a sender's node") and "chosen by auto" in line
+
+
+def test_the_plan_line_in_full_and_who_sends():
+    """The driver's line, word for word: the route and its means, what travels in what units of
+    how many MiB, who sends, and why; the plan itself cannot be changed once made."""
+    import dataclasses
+
+    tiny = _plan("cpu", "rollout.quant=fp8_block128", "rollout.sync_bucket_mb=48")
+    assert tiny.describe() == (
+        "buckets (shared memory on a sender's node, a process group to other nodes); fp8_block128 on the wire in "
+        "buckets of 48 MiB; each trainer rank sends the tensors it owns; chosen by auto: megatron engines on cpu, "
+        "colocated"
+    )
+    apart = _plan("cuda", "rollout.engine=vllm", *APART)
+    assert apart.describe() == (
+        "vllm_nccl (vLLM's NCCL weight transfer from trainer rank 0); the whole model in the engines' dtype in "
+        "vLLM's packed buffers of 256 MiB; trainer rank 0 sends the whole model; chosen by auto: vllm engines on "
+        "cuda, on nodes of their own, one pipeline stage"
+    )
+    assert [p.every_rank for p in (tiny, apart, _plan("cuda"), _plan("cuda", "rollout.engine=vllm"))] == [
+        False, False, True, True,
+    ]  # fmt: skip
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tiny.route = SyncRoute.DEVICE_IPC
+    # the one-process loop only where asked for, and adapters only where LoRA sends them
+    assert sync_plan(load_recipe(TINY), "cpu").route is SyncRoute.BUCKETS
+    in_process = load_recipe(TINY, [f"rollout.sync_transport={SyncRoute.IN_PROCESS.value}"])
+    broken = [
+        r.name for r in sync_rules(in_process, "cpu") if r.broken
+    ]  # the preflight's call: not the loop's
+    assert broken == ["sync route chosen by the loop"]
+    assert not SyncPlan(SyncRoute.BUCKETS, False, "w", 1, "why").adapters
+    assert not _plan("cpu", "lora.sync=adapters").adapters  # lora.rank=0: no adapters to send
 
 
 def test_an_override_where_it_works_is_taken():
@@ -119,6 +152,7 @@ def test_an_adapter_sync_the_run_cannot_keep_is_refused_naming_the_keys(where, o
 
 def test_an_adapter_sync_is_in_the_plan_and_its_line():
     merged, adapters = _plan("cpu", "lora.rank=8"), _plan("cpu", *LORA)
+    assert _plan("cpu", "lora.rank=1", "lora.sync=adapters").adapters  # the least rank there is
     assert not merged.adapters and adapters.adapters and merged.route == adapters.route
     assert "LoRA adapters apart, only what trains once an engine holds the base" in adapters.describe()
     assert "LoRA" not in merged.describe()
