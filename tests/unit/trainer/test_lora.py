@@ -321,3 +321,22 @@ def test_with_tied_embeddings_the_trained_output_layer_is_the_shared_embedding(h
     prepared, _ = worker.compute_old_logp(_batches(worker.config))
     assert worker.train_step(prepared)["train/update_ok"] == 1.0
     assert torch.equal(embedding, before) == (head == "false")
+
+
+@pytest.mark.parametrize("init", ["gaussian", "kaiming"])
+def test_a_starts_as_lora_init_says_and_b_at_zero(init):
+    """``lora.init=gaussian``: every ``A`` normal with mean 0 and standard deviation 1/rank;
+    ``kaiming`` (the default): uniform in ±1/√in, the linear's whole input width. ``B`` zero."""
+    worker = TrainerWorker(tiny_recipe("lora.rank=4", "lora.alpha=8", f"lora.init={init}"))
+    linears = adapted_linears(worker.model).values()
+    assert all(torch.count_nonzero(m.lora_b) == 0 for m in linears)
+    if init == "gaussian":
+        a = torch.cat([m.lora_a.detach().float().flatten() for m in linears])
+        assert a.numel() >= 2048  # the spread of a sample this size: under 0.004 for its deviation
+        assert abs(a.mean().item()) < 0.02 and abs(a.std().item() - 0.25) < 0.0125  # 1 / rank
+        return
+    for module in linears:
+        a = module.lora_a.detach().float()
+        bound = 1.0 / a.shape[1] ** 0.5  # one rank: its A reads the whole input
+        assert a.abs().max() <= bound and a.abs().max() > 0.9 * bound
+        assert abs(a.std().item() - bound / 3**0.5) < 0.2 * bound  # uniform's deviation: bound/√3
