@@ -225,9 +225,9 @@ def test_the_progress_names_the_call_running_longest_and_for_how_long():
     progress = Progress(total=5)
     assert progress.longest() is None
     now = time.monotonic()
-    progress.running = {3: now - 2.0, 1: now - 7.0, 4: now - 0.5}
+    progress.running = {3: now - 7.0, 1: now - 2.0, 4: now - 0.5}  # the longest is not the least index
     index, seconds = progress.longest()
-    assert index == 1 and 7.0 <= seconds < 7.0 + DEADLINE_S
+    assert index == 3 and 7.0 <= seconds < 7.0 + DEADLINE_S
 
 
 DIES = """
