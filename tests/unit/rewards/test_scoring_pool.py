@@ -264,3 +264,31 @@ def test_a_worker_process_that_dies_fails_its_call_and_a_new_one_serves_the_next
         assert (err.value.index, err.value.cause) == (1, "lost its worker process (exit code 7)")
     finally:
         pool.close()
+
+
+def test_a_scoring_still_running_reports_its_progress_every_period(monkeypatch):
+    """``report`` gets the phase's `Progress` every `PROGRESS_S` while calls run (here 0.05 s; the
+    calls 0.4 s each, two at a time), and nothing once the phase is over; with none given, none is sent."""
+    import asyncio
+
+    from moe_rl.rewards import pool
+
+    monkeypatch.setattr(pool, "PROGRESS_S", 0.05)
+
+    async def slow(x):
+        await asyncio.sleep(0.4)
+        return x
+
+    scoring = pool.ScoringPool(
+        slow, None, RewardPool.THREAD, workers=2, timeout_s=DEADLINE_S, timeout_cause="-"
+    )
+    seen = []
+    outcomes = scoring.run(
+        [(i,) for i in range(4)], lambda v: None, False, report=lambda p: seen.append((p.total, p.done))
+    )
+    assert [o.value for o in outcomes] == [0, 1, 2, 3]
+    assert seen and all(total == 4 for total, _ in seen), seen
+    after = len(seen)
+    threading.Event().wait(0.2)
+    assert len(seen) == after  # the ticker ended with the phase
+    assert [o.value for o in scoring.run([(5,)], lambda v: None, False)] == [5]
