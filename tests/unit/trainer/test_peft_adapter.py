@@ -20,6 +20,7 @@ from moe_rl.megatron.lora import adapted_linears
 from moe_rl.megatron.peft_adapter import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
     adapter_config,
     adapter_tensors,
     drop_adapters,
@@ -147,13 +148,8 @@ def test_the_config_is_a_plain_lora_that_vllm_and_peft_read_as_it_was_trained(tm
 
 @pytest.fixture(scope="module")
 def lora_model():
-    """A tiny LoRA model with every adapter non-zero (a fresh adapter's B is zero)."""
-    worker = TrainerWorker(tiny_recipe("lora.rank=2", "lora.alpha=6"))
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for module in adapted_linears(worker.model).values():
-            module.lora_b.normal_(0.0, 0.05)
-    return worker
+    """A tiny LoRA model, rank 2 and alpha 6 (s = 3)."""
+    return TrainerWorker(tiny_recipe("lora.rank=2", "lora.alpha=6"))
 
 
 def test_a_models_adapters_add_s_b_a_to_each_hf_linear_and_dropped_leave_its_base(lora_model, tmp_path):
@@ -162,6 +158,10 @@ def test_a_models_adapters_add_s_b_a_to_each_hf_linear_and_dropped_leave_its_bas
     from safetensors.torch import load_file
 
     model = lora_model.model
+    torch.manual_seed(5)
+    with torch.no_grad():  # every adapter non-zero (a fresh adapter's B is zero)
+        for module in adapted_linears(model).values():
+            module.lora_b.normal_(0.0, 0.05)
     merged = {n: t.clone() for n, t in iter_hf_weights(model)}
     modules = save_adapter(model, lora_model.config.lora, tmp_path / "adapter", "base")
     tensors = load_file(str(tmp_path / "adapter" / ADAPTER_WEIGHTS))
@@ -170,7 +170,7 @@ def test_a_models_adapters_add_s_b_a_to_each_hf_linear_and_dropped_leave_its_bas
     drop_adapters(model)
     assert all(torch.count_nonzero(m.lora_b) == 0 for m in adapted_linears(model).values())
     base = dict(iter_hf_weights(model))
-    covered = {n.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+    covered = {n.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight"
                for n in tensors if n.endswith("lora_A.weight")}  # fmt: skip
     layers, experts = lora_model.config.model.num_layers, lora_model.config.model.num_experts
     assert len(covered) == layers * (4 + 3 * experts)  # q, k, v, o; gate, up, down per expert
@@ -178,7 +178,7 @@ def test_a_models_adapters_add_s_b_a_to_each_hf_linear_and_dropped_leave_its_bas
         if name not in covered:
             assert torch.equal(weight, base[name]), name
             continue
-        peft = "base_model.model." + name.removesuffix(".weight")
+        peft = PEFT_PREFIX + name.removesuffix(".weight")
         delta = 3.0 * tensors[f"{peft}.lora_B.weight"].float() @ tensors[f"{peft}.lora_A.weight"].float()
         assert delta.abs().max() > 0, name
         torch.testing.assert_close(weight.float(), base[name].float() + delta, rtol=1e-5, atol=1e-6)
