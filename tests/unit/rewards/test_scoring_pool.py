@@ -9,10 +9,15 @@ started (a barrier with a deadline), which only calls running side by side get p
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -292,3 +297,143 @@ def test_a_scoring_still_running_reports_its_progress_every_period(monkeypatch):
     threading.Event().wait(0.2)
     assert len(seen) == after  # the ticker ended with the phase
     assert [o.value for o in scoring.run([(5,)], lambda v: None, False)] == [5]
+
+
+def _pool(tmp_path, monkeypatch, source: str, kind: RewardPool = RewardPool.PROCESS, timeout_s=DEADLINE_S):
+    """A `ScoringPool` of the user function in ``source`` (imported here, and by its spec in a worker
+    process), one call at a time."""
+    from moe_rl.rewards.pool import ScoringPool
+
+    spec = _module(tmp_path, monkeypatch, source)
+    module, name = spec.split(":")
+    return ScoringPool(
+        getattr(__import__(module), name), spec, kind, workers=1, timeout_s=timeout_s, timeout_cause="late"
+    )
+
+
+def _causes(pool, calls: list[tuple]) -> list[str | None]:
+    try:
+        return [o.cause for o in _within(lambda: pool.run(calls, lambda value: None, stop_on_failure=False))]
+    finally:
+        pool.close()
+
+
+def test_an_async_reward_that_raises_fails_its_call_a_timeout_error_of_its_own_too(tmp_path, monkeypatch):
+    """What an `async def` reward raises is its call's failure, reported as raised: its own
+    ``TimeoutError`` (an upstream's) too, which is not the call's time limit."""
+    source = """
+        async def score(kind):
+            if kind == "timeout":
+                raise TimeoutError("upstream gave up")
+            if kind == "value":
+                raise ValueError("no score")
+            return 1.0
+    """
+    pool = _pool(tmp_path, monkeypatch, source, kind=RewardPool.THREAD)
+    assert _causes(pool, [("timeout",), ("value",), ("ok",)]) == [
+        "raised TimeoutError: upstream gave up", "raised ValueError: no score", None,
+    ]  # fmt: skip
+
+
+def test_a_reward_thread_past_its_limit_does_not_keep_the_process_from_ending(tmp_path):
+    """A thread cannot be stopped: a call past its limit leaves its thread hanging, and the process
+    (a run's reward worker) still ends when its work is done."""
+    (tmp_path / "hangs.py").write_text("import time\ndef score(x):\n    time.sleep(3600)\n")
+    code = (
+        "from moe_rl.config.modes import RewardPool\n"
+        "from moe_rl.rewards.pool import ScoringPool\n"
+        "from hangs import score\n"
+        "pool = ScoringPool(score, None, RewardPool.THREAD, workers=1, timeout_s=0.2, timeout_cause='late')\n"
+        "print([o.cause for o in pool.run([(1,)], lambda v: None, False)])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=DEADLINE_S
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "['late']", out.stderr[-2000:]
+
+
+SERVES = """
+    import os, time
+    if os.environ.get("REWARD_TEST_SLOW_IMPORT"):
+        time.sleep(3600)  # a worker process that never gets ready
+    def score(kind):
+        if kind == "unpicklable":
+            return lambda: 1.0
+        return os.getpid()
+"""
+
+
+def test_a_worker_process_slower_to_start_than_its_bound_fails_the_call(tmp_path, monkeypatch):
+    from moe_rl.rewards import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "STARTUP_S", 0.5)
+    pool = _pool(tmp_path, monkeypatch, SERVES)
+    monkeypatch.setenv("REWARD_TEST_SLOW_IMPORT", "1")  # read by the worker's import, not ours
+    assert _causes(pool, [("pid",)]) == ["found no worker process ready within 0.5 s"]
+
+
+def test_a_worker_process_that_cannot_import_the_function_fails_the_call_saying_so(tmp_path, monkeypatch):
+    pool = _pool(tmp_path, monkeypatch, SERVES)
+    module = pool.spec.split(":")[0]
+    (tmp_path / f"{module}.py").unlink()  # imported here; the worker process will not find it
+    (cause,) = _causes(pool, [("pid",)])
+    assert cause.startswith("could not be imported in a worker process: ") and module in cause, cause
+
+
+def test_a_value_a_worker_cannot_send_back_fails_its_call_and_the_worker_serves_on(tmp_path, monkeypatch):
+    pool = _pool(tmp_path, monkeypatch, SERVES)
+    try:
+        first, unsent, after = _within(
+            lambda: pool.run(
+                [("pid",), ("unpicklable",), ("pid",)], lambda value: None, stop_on_failure=False
+            )
+        )
+    finally:
+        pool.close()
+    assert unsent.value is None and unsent.cause.startswith("returned function, which cannot be sent back: ")
+    assert after.value == first.value  # the same process
+
+
+def test_an_idle_worker_process_that_ended_fails_the_next_call_saying_so(tmp_path, monkeypatch):
+    """A worker process that ended between calls (killed): the call sent to it fails with its exit
+    code, and the one after gets a live process."""
+    import signal
+
+    pool = _pool(tmp_path, monkeypatch, SERVES)
+    try:
+        (first,) = _within(lambda: pool.run([("pid",)], lambda value: None, stop_on_failure=False))
+        os.kill(first.value, signal.SIGKILL)
+        deadline = time.monotonic() + DEADLINE_S
+        while psutil.Process(first.value).status() != psutil.STATUS_ZOMBIE:  # ended, not yet waited for
+            assert time.monotonic() < deadline, "the worker process did not end"
+            time.sleep(0.05)
+        lost, after = _within(
+            lambda: pool.run([("pid",), ("pid",)], lambda value: None, stop_on_failure=False)
+        )
+    finally:
+        pool.close()
+    assert lost.cause == f"lost its worker process (exit code {-signal.SIGKILL})" and lost.value is None
+    assert after.cause is None and after.value != first.value
+
+
+def test_a_worker_process_whose_pool_ended_ends_cleanly(tmp_path, monkeypatch):
+    """Its socket closed without a kill (the pool's process ended): the worker leaves its loop and
+    exits with 0, no traceback."""
+    import asyncio
+
+    from moe_rl.rewards.pool import _Worker
+
+    spec = _module(tmp_path, monkeypatch, SERVES)
+    worker = asyncio.run(_Worker(spec).started())
+    worker.conn.close()
+    assert worker.proc.wait(timeout=DEADLINE_S) == 0
+
+
+def test_an_outcome_is_a_record_no_one_changes():
+    from dataclasses import FrozenInstanceError
+
+    from moe_rl.rewards.pool import Outcome
+
+    with pytest.raises(FrozenInstanceError):
+        Outcome(value=1.0).value = 0.0
