@@ -6,8 +6,11 @@ start interrupted, its processes gone afterwards) runs without it (`tests.e2e.ru
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from tests.e2e.runs import train_tiny
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -15,3 +18,20 @@ def _runs_join_the_shared_ray_cluster(ray_cluster) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_ADDRESS", ray_cluster.address)
         yield
+
+
+ASYNC_RUN = [
+    "run.steps=4", "run.mode=async", "run.max_staleness=2", "run.async_depth=2", "rollout.num_engines=2",
+    "algo.zero_variance_shaping=true", "rollout.inflight_updates=true", "rollout.top_p=0.9",
+    "logging.diagnose_every=1",
+]  # fmt: skip
+"""Asynchronous, two steps ahead with staleness bound 2, in-flight weight updates and two engines,
+shaping zero-variance groups, top-p 0.9 and the mismatch probe every step."""
+
+
+@pytest.fixture(scope="package")
+def async_run(tmp_path_factory) -> Path:
+    """One finished run of `ASYNC_RUN` for the tests that read it (the staleness bound, the report)."""
+    root = tmp_path_factory.mktemp("async")
+    train_tiny(root, "async", *ASYNC_RUN)
+    return root / "async"

@@ -28,3 +28,28 @@ def own_ray_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment (and ``env``) for a run that starts a Ray cluster of its own, the
     README's path, instead of joining the tier's shared one (tests/e2e/conftest.py)."""
     return {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "RAY_ADDRESS"}
+
+
+def check_parallel_steps(records: list[dict], adapters_only: bool) -> None:
+    """Three RL steps of a two-rank expert- or pipeline-parallel group with R3 and keep-sampling-mask:
+    each owner sent its own weights (``adapters_only``: a LoRA run's adapters, synced apart), the
+    same bytes every sync, and the engine's routing reached every rank."""
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:  # each sync: what trains (the adapters, the output layer), the same bytes
+        assert r["sync/adapters_only"] == int(adapters_only) and r["sync/bytes"] == records[0]["sync/bytes"]
+        assert r["train/update_ok"] == 1.0 and r["train/grad_norm"] > 0
+        # R3 replays the engine's routing; the routers' own choice agrees to fp8 precision in the
+        # old-logp pass and drifts as the weights move
+        assert 0.9 < r["old/routing_agreement"] <= 1.0 and 0 < r["train/routing_agreement"] <= 1.0
+        assert r["old/kl_k3"] < 1e-3  # fp8 engine vs the trainer with keep-sampling-mask
+        assert r["sync/senders"] == 2  # each expert-parallel rank / pipeline stage sends its own
+
+
+def without_process_group() -> None:
+    """Leave this process's torch.distributed group and Megatron's parallel state (an earlier test's),
+    so that an in-process vLLM engine can start here: it refuses a process that holds a group, which
+    it would join and destroy at shutdown. The next test that needs Megatron initializes it again
+    (`moe_rl.megatron.parallel.init_parallel`)."""
+    from moe_rl.megatron.parallel import teardown_parallel
+
+    teardown_parallel()

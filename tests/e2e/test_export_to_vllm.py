@@ -31,6 +31,7 @@ from moe_rl.rollout.vllm_engine import VLLMEngine
 from moe_rl.run_dir import mark_latest, write_manifest
 from moe_rl.trainer.batch import make_train_micro_batches
 from moe_rl.trainer.worker import TrainerWorker
+from tests.e2e.runs import without_process_group
 
 pytestmark = pytest.mark.e2e
 
@@ -109,8 +110,10 @@ def test_export_of_a_trainer_checkpoint_generates_the_trainers_greedy_tokens_in_
     with torch.no_grad():
         assert hf(torch.tensor(PROMPTS)).logits[:, -1].argmax(-1).tolist() == first
 
-    # vLLM stops at the end-of-sequence id of generation_config.json: no stop ids are passed
-    vllm = VLLMEngine(out, max_model_len=64, in_process=not torch.distributed.is_initialized())
+    # vLLM stops at the end-of-sequence id of generation_config.json: no stop ids are passed; in
+    # this process (seconds to start, not vLLM's own processes), once the trainer's group is left
+    without_process_group()
+    vllm = VLLMEngine(out, max_model_len=64, in_process=True)
     try:
         got = vllm.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=6))
     finally:

@@ -10,14 +10,17 @@ an engine whose stream broke with it is synced again, so even then the runs are 
 The one-node run is colocated with its memory released between phases (`cluster.release_memory=on`,
 engines sleeping at level 2): each step the trainer ranks move their optimizer state and gradient
 buffers out once and back once, the engines drop their weights and the next sync restores them, and
-the steps are still those of the two-node run."""
+the steps are still those of the two-node run.
+
+Both runs are the expert-parallel group of the scaled-out loop (tests/e2e/test_scale_out.py): each
+expert-parallel rank sends its own experts, and the steps run with R3 and keep-sampling-mask."""
 
 from __future__ import annotations
 
 import pytest
 
 from moe_rl.orchestration.metrics import repeatable
-from tests.e2e.runs import train_tiny
+from tests.e2e.runs import check_parallel_steps, train_tiny
 
 pytestmark = pytest.mark.e2e
 
@@ -66,3 +69,4 @@ def test_two_nodes_sync_through_a_process_group_as_one_node_does_through_shared_
     assert apart[-1]["rollout/engine_restarts"] == 1 and together[-1]["rollout/engine_restarts"] == 0
     for a, b in zip(apart, together, strict=True):
         assert _comparable(a) == _comparable(b), f"step {a['step']} differs"
+    check_parallel_steps(together, adapters_only=False)

@@ -1,6 +1,7 @@
-"""`moe-rl report` on a real run directory: a 3-step tiny-MoE run of `moe-rl train` (asynchronous,
-top-p 0.9, the mismatch probe every step), then the report's PNGs exist, are real images, and
-report.md names the run's recipe and tables the mismatch budget the probe logged."""
+"""`moe-rl report` on a real run directory: the 4-step tiny-MoE run of `moe-rl train` the tier
+shares (`async_run`: asynchronous, top-p 0.9, the mismatch probe every step), then the report's PNGs
+exist, are real images, and report.md names the run's recipe and tables the mismatch budget the probe
+logged."""
 
 from __future__ import annotations
 
@@ -20,12 +21,8 @@ PNGS = ("reward.png", "mismatch.png", "masked.png", "routing.png", "timings.png"
 SHARES = ("routing", "truncation", "precision", "staleness")
 
 
-def test_report_of_a_tiny_run(tmp_path):
-    train = [sys.executable, "-m", "launch.cli", "train", str(REPO / "recipes" / "tiny_moe.yaml"),
-             "run.steps=3", f"run.output_dir={tmp_path}", "logging.tensorboard=false", "run.mode=async",
-             "rollout.top_p=0.9", "logging.diagnose_every=1"]  # fmt: skip
-    subprocess.run(train, check=True, cwd=REPO, capture_output=True, timeout=600)
-    run = tmp_path / "tiny_moe"
+def test_report_of_a_tiny_run(async_run):
+    run = async_run
     _check_budget_metrics([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
     out = subprocess.run(
         [sys.executable, "-m", "launch.cli", "report", str(run)],
@@ -40,17 +37,17 @@ def test_report_of_a_tiny_run(tmp_path):
         height, width, _ = image.imread(path).shape
         assert path.stat().st_size > 20_000 and width >= 800 and height >= 400, (name, width, height)
     md = (run / "report" / "report.md").read_text()
-    assert "rollout.quant=fp8_block128" in md and "routing_replay=r3" in md and "3 steps" in md
+    assert "rollout.quant=fp8_block128" in md and "routing_replay=r3" in md and "4 steps" in md
     assert all(f"]({name})" in md for name in PNGS)
     assert "| `old/kl_k3` |" in md and "| `old/routing_agreement` |" in md
-    assert "## Mismatch budget" in md and "| truncation (KSM removes) | 3 of 3 |" in md
-    assert "| staleness (async adds) | 2 of 3 |" in md
+    assert "## Mismatch budget" in md and "| truncation (KSM removes) | 4 of 4 |" in md
+    assert "| staleness (async adds) | 3 of 4 |" in md
 
 
 def _check_budget_metrics(records: list[dict]) -> None:
     """Every step probed: the shares are finite; top-p 0.9 leaves a truncation share KSM removes,
-    fp8 weights a precision share; staleness applies once batches are one version old."""
-    assert [r["policy/staleness"] for r in records] == [0, 1, 1]
+    fp8 weights a precision share; staleness applies once batches are a version or more old."""
+    assert [r["policy/staleness"] > 0 for r in records] == [False, True, True, True]
     for r in records:
         values = [r[f"mismatch/{share}"] for share in SHARES]
         assert all(isinstance(v, float) and math.isfinite(v) for v in values), r

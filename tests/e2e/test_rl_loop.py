@@ -193,25 +193,41 @@ optimizer and step too. SIGTERM (`scancel`, preemption) takes the same path as C
 (tests/unit/orchestration/test_reward_phase.py)."""
 
 
-def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path):
-    """Interrupted by Ctrl-C, then its newest checkpoint cut short and the one before it damaged in
-    place (4 KiB overwritten, same size), `latest` deleted and a torn line left in metrics.jsonl:
-    the resume falls back to the checkpoint before both, refuses a second run in the same directory
-    meanwhile (even after its run.lock was deleted: the directory itself is locked, and the run
-    writes its note again), and ends equal to an uninterrupted run, its metrics one run's, in order."""
-    common = [TINY, "run.steps=6", *LAYOUT]
-    straight = _train([*common, "run.name=straight"], tmp_path)
+def test_interrupt_saves_and_resume_equals_an_uninterrupted_run_whose_engines_crashed(tmp_path):
+    """The uninterrupted run loses both engine processes (killed) after its first step: the crash is
+    detected, the engines are restarted and brought to the weights, and the run goes on; the mismatch
+    probe runs every third step, with R3 replaying the engine's routing exactly.
+
+    The other run, interrupted by Ctrl-C, then its newest checkpoint cut short and the one before it
+    damaged in place (4 KiB overwritten, same size), `latest` deleted and a torn line left in
+    metrics.jsonl: the resume falls back to the checkpoint before both, refuses a second run in the
+    same directory meanwhile (even after its run.lock was deleted: the directory itself is locked,
+    and the run writes its note again), and ends equal to the first run, its metrics one run's, in
+    order: neither the crash nor the interruption changed a step."""
+    common = [TINY, "run.steps=6", "logging.diagnose_every=3", *LAYOUT]
+    tag = f"crash-{os.getpid()}-{time.monotonic_ns()}"
+    straight = _train(
+        [*common, "run.name=straight"],
+        tmp_path,
+        start_new_session=True,
+        env={**os.environ, "MOE_RL_TEST_TAG": tag},
+    )
+    _wait_for_steps(straight, tmp_path / "straight" / "metrics.jsonl", 1)
+    pids = _engines_of(tag)
+    assert len(pids) == 2, pids
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
     _finish(straight)
     reference = _metrics(tmp_path / "straight")
     assert "critic/loss" in reference[0] and reference[0]["trainer/world_size"] == 2
+    assert [r["step"] for r in reference] == list(range(6)) and reference[-1]["rollout/engine_restarts"] >= 1
+    probed = [r["step"] for r in reference if "probe/kl_k3" in r]
+    assert probed == [2, 5]
+    assert all(reference[s]["probe/routing_agreement"] == 1.0 for s in probed)
 
     interrupted = _train([*common, "run.name=cut", "run.checkpoint_every=1"], tmp_path)
     metrics = tmp_path / "cut" / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert interrupted.poll() is None, interrupted.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "the run made no progress"
-        time.sleep(0.2)
+    _wait_for_steps(interrupted, metrics, 3)
     interrupted.send_signal(signal.SIGINT)  # the step in flight finishes, then a consistent checkpoint
     out, _ = interrupted.communicate(timeout=300)
     assert interrupted.returncode == 130, out[-3000:]
@@ -245,9 +261,24 @@ def test_interrupt_saves_and_resume_equals_an_uninterrupted_run(tmp_path):
     assert f"resuming from the older {saved[-3].name}" in out, out[-3000:]
     assert "is incomplete (a write cut short); dropped" in out
     resumed = _metrics(tmp_path / "cut")
-    assert [r["step"] for r in resumed] == list(range(6))
-    for a, b in zip(reference, resumed):
-        assert repeatable(a) == repeatable(b), f"step {a['step']} differs after resume"
+    assert [r["step"] for r in resumed] == list(range(6)) and resumed[-1]["rollout/engine_restarts"] == 0
+    for a, b in zip(reference, resumed, strict=True):
+        assert repeatable(a, CRASH_KEYS) == repeatable(b, CRASH_KEYS), (
+            f"step {a['step']} differs after resume"
+        )
+
+
+CRASH_KEYS = ("rollout/engine_restarts", "rollout/regenerated_prompts")
+"""What the engines' crash changes in the uninterrupted run's records by construction."""
+
+
+def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int) -> None:
+    """Until the run ``proc`` logged ``steps`` steps in ``metrics``."""
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.2)
 
 
 def _damage(checkpoint: Path, truncate: bool) -> None:
@@ -277,44 +308,15 @@ def _engines_of(tag: str) -> list[int]:
     return found
 
 
-def test_engine_crash_is_detected_and_the_engine_restarted(tmp_path):
-    tag = f"crash-{os.getpid()}-{time.monotonic_ns()}"
-    proc = _train(
-        [TINY, "run.steps=6", "run.name=crash", "logging.diagnose_every=3"], tmp_path, start_new_session=True,
-        env={**os.environ, "MOE_RL_TEST_TAG": tag},
-    )  # fmt: skip
-    metrics = tmp_path / "crash" / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    pids = _engines_of(tag)
-    assert pids, "no engine actor process found"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    _finish(proc)
-    records = _metrics(tmp_path / "crash")
-    assert [r["step"] for r in records] == list(range(6))
-    assert records[-1]["rollout/engine_restarts"] >= 1
-    # the mismatch probe ran every third step, with R3 replaying the engine's routing exactly
-    probed = [r["step"] for r in records if "probe/kl_k3" in r]
-    assert probed == [2, 5]
-    assert all(records[s]["probe/routing_agreement"] == 1.0 for s in probed)
-
-
-def test_async_with_inflight_updates_respects_the_staleness_bound(tmp_path):
+def test_async_with_inflight_updates_respects_the_staleness_bound(async_run):
     """Async two steps ahead with staleness bound 2, in-flight weight updates and two engines,
     shaping zero-variance groups (RL-ZVP): every batch after the first is generated while earlier
     steps train, at most two versions behind; the engines take each sync in a concurrency group of
     their own, beside a generation, and none is rejected. (A bound below the depth would reject
     every batch: the preflight refuses it, tests/unit/config/test_bad_values.py; how far behind the
-    batches are without in-flight updates: tests/unit/orchestration/test_async_depth.py.)"""
-    args = [TINY, "run.steps=4", "run.mode=async", "run.max_staleness=2", "run.async_depth=2"]
-    args += ["run.name=async1"]
-    args += ["rollout.num_engines=2", "algo.zero_variance_shaping=true", "rollout.inflight_updates=true"]
-    _finish(_train(args, tmp_path))
-    records = _metrics(tmp_path / "async1")
+    batches are without in-flight updates: tests/unit/orchestration/test_async_depth.py.) The run
+    is `async_run` (tests/e2e/conftest.py), which `moe-rl report` reads too."""
+    records = _metrics(async_run)
     # tokens were entropy-shaped exactly in the steps that had zero-variance groups
     assert any(r["advantage/zero_variance_groups"] > 0 for r in records)
     for r in records:

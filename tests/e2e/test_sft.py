@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.e2e
 
@@ -59,17 +60,10 @@ def test_sft_teaches_the_tool_task_and_rl_starts_from_it(tmp_path):
 
     # `moe-rl diagnose` measures the mismatch at the same starting weights as the trainer (one rule,
     # `trainer.checkpoint.load_start_weights`): the SFT run's, not the recipe's random ones
-    check = (
-        "from moe_rl.diagnostics.zero_update import build_trainer\n"
-        "from moe_rl.orchestration.preflight import load_checked\n"
-        "import sys, torch\n"
-        "start = build_trainer(load_checked(sys.argv[1], ['model.init_from=' + sys.argv[2]]))\n"
-        "fresh = build_trainer(load_checked(sys.argv[1], []))\n"
-        "print(sum(not torch.equal(a, b) for a, b in zip(start.parameters(), fresh.parameters())))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", check, TOOLS, str(tmp_path / "sft")], cwd=REPO, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert int(out.stdout.split()[-1]) > 0  # tensors that differ from the random start
+    from moe_rl.diagnostics.zero_update import build_trainer
+    from moe_rl.orchestration.preflight import load_checked
+
+    start = build_trainer(load_checked(REPO / TOOLS, [f"model.init_from={tmp_path / 'sft'}"]))
+    fresh = build_trainer(load_checked(REPO / TOOLS, []))
+    differ = sum(not torch.equal(a, b) for a, b in zip(start.parameters(), fresh.parameters(), strict=True))
+    assert differ > 0  # tensors that differ from the random start

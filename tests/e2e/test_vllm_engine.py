@@ -17,6 +17,7 @@ from moe_rl.data import validate
 from moe_rl.rollout.engine import SEED_LIMIT, RolloutEngine, SamplingSpec
 from moe_rl.rollout.tiny_hf import load_state_dict, make_tiny_qwen3_moe
 from moe_rl.rollout.vllm_engine import VLLMEngine
+from tests.e2e.runs import without_process_group
 
 pytestmark = pytest.mark.e2e
 
@@ -32,10 +33,10 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(checkpoint):
     threads = torch.get_num_threads()
-    # In-process starts in seconds, but refuses a process that already holds a torch.distributed
-    # group (earlier trainer tests in the same pytest run); vLLM's own processes work either way.
-    in_process = not torch.distributed.is_initialized()
-    eng = VLLMEngine(checkpoint, max_model_len=128, in_process=in_process)
+    # In-process starts in seconds (vLLM's own processes: tests/e2e/test_vllm_engine_mp.py), in a
+    # process without the torch.distributed group an earlier test in the same pytest run made
+    without_process_group()
+    eng = VLLMEngine(checkpoint, max_model_len=128, in_process=True)
     yield eng
     eng.shutdown()
     assert not eng.is_alive()

@@ -1,14 +1,11 @@
 """A LoRA run whose vLLM engines load the adapters through vLLM's own LoRA (``lora.sync=adapters``):
 the recipe as on a GPU node, its two kinds of sync (the base and the adapters; the adapters alone)
 into a real `VLLMEngine`, and what vLLM's LoRA layers hold after each, against the trainer's merged
-weights (`vllm_lora_check.py`, in its own process: an in-process engine needs a process with no
-torch.distributed group)."""
+weights (`vllm_lora_check.py`: the engine in this process, once the trainer's torch.distributed
+group is left)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_vllms_lora_layers_hold_the_trainers_adapters_after_each_sync():
-    script = Path(__file__).with_name("vllm_lora_check.py")
+    from tests.e2e.vllm_lora_check import main
+
     overrides = ["lora.rank=4", "lora.alpha=16", "lora.sync=adapters", "lora.targets=[attention,experts]"]
-    out = subprocess.run(
-        [sys.executable, str(script), str(REPO / "recipes" / "tiny_moe_vllm.yaml"), *overrides],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    found = json.loads(out.stdout.strip().splitlines()[-1])
+    found = main(str(REPO / "recipes" / "tiny_moe_vllm.yaml"), overrides)
     assert found["lora"]
     first, second = found["syncs"]
     # the first sync brings the base and the adapters, the second the adapters alone; both are loaded

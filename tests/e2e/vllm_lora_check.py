@@ -1,8 +1,8 @@
-"""Run by test_vllm_lora.py in a process of its own (an in-process vLLM engine needs a process with
-no torch.distributed group): a LoRA run's syncs into a vLLM engine that loads the adapters through
-vLLM's own LoRA (``lora.sync=adapters``), and what vLLM's LoRA layers then hold.
+"""For test_vllm_lora.py: a LoRA run's syncs into a vLLM engine that loads the adapters through
+vLLM's own LoRA (``lora.sync=adapters``), and what vLLM's LoRA layers then hold. An in-process vLLM
+engine needs a process with no torch.distributed group, so the trainer's is left before it starts.
 
-    python tests/e2e/vllm_lora_check.py RECIPE OVERRIDE...   # prints one JSON line
+    python tests/e2e/vllm_lora_check.py RECIPE OVERRIDE...   # prints what `main` finds, as JSON
 
 1. The trainer's Megatron model of the recipe, with its adapters (every ``B`` made non-zero, as
    after training), written as the Hugging Face folder a run starts its engines from.
