@@ -20,3 +20,13 @@ class ScriptedEnv(Environment):
             return StepResult(self.observation, tool_calls=1)
         digits = sum(DIGIT0 <= t < DIGIT0 + NUM_DIGITS for t in turn)
         return StepResult([], reward=digits / max(len(turn), 1), done=True)
+
+
+ANSWER = [10 + i % 10 for i in range(20)]
+"""A 20-token observation (digit tokens of the tool vocabulary): longer than what is left of
+`LONG_ANSWER`'s ``env.max_tokens`` after the model's first turn."""
+LONG_ANSWER = [
+    "model.vocab_size=32", "data.task=synthetic:tool_multiply", "env.name=tests.e2e.multi_turn_env:ScriptedEnv",
+    f"env.kwargs={{observation: {ANSWER}}}", "env.max_turns=3", "env.max_tokens=16",
+]  # fmt: skip
+"""The tiny recipe with `ScriptedEnv` answering `ANSWER`, which does not fit ``env.max_tokens=16``."""

@@ -1,8 +1,8 @@
 """The math example's CPU recipe (`recipes/examples/math_cpu.yaml`: `math_qwen3_moe.yaml` at toy
-size on this machine) for 3 RL steps, run the way its header tells a user: `moe-rl make-model` writes
-the random-init checkpoint and the character-level chat tokenizer, then `moe-rl train`. The whole
-data path runs: prompt template, chat template with `enable_thinking: false`, Megatron-engine
-rollouts, the math-verify reward on decoded responses."""
+size on this machine) for 2 RL steps, run the way its header tells a user: `moe-rl make-model`
+writes the random-init checkpoint and the character-level chat tokenizer (its command, in the test's
+process), then `moe-rl train`. The whole data path runs: prompt template, chat template with
+`enable_thinking: false`, Megatron-engine rollouts, the math-verify reward on decoded responses."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_math_example_runs_two_steps_on_chat_formatted_prompts(tmp_path: Path) -> None:
     folder = tmp_path / "model"
-    made = _cli("make-model", EXAMPLE, f"model.hf_path={folder}")
-    assert made.returncode == 0, made.stderr[-3000:]
+    from launch.make_model import make_model_command  # what `moe-rl make-model` runs, in this process
+
+    assert make_model_command(str(REPO / EXAMPLE), [f"model.hf_path={folder}"]) == 0
     assert sorted(p.name for p in folder.iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
     ]  # fmt: skip

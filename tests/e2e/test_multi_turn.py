@@ -6,6 +6,7 @@ the environment tokens are checked where the engine put them: no log-prob, no ke
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import torch
 from moe_rl.data.shards import read_trajectories
 from moe_rl.envs.calculator import CALL, END_CALL, END_RESULT, RESULT
 from moe_rl.orchestration.preflight import load_checked
+from tests.e2e.multi_turn_env import LONG_ANSWER
 
 pytestmark = pytest.mark.e2e
 
@@ -89,25 +91,33 @@ def test_calculator_task_with_the_megatron_engine_and_the_stability_stack(tmp_pa
     assert all(0.5 < r["old/routing_agreement"] <= 1.0 for r in records)
 
 
-def test_replayed_multi_turn_rollouts_match_the_engine_in_one_process() -> None:
+def test_replayed_multi_turn_rollouts_match_the_engine_in_one_process(tmp_path: Path, capsys) -> None:
     """The in-process loop (no Ray), a scripted environment that writes into every trajectory, and
     unquantized rollouts: the trainer, replaying the stitched routing trace on every position
-    (environment tokens included), computes the engine's log-probs and routes as it did."""
+    (environment tokens included), computes the engine's log-probs and routes as it did. The
+    environment's answer (20 tokens) is longer than what is left of ``env.max_tokens=16`` after the
+    model's first turn: with ``env.overflow=truncate`` each trajectory keeps what fits and counts in
+    ``env/truncated_share`` (the refusal, through `moe-rl train`: tests/e2e/test_env_overflow_run.py)."""
+    from moe_rl.orchestration.local import main
+
     overrides = [
-        "run.steps=2", "rollout.batch_size=16", "rollout.quant=bf16", "model.vocab_size=32",
-        "data.task=synthetic:tool_multiply", "env.name=tests.e2e.multi_turn_env:ScriptedEnv",
-        "env.max_turns=3", "env.max_tokens=32",
+        "run.steps=2", "rollout.batch_size=16", "rollout.quant=bf16", f"run.output_dir={tmp_path}",
+        *LONG_ANSWER, "env.overflow=truncate",
     ]  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, "-m", "moe_rl.orchestration.local", "recipes/tiny_moe.yaml", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:  # `python -m moe_rl.orchestration.local`, in this process: one JSON record a step on stdout
+        assert main([str(REPO / "recipes" / "tiny_moe.yaml"), *overrides]) == 0
+    finally:  # the command's terminal logging, taken off again
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
-        assert r["env/turns_per_trajectory"] == 2.0 and r["env/done_share"] == 1.0
-        assert r["rollout/env_tokens"] == 4 * 16  # the scripted observation, once per trajectory
+        assert r["env/truncated_share"] == 1.0 and r["env/turns_per_trajectory"] == 2.0
+        # after a first turn of 1..8 tokens, 7..14 of the answer fit in each of the 16 trajectories
+        assert 16 * 7 <= r["rollout/env_tokens"] <= 16 * 14
+        assert r["rollout/env_tokens"] + r["rollout/sampled_tokens"] == 16 * 16  # every budget filled
         assert r["old/routing_agreement"] >= 0.99 and abs(r["old/kl_k3"]) < 1e-5
         assert math.isfinite(r["train/loss"])
 
