@@ -5,12 +5,15 @@ start interrupted, its processes gone afterwards) runs without it (`tests.e2e.ru
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.runs import train_tiny
+from tests.e2e.runs import LEARN_STEPS, REPO, own_ray_env, train_tiny
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -35,3 +38,31 @@ def async_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("async")
     train_tiny(root, "async", *ASYNC_RUN)
     return root / "async"
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    path: Path
+    out: str
+    """What the command printed (its stdout and stderr, as a terminal shows them)."""
+
+
+@pytest.fixture(scope="package")
+def learned_run(tmp_path_factory) -> FinishedRun:
+    """The README's command, for `LEARN_STEPS` steps: the run starts a Ray cluster of its own (the
+    tier's other runs join one). Its test reads what it learned and printed; the tests of a resume
+    that must not go through copy its run directory (one sealed checkpoint, of the last step)."""
+    root = tmp_path_factory.mktemp("learn")
+    cmd = [sys.executable, "-m", "launch.cli", "train", "recipes/tiny_moe.yaml", "run.name=learn",
+           f"run.steps={LEARN_STEPS}", f"run.output_dir={root}", "logging.progress=false"]  # fmt: skip
+    done = subprocess.run(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+        env=own_ray_env(),
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    return FinishedRun(root / "learn", done.stdout)

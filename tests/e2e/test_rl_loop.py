@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.orchestration.metrics import repeatable
-from tests.e2e.runs import own_ray_env
+from tests.e2e.runs import LEARN_STEPS
 
 pytestmark = pytest.mark.e2e
 
@@ -162,10 +162,9 @@ def _check_terminal(out: str, run_dir: Path, records: list[dict]) -> None:
         )
 
 
-def test_tiny_run_learns_and_writes_every_metric(tmp_path):
-    """The README's command: the run starts a Ray cluster of its own (the tier's other runs join one)."""
-    out = _finish(_train([TINY, "run.name=learn", f"run.steps={LEARN_STEPS}"], tmp_path, env=own_ray_env()))
-    run_dir = tmp_path / "learn"
+def test_tiny_run_learns_and_writes_every_metric(learned_run):
+    """The README's command (`learned_run`): the run starts a Ray cluster of its own."""
+    out, run_dir = learned_run.out, learned_run.path
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == list(range(LEARN_STEPS))
     for field in REQUIRED_FIELDS:
@@ -179,10 +178,6 @@ def test_tiny_run_learns_and_writes_every_metric(tmp_path):
     assert records[0]["quant/recipe"] == "fp8_block128" and records[0]["quant/rel_err"] > 0
     _check_terminal(out, run_dir, records)
 
-
-LEARN_STEPS = 20
-"""Steps of the learning run: the tiny recipe's reward goes from about 0.06 (steps 0-4) to 0.4-0.54
-(steps 15-19) on each seed measured (docs/advantage_estimators.md)."""
 
 LAYOUT = [
     "parallel.trainer_world_size=2", "rollout.num_engines=2",

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.runs import own_ray_env
+from tests.e2e.runs import LEARN_STEPS, own_ray_env
 
 pytestmark = pytest.mark.e2e
 
@@ -181,14 +181,15 @@ def test_ctrl_c_while_the_workers_start_stops_ray_and_leaves_no_run(tmp_path):
     _none_left(tag)
 
 
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory) -> Path:
-    """A tiny run of 2 steps: its checkpoint of step 1 sealed."""
-    root = tmp_path_factory.mktemp("saved")
-    proc = _train([TINY, f"run.output_dir={root}", "run.name=two", "run.steps=2"])
-    out = _finish(proc)
-    assert proc.returncode == 0, out[-3000:]
-    return root / "two"
+@pytest.fixture
+def saved_run(learned_run) -> Path:
+    """A finished tiny run (`learned_run`, which these tests copy): its checkpoint of the last step
+    sealed, the only one."""
+    return learned_run.path
+
+
+LAST = f"step_{LEARN_STEPS - 1:06d}"
+"""The saved run's checkpoint."""
 
 
 def _copy(run: Path, to: Path) -> Path:
@@ -199,7 +200,9 @@ def _copy(run: Path, to: Path) -> Path:
 def test_resume_with_a_changed_model_shape_is_one_line_naming_the_tensors(saved_run, tmp_path):
     run = _copy(saved_run, tmp_path / "run")
     metrics = (run / "metrics.jsonl").read_bytes()
-    proc = _train([TINY, "--resume", str(run), "run.steps=4", "model.moe_ffn_hidden_size=48"])
+    proc = _train(
+        [TINY, "--resume", str(run), f"run.steps={LEARN_STEPS + 2}", "model.moe_ffn_hidden_size=48"]
+    )
     out = _finish(proc)
     assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
     (line,) = [x for x in out.splitlines() if " E " in x]
@@ -209,7 +212,7 @@ def test_resume_with_a_changed_model_shape_is_one_line_naming_the_tensors(saved_
         "(8, 128, 64) in the checkpoint, (8, 96, 64) in the model" in line
     ), line
     assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing rewritten
-    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_000001"]
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")] == [LAST]
 
 
 def test_a_resume_after_a_full_disk_cut_the_only_checkpoint_starts_from_step_0(saved_run, tmp_path):
@@ -217,21 +220,21 @@ def test_a_resume_after_a_full_disk_cut_the_only_checkpoint_starts_from_step_0(s
     promised that a resume skips it; it does, from step 0 (none older), setting it aside. The run's
     log file is on a full device (/dev/full): said once, no "--- Logging error ---"."""
     run = _copy(saved_run, tmp_path / "run")
-    cut = run / "checkpoints" / "step_000001"
+    cut = run / "checkpoints" / LAST
     (cut / "manifest.json").unlink()
     largest = max((p for p in cut.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     largest.write_bytes(largest.read_bytes()[:4096])
     (run / "logs" / "train.log").unlink()
     (run / "logs" / "train.log").symlink_to("/dev/full")
-    proc = _train([TINY, "--resume", str(run)])
+    proc = _train([TINY, "--resume", str(run), "run.steps=2"])
     out = _finish(proc)
     assert proc.returncode == 0, out[-3000:]
     assert "Logging error" not in out and "Traceback" not in out, out[-3000:]
-    assert "checkpoint step_000001 is not usable (no manifest.json (the save did not finish)); " in out
+    assert f"checkpoint {LAST} is not usable (no manifest.json (the save did not finish)); " in out
     assert "no checkpoint yet; starting from step 0" in out
     (full,) = [x for x in out.splitlines() if "train.log: no space left on the device" in x]
     assert " W moe_rl.log: " in full
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert names[:2] == ["latest", "step_000001"] and names[2].startswith("step_000001.unusable-"), names
+    assert names[:2] == ["latest", "step_000001"] and names[2].startswith(f"{LAST}.unusable-"), names
     assert (run / "checkpoints" / "step_000001" / "manifest.json").is_file()
