@@ -61,16 +61,31 @@ def _project_lines(out: str) -> list[str]:
 
 def _reading(fifo: Path, proc: subprocess.Popen) -> int:
     """Wait until a reader has the named pipe ``fifo`` open (a writer can open it then), and keep
-    it open without writing: the reader waits in its read until the test lets it go."""
+    it open without writing: the reader waits in its read until the test lets it go. Returns once
+    the run's process sleeps in that read, so that a Ctrl-C interrupts the read itself rather than
+    the few lines of Python between the pipe's opening and its read."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
         try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
         except OSError as exc:
             assert exc.errno == errno.ENXIO, exc  # no reader yet
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() < deadline, f"nothing opened {fifo} in {DEADLINE_S} s"
         time.sleep(0.1)
+    where = ""
+    while "pipe" not in where:  # the kernel's name of where it sleeps: pipe_read, anon_pipe_read, ...
+        try:
+            where = Path(f"/proc/{proc.pid}/wchan").read_text()
+        except OSError:  # not shown here: the wait ends at the pipe's opening, as it did
+            break
+        if where in ("", "0"):  # hidden by the kernel (kptr_restrict)
+            break
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"the run opened {fifo} but never waited in its read ({where})"
+        time.sleep(0.02)
+    return writer
 
 
 def _tagged(tag: str) -> list[str]:
