@@ -47,13 +47,3 @@ def check_parallel_steps(records: list[dict], adapters_only: bool) -> None:
         assert 0.9 < r["old/routing_agreement"] <= 1.0 and 0 < r["train/routing_agreement"] <= 1.0
         assert r["old/kl_k3"] < 1e-3  # fp8 engine vs the trainer with keep-sampling-mask
         assert r["sync/senders"] == 2  # each expert-parallel rank / pipeline stage sends its own
-
-
-def without_process_group() -> None:
-    """Leave this process's torch.distributed group and Megatron's parallel state (an earlier test's),
-    so that an in-process vLLM engine can start here: it refuses a process that holds a group, which
-    it would join and destroy at shutdown. The next test that needs Megatron initializes it again
-    (`moe_rl.megatron.parallel.init_parallel`)."""
-    from moe_rl.megatron.parallel import teardown_parallel
-
-    teardown_parallel()

@@ -24,6 +24,7 @@ from moe_rl.config import to_yaml
 from moe_rl.data.synthetic import random_batch
 from moe_rl.errors import UserError
 from moe_rl.megatron.hf_weights import SafetensorsReader, iter_hf_weights
+from moe_rl.megatron.parallel import teardown_parallel
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
@@ -31,7 +32,6 @@ from moe_rl.rollout.vllm_engine import VLLMEngine
 from moe_rl.run_dir import mark_latest, write_manifest
 from moe_rl.trainer.batch import make_train_micro_batches
 from moe_rl.trainer.worker import TrainerWorker
-from tests.e2e.runs import without_process_group
 
 pytestmark = pytest.mark.e2e
 
@@ -112,7 +112,7 @@ def test_export_of_a_trainer_checkpoint_generates_the_trainers_greedy_tokens_in_
 
     # vLLM stops at the end-of-sequence id of generation_config.json: no stop ids are passed; in
     # this process (seconds to start, not vLLM's own processes), once the trainer's group is left
-    without_process_group()
+    teardown_parallel()
     vllm = VLLMEngine(out, max_model_len=64, in_process=True)
     try:
         got = vllm.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=6))
