@@ -310,8 +310,28 @@ def _lines_by_test(tree: Path, modules: list[str], data_file: Path) -> dict[str,
     out: dict[str, dict[str, list[str]]] = {}
     for module in modules:
         contexts = data.contexts_by_lineno(str(tree / module)) or {}
-        out[module] = {str(line): sorted({c or "*" for c in ctx} or {"*"}) for line, ctx in contexts.items()}
+        out[module] = {
+            str(line): sorted({_test_of(c) for c in ctx} or {"*"}) for line, ctx in contexts.items()
+        }
     return out
+
+
+def _test_of(context: str) -> str:
+    """The test to run against a mutant of a line run in ``context``: its node id; the test's whole file
+    when the line ran in a process the test started (a shared fixture's, checked by the file's other
+    tests); ``*`` (every test) for a line run outside any test (at import)."""
+    from mutate_contexts import STARTED_BY
+
+    if context.endswith(STARTED_BY):
+        return context.removesuffix(STARTED_BY).split("::")[0]
+    return context or "*"
+
+
+def _expected_s(tests: list[str], durations: dict[str, float]) -> float:
+    """The unmutated run's time of ``tests`` (node ids, or files: every test of the file)."""
+    return sum(
+        s for node, s in durations.items() if any(node == t or node.startswith(f"{t}::") for t in tests)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,8 +361,9 @@ def run_mutant(work: Path) -> int:
     tests: set[str] = set()
     for module, line in changed:
         found = set(session.lines.get(module, {}).get(str(line), []))
-        if not found and session.run_unrecorded:
+        if not found and session.run_unrecorded:  # run only in a process a test started: any test may
             found = {"*"}
+            tests.add("*")
         if "*" in found:  # run at import: the tests that run any line of the module
             found = {t for ts in session.lines.get(module, {}).values() for t in ts} - {"*"} or {"*"}
         tests |= found
@@ -350,7 +371,7 @@ def run_mutant(work: Path) -> int:
         tests = set(session.tests)
     if tests:
         ordered = sorted(tests, key=lambda t: (_tier_order(Path(t.split("::")[0])), t))
-        expected = sum(session.durations.get(t, 0.0) for t in ordered) if "*" not in tests else 0.0
+        expected = _expected_s(ordered, session.durations) if "*" not in tests else 0.0
         deadline = 5 * (expected or session.baseline_s) + 30
         record["tests"] = sorted({t.split("::")[0] for t in ordered})
         record["outcome"], rc = _pytest(ordered, tree, deadline)

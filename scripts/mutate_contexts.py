@@ -1,7 +1,7 @@
 """pytest plugin of scripts/mutate.py's unmutated run: each test in its own coverage context (its
 node id), in this process and in every Python process it starts meanwhile (coverage's
-``patch = subprocess`` hands them its settings in ``COVERAGE_PROCESS_CONFIG``: the test's node id
-goes in as their static context), and each test's time written to ``$MUTATE_DURATIONS`` at the end."""
+``patch = subprocess`` hands them its settings in ``COVERAGE_PROCESS_CONFIG``: the test's node id,
+marked `STARTED_BY`, goes in as their static context), and each test's time written to ``$MUTATE_DURATIONS`` at the end."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import coverage
 import pytest
 
 _durations: dict[str, float] = {}
+STARTED_BY = " (a process it started)"
+"""Appended to the context of lines run in a process a test started: such a process often serves a
+module's shared fixture, whose outputs other tests of the file check (`mutate.py` runs them all)."""
 _CHILDREN = "COVERAGE_PROCESS_CONFIG"
 _children_config = os.environ.get(_CHILDREN)
 
@@ -27,7 +30,7 @@ def _children_context(nodeid: str) -> None:
         settings = json.loads(base64.b64decode(_children_config))
     except ValueError:
         return
-    settings["context"] = nodeid or None
+    settings["context"] = f"{nodeid}{STARTED_BY}" if nodeid else None
     os.environ[_CHILDREN] = base64.b64encode(json.dumps(settings).encode()).decode()
 
 

@@ -77,33 +77,33 @@ def whole_model(
     expert-parallel group, a group of pieces per expert-parallel rank); every rank iterates, a ``root``
     yields. ``dtype``: what tensors are cast to (None: kept); ``device``: where gathered (the model's);
     ``select(megatron_name)``: what this rank takes part for; ``part``: what the sync carries
-    (`SyncPart`). Needs one pipeline stage."""
+    (`SyncPart`). Needs Megatron's parallel groups (`iter_hf_weight_groups`), and one pipeline stage."""
     from megatron.core import parallel_state as ps
 
     from moe_rl.megatron.hf_weights import iter_hf_weight_groups
 
-    if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+    if ps.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError("sending the whole model from a rank needs one pipeline stage")
     device = next(model.parameters()).device if device is None else torch.device(device)
-    ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-    group = ps.get_expert_model_parallel_group() if ep > 1 else None
+    ep = ps.get_expert_model_parallel_world_size()
+    group = ps.get_expert_model_parallel_group()
     local = _num_experts(model) // ep
     part = part or SyncPart()
     for _, pieces in iter_hf_weight_groups(
         model, select=select, copy=False, adapters=part.adapters, part=part.only
     ):
-        peers: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        peers: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(ep)]  # what each EP rank holds
         for name, piece in pieces:
             piece = (piece if dtype is None else engine_dtype(name, piece, dtype)).to(device)
             if ep > 1 and _EXPERT.search(name):  # every expert-parallel rank holds its own experts
-                parts = [torch.empty_like(piece) for _ in range(ep)]
-                dist.all_gather(parts, piece.contiguous(), group=group)
-                for rank, part in enumerate(parts):
-                    peers.setdefault(rank, []).append((_peer_expert(name, rank, local), part))
+                gathered = [torch.empty_like(piece) for _ in range(ep)]
+                dist.all_gather(gathered, piece.contiguous(), group=group)
+                for rank, got in enumerate(gathered):
+                    peers[rank].append((_peer_expert(name, rank, local), got))
             else:
-                peers.setdefault(0, []).append((name, piece))
+                peers[0].append((name, piece))
         if root:
-            yield from peers.values()
+            yield from (held for held in peers if held)
 
 
 def _num_experts(model: torch.nn.Module) -> int:

@@ -11,7 +11,8 @@ sender): rank 0 sends every weight of the model (the other rank's experts gather
 vLLM's bf16, as its metadata declares them; the other rank sends nothing. By vLLM's IPC transfer
 (colocated) every rank holds the whole model, in the same order; by `DeviceIpc` (colocated
 Megatron engines) every rank streams the whole model into its device buffers, and a rank whose
-device hosts no engine only joins the gathers.
+device hosts no engine only joins the gathers. On the routes where each rank sends what it owns
+(`outgoing.owned`), the two ranks together send every weight once, each expert under its global index.
 The same ranks then run PPO with a critic (`trainer_dp_worker.critic_outputs`): the critic's values,
 the GAE returns and the advantages whitened over the whole batch (the ranks' sums all-reduced), the
 critic's loss, gradient norm, gradients and weights after its step equal the one-process run's.
@@ -89,7 +90,9 @@ def dp_runs(weights, teacher, tmp_path_factory) -> Path:
 @pytest.fixture
 def spawn(dp_runs, weights, critic_reference):
     def run(ep: int) -> list[dict[str, torch.Tensor]]:
-        _check_sent_to_vllm([torch.load(dp_runs / f"sent.{ep}.{rank}.pt") for rank in range(2)], weights)
+        sent = [torch.load(dp_runs / f"sent.{ep}.{rank}.pt") for rank in range(2)]
+        _check_sent_to_vllm(sent, weights)
+        _check_sent_by_owners([rank["owners"] for rank in sent], weights, ep)
         assert_critic_matches(
             [torch.load(dp_runs / f"critic.{ep}.{rank}.pt") for rank in range(2)], critic_reference
         )
@@ -122,6 +125,27 @@ def _check_sent_to_vllm(ranks: list[dict], weights: str) -> None:
             assert sorted(got) == (sorted(hf) if receives else []), (i, key)
             assert all(torch.equal(t, hf[name].to(t.dtype)) for name, t in got.items())
             assert ipc[f"{key}_transports"] == (["device_ipc"] if receives else [])
+
+
+def _check_sent_by_owners(ranks: list[dict], weights: str, ep: int) -> None:
+    """Where each rank sends what it owns, the two ranks together send every weight once, as it
+    is: at EP 1 rank 0 all of them (data-parallel rank 1 nothing); at EP 2 rank 0 the dense
+    weights and its experts, rank 1 its own experts under their global indices."""
+    from safetensors.torch import load_file
+
+    hf = load_file(str(Path(weights) / "model.safetensors"))
+    names = [[name for name, _ in rank["tensors"]] for rank in ranks]
+    assert sorted(names[0] + names[1]) == sorted(hf)
+    for rank in ranks:
+        assert all(torch.equal(t, hf[name].to(t.dtype)) for name, t in rank["tensors"])
+    dense = sorted(n for n in hf if ".mlp.experts." not in n)
+    if ep == 1:
+        assert names[1] == [] and ranks[1]["transports"] == []
+    else:
+        assert sorted(n for n in names[0] if ".mlp.experts." not in n) == dense
+        assert names[1] and all(".mlp.experts." in n for n in names[1])
+        assert ranks[1]["transports"] == ["in_process"]
+    assert ranks[0]["transports"] == ["in_process"]
 
 
 def _compare(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
@@ -183,3 +207,11 @@ def test_distillation_at_dp2_takes_the_whole_batchs_mean_gap_as_its_baseline(dp_
     assert abs(local[0] - local[1]) > 1e-3 and abs(local[0] + float(batch_kl)) > 1e-4
     found = {k for got in ranks for k in got if k.startswith("__mb")}
     assert found == {k for k in distill_reference if k.startswith("__mb")}
+
+
+def test_with_context_parallelism_one_rank_of_the_group_sends(dp_runs):
+    """The two ranks one context-parallel group (CP=2, DP=1): they hold the same weights, and only the
+    first sends them (the rule counts data- and context-parallel ranks together)."""
+    got = [torch.load(dp_runs / f"sends_cp2.{rank}.pt") for rank in range(2)]
+    names = trainer_dp_worker.SENT_NAMES
+    assert got == [dict.fromkeys(names, True), dict.fromkeys(names, False)]

@@ -5,7 +5,8 @@ with activation recompute (REPLAY_BACKWARD pops each stage's ids in forward orde
 penalty (the reference's forward-only pass through the schedule, R3 or R2 routing). With R3, the
 same ranks then run PPO with a critic over the two stages: its values, the GAE returns and whitened
 advantages (last stage), its loss and gradient norm (every rank), its gradients and its weights after
-its step (each stage its own) equal the one-process run's."""
+its step (each stage its own) equal the one-process run's. A rank of one of the stages refuses to send
+the whole model (`outgoing.whole_model`)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,10 @@ def test_pp2_matches_pp1(case, weights, pp_runs):
         critics = [torch.load(pp_runs / f"critic.{rank}.pt") for rank in range(2)]
         assert not any(k.startswith("__mb") for k in critics[0])  # the values live on the last stage
         assert_critic_matches(critics, expected)
+
+
+def test_a_rank_of_one_stage_refuses_to_send_the_whole_model(pp_runs):
+    """The routes on which a rank sends the whole model need it to hold every layer."""
+    for rank in range(2):
+        refused = torch.load(pp_runs / f"whole_model.{rank}.pt")
+        assert refused == "sending the whole model from a rank needs one pipeline stage"

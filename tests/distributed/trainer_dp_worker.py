@@ -225,6 +225,27 @@ def sent_by_device_ipc(model, rank: int) -> dict:
     return out
 
 
+def sent_by_owners(model, rank: int) -> dict:
+    """What this rank delivers on the routes where each trainer rank sends the tensors it owns
+    (`outgoing.owned`, here through the one-process route's transport): its tensors, HF-named, each
+    expert by its global index, and the transports it used."""
+    from moe_rl.config.modes import SyncRoute
+    from moe_rl.config.schema import QuantConfig
+    from moe_rl.config.sync_plan import SyncPlan
+    from moe_rl.weight_sync.receiver import decoded
+    from moe_rl.weight_sync.sender import RankSender
+    from moe_rl.weight_sync.transport import Receiver
+
+    plan = SyncPlan(SyncRoute.IN_PROCESS, False, "fp32", 16 << 10, "each rank sends what it owns")
+    sender = RankSender(model, QuantConfig(), num_layers=2, plan=plan, rank=rank)
+    got: list = []
+    try:
+        report = sender.send({0: Receiver(lambda b: got.extend((n, t.clone()) for n, t in decoded(b)))})
+    finally:
+        sender.close()
+    return {"tensors": got, "transports": sorted(report.transports)}
+
+
 def critic_outputs(config, mine: list[int], train: bool = True) -> dict[str, torch.Tensor]:
     """PPO with a critic (``config``) on the micro-batches ``mine`` (indices into the global batch)
     of this rank: the π_old pass's ``old_values``, ``returns`` and whitened ``advantages`` of each
@@ -277,7 +298,8 @@ def rank_main(
     for each): the gradients, what the rank sends to vLLM and to a Megatron engine, the critic's
     outputs on the rank's micro-batches, LoRA's gradients (`grads.<ep>.<rank>.pt`,
     `sent.<ep>.<rank>.pt`, `critic.<ep>.<rank>.pt`, `lora.<ep>.<rank>.pt`); at EP 1 also the
-    distillation's outputs from ``teacher`` (`write_teacher`: `distill.<rank>.pt`)."""
+    distillation's outputs from ``teacher`` (`write_teacher`: `distill.<rank>.pt`); then which rank
+    sends at CP=2 (`senders_at_cp2`: `sends_cp2.<rank>.pt`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from megatron.core import parallel_state as ps
 
@@ -287,6 +309,7 @@ def rank_main(
         kept: dict = {}
         torch.save(gradients(world, rank, ep, hf_path, kept), Path(out_dir) / f"grads.{ep}.{rank}.pt")
         sent = {**sent_to_vllm(kept["model"]), "ipc": sent_by_device_ipc(kept["model"], rank)}
+        sent["owners"] = sent_by_owners(kept["model"], rank)
         torch.save(sent, Path(out_dir) / f"sent.{ep}.{rank}.pt")
         mine = ([0, 3] if rank == 0 else [1, 2]) if ep > 1 else ([0] if rank == 0 else [1, 2, 3])
         critic = critic_outputs(recipe(world, ep, hf_path, 1, *PPO), mine)
@@ -295,6 +318,28 @@ def rank_main(
         if ep == 1:
             distill = distill_outputs(distill_recipe(world, hf_path, teacher), mine)
             torch.save(distill, Path(out_dir) / f"distill.{rank}.pt")
+    torch.save(senders_at_cp2(), Path(out_dir) / f"sends_cp2.{rank}.pt")
+
+
+SENT_NAMES = (
+    "decoder.layers.0.self_attention.linear_qkv.weight",
+    "decoder.layers.0.mlp.experts.linear_fc1.weight0",
+)
+
+
+def senders_at_cp2() -> dict[str, bool]:
+    """Whether this rank sends a dense and an expert tensor (`outgoing.sends`) with the two ranks
+    one context-parallel group (Megatron's groups made again: CP=2, DP=1)."""
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.weight_sync.outgoing import sends
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(context_parallel_size=2)
+    try:
+        return {name: sends(name) for name in SENT_NAMES}
+    finally:
+        ps.destroy_model_parallel()
 
 
 def pipeline_outputs(pp: int, hf_path: str, *extra: str) -> dict[str, torch.Tensor]:
@@ -329,7 +374,8 @@ def pipeline_rank_main(
 ) -> None:
     """`pipeline_outputs` of PP=``world`` for each of ``cases`` (name -> overrides; one process for
     all: `pp.<name>.<rank>.pt`); for the case named ``critic`` also `critic_outputs` (PPO) of the
-    same layout on the whole global batch (`critic.<rank>.pt`)."""
+    same layout on the whole global batch (`critic.<rank>.pt`); what `outgoing.whole_model` answers
+    on a rank of one of the stages (`whole_model.<rank>.pt`: its refusal)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from moe_rl.megatron.parallel import teardown_parallel
 
@@ -340,4 +386,12 @@ def pipeline_rank_main(
             torch.save(
                 critic_outputs(config, list(range(GLOBAL_MICRO_BATCHES))), Path(out_dir) / f"critic.{rank}.pt"
             )
+    from moe_rl.weight_sync.outgoing import whole_model
+
+    try:  # a rank of one stage cannot send the whole model (the routes that need it refuse)
+        next(whole_model(torch.nn.Linear(1, 1)))
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    torch.save(refused, Path(out_dir) / f"whole_model.{rank}.pt")
     teardown_parallel()  # a clean exit: no gloo threads left to the interpreter's shutdown

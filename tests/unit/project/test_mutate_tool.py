@@ -116,3 +116,32 @@ def test_the_mutants_outside_the_changed_lines_are_skipped(tmp_path, monkeypatch
     assert {2, 3, 4} <= set(pending_lines())
     skipped = mutate.skip_unchanged(tmp_path / "db.sqlite", {"m.py": {3}})
     assert pending_lines() == [3] and skipped > 0
+
+
+def test_a_line_run_in_a_process_a_test_started_is_tried_with_every_test_of_its_file(tmp_path):
+    """The unmutated run under coverage: a line run in the test's own process counts for that test;
+    one run in a process that a module fixture started (the first test that asked for it) counts for
+    the whole file, whose other tests check that process's outputs; a line run at import, for all."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "m.py").write_text("def here():\n    return 1\n\n\ndef there():\n    return 2\n")
+    (tree / "test_m.py").write_text(
+        "import subprocess, sys\n\nimport pytest\n\nimport m\n\n\n"
+        "@pytest.fixture(scope='module')\n"
+        "def started():\n"
+        "    cmd = [sys.executable, '-c', 'import m; print(m.there())']\n"
+        "    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout\n\n\n"
+        "def test_first(started):\n    assert m.here() == 1\n\n\n"
+        "def test_second(started):\n    assert started.strip() == '2'\n"
+    )
+    session = mutate.Session(modules=["m.py"], tests=["test_m.py"], tree=str(tree))
+    mutate.measure_baseline(session, tmp_path / "work")
+    lines = session.lines["m.py"]
+    assert lines["2"] == ["test_m.py::test_first"]
+    assert lines["6"] == ["test_m.py"]
+    assert "*" in lines["1"]  # the ``def``, run at import
+    assert set(session.durations) == {"test_m.py::test_first", "test_m.py::test_second"}
+    assert mutate._expected_s(["test_m.py"], session.durations) == sum(session.durations.values())
+    first = session.durations["test_m.py::test_first"]
+    assert mutate._expected_s(["test_m.py::test_first"], session.durations) == first
+    assert mutate._expected_s(["test_m.py::test_fir"], session.durations) == 0.0

@@ -190,3 +190,79 @@ def test_a_colocated_sync_by_device_ipc_loads_what_a_whole_sync_loads(trainer_mo
         with torch.no_grad():
             for p, value in zip(model.parameters(), saved, strict=True):
                 p.copy_(value)
+
+
+def test_what_leaves_a_rank_is_the_model_as_it_is_cast_only_to_an_engines_dtype(trainer_model):
+    """One rank, no parallel groups: it sends every tensor (`sends`). `owned` and `whole_model`
+    hand out the model's own storage where a weight needs no change (no copy of a large model is
+    made), the same names and values; with an engine's dtype every floating tensor is cast to it,
+    except the expert-score bias vLLM keeps in float32 (`engine_dtype`)."""
+    from moe_rl.weight_sync.outgoing import SyncPart, engine_dtype, whole_model
+
+    _, model = trainer_model
+    assert all(sends(n) for n, _ in model.named_parameters())
+    storages = {p.data.untyped_storage().data_ptr() for p in model.parameters()}
+    mine = [pair for group in owned(model) for pair in group]
+    whole = [pair for group in whole_model(model) for pair in group]
+    assert [n for n, _ in whole] == [n for n, _ in mine] and len(mine) > 10
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(mine, whole))
+    for pairs in (mine, whole):  # the embedding (and every norm) leaves as a view of its parameter
+        views = {n for n, t in pairs if t.untyped_storage().data_ptr() in storages}
+        assert "model.embed_tokens.weight" in views, sorted(views)
+    cast = [pair for group in whole_model(model, torch.bfloat16, "cpu", part=SyncPart()) for pair in group]
+    assert [n for n, _ in cast] == [n for n, _ in mine]
+    assert all(
+        t.dtype == torch.bfloat16 and torch.equal(t, m.to(torch.bfloat16))
+        for (_, t), (_, m) in zip(cast, mine)
+    )
+    bias, weight = torch.full((4,), 0.1, dtype=torch.float64), torch.ones(2, 2)
+    assert (
+        engine_dtype("model.layers.1.mlp.gate.e_score_correction_bias", bias, torch.bfloat16).dtype
+        == torch.float32
+    )
+    assert engine_dtype("model.layers.1.mlp.gate.weight", weight, torch.bfloat16).dtype == torch.bfloat16
+    index = torch.arange(3)
+    assert engine_dtype("x.e_score_correction_bias", index, torch.bfloat16) is index  # integers as they are
+    assert engine_dtype("x.weight", index, torch.bfloat16) is index
+
+
+def test_an_expert_parallel_ranks_experts_are_named_by_their_global_index():
+    """`whole_model` at EP > 1 renames the experts gathered from each expert-parallel rank: rank r
+    holds ``local`` consecutive experts from ``r * local``, each as the same local index as here."""
+    import dataclasses as dc
+    from types import SimpleNamespace
+
+    from moe_rl.weight_sync.outgoing import SyncPart, _num_experts, _peer_expert
+
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"  # local index 1 of rank 1 (4 per rank)
+    assert [_peer_expert(name, rank, 4) for rank in range(3)] == [
+        f"model.layers.1.mlp.experts.{i}.down_proj.weight" for i in (1, 5, 9)
+    ]
+    assert (
+        _peer_expert("model.layers.0.mlp.experts.2.up_proj.weight", 2, 3)
+        == "model.layers.0.mlp.experts.8.up_proj.weight"
+    )
+    with pytest.raises(ValueError, match="is not an expert's weight"):
+        _peer_expert("model.layers.1.mlp.gate.weight", 1, 4)
+    moe = SimpleNamespace(config=SimpleNamespace(num_moe_experts=8))
+    assert _num_experts(SimpleNamespace(module=SimpleNamespace(module=moe))) == 8  # through wrappers
+    assert _num_experts(SimpleNamespace(config=SimpleNamespace(num_moe_experts=None))) == 1  # dense
+    with pytest.raises(dc.FrozenInstanceError):
+        SyncPart().adapters = True  # type: ignore[misc]
+
+
+def test_without_parallel_groups_a_process_sends_every_tensor(trainer_model):
+    """A process that never set up Megatron's groups (a tool reading a model) is its own only rank."""
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.megatron.parallel import init_parallel, teardown_parallel
+
+    config, model = trainer_model
+    names = [n for n, _ in model.named_parameters()]
+    assert any(".mlp.experts." in n for n in names) and any(".self_attention." in n for n in names)
+    teardown_parallel()
+    try:
+        assert not ps.model_parallel_is_initialized()
+        assert all(sends(n) for n in names)
+    finally:
+        init_parallel(config.parallel)
