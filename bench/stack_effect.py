@@ -218,12 +218,27 @@ class Run:
         )
 
     def command(self, out: Path, in_process: bool) -> list[str]:
+        where = [f"run.output_dir={out / 'runs'}", f"run.name={self.name}"]
         if in_process:
-            return [sys.executable, "-m", "moe_rl.orchestration.local", self.recipe, *self.overrides]
+            return [
+                sys.executable,
+                "-m",
+                "moe_rl.orchestration.local",
+                "--force-new",
+                self.recipe,
+                *self.overrides,
+                *where,
+            ]
         return [
-            sys.executable, "-m", "launch.cli", "train", "--force-new", self.recipe, *self.overrides,
-            f"run.output_dir={out / 'runs'}", f"run.name={self.name}",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "train",
+            "--force-new",
+            self.recipe,
+            *self.overrides,
+            *where,
+        ]
 
 
 def plan_runs(args: argparse.Namespace) -> list[Run]:

@@ -96,7 +96,8 @@ def run_arm(out: Path, arm: str, seed: int, steps: int, jobs: int) -> dict:
     metrics, log_path = out / "runs" / "rl" / name / "metrics.jsonl", out / "logs" / f"{name}.log"
     metrics.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as err, metrics.open("w") as stdout:
-        command = [sys.executable, "-m", "moe_rl.orchestration.local", *args]
+        where = [f"run.output_dir={out / 'run_dirs' / 'rl'}", f"run.name={name}"]  # its checkpoints
+        command = [sys.executable, "-m", "moe_rl.orchestration.local", "--force-new", *args, *where]
         code, wall, cpu = se.spawn(command, stdout, err, se.thread_env(jobs, in_process=True))
     if code != 0:
         raise RuntimeError(f"{name}: exit code {code} ({log_path})")

@@ -15,7 +15,7 @@ from moe_rl.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from moe_rl.device import machine_here
 from moe_rl.errors import UserError, user_error_of
 from moe_rl.log import close_log_file
-from moe_rl.run_dir import Resume, RunLock, claim, newest_usable, unclaim, writing
+from moe_rl.run_dir import Resume, RunLock, newest_usable, take_new, unclaim
 
 if TYPE_CHECKING:
     from moe_rl.orchestration.preflight import RunInputs
@@ -62,9 +62,7 @@ def train(
     with RunLock(run_dir):
         try:
             if not resume:
-                claim(run_dir, force_new, starts_from=config.model.init_from)
-                with writing(run_dir / "config.yaml", "the run's recipe"):
-                    (run_dir / "config.yaml").write_text(to_yaml(config))
+                take_new(run_dir, to_yaml(config), force_new, starts_from=config.model.init_from)
             if log_level:
                 config = replace(config, logging=replace(config.logging, level=log_level.upper()))
             log.info("recipe %s resolved and validated; run directory %s", recipe, run_dir)

@@ -236,6 +236,14 @@ def claim(run_dir: Path, force_new: bool, starts_from: str | None = None) -> Non
             path.unlink()  # a file, or a link (what it points to stays)
 
 
+def take_new(run_dir: Path, recipe: str, force_new: bool = False, starts_from: str | None = None) -> None:
+    """A new run's directory (its lock already held): `claim`, then its resolved ``recipe`` (YAML)
+    written as ``config.yaml``, which `--resume` reads back."""
+    claim(run_dir, force_new, starts_from)
+    with writing(Path(run_dir) / "config.yaml", "the run's recipe"):
+        (Path(run_dir) / "config.yaml").write_text(recipe)
+
+
 def unclaim(run_dir: Path, made: bool) -> str:
     """Undo a new run stopped before its first step (a Ctrl-C while it started; its lock still
     held), so that no half-made run is left: the directory goes when this run ``made`` it, else the

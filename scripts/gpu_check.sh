@@ -236,8 +236,8 @@ for tier in $tiers; do
       ran+=(diagnose)
       ;;
     rl)
-      run_step --split rl "$python" -m moe_rl.orchestration.local recipes/tiny_moe.yaml "run.device=$dev" \
-        "run.steps=${GPU_CHECK_RL_STEPS:-8}"
+      run_step --split rl "$python" -m moe_rl.orchestration.local --force-new recipes/tiny_moe.yaml \
+        "run.device=$dev" "run.steps=${GPU_CHECK_RL_STEPS:-8}" "run.output_dir=${TMPDIR:-/tmp}/gpu_check_runs"
       ran+=(rl)
       ;;
     colocated)

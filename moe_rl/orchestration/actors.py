@@ -287,8 +287,8 @@ class RewardActor:
         """Where the scoring in progress stands (None: none is)."""
         return self.rewarder.progress()
 
-    def dump(self, folder: str, step: int) -> None:
-        self.rewarder.dump(folder, step)
+    def dump(self, folder: str, step: int, scored: int) -> None:
+        self.rewarder.dump(folder, step, scored)
 
 
 PROJECT_ENV_PREFIX = "MOE_RL_"

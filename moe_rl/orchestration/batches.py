@@ -46,6 +46,9 @@ class ScoredSummary:
     """Dynamic sampling: prompts to generate in another round before the batch is full (then there
     are no shards)."""
     metrics: dict[str, float] = field(default_factory=dict)
+    scored: int = 0
+    """Which of the reward worker's scored batches this is (1, 2, ...; 0: none was sharded), for
+    `Rewarder.dump`."""
 
     @property
     def trainable(self) -> bool:
@@ -134,7 +137,9 @@ class Rewarder:
         None with an environment, whose rewards are in the batch)."""
         self.config = config
         self.scorer = scorer if scorer is not None else step_scorer(config)
-        self._last: TrajectoryBatch | None = None
+        self._last: tuple[int, TrajectoryBatch] | None = None
+        """The batch sharded last, with its number (`ScoredSummary.scored`), for `dump`."""
+        self._scored = 0
         self._pool: GroupPool | None = None
         self._failed = 0
         """Responses of the step scored 0 because their reward call failed (`reward/failed`)."""
@@ -183,7 +188,8 @@ class Rewarder:
             max_tokens_per_microbatch=t.max_tokens_per_microbatch, num_mini_batches=t.num_mini_batches,
         )  # fmt: skip
         summary.metrics.update(extra)
-        self._last = batch
+        self._scored += 1
+        summary.scored, self._last = self._scored, (self._scored, batch)
         shards = [] if summary.plan is None else [batch.select(idx) for idx in summary.plan.indices]
         return shards, summary
 
@@ -196,9 +202,15 @@ class Rewarder:
         if self.scorer is not None:
             self.scorer.close()
 
-    def dump(self, folder: str, step: int) -> None:
-        """Write the last sharded batch as trajectory shards (`logging.dump_trajectories`)."""
+    def dump(self, folder: str, step: int, scored: int) -> None:
+        """Write the batch of `ScoredSummary.scored` ``scored`` as trajectory shards (the reward worker
+        keeps the one it sharded last; an earlier one is refused)."""
         from moe_rl.data.shards import write_shards
 
-        batch = self._last
+        if self._last is None or self._last[0] != scored:
+            held = "none" if self._last is None else f"batch {self._last[0]}"
+            raise ValueError(
+                f"scored batch {scored} is no longer held by the reward worker (it holds {held})"
+            )
+        batch = self._last[1]
         write_shards([batch], folder, max_samples_per_shard=batch.num_samples, metadata={"step": step})

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import ray
 
-from moe_rl.config.modes import RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.log import progress
 from moe_rl.orchestration.actors import start_ray
-from moe_rl.orchestration.loop import offline_loop, online_loop
+from moe_rl.orchestration.loop import run_loop
 from moe_rl.orchestration.metrics import MetricsSink, run_summary
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
 from moe_rl.orchestration.stages import Stages, Waiting
@@ -132,10 +131,9 @@ def train_steps(
 ) -> int:
     """The steps from ``start`` (0, or the one after the checkpoint resumed) to `run.steps` or a stop
     request."""
-    loop = offline_loop if config.run.mode == RunMode.OFFLINE else online_loop
     with progress(config.logging.progress) as bar:
         task = bar.add_task("RL steps", total=config.run.steps, completed=start, info="")
-        for record in loop(config, stages, start):
+        for record in run_loop(config, stages, start):
             record = sink.log(record.pop("step"), record)
             stages.maybe_checkpoint(record["step"])
             bar.update(task, advance=1, info=f"reward {record.get('reward/mean', 0):.3f}")

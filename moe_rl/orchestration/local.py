@@ -8,7 +8,9 @@ actors; weights travel through the same weight-sync coordinator and rank sender,
 it reproduces the Ray run of the same recipe with one rank and one engine exactly. Trainer layouts
 other than one whole-model rank need the Ray trainer group.
 
-    python -m moe_rl.orchestration.local RECIPE [overrides...]   # prints one JSON line per step
+    python -m moe_rl.orchestration.local [--force-new] RECIPE [overrides...]   # one JSON line a step
+
+writes its run directory as `moe-rl train` does (`main`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from moe_rl.config.derived import max_response_tokens
@@ -165,7 +168,10 @@ class LocalEngines:
 class LocalRun:
     """The loop of `moe-rl train` in this process (see the module docstring)."""
 
-    def __init__(self, config: RecipeConfig, inputs: RunInputs | None = None):
+    def __init__(self, config: RecipeConfig, inputs: RunInputs | None = None, run_dir: Path | None = None):
+        """``run_dir``: the run's directory, taken already (`main`): its checkpoints, at the recipe's
+        `run.checkpoint_every` and after the last step, and the offline data a run generates; None:
+        a run that saves nothing (an offline run then needs `data.trajectories`)."""
         from moe_rl.orchestration.stages import Stages, Workers
 
         if config.parallel.trainer_world_size != 1 or config.rollout.engine != Engine.MEGATRON:
@@ -174,40 +180,79 @@ class LocalRun:
                 f"parallel.trainer_world_size={config.parallel.trainer_world_size}, "
                 f"rollout.engine={config.rollout.engine} (use `moe-rl train`, on Ray)"
             )
-        self.config = config
+        self.config, self.run_dir = config, run_dir
         inputs = inputs or build_inputs(config)
         self.trainer = LocalTrainer(config)  # first, as in a one-rank run: the trainer's seed
         workers = Workers(
             self.trainer, LocalEngines(config, inputs.env_factory), Rewarder(config, inputs.scorer)
         )
-        self.stages = Stages(config, None, workers, inputs)
+        self.stages = Stages(config, run_dir, workers, inputs)
         self.stages.start()
 
     def step(self, step: int) -> dict[str, Any]:
-        """generate → reward → advantages → old log-probs → train → sync, for step ``step``."""
-        from moe_rl.orchestration.loop import online_loop
+        """The run's step ``step`` (`loop.run_loop`: online, or offline for ``run.mode=offline``)."""
+        from moe_rl.orchestration.loop import run_loop
 
-        return next(online_loop(self.config, self.stages, step, step + 1))
+        return next(run_loop(self.config, self.stages, step, step + 1))
 
     def run(self, steps: int | None = None) -> Iterator[dict[str, Any]]:
-        from moe_rl.orchestration.loop import online_loop
+        """The run's steps up to ``steps`` (default `run.steps`), each record once its step is done;
+        with a run directory, checkpointed as `moe-rl train` does (the last step's at the end)."""
+        from moe_rl.orchestration.loop import run_loop
 
-        yield from online_loop(self.config, self.stages, 0, self.config.run.steps if steps is None else steps)
+        for record in run_loop(
+            self.config, self.stages, 0, self.config.run.steps if steps is None else steps
+        ):
+            if self.run_dir is not None:
+                self.stages.maybe_checkpoint(record["step"])
+            yield record
+        if self.run_dir is not None:
+            self.stages.checkpoint()
+
+
+USAGE = "usage: python -m moe_rl.orchestration.local [--force-new] RECIPE [overrides...]\n"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``RECIPE`` with ``overrides`` in this process, in its run directory (`run.output_dir` /
+    `run.name`, taken as `moe-rl train` takes it: one that holds a run is refused, unless
+    ``--force-new`` starts it over): its recipe, its metrics, its checkpoints; one JSON record a step
+    on stdout. A user's mistake is one line on stderr and exit code 2."""
+    from moe_rl.config.loader import to_yaml
+    from moe_rl.errors import user_error_of
     from moe_rl.log import setup_logging
+    from moe_rl.orchestration.metrics import MetricsSink
     from moe_rl.orchestration.preflight import load_checked
+    from moe_rl.run_dir import RunLock, take_new
 
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        sys.stderr.write("usage: python -m moe_rl.orchestration.local RECIPE [overrides...]\n")
+    args = list(sys.argv[1:] if argv is None else argv)
+    force_new = args[:1] == ["--force-new"]
+    args = args[force_new:]
+    if not args or args[0].startswith("-"):
+        sys.stderr.write(USAGE)
         return 2
-    config = load_checked(args[0], args[1:])
-    setup_logging(config.logging.level)
-    for record in LocalRun(config).run():
-        sys.stdout.write(json.dumps(record) + "\n")
-        sys.stdout.flush()
+    try:
+        config = load_checked(args[0], args[1:])
+        setup_logging(config.logging.level)
+        run_dir = Path(config.run.output_dir) / config.run.name
+        with RunLock(run_dir):
+            take_new(run_dir, to_yaml(config), force_new, starts_from=config.model.init_from)
+            sink = MetricsSink(
+                run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name
+            )
+            try:
+                for record in LocalRun(config, run_dir=run_dir).run():
+                    record = sink.log(record.pop("step"), record)
+                    sys.stdout.write(json.dumps(record) + "\n")
+                    sys.stdout.flush()
+            finally:
+                sink.close()
+    except Exception as exc:
+        user = user_error_of(exc)
+        if user is None:
+            raise
+        sys.stderr.write(f"error: {user}\n")
+        return 2
     return 0
 
 

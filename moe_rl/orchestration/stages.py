@@ -328,10 +328,10 @@ class Stages:
         self.state.end_step(step)
 
     def dump(self, step: int, rollout: Rollout) -> None:
-        """Store the step's batch as trajectory shards (`logging.dump_trajectories`)."""
+        """Store the step's batch, ``rollout``'s, as trajectory shards (`logging.dump_trajectories`)."""
         if self.config.logging.dump_trajectories:
             folder = self.run_dir / "trajectories" / f"step_{step:06d}"
-            self.rewarder.dump(str(folder), step)
+            self.rewarder.dump(str(folder), step, rollout.summary.scored)
 
     def maybe_probe(self, step: int, metrics: dict[str, Any]) -> None:
         """Every `logging.diagnose_every` steps, right after a sync: the engine-vs-trainer mismatch
@@ -359,6 +359,11 @@ class Stages:
         `rollout.batch_size` slices; None while they are not generated."""
         data = self.offline_data
         if data is None:
+            if self.run_dir is None:
+                raise ValueError(
+                    "an offline run without data.trajectories keeps the data it generates in its run "
+                    "directory, and this run has none"
+                )
             folder = self.run_dir / "offline_data"
             if not (folder / "complete").exists():
                 return None
@@ -366,11 +371,11 @@ class Stages:
         size = self.config.rollout.batch_size
         return [data.slice(i, i + size) for i in range(0, data.num_samples - size + 1, size)]
 
-    def store_offline(self, i: int) -> None:
-        """The batch the reward worker scored last, as offline batch ``i`` in
-        `<run_dir>/offline_data` (complete after the last of `data.offline_batches`)."""
+    def store_offline(self, i: int, rollout: Rollout) -> None:
+        """``rollout``'s batch as offline batch ``i`` in `<run_dir>/offline_data` (complete after the
+        last of `data.offline_batches`)."""
         folder = self.run_dir / "offline_data"
-        self.rewarder.dump(str(folder / f"batch_{i:04d}"), i)
+        self.rewarder.dump(str(folder / f"batch_{i:04d}"), i, rollout.summary.scored)
         if i + 1 == self.config.data.offline_batches:
             (folder / "complete").write_text("")
 

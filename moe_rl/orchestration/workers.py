@@ -76,8 +76,8 @@ class RayRewarder:
                 log.info("scoring with %s", line)
         return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
 
-    def dump(self, folder: str, step: int) -> None:
-        ray.get(self.actor.dump.remote(folder, step), timeout=RAY_TIMEOUT_S)
+    def dump(self, folder: str, step: int, scored: int) -> None:
+        ray.get(self.actor.dump.remote(folder, step, scored), timeout=RAY_TIMEOUT_S)
 
     def shutdown(self) -> None:
         ray.kill(self.actor)

@@ -4,6 +4,8 @@ batch is too stale to train on, judged by each response's oldest version."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,3 +60,32 @@ def test_a_response_is_as_old_as_its_oldest_span(version, stale):
     assert summary.min_version == 3
     if stale:
         assert "1 sample(s) older" in summary.stale and "{0: 3}" in summary.stale
+
+
+def test_a_dump_writes_the_batch_it_names_and_refuses_one_no_longer_held(tmp_path):
+    """The reward worker numbers each batch it shards (`ScoredSummary.scored`) and writes the one a
+    rollout names; once a later batch is sharded the earlier one is gone, and asking for it is an
+    error, not the later batch written under the earlier step."""
+    from moe_rl.config import load_recipe
+    from moe_rl.data.shards import read_shards
+    from moe_rl.data.synthetic import random_batch
+    from moe_rl.orchestration.batches import Rewarder
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
+    rewarder = Rewarder(load_recipe(recipe, ["model.vocab_size=64"]), scorer=None)
+    with pytest.raises(
+        ValueError, match=r"scored batch 1 is no longer held by the reward worker \(it holds none\)"
+    ):
+        rewarder.dump(str(tmp_path / "none"), 0, 1)
+    first, second = (random_batch(seed, 4, old_logp=True) for seed in (1, 2))
+    first.rewards, second.rewards = torch.tensor([1.0, 0, 0, 0]), torch.tensor([0, 1.0, 1.0, 0])
+    a = rewarder.prepare_stored(first, 0, 1)[1]
+    b = rewarder.prepare_stored(second, 0, 1)[1]
+    assert (a.scored, b.scored) == (1, 2)
+    with pytest.raises(
+        ValueError, match=r"scored batch 1 is no longer held by the reward worker \(it holds batch 2\)"
+    ):
+        rewarder.dump(str(tmp_path / "a"), 0, a.scored)
+    rewarder.dump(str(tmp_path / "b"), 1, b.scored)
+    (written,) = read_shards(tmp_path / "b")
+    assert written.rewards.tolist() == [0, 1.0, 1.0, 0]
