@@ -18,6 +18,39 @@ from enum import Enum, StrEnum
 from typing import Any
 
 
+class TaskKind(StrEnum):
+    """Where ``data.task``'s prompts come from: a task made locally, or a dataset file."""
+
+    SYNTHETIC = "synthetic"
+    FILE = "file"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSource:
+    """``data.task`` read once (`DataConfig.source`): its kind and the synthetic task's name or the
+    dataset file's path, as the recipe spells them."""
+
+    kind: TaskKind
+    name: str
+
+    @classmethod
+    def parse(cls, text: str) -> TaskSource:
+        """``synthetic:<task>`` or ``file:<path>``; anything else is a `ConfigError` naming the value."""
+        from moe_rl.errors import ConfigError, brief
+
+        kind, sep, name = text.partition(":")
+        if not sep or not name or kind not in TaskKind.__members__.values():
+            raise ConfigError(f"data.task={brief(text)}: expected `synthetic:<task>` or `file:<path>`")
+        return cls(TaskKind(kind), name)
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind == TaskKind.FILE
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
 class CriticInit(StrEnum):
     """``critic.init``: where the critic's body starts."""
 

@@ -9,6 +9,7 @@ This module imports nothing heavy.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -48,6 +49,7 @@ from moe_rl.config.modes import (
     RunMode,
     ScoreFunction,
     SyncRoute,
+    TaskSource,
     choice_fields,
     list_choice_fields,
 )
@@ -612,6 +614,11 @@ class DataConfig:
     directory)."""
     offline_batches: int = 8
     """`run.mode=offline` without stored trajectories: rollout batches to generate once."""
+
+    @functools.cached_property
+    def source(self) -> TaskSource:
+        """`task` read once (`TaskSource.parse`; the loader refuses a recipe whose `task` is neither)."""
+        return TaskSource.parse(self.task)
 
 
 @dataclass

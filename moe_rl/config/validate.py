@@ -233,6 +233,7 @@ def check_values(config: RecipeConfig) -> None:
     _check_ranges(config)
     _check_run_name(config.run.name)
     check_slurm_time(config.cluster.time)
+    config.data.source  # noqa: B018 -- `data.task` read here once: a bad one named before anything runs
 
 
 def _check_model(config: RecipeConfig) -> None:
@@ -517,7 +518,7 @@ def _check_data(config: RecipeConfig) -> None:
         "data.system_prompt": d.system_prompt is not None,
         "data.chat_template_kwargs": bool(d.chat_template_kwargs),
     }
-    if not d.task.startswith("file:"):
+    if not d.source.is_file:
         for key, used in formatting.items():
             _require(
                 not used,

@@ -131,9 +131,9 @@ def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs]
         ]
     here = f"as seen from {Path.cwd()}; {SKIP_PATHS} if it exists only where the job runs"
     rules = []
-    kind, _, name = config.data.task.partition(":")
-    if kind == "file":
-        rules.append(_path_rule("dataset exists", f"data.task=file:{name}", Path(name), "file", here))
+    source = config.data.source
+    if source.is_file:
+        rules.append(_path_rule("dataset exists", f"data.task={source}", Path(source.name), "file", here))
     if config.data.trajectories is not None:
         trajectories = config.data.trajectories
         rules.append(
@@ -148,7 +148,7 @@ def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs]
     hf_path = config.model.hf_path
     if hf_path is None:
         rules.append(Rule(
-            "model weights given", kind != "file",
+            "model weights given", not source.is_file,
             f"model.hf_path is null with data.task={config.data.task}", fatal=False,
             advice="the model starts from random weights; set model.hf_path to the checkpoint to train",
         ))  # fmt: skip
@@ -220,10 +220,9 @@ def _init_rule(init_from: str, here: str) -> Rule:
 def reads_user_inputs(config: RecipeConfig) -> bool:
     """Whether the run reads what a user gave: a dataset file, stored trajectories, a reward
     function or an environment of their own (`env.kwargs` of a built-in one count too)."""
-    kind = config.data.task.partition(":")[0]
     reward = ":" in config.data.reward
     given = config.data.trajectories, config.sft.demonstrations, config.env.name
-    return kind == "file" or reward or any(g is not None for g in given)
+    return config.data.source.is_file or reward or any(g is not None for g in given)
 
 
 def _read_rule(config: RecipeConfig, built: list[RunInputs] | None) -> Rule:
@@ -242,7 +241,7 @@ def _read_rule(config: RecipeConfig, built: list[RunInputs] | None) -> Rule:
     if built is not None:
         built.append(inputs)
     read = []
-    if config.data.task.startswith("file:"):
+    if config.data.source.is_file:
         read.append(
             f"every prompt of {config.data.task} within data.max_prompt_len={config.data.max_prompt_len}"
         )

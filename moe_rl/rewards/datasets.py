@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from moe_rl.config.modes import TaskKind, TaskSource
 from moe_rl.config.validate import prompt_template_fields
 from moe_rl.errors import UserError
 from moe_rl.rewards.tasks import BOS, EOS, Prompt, get_task, until_eos
@@ -279,7 +280,7 @@ class PromptSource:
 
     def __init__(
         self,
-        task: str,
+        task: TaskSource | str,
         seed: int,
         tokenizer: Tokenizer | None = None,
         prompt_key: str = "prompt",
@@ -288,15 +289,16 @@ class PromptSource:
         prompt_template: str | None = None,
         chat: ChatFormat | None = None,
     ):
+        """``task``: `data.task`, read (`DataConfig.source`) or as the recipe spells it."""
         self.rng = random.Random(seed)
-        kind, _, name = task.partition(":")
-        self.synthetic = get_task(name) if kind == "synthetic" else None
+        task = TaskSource.parse(task) if isinstance(task, str) else task
+        self.synthetic = get_task(task.name) if task.kind == TaskKind.SYNTHETIC else None
         self.records: list[tuple[tuple[int, ...], str]] = []
         """Every record of a file task: its prompt's token ids and its answer."""
-        if kind == "file":
+        if task.is_file:
             if tokenizer is None:
                 raise DatasetError(f"data.task={task}: text prompts need a tokenizer")
-            path = Path(name)
+            path = Path(task.name)
             located = located_records(path, prompt_key, answer_key, prompt_template)
             if chat is not None:
                 _check_chat_template(tokenizer)
@@ -308,8 +310,6 @@ class PromptSource:
                         f"{max_prompt_len} ({text[:40]!r}...); raise data.max_prompt_len or drop the record"
                     )
                 self.records.append((ids, answer))
-        elif kind != "synthetic":
-            raise DatasetError(f"data.task={task!r}: expected `synthetic:<task>` or `file:<path>`")
         self.tokenizer, self.chat = tokenizer, chat
         self.max_prompt_len = max_prompt_len
         self._order: list[int] = []

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from moe_rl.config.modes import RewardFailure, RewardPool
+from moe_rl.config.modes import RewardFailure, RewardPool, TaskKind
 from moe_rl.config.schema import DataConfig
 from moe_rl.errors import ConfigError, RewardFunctionError, UserError
 from moe_rl.rewards.datasets import ByteTokenizer, ChatFormat, HFTokenizer, PromptSource, Tokenizer
@@ -217,7 +217,7 @@ def build_tokenizer(config) -> Tokenizer | None:
     without one, or None for synthetic tasks (their prompts are token ids)."""
     if config.model.hf_path and (Path(config.model.hf_path) / "tokenizer_config.json").exists():
         return HFTokenizer(config.model.hf_path, eos_token_id=config.model.eos_token_id)
-    if config.data.task.startswith("synthetic:"):
+    if config.data.source.kind == TaskKind.SYNTHETIC:
         return None
     tokenizer = ByteTokenizer()
     if config.model.vocab_size < tokenizer.vocab_size:
@@ -233,10 +233,11 @@ def reward_rules(config) -> list[Rule]:
     (``data.task=synthetic:<name>``) exists and fits the model's vocabulary; the HTTP service's
     keys. What needs the data or the reward function itself is checked when they are built
     (`moe_rl.orchestration.preflight`, the run's inputs)."""
-    kind, _, name = config.data.task.partition(":")
+    source = config.data.source
     rules = _service_rules(config.data)
-    if kind != "synthetic":
+    if source.kind != TaskKind.SYNTHETIC:
         return rules
+    name = source.name
     try:
         check_task_vocab(name, config.model.vocab_size)  # an unknown task is named there too
     except UserError as exc:
@@ -271,8 +272,8 @@ def _service_rules(d: DataConfig) -> list[Rule]:
 
 def build_scorer(config) -> RewardScorer:
     """The scorer of `data.reward` for `data.task` (config meets rewards here)."""
-    kind, _, name = config.data.task.partition(":")
-    task = get_task(name) if kind == "synthetic" else None
+    source = config.data.source
+    task = get_task(source.name) if source.kind == TaskKind.SYNTHETIC else None
     return RewardScorer(config.data.reward, task=task, tokenizer=build_tokenizer(config), data=config.data)
 
 
@@ -280,7 +281,7 @@ def build_prompt_source(config) -> PromptSource:
     """The seeded prompt stream of `data.task`, formatted by the `data.*` template keys."""
     d = config.data
     return PromptSource(
-        d.task,
+        d.source,
         seed=config.run.seed,
         tokenizer=build_tokenizer(config),
         prompt_key=d.prompt_key,

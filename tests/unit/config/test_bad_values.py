@@ -102,6 +102,10 @@ BAD = [
         "rollout.group_size=1",
         "rollout.group_size=1: algo.advantage=grpo compares each response with the others",
     ),
+    *[
+        (f"data.task='{task}'", f"data.task={task!r}: expected `synthetic:<task>` or `file:<path>`")
+        for task in ("count_up", "synthetic:", "file:", "files:a.jsonl", ":count_up")
+    ],
 ]
 
 
@@ -312,3 +316,14 @@ def test_submit_refuses_values_that_would_break_the_log_paths(overrides, expecte
     with pytest.raises(ConfigError) as info:
         resolve(str(TINY), overrides, CPU)
     assert expected in str(info.value)
+
+
+def test_data_task_is_read_once_into_its_kind_and_name():
+    from moe_rl.config.modes import TaskKind, TaskSource
+
+    config = load_recipe(TINY, ["data.task=file:data/a:b.jsonl"])
+    source = config.data.source
+    assert source == TaskSource(TaskKind.FILE, "data/a:b.jsonl") and source.is_file
+    assert config.data.source is source and str(source) == "file:data/a:b.jsonl"
+    synthetic = TaskSource.parse("synthetic:count_up")
+    assert (synthetic.kind, synthetic.name, synthetic.is_file) == (TaskKind.SYNTHETIC, "count_up", False)
