@@ -15,7 +15,8 @@ never a keyword dropped at a call.
 
 * ``algo.objective`` with its hyper-parameters and ``algo.aggregation``: `bind_objective`, and for
   the trainer `bind_recipe_objective` (`TRAINED_AS`; a dual-clip floor <= 1 is off);
-* ``algo.advantage``: `bind_advantage` (the driver's per-response part, `DRIVER_FUNCS`) and, for the
+* ``algo.advantage``: `bind_advantage` (the driver's per-response part, `DRIVER_FUNCS`; with DGO's
+  sample weights in its place for that objective, `bind_step_advantage`) and, for the
   token-level estimators, `bind_token_advantage` (the trainer's part, `TOKEN_FUNCS`, with ``algo.gae``
   and ``algo.kl.in_reward``); ``algo.kl``: `bind_kl_loss` (`KL_AGGREGATION`); the critic's loss:
   `bind_value_loss`;
@@ -284,6 +285,16 @@ def bind_advantage(advantage: Advantage) -> Bound:
     advantage = _member("algo.advantage", advantage, Advantage)
     func = _load("moe_rl.algo.advantages", DRIVER_FUNCS[advantage])
     return bind(func, {}, ("rewards", "group_ids"), f"advantage {advantage.value!r}")
+
+
+def bind_step_advantage(objective: Objective, advantage: Advantage, dgo_beta: float) -> Bound:
+    """What the driver computes per response of a step's batch, ``f(rewards=[S], group_ids=[S]) -> [S]``:
+    for ``objective`` DGO its sample weights (`moe_rl.algo.objectives.dgo_weights`, the recipe's
+    ``dgo_beta`` bound), else the driver's part of ``advantage`` (`bind_advantage`)."""
+    if _member("algo.objective", objective, Objective) == Objective.DGO:
+        func = _load("moe_rl.algo.objectives", "dgo_weights")
+        return bind(func, {"dgo_beta": dgo_beta}, ("rewards", "group_ids"), "DGO's sample weights")
+    return bind_advantage(advantage)
 
 
 def bind_token_advantage(

@@ -5,22 +5,15 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from moe_rl.algo import registry
 from moe_rl.algo.advantages import zero_variance_groups, zero_variance_signs
-from moe_rl.algo.modes import Objective
-from moe_rl.algo.objectives import dgo_weights
+from moe_rl.algo.registry import Bound
 from moe_rl.config.schema import RecipeConfig
 
 
-def step_advantages(
-    config: RecipeConfig, rewards: Tensor, group_ids: Tensor
-) -> tuple[Tensor, dict[str, float]]:
-    """Per-sample advantages of a scored batch (for DGO the weights exp(r/β)/mean_group exp(r/β)),
-    with the zero-variance group counts."""
-    if config.algo.objective == Objective.DGO:
-        adv = dgo_weights(rewards, group_ids, dgo_beta=config.algo.dgo_beta)
-    else:
-        adv = registry.bind_advantage(config.algo.advantage)(rewards=rewards, group_ids=group_ids)
+def step_advantages(estimator: Bound, rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """Per-sample advantages of a scored batch by the run's ``estimator`` (`registry.bind_step_advantage`:
+    for DGO the weights exp(r/β)/mean_group exp(r/β)), with the zero-variance group counts."""
+    adv = estimator(rewards=rewards, group_ids=group_ids)
     metrics = {
         f"advantage/{k}": float(v) for k, v in zero_variance_groups(rewards, group_ids).metrics().items()
     }

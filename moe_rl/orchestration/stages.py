@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from moe_rl import run_dir
+from moe_rl.algo import registry
 from moe_rl.algo.modes import Objective
 from moe_rl.config.derived import releases_memory
 from moe_rl.config.schema import RecipeConfig
@@ -124,6 +125,9 @@ class Stages:
         self.source = inputs.prompt_source
         self.offline_data = inputs.offline_data
         self.state = RunState()
+        a = config.algo
+        self.estimator = registry.bind_step_advantage(a.objective, a.advantage, a.dgo_beta)
+        """The driver's part of each step's advantages, bound once (`registry.bind_step_advantage`)."""
         self.releases = releases_memory(config, resolve_device(config.run.device, Machine.detect()))
         """Colocated phases give memory back (`cluster.release_memory`)."""
         self.waiting: Waiting | None = None
@@ -281,7 +285,7 @@ class Stages:
     def advantages(self, rollout: Rollout, metrics: dict[str, Any]) -> torch.Tensor:
         """Per-sample advantages; for DGO the sample weights exp(r/β)/mean_group exp(r/β). Warns once
         when no group's rewards have varied for `FLAT_REWARD_STEPS` steps in a row."""
-        adv, found = step_advantages(self.config, rollout.summary.rewards, rollout.summary.group_ids)
+        adv, found = step_advantages(self.estimator, rollout.summary.rewards, rollout.summary.group_ids)
         metrics.update(found)
         dgo = self.config.algo.objective == Objective.DGO  # sample weights, never all 0
         flat = not dgo and found.get("advantage/zero_variance_group_share", 0.0) >= 1.0

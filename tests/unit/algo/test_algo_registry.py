@@ -210,6 +210,22 @@ def test_advantage_and_kl_bindings():
         registry.bind_advantage(Advantage.GRPO)(rewards=rewards)
 
 
+def test_a_steps_advantages_are_dgos_weights_for_dgo_and_the_estimators_otherwise():
+    """`bind_step_advantage`: DGO's sample weights ``exp(r/β) / mean_group exp(r/β)`` with the recipe's
+    β, whatever ``algo.advantage`` says; any other objective, the estimator's driver part."""
+    rewards, groups = t([1.0, 0.0, 2.0, 2.0]), torch.tensor([0, 0, 1, 1])
+    dgo = registry.bind_step_advantage(Objective.DGO, Advantage.RLOO, 0.5)
+    e = math.exp(2.0)  # exp(1 / 0.5) against exp(0)
+    torch.testing.assert_close(
+        dgo(rewards=rewards, group_ids=groups), t([2 * e / (e + 1), 2 / (e + 1), 1.0, 1.0]).float()
+    )
+    assert dgo.values == {"dgo_beta": 0.5}
+    rloo = registry.bind_step_advantage(Objective.PPO_CLIP, Advantage.RLOO, 0.5)
+    torch.testing.assert_close(rloo(rewards=rewards, group_ids=groups), t([1.0, -1.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="algo.objective must be a member of Objective"):
+        registry.bind_step_advantage("dgo", Advantage.RLOO, 0.5)
+
+
 def test_correction_stack_from_the_recipes_sections():
     stack = registry.bind_corrections(
         sections(
