@@ -45,7 +45,10 @@ MAX_VALUES = 100_000
 """The most values (scalars, lists and mappings, counted at every use of a YAML alias) one recipe
 file or override may hold: recipes hold hundreds; nested aliases can make a few lines stand for
 billions, which OmegaConf and the checks would build and walk one by one."""
-_SIZE_CAP = 10**15  # sizes are counted up to here (a chain of aliases can grow past any number)
+_SIZE_CAP = 10**15
+"""Sizes are counted up to here: a chain of aliases grows past any number, and adding numbers of
+millions of digits would take the time the bound is there to save. The key a refusal names holds
+only keys within the bound, as many as are written, so its own count stays far below."""
 
 
 class TooManyValues(yaml.YAMLError):
@@ -57,8 +60,7 @@ class TooManyValues(yaml.YAMLError):
         if values is None:
             what = "refers to itself through a YAML alias"
         else:
-            count = f"{values:,}" if values <= _SIZE_CAP else f"more than {_SIZE_CAP:,}"
-            what = f"expands to {count} values with its YAML aliases followed; a recipe holds at most {MAX_VALUES:,}"
+            what = f"expands to {values:,} values with its YAML aliases followed; a recipe holds at most {MAX_VALUES:,}"
         super().__init__(f"line {line}: {where} {what}")
 
 
@@ -254,15 +256,15 @@ def _unknown_key(key: str, cls: type, path: str, source: str) -> ConfigError:
     valid = list(_field_types(cls))
     full = f"{path}{key}"
     paths = _all_paths(RecipeConfig)
-    elsewhere = [p for p in paths if p.rsplit(".", 1)[-1] == key]  # the key itself, in other sections
+    elsewhere = [p for p in paths if p.rpartition(".")[2] == key]  # the key itself, in other sections
     close = [] if elsewhere else difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if elsewhere:
         hint = f"; did you mean {' or '.join(f'`{c}`' for c in elsewhere)}?"
     elif not close:  # maybe the key belongs to another section: match on the last component
-        leaves = sorted({p.rsplit(".", 1)[-1] for p in paths})
+        leaves = sorted({p.rpartition(".")[2] for p in paths})
         leaf = difflib.get_close_matches(key, leaves, n=1, cutoff=0.8)
         if leaf:  # every section that holds it (`lr`: critic.lr, trainer.lr)
-            close = [p for p in paths if p.rsplit(".", 1)[-1] == leaf[0]]
+            close = [p for p in paths if p.rpartition(".")[2] == leaf[0]]
         else:
             close = difflib.get_close_matches(full, paths, n=1, cutoff=0.6)
         hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else ""

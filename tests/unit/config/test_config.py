@@ -79,6 +79,13 @@ def test_quant_recipe_switch_is_one_override():
         pytest.param(["trainer.lrr=1"], "did you mean `trainer.lr`", id="misspelt-key"),
         pytest.param(["lr=1"], "did you mean `critic.lr` or `trainer.lr`", id="key-without-section"),
         pytest.param(["algo.corrections.icepop.hgh=3"], "algo.corrections.icepop.high", id="nested-key"),
+        # nothing close in its own section: a key of that name elsewhere, then the closest whole path
+        pytest.param(["run.dgo_betaa=1"], "`run.dgo_betaa`; did you mean `algo.dgo_beta`? (valid", id="leaf"),
+        pytest.param(
+            ["run.tensor_parallel=2"],
+            "`run.tensor_parallel`; did you mean `rollout.tensor_parallel_size`? (valid",
+            id="closest-path",
+        ),
         pytest.param(["trainer.lr=abc"], "`trainer.lr` expects float", id="wrong-type"),
         pytest.param(["rollout.batch_size=1.5"], "`rollout.batch_size` expects int", id="float-for-int"),
         pytest.param(["algo.objective=ppo"], "algo.objective='ppo' is not one of", id="bad-choice"),

@@ -179,3 +179,35 @@ def test_the_bound_holds_exactly_max_values_and_refuses_one_more():
     assert str(err.value) == (
         "line 1: the file expands to 100,001 values with its YAML aliases followed; a recipe holds at most 100,000"
     )
+
+
+def test_a_key_at_exactly_the_bound_is_not_named_one_past_it_is():
+    """The deepest key named is one that alone is past `MAX_VALUES`: ``b`` (999 uses of ``a``'s 100
+    values and 99 scalars) holds exactly 100,000, so the file is named; one scalar more and ``b`` is."""
+    import yaml
+
+    from moe_rl.config.loader import TooManyValues, _YamlLoader
+
+    def doc(extra: int) -> str:
+        return f"a: &a [{', '.join(['x'] * 99)}]\nb: [{', '.join(['*a'] * 999 + ['x'] * extra)}]\n"
+
+    for extra, named in ((99, "the file expands to 100,103"), (100, "`b` expands to 100,001")):
+        with pytest.raises(TooManyValues) as err:
+            yaml.compose(doc(extra), Loader=_YamlLoader)
+        assert str(err.value).startswith(f"line {1 if extra == 99 else 2}: {named} values"), str(err.value)
+
+
+def test_a_yaml_error_without_a_place_or_a_problem_is_told_in_its_own_words():
+    """PyYAML's errors name a place and a problem; one that lacks either is its own message on one line."""
+    import yaml
+
+    from moe_rl.config.loader import _yaml_problem
+
+    mark = yaml.Mark("recipe", 0, 2, 4, None, None)
+    assert _yaml_problem(yaml.MarkedYAMLError("while parsing", mark, "found a tab", mark)) == (
+        "line 3, column 5: found a tab (while parsing)"
+    )
+    placeless = yaml.MarkedYAMLError("while parsing", None, "found a tab", None)
+    assert _yaml_problem(placeless) == "while parsing found a tab"
+    unnamed = yaml.MarkedYAMLError(None, None, None, mark, "a note")
+    assert _yaml_problem(unnamed) == ' in "recipe", line 3, column 5 a note'.strip()
