@@ -44,8 +44,8 @@ from moe_rl.config.modes import GpuType  # noqa: E402
 from moe_rl.config.step_time import (  # noqa: E402
     FITTED,
     MACHINES,
+    Chip,
     Efficiency,
-    Machine,
     StepTime,
     SyncCost,
     gathered_sync_cost,
@@ -240,7 +240,7 @@ def run_config(run: NemoRun | Refit, overrides: list[str] | None = None) -> Reci
     )
 
 
-def predict(run: NemoRun, eff: Efficiency, machine: Machine | None = None) -> StepTime:
+def predict(run: NemoRun, eff: Efficiency, machine: Chip | None = None) -> StepTime:
     """The model's step for a published run: its refit resharded, its colocated phases releasing
     everything the trainer holds (NeMo-RL offloads the optimizer and the weights); ``machine``: in
     place of the run's chip."""
@@ -285,7 +285,7 @@ def predict_capped(run: NemoRun, eff: Efficiency) -> StepTime:
 MLPERF_GB200_OVER_H100 = 2.2
 
 
-def scaled_chip(gpu: GpuType, scale: float) -> Machine:
+def scaled_chip(gpu: GpuType, scale: float) -> Chip:
     """The chip with its FLOP/s (every precision) and memory bandwidth × ``scale``; its links as they
     are."""
     chip = MACHINES[gpu]

@@ -94,7 +94,7 @@ GIGA = 1e9
 
 
 @dataclass(frozen=True)
-class Machine:
+class Chip:
     """One chip's rates: dense peak FLOP/s by precision, memory bandwidth, and the bandwidth of each
     link a GPU has (one direction)."""
 
@@ -120,28 +120,28 @@ class Machine:
         return {"bf16": self.bf16_tflops, "fp8": self.fp8_tflops, "fp32": self.fp32_tflops}[precision]
 
 
-MACHINES: dict[GpuType, Machine] = {
+MACHINES: dict[GpuType, Chip] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 / FP8 3,958 / TF32 989 TFLOPS with
     # sparsity, halved for dense; 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (both directions);
     # PCIe Gen5 128 GB/s (both directions). DGX H100 datasheet: 8x ConnectX-7 400 Gb/s, one per GPU.
-    GpuType.H100: Machine(GpuType.H100, 989.0, 1979.0, 494.5, 3350.0, 450.0, 50.0, 64.0, (80,), 8),
+    GpuType.H100: Chip(GpuType.H100, 989.0, 1979.0, 494.5, 3350.0, 450.0, 50.0, 64.0, (80,), 8),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's TFLOPS; 141 GB HBM3e at 4.8 TB/s;
     # NVLink 900 GB/s, PCIe Gen5 128 GB/s (both directions). DGX H200 datasheet: 8x ConnectX-7 400 Gb/s.
-    GpuType.H200: Machine(GpuType.H200, 989.0, 1979.0, 494.5, 4800.0, 450.0, 50.0, 64.0, (140, 141), 8),
+    GpuType.H200: Chip(GpuType.H200, 989.0, 1979.0, 494.5, 4800.0, 450.0, 50.0, 64.0, (140, 141), 8),
     # NVIDIA DGX B200 datasheet, per GPU of 8: 72 PFLOPS FP8 training (sparse) -> 4.5 dense, BF16
     # 2.25 dense, TF32 1.1 dense; 1,440 GB HBM3e -> 180 GB, 64 TB/s -> 8 TB/s; NVLink 5 1.8 TB/s
     # (both directions); 8x ConnectX-7 400 Gb/s; PCIe Gen5 x16 to the host.
-    GpuType.B200: Machine(GpuType.B200, 2250.0, 4500.0, 1100.0, 8000.0, 900.0, 50.0, 64.0, (180,), 8),
+    GpuType.B200: Chip(GpuType.B200, 2250.0, 4500.0, 1100.0, 8000.0, 900.0, 50.0, 64.0, (180,), 8),
     # NVIDIA GB200 NVL72 datasheet, per GPU of 72: FP8 720 PFLOPS and BF16 360 PFLOPS (sparse) ->
     # 5,000 / 2,500 dense, TF32 1,250 dense; 13.4 TB HBM3e -> 186 GB, 576 TB/s -> 8 TB/s; NVLink
     # 130 TB/s -> 1.8 TB/s per GPU (both directions) across the 72-GPU domain; NVLink-C2C 900 GB/s
     # (both directions) from a Grace CPU to its two GPUs; one ConnectX-7 400 Gb/s per GPU.
-    GpuType.GB200: Machine(GpuType.GB200, 2500.0, 5000.0, 1250.0, 8000.0, 900.0, 50.0, 225.0, (186,), 72),
+    GpuType.GB200: Chip(GpuType.GB200, 2500.0, 5000.0, 1250.0, 8000.0, 900.0, 50.0, 225.0, (186,), 72),
     # The project's CPU machine (2 cores of an AMD EPYC), measured by `bench/plan_model.py --measure`:
     # a 1024x1024 fp32 matrix product (moe_rl.trainer.perf.matmul_tflops, the tiny run's
     # perf/peak_tflops) for every precision (its trainer and engine compute in fp32); a 256 MiB copy:
     # 17 GB/s of memory traffic, 8.7 GB/s copied, which the CPU's "links" (shared memory) are.
-    GpuType.CPU: Machine(GpuType.CPU, 0.176, 0.176, 0.176, 17.0, 8.7, 8.7, 8.7, (), 1),
+    GpuType.CPU: Chip(GpuType.CPU, 0.176, 0.176, 0.176, 17.0, 8.7, 8.7, 8.7, (), 1),
 }
 
 
@@ -165,7 +165,7 @@ FITTED = Efficiency(generation=0.43, train_mfu=0.111, sync=0.175)
 docs/plan_model.md; `bench/plan_model.py --fit` fits them again."""
 
 
-class Bound(StrEnum):
+class Limit(StrEnum):
     """What limits a phase."""
 
     COMPUTE = "compute"
@@ -179,7 +179,7 @@ class Phase:
 
     name: str
     seconds: float
-    bound: Bound
+    bound: Limit
     detail: str
     """The numbers behind it, in words."""
     overlapped: bool = False
@@ -190,7 +190,7 @@ class Phase:
 class StepTime:
     """A step's phases and how they add up."""
 
-    machine: Machine
+    machine: Chip
     efficiency: Efficiency
     phases: tuple[Phase, ...]
     seconds: float
@@ -212,7 +212,7 @@ class PhaseCannotRun(ConfigError):
 GPU_TYPES = ", ".join(t.value for t in GpuType if t != GpuType.AUTO)
 
 
-def machine_of(config: RecipeConfig) -> Machine:
+def machine_of(config: RecipeConfig) -> Chip:
     """The chip ``cluster.gpu_type`` names; ``auto``: the CPU machine without GPUs, else the GPU whose
     memory is ``cluster.gpu_memory_gib``. Raises `ConfigError` naming the known types."""
     c = config.cluster
@@ -274,7 +274,7 @@ def allreduce_latency_us(ranks: int, domain: int) -> float:
     return min(ring, tree)
 
 
-def allreduce_seconds(nbytes: float, ranks: int, machine: Machine) -> float:
+def allreduce_seconds(nbytes: float, ranks: int, machine: Chip) -> float:
     """One all-reduce of ``nbytes`` over ``ranks`` GPUs: NCCL's latency (`allreduce_latency_us`)
     plus the ring's ``2(n − 1)/n`` of the bytes through each GPU's link (NVLink within one NVLink
     domain, else its NIC) at the link's datasheet rate."""
@@ -285,7 +285,7 @@ def allreduce_seconds(nbytes: float, ranks: int, machine: Machine) -> float:
     return allreduce_latency_us(ranks, machine.nvlink_domain) * 1e-6 + bus / (gbps * GIGA)
 
 
-def alltoall_seconds(nbytes: float, group: int, machine: Machine) -> float:
+def alltoall_seconds(nbytes: float, group: int, machine: Chip) -> float:
     """Each GPU of an expert-parallel ``group`` sending ``nbytes`` spread evenly over the group: the
     share bound for GPUs outside its NVLink domain through its NIC, the rest over NVLink, both at
     once (the longer), at the links' datasheet rates."""
@@ -342,7 +342,7 @@ def _rollout_precision(config: RecipeConfig) -> str:
 def _generation(
     config: RecipeConfig,
     counts: ParamCounts,
-    machine: Machine,
+    machine: Chip,
     eff: float,
     batches: int | None = None,
     max_seqs: int | None = None,
@@ -386,7 +386,7 @@ def _generation(
     reduces = 2 * m.num_layers if on_gpu else 0
     prefill_comm = reduces * allreduce_seconds(n * lens.prompt * act, tp, machine)
     prefill = Phase(
-        "prefill", prefill_flops / (peak * eff) + prefill_comm, Bound.COMPUTE,
+        "prefill", prefill_flops / (peak * eff) + prefill_comm, Limit.COMPUTE,
         f"{_flop(prefill_flops)} per engine {device} ({n} samples x {lens.prompt:,.0f} prompt tokens)"
         + (f" + {reduces} TP all-reduces ({prefill_comm:.3g} s)" if prefill_comm else ""),
     )  # fmt: skip
@@ -400,7 +400,7 @@ def _generation(
     decode_flops = n * (lens.response * flops.per_token + token_reads / n * flops.per_pair) / tp
     memory_s = memory_bytes / (machine.memory_gbps * GIGA * eff)
     compute_s = decode_flops / (peak * eff)
-    bound = Bound.MEMORY if memory_s >= compute_s else Bound.COMPUTE
+    bound = Limit.MEMORY if memory_s >= compute_s else Limit.COMPUTE
     step_comm = reduces * allreduce_seconds(in_flight * act, tp, machine)
     span = "nodes" if tp > machine.nvlink_domain else "NVLink"
     decode = Phase(
@@ -446,7 +446,7 @@ def _frozen_share(config: RecipeConfig, flops, tokens: int, forward: float) -> f
     return (flops.per_token - trained) * tokens / forward
 
 
-def _trainer_passes(config: RecipeConfig, machine: Machine, mfu: float) -> list[Phase]:
+def _trainer_passes(config: RecipeConfig, machine: Chip, mfu: float) -> list[Phase]:
     """π_old, reference and training over the batch (module docstring)."""
     p, t, lens = config.parallel, config.trainer, lengths(config)
     n = config.rollout.batch_size
@@ -488,7 +488,7 @@ def _trainer_passes(config: RecipeConfig, machine: Machine, mfu: float) -> list[
             f" + {moves * a2a * bubble:.3g} s of {group} all-to-all" if a2a else ""
         )
         seconds = (k * forward / rate + moves * a2a) * bubble
-        phases.append(Phase(name, seconds, Bound.COMPUTE, f"{_flop(k * forward)} on {where}{extra}"))
+        phases.append(Phase(name, seconds, Limit.COMPUTE, f"{_flop(k * forward)} on {where}{extra}"))
     return phases
 
 
@@ -522,7 +522,7 @@ class SyncCost:
 
     nbytes: float
     gbps: float
-    bound: Bound
+    bound: Limit
     words: str
     scaled: bool = True
     """The transfer runs at η_sync of the link (False: a collective at the link's datasheet rate,
@@ -547,7 +547,7 @@ def model_parallel_span(config: RecipeConfig) -> int:
     )
 
 
-def gather_gbps(config: RecipeConfig, machine: Machine) -> float:
+def gather_gbps(config: RecipeConfig, machine: Chip) -> float:
     """The link through which each trainer GPU gathers the whole model: NVLink when the ranks it
     gathers from lie within one NVLink domain (`model_parallel_span`), else its NIC."""
     return (
@@ -555,7 +555,7 @@ def gather_gbps(config: RecipeConfig, machine: Machine) -> float:
     )
 
 
-def sync_cost(config: RecipeConfig, counts: ParamCounts, sync: SyncPlan, machine: Machine) -> SyncCost:
+def sync_cost(config: RecipeConfig, counts: ParamCounts, sync: SyncPlan, machine: Chip) -> SyncCost:
     """The route's narrowest link and the bytes through it (each engine takes the whole model): one
     process's memory copy; shared memory (the host link of an engine's GPU) or the engine's NIC for
     buckets; each trainer GPU gathering the whole model (`gather_gbps`: NVLink when the ranks it
@@ -564,31 +564,31 @@ def sync_cost(config: RecipeConfig, counts: ParamCounts, sync: SyncPlan, machine
     c = config.cluster
     nbytes, route = sync_bytes(config, counts, sync), f"{sync.route}: "
     if c.gpus_per_node == 0 or sync.route == SyncRoute.IN_PROCESS:
-        return SyncCost(nbytes, machine.host_gbps, Bound.MEMORY, route + "a memory copy on the host")
+        return SyncCost(nbytes, machine.host_gbps, Limit.MEMORY, route + "a memory copy on the host")
     if sync.route == SyncRoute.BUCKETS:
         if placement_mode(config) == PlacementMode.COLOCATED:
-            return SyncCost(nbytes, machine.host_gbps, Bound.NETWORK, route + "an engine GPU's host link")
-        return SyncCost(nbytes, machine.network_gbps, Bound.NETWORK, route + "an engine's NIC")
+            return SyncCost(nbytes, machine.host_gbps, Limit.NETWORK, route + "an engine GPU's host link")
+        return SyncCost(nbytes, machine.network_gbps, Limit.NETWORK, route + "an engine's NIC")
     if sync.route == SyncRoute.VLLM_NCCL:
-        return SyncCost(nbytes, machine.network_gbps, Bound.NETWORK, route + "trainer rank 0's NIC")
+        return SyncCost(nbytes, machine.network_gbps, Limit.NETWORK, route + "trainer rank 0's NIC")
     if gather_gbps(config, machine) == machine.nvlink_gbps:
         return SyncCost(
-            nbytes, machine.nvlink_gbps, Bound.NETWORK, route + "each trainer GPU's NVLink (gather)"
+            nbytes, machine.nvlink_gbps, Limit.NETWORK, route + "each trainer GPU's NVLink (gather)"
         )
-    return SyncCost(nbytes, machine.network_gbps, Bound.NETWORK, route + "each trainer GPU's NIC (gather)")
+    return SyncCost(nbytes, machine.network_gbps, Limit.NETWORK, route + "each trainer GPU's NIC (gather)")
 
 
-def resharded_sync_cost(config: RecipeConfig, counts: ParamCounts, machine: Machine) -> SyncCost:
+def resharded_sync_cost(config: RecipeConfig, counts: ParamCounts, machine: Chip) -> SyncCost:
     """A sync that moves each engine GPU its own shard only (``1/rollout.tensor_parallel_size`` of
     the model in the engines' bf16) through its NIC: no route of this project, the one NeMo-RL's
     resharded NCCL refit takes, which the comparison with its published runs uses."""
     nbytes = counts.total * BF16 / config.rollout.tensor_parallel_size
     return SyncCost(
-        nbytes, machine.network_gbps, Bound.NETWORK, "resharded: an engine GPU's shard through its NIC"
+        nbytes, machine.network_gbps, Limit.NETWORK, "resharded: an engine GPU's shard through its NIC"
     )
 
 
-def gathered_sync_cost(config: RecipeConfig, counts: ParamCounts, machine: Machine) -> SyncCost:
+def gathered_sync_cost(config: RecipeConfig, counts: ParamCounts, machine: Chip) -> SyncCost:
     """NeMo-RL v0.6's refit, the one its published step times ran (the resharded transfer came
     later): every trainer GPU gathers the whole model in bf16 (Megatron-Bridge's
     ``export_hf_weights``: each tensor broadcast from the pipeline stage that holds it to every
@@ -607,18 +607,16 @@ def gathered_sync_cost(config: RecipeConfig, counts: ParamCounts, machine: Machi
     else:
         gbps = min(gbps, machine.network_gbps)
         words = f"gathered: each trainer GPU's {gather}, broadcast from trainer rank 0's NIC"
-    return SyncCost(nbytes, gbps, Bound.NETWORK, words, scaled=False)
+    return SyncCost(nbytes, gbps, Limit.NETWORK, words, scaled=False)
 
 
-def _offload(
-    config: RecipeConfig, counts: ParamCounts, released: float, machine: Machine, eff: float
-) -> Phase:
+def _offload(config: RecipeConfig, counts: ParamCounts, released: float, machine: Chip, eff: float) -> Phase:
     """Colocated with memory released: the trainer's released bytes and (sleep level 1) the engine's
     weights per GPU, out to host memory and back."""
     engine = rollout_memory(config, counts).weights_per_gpu if config.cluster.engine_sleep_level == 1 else 0.0
     nbytes = 2 * (released + engine)
     return Phase(
-        "offload", transfer_seconds(nbytes, machine.host_gbps, eff), Bound.NETWORK,
+        "offload", transfer_seconds(nbytes, machine.host_gbps, eff), Limit.NETWORK,
         f"{_bytes(nbytes)} per GPU to host memory and back ({machine.host_gbps:g} GB/s)",
     )  # fmt: skip
 
@@ -630,7 +628,7 @@ def step_time(
     efficiency: Efficiency | None = None,
     batches_in_flight: int | None = None,
     max_num_seqs: int | None = None,
-    machine: Machine | None = None,
+    machine: Chip | None = None,
 ) -> StepTime:
     """The step of ``config`` by phase (module docstring). ``sync``: the run's sync plan (None: its
     route is refused, and so is the step's time), or what its sync moves (`SyncCost`);

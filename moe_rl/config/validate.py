@@ -41,27 +41,27 @@ CHOICES: dict[str, tuple[str, ...]] = {path: tuple(m.value for m in mode) for pa
 
 
 @dataclass(frozen=True)
-class Bound:
+class ValueRange:
     """The values a field may take on its own: a test, and how an error message states it."""
 
     ok: Callable[[Any], bool]
     text: str
 
 
-POSITIVE = Bound(lambda v: v > 0, "> 0")
-NON_NEGATIVE = Bound(lambda v: v >= 0, ">= 0")
-NULL_OR_POSITIVE = Bound(lambda v: v is None or v > 0, "null or > 0")
-UNIT_FROM_ZERO = Bound(lambda v: 0 <= v < 1, "in [0, 1)")
-UNIT_TO_ONE = Bound(lambda v: 0 < v <= 1, "in (0, 1]")
+POSITIVE = ValueRange(lambda v: v > 0, "> 0")
+NON_NEGATIVE = ValueRange(lambda v: v >= 0, ">= 0")
+NULL_OR_POSITIVE = ValueRange(lambda v: v is None or v > 0, "null or > 0")
+UNIT_FROM_ZERO = ValueRange(lambda v: 0 <= v < 1, "in [0, 1)")
+UNIT_TO_ONE = ValueRange(lambda v: 0 < v <= 1, "in (0, 1]")
 
 
-def _each(bound: Bound, *paths: str) -> dict[str, Bound]:
+def _each(bound: ValueRange, *paths: str) -> dict[str, ValueRange]:
     return dict.fromkeys(paths, bound)
 
 
 # Every numeric field whose valid values do not depend on other fields. Sizes and counts are > 0
 # wherever 0 means nothing (every divisor among them); offsets, counters and intervals are >= 0.
-RANGES: dict[str, Bound] = {
+RANGES: dict[str, ValueRange] = {
     **_each(POSITIVE, "run.steps", "run.async_depth"),
     **_each(NON_NEGATIVE, "run.seed", "run.max_staleness", "run.checkpoint_every"),
     **_each(POSITIVE, "model.vocab_size", "model.hidden_size", "model.num_layers",
@@ -79,18 +79,18 @@ RANGES: dict[str, Bound] = {
     **_each(POSITIVE, "rollout.batch_size", "rollout.group_size", "rollout.max_new_tokens",
             "rollout.temperature", "rollout.num_engines", "rollout.tensor_parallel_size",
             "rollout.sync_bucket_mb", "rollout.max_model_len", "rollout.megatron_kv_cache_gib"),
-    "rollout.top_k": Bound(lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
+    "rollout.top_k": ValueRange(lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
     **_each(UNIT_TO_ONE, "rollout.top_p", "rollout.gpu_memory_utilization"),
     **_each(UNIT_TO_ONE, "cluster.train_mfu", "cluster.mean_length_fraction"),
     **_each(POSITIVE, "quant.block_size", "quant.calib_tokens"),
     **_each(NON_NEGATIVE, "quant.exclude_first_layers", "quant.exclude_last_layers"),
     **_each(UNIT_FROM_ZERO, "algo.clip_eps_low", "algo.gspo_eps_low"),
     **_each(NON_NEGATIVE, "algo.clip_eps_high", "algo.gspo_eps_high", "algo.espo_alpha"),
-    "algo.espo_rho": Bound(lambda v: 0 < v < 1, "in (0, 1)"),
+    "algo.espo_rho": ValueRange(lambda v: 0 < v < 1, "in (0, 1)"),
     **_each(POSITIVE, "algo.espo_num_groups", "algo.dgo_beta", "algo.corrections.tis.cap",
             "algo.dynamic_sampling_rounds"),
     "algo.kl.coef": NON_NEGATIVE,
-    **_each(Bound(lambda v: 0 <= v <= 1, "in [0, 1]"), "algo.gae.gamma", "algo.gae.lam"),
+    **_each(ValueRange(lambda v: 0 <= v <= 1, "in [0, 1]"), "algo.gae.gamma", "algo.gae.lam"),
     **_each(POSITIVE, "critic.lr", "critic.clip"),
     "algo.distill.coef": NON_NEGATIVE,
     "lora.rank": NON_NEGATIVE,
@@ -110,7 +110,7 @@ RANGES: dict[str, Bound] = {
     **_each(POSITIVE, "cluster.nodes", "cluster.trainer_nodes", "cluster.ray_join_timeout_s",
             "cluster.gpu_memory_gib"),
     **_each(NON_NEGATIVE, "cluster.gpus_per_node", "cluster.rollout_nodes", "cluster.signal_grace_s"),
-    "cluster.ray_port": Bound(lambda v: 1 <= v <= 65535, "a TCP port in [1, 65535]"),
+    "cluster.ray_port": ValueRange(lambda v: 1 <= v <= 65535, "a TCP port in [1, 65535]"),
     **_each(NON_NEGATIVE, "logging.diagnose_every"),
 }  # fmt: skip
 

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Rule:
+class HfMapping:
     """One Megatron tensor and the HF tensor(s) it is made of."""
 
     hf: tuple[str, ...]
@@ -59,11 +59,11 @@ class Rule:
     """``copy`` (one HF tensor), ``qkv`` (q, k, v fused) or ``glu`` (gate, up fused)."""
 
 
-def _r(*hf: str, kind: str = "copy") -> Rule:
-    return Rule(tuple(hf), kind)
+def _r(*hf: str, kind: str = "copy") -> HfMapping:
+    return HfMapping(tuple(hf), kind)
 
 
-GLOBAL_RULES: dict[str, Rule] = {
+GLOBAL_RULES: dict[str, HfMapping] = {
     "embedding.word_embeddings.weight": _r("model.embed_tokens.weight"),
     "decoder.final_layernorm.weight": _r("model.norm.weight"),
     "output_layer.weight": _r("lm_head.weight"),
@@ -88,12 +88,12 @@ _MLP_RULES = {
     "mlp.shared_experts.linear_fc2.weight": _r("mlp.shared_experts.down_proj.weight"),
 }
 
-EXPERT_RULES: dict[str, Rule] = {
+EXPERT_RULES: dict[str, HfMapping] = {
     "linear_fc1.weight": _r("gate_proj.weight", "up_proj.weight", kind="glu"),
     "linear_fc2.weight": _r("down_proj.weight"),
 }
 
-GQA_RULES: dict[str, Rule] = {
+GQA_RULES: dict[str, HfMapping] = {
     "self_attention.linear_qkv.weight": _r(
         "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", kind="qkv"
     ),
@@ -101,7 +101,7 @@ GQA_RULES: dict[str, Rule] = {
     "self_attention.k_layernorm.weight": _r("self_attn.k_norm.weight"),
 }
 
-MLA_RULES: dict[str, Rule] = {
+MLA_RULES: dict[str, HfMapping] = {
     "self_attention.linear_q_proj.weight": _r("self_attn.q_proj.weight"),
     "self_attention.linear_q_down_proj.weight": _r("self_attn.q_a_proj.weight"),
     "self_attention.q_layernorm.weight": _r("self_attn.q_a_layernorm.weight"),
@@ -111,7 +111,7 @@ MLA_RULES: dict[str, Rule] = {
     "self_attention.linear_kv_up_proj.weight": _r("self_attn.kv_b_proj.weight"),
 }
 
-LAYER_RULES: dict[str, dict[str, Rule]] = {
+LAYER_RULES: dict[str, dict[str, HfMapping]] = {
     "gqa": {**_NORM_RULES, **GQA_RULES, **_MLP_RULES},
     "mla": {**_NORM_RULES, **MLA_RULES, **_MLP_RULES},
 }
@@ -217,7 +217,7 @@ def merged_tensor(gpt: torch.nn.Module, name: str, tensor: Tensor, merge: bool =
     return module.merged_weight() if has_adapter(module) else tensor
 
 
-def _resolve_layer_suffix(rest: str, layer_module, rules: dict[str, Rule]) -> tuple[Rule, str, str]:
+def _resolve_layer_suffix(rest: str, layer_module, rules: dict[str, HfMapping]) -> tuple[HfMapping, str, str]:
     """(rule, HF prefix under the layer, Megatron suffix) for one name inside a layer."""
     te_expert = _TE_EXPERT_RE.match(rest)
     if te_expert:
@@ -234,7 +234,7 @@ def _resolve_layer_suffix(rest: str, layer_module, rules: dict[str, Rule]) -> tu
     return rules[rest], "", rest
 
 
-def _adapter_rule(model: torch.nn.Module, megatron_name: str) -> Rule:
+def _adapter_rule(model: torch.nn.Module, megatron_name: str) -> HfMapping:
     """The HF names of a LoRA adapter's tensor (``<linear>.lora_a`` / ``.lora_b``): ``A`` under the
     first HF linear the Megatron one fuses (one ``A`` serves them all), ``B`` split over them as the
     weight's rows are."""
@@ -242,8 +242,8 @@ def _adapter_rule(model: torch.nn.Module, megatron_name: str) -> Rule:
     rule = hf_names_for(model, f"{linear}.weight")
     modules = [name.removesuffix(".weight") for name in rule.hf]
     if which == "lora_a":
-        return Rule((modules[0] + ADAPTER_HF[0],), "copy")
-    return Rule(tuple(module + ADAPTER_HF[1] for module in modules), rule.kind)
+        return HfMapping((modules[0] + ADAPTER_HF[0],), "copy")
+    return HfMapping(tuple(module + ADAPTER_HF[1] for module in modules), rule.kind)
 
 
 def _fused_siblings() -> dict[str, str]:
@@ -271,7 +271,7 @@ def shared_a_module(module: str) -> str:
     return module
 
 
-def hf_names_for(model: torch.nn.Module, megatron_name: str) -> Rule:
+def hf_names_for(model: torch.nn.Module, megatron_name: str) -> HfMapping:
     """The rule for one Megatron tensor, with HF names made global (layer and expert offsets)."""
     from moe_rl.megatron.lora import is_adapter
 
@@ -288,7 +288,7 @@ def hf_names_for(model: torch.nn.Module, megatron_name: str) -> Rule:
     rules = LAYER_RULES[_attention_kind(gpt.config)]
     rule, sub_prefix, _ = _resolve_layer_suffix(match.group(2), layer_module, rules)
     prefix = f"model.layers.{layer}.{sub_prefix}"
-    return Rule(tuple(prefix + name for name in rule.hf), rule.kind)
+    return HfMapping(tuple(prefix + name for name in rule.hf), rule.kind)
 
 
 def _qkv_shape(config) -> tuple[int, int, int]:
@@ -453,7 +453,7 @@ def load_hf_subset(
     return loaded
 
 
-def _copy_into(gpt, name: str, target: Tensor, rule: Rule, pieces: list[Tensor]) -> None:
+def _copy_into(gpt, name: str, target: Tensor, rule: HfMapping, pieces: list[Tensor]) -> None:
     value = fuse(rule.kind, pieces, gpt.config)
     tp_split = _split_of(name, target)
     if tp_split is not None:

@@ -308,13 +308,14 @@ def carried_env() -> dict[str, str]:
     }
 
 
-def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
+def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> None:
     """Join the Ray cluster of a Slurm job (RAY_ADDRESS) or start a local one sized for the run's
-    processes (never one another run started on this machine); returns whether this call started Ray (then the caller shuts it down). With
+    processes (never one another run started on this machine); nothing when this process is
+    connected to Ray already (the caller that connected it disconnects it: `ray.shutdown`). With
     ``log_dir`` every actor logs into it (`moe_rl.log.setup_actor_logging`); Ray still forwards
     what an actor prints to stderr (the project's warnings and errors, a crash) to this terminal."""
     if ray.is_initialized():
-        return False
+        return
     for key, value in PROCESS_ENV.items():  # inherited by the local cluster's processes
         os.environ.setdefault(key, value)
     logs = {LOG_DIR_ENV: str(Path(log_dir).resolve())} if log_dir else {}
@@ -325,7 +326,7 @@ def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
         ray.init(
             address=address, log_to_driver=True, runtime_env={"env_vars": env_vars} if env_vars else None
         )
-        return True
+        return
     os.environ.update(logs)  # the local cluster's workers inherit the driver's environment
     processes = config.parallel.trainer_world_size + config.rollout.num_engines + 1
     # "local": a new cluster of this run's own, even when another (`ray start`) runs on this machine
@@ -335,4 +336,3 @@ def start_ray(config: RecipeConfig, log_dir: Path | None = None) -> bool:
         include_dashboard=False,
         log_to_driver=True,
     )
-    return True

@@ -90,13 +90,13 @@ def run_schedule(
     )
 
 
-def merge_stage_metrics(local: dict[str, float], num_moe_layers: int) -> dict[str, float]:
+def merge_stage_metrics(local: dict[str, float], replayed_routers: int) -> dict[str, float]:
     """One metrics dict for every rank of the pipeline group (see the module docstring)."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (local, num_moe_layers, is_last_stage()), group=group)
+    dist.all_gather_object(gathered, (local, replayed_routers, is_last_stage()), group=group)
     last = next(found for found, _, is_last in gathered if is_last)
     merged = {name: value for name, value in last.items() if not name.endswith(ROUTING_KEYS)}
     names = {name for found, _, _ in gathered for name in found if name.endswith(ROUTING_KEYS)}

@@ -310,7 +310,7 @@ class TrainerWorker:
             returns["distill/teacher_s"] = time.perf_counter() - start
         metrics = update.reduce_metrics(found, "old/", self.device) | returns
         if self.pipelined:
-            metrics = pipeline.merge_stage_metrics(metrics, self._num_moe_layers)
+            metrics = pipeline.merge_stage_metrics(metrics, self._replayed_routers)
         return prepared, metrics
 
     # ------------------------------------------------------------------ update
@@ -398,11 +398,13 @@ class TrainerWorker:
         result.update(update.step_metrics(loss_sum, global_denom, ok, grad_norm, lr_scale, lr, self.step))
         self.step += 1
         if self.pipelined:
-            result = pipeline.merge_stage_metrics(result, self._num_moe_layers)
+            result = pipeline.merge_stage_metrics(result, self._replayed_routers)
         return result
 
     @property
-    def _num_moe_layers(self) -> int:
+    def _replayed_routers(self) -> int:
+        """The MoE routers of this rank's stage under routing replay (0 without replay): the weight of
+        its routing metrics when the pipeline's stages merge theirs."""
         return len(self.replay.routers) if self.replay is not None else 0
 
     # ------------------------------------------------------------------ checkpoints

@@ -18,8 +18,8 @@ from moe_rl.config.schema import ClusterConfig
 from moe_rl.config.step_time import (
     FITTED,
     MACHINES,
-    Bound,
     Efficiency,
+    Limit,
     PhaseCannotRun,
     allreduce_latency_us,
     allreduce_seconds,
@@ -96,7 +96,7 @@ def test_generation_by_hand():
     t = _step(_hand())
     # prefill: 4 samples x (5 tokens x 1,344 + 5*6/2 pairs x 64) at the bf16 peak
     assert t.phase("prefill").seconds == approx(4 * (5 * PER_TOKEN + 15 * PER_PAIR) / H100_BF16)
-    assert t.phase("prefill").bound == Bound.COMPUTE
+    assert t.phase("prefill").bound == Limit.COMPUTE
     # a step reads the weights but the input embedding and all but the touched share of the experts
     touched = 1 - 0.75**2  # 2 tokens, top-1 of 4
     per_step = WEIGHT_BYTES - EXPERT_BYTES - EMBEDDING_BYTES + touched * EXPERT_BYTES
@@ -105,7 +105,7 @@ def test_generation_by_hand():
     kv = 4 * (5 * 10 + 10**2 / 2) * KV_TOKEN
     decode = t.phase("decode")
     assert decode.seconds == approx((20 * per_step + kv) / H100_HBM)
-    assert decode.bound == Bound.MEMORY
+    assert decode.bound == Limit.MEMORY
     assert "20 steps, 2 sequences in flight (1 wave(s) of 4)" in decode.detail
 
 
@@ -119,7 +119,7 @@ def test_decode_is_compute_bound_on_the_cpu():
     p, r = 0.6 * 16, 0.6 * 8
     flops = 64 * (r * 151_552 + (p * r + r**2 / 2) * 512)
     decode = t.phase("decode")
-    assert decode.bound == Bound.COMPUTE
+    assert decode.bound == Limit.COMPUTE
     assert decode.seconds == approx(flops / (MACHINES[GpuType.CPU].fp32_tflops * 1e12))
 
 
@@ -245,7 +245,7 @@ def test_weight_sync_through_the_routes_link():
     buckets = sync_plan(apart, "cuda")
     assert buckets.route == SyncRoute.BUCKETS
     cost = sync_cost(apart, counts, buckets, h100)
-    assert (cost.nbytes, cost.gbps, cost.bound) == (PARAMS * 4, 50.0, Bound.NETWORK)
+    assert (cost.nbytes, cost.gbps, cost.bound) == (PARAMS * 4, 50.0, Limit.NETWORK)
     colocated = sync_cost(config, counts, SyncPlan(SyncRoute.BUCKETS, False, "", 1 << 20, "test"), h100)
     assert colocated.gbps == 64.0  # shared memory: the engine GPU's PCIe link
     vllm = load_recipe(RECIPES / "qwen3_30b_a3b.yaml")
@@ -264,7 +264,7 @@ def test_weight_sync_through_the_routes_link():
     tiny = count_params(cpu.model)
     on_cpu = sync_cost(cpu, tiny, sync_plan(cpu, "cpu"), MACHINES[GpuType.CPU])
     # the tiny recipe's engine takes fp8_block128 bytes on the wire
-    assert (on_cpu.nbytes, on_cpu.bound) == (rollout_weight_bytes(cpu, tiny), Bound.MEMORY)
+    assert (on_cpu.nbytes, on_cpu.bound) == (rollout_weight_bytes(cpu, tiny), Limit.MEMORY)
 
 
 def test_resharded_sync_moves_each_engine_gpu_its_shard():
@@ -610,7 +610,7 @@ def test_the_generation_factor_scales_the_prefill_and_a_compute_bound_decode():
     rate = MACHINES[GpuType.CPU].fp32_tflops * 1e12 * 0.5
     assert t.phase("prefill").seconds * rate == approx(64 * (p * 151_552 + p * (p + 1) / 2 * 512))
     decode = t.phase("decode")
-    assert decode.bound == Bound.COMPUTE
+    assert decode.bound == Limit.COMPUTE
     assert decode.seconds * rate == approx(64 * (r * 151_552 + (p * r + r**2 / 2) * 512))
 
 

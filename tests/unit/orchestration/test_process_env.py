@@ -25,7 +25,8 @@ def test_a_local_run_s_ray_processes_start_with_the_process_env(monkeypatch):
         with open("/proc/self/environ", "rb") as f:  # what the process was started with
             return [entry.decode() for entry in f.read().split(b"\0") if entry]
 
-    assert start_ray(load_checked(TINY))
+    start_ray(load_checked(TINY))
+    assert ray.is_initialized()
     try:
         started_with = ray.get(ray.remote(initial_environment).remote(), timeout=120)
     finally:
@@ -63,7 +64,8 @@ def test_a_run_joining_a_cluster_brings_its_log_folder_settings_and_module_path(
         print(marker, file=sys.stderr, flush=True)
         return {**os.environ, "answer": str(users_module.ANSWER)}
 
-    assert start_ray(load_checked(TINY), tmp_path / "logs")
+    start_ray(load_checked(TINY), tmp_path / "logs")
+    assert ray.is_initialized()
     printed = ""
     try:
         seen = ray.get(ray.remote(environment).remote(), timeout=120)
