@@ -79,11 +79,20 @@ def test_quant_recipe_switch_is_one_override():
         pytest.param(["trainer.lrr=1"], "did you mean `trainer.lr`", id="misspelt-key"),
         pytest.param(["lr=1"], "did you mean `critic.lr` or `trainer.lr`", id="key-without-section"),
         pytest.param(["algo.corrections.icepop.hgh=3"], "algo.corrections.icepop.high", id="nested-key"),
-        # nothing close in its own section: a key of that name elsewhere, then the closest whole path
+        # nothing close in its own section: a key of that name elsewhere, a close one (every section that
+        # holds it), then the closest whole path
         pytest.param(["run.dgo_betaa=1"], "`run.dgo_betaa`; did you mean `algo.dgo_beta`? (valid", id="leaf"),
         pytest.param(
             ["run.tensor_parallel=2"],
             "`run.tensor_parallel`; did you mean `rollout.tensor_parallel_size`? (valid",
+            id="close-leaf",
+        ),
+        pytest.param(
+            ["data.lrr=1"], "`data.lrr`; did you mean `critic.lr` or `trainer.lr`? (valid", id="leaves"
+        ),
+        pytest.param(
+            ["run.model_init_from=x"],
+            "`run.model_init_from`; did you mean `model.init_from`? (valid",
             id="closest-path",
         ),
         pytest.param(["trainer.lr=abc"], "`trainer.lr` expects float", id="wrong-type"),
@@ -110,6 +119,16 @@ def test_quant_recipe_switch_is_one_override():
         ),
         pytest.param(["model.rope_scaling_type=yarn"], "yarn needs model.attention=mla", id="yarn-needs-mla"),
         pytest.param(["trainer.lr"], "section.key=value", id="override-without-value"),
+        pytest.param(["trainer..lr=1"], "override `trainer..lr=1` is not of the form", id="empty-part"),
+        # nothing close anywhere: no hint; an unknown section at the top level
+        pytest.param(["run.zzqqxx=1"], "unknown key `run.zzqqxx` (valid keys in run: ", id="no-hint"),
+        pytest.param(
+            ["zzqqxx=1"], "unknown key `zzqqxx` (valid keys in the top level: algo, ", id="top-level"
+        ),
+        # a section given as null is skipped; the keys after it are still checked
+        pytest.param(
+            ["critic=null", "trainer.lrr=1"], "unknown key `trainer.lrr`; did you mean", id="after-null"
+        ),
     ],
 )
 def test_bad_config_names_the_field(overrides, expected):
@@ -279,3 +298,12 @@ def test_lora_rules(overrides, refusal):
         return
     with pytest.raises((ConfigError, ValueError), match=re.escape(refusal)):
         check_trainer(load_checked(TINY, overrides))
+
+
+def test_a_recipe_folder_without_quantization_recipes_says_none_are_available(tmp_path):
+    recipes = tmp_path / "recipes"
+    (recipes / "quant").mkdir(parents=True)
+    (recipes / "r.yaml").write_text("rollout:\n  quant: fp8x\n")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(recipes / "r.yaml")
+    assert str(info.value).endswith(f"no quantization recipe `fp8x` in {recipes / 'quant'} (available: none)")
