@@ -236,7 +236,7 @@ def claim(run_dir: Path, force_new: bool, starts_from: str | None = None) -> Non
             path.unlink()  # a file, or a link (what it points to stays)
 
 
-def take_new(run_dir: Path, recipe: str, force_new: bool = False, starts_from: str | None = None) -> None:
+def take_new(run_dir: Path, recipe: str, force_new: bool, starts_from: str | None = None) -> None:
     """A new run's directory (its lock already held): `claim`, then its resolved ``recipe`` (YAML)
     written as ``config.yaml``, which `--resume` reads back."""
     claim(run_dir, force_new, starts_from)

@@ -193,7 +193,8 @@ class LocalRun:
         """The run's step ``step`` (`loop.run_loop`: online, or offline for ``run.mode=offline``)."""
         from moe_rl.orchestration.loop import run_loop
 
-        return next(run_loop(self.config, self.stages, step, step + 1))
+        (record,) = run_loop(self.config, self.stages, step, step + 1)
+        return record
 
     def run(self, steps: int | None = None) -> Iterator[dict[str, Any]]:
         """The run's steps up to ``steps`` (default `run.steps`), each record once its step is done;

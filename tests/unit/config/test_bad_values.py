@@ -327,3 +327,5 @@ def test_data_task_is_read_once_into_its_kind_and_name():
     assert config.data.source is source and str(source) == "file:data/a:b.jsonl"
     synthetic = TaskSource.parse("synthetic:count_up")
     assert (synthetic.kind, synthetic.name, synthetic.is_file) == (TaskKind.SYNTHETIC, "count_up", False)
+    with pytest.raises(AttributeError):  # read once, never changed
+        synthetic.name = "other"  # type: ignore[misc]

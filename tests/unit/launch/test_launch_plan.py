@@ -385,3 +385,40 @@ def test_a_lora_run_is_shown_the_fewest_trainer_nodes_that_hold_it():
     row = dict(_memory_rows(make_plan(lora, paths=False)))["LoRA: fewest trainer nodes"]
     assert row.startswith("4 of 32: ") and "parallel.expert_model_parallel_size=32" in row
     assert lora_layout(load_recipe(REPO / "recipes" / "deepseek_v3.yaml"), counts) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reads"),
+    [
+        ([], False),  # synthetic prompts, the task's own checker
+        (["data.task=file:prompts.jsonl"], True),
+        (["data.reward=mod:fn"], True),
+        (["data.trajectories=shards"], True),
+        (["env.name=calculator"], True),
+    ],
+)
+def test_the_run_reads_what_a_user_gave_for_each_kind_of_input(overrides, reads):
+    from moe_rl.config import load_recipe
+    from moe_rl.orchestration.preflight import reads_user_inputs
+
+    assert reads_user_inputs(load_recipe(REPO / "recipes" / "tiny_moe.yaml", overrides)) is reads
+
+
+def test_the_inputs_rule_says_every_prompt_of_a_dataset_file_was_read(tmp_path):
+    """A dataset file's prompts are tokenized and measured before the run (the byte tokenizer of a
+    model without one), and the preflight's line says so."""
+    from moe_rl.config import load_recipe
+    from moe_rl.orchestration.preflight import _read_rule
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    config = load_recipe(
+        REPO / "recipes" / "tiny_moe.yaml",
+        [f"data.task=file:{data}", "model.vocab_size=320", "data.reward=exact_match"],
+    )
+    rule = _read_rule(config, None)
+    assert (
+        rule.ok
+        and rule.values
+        == f"every prompt of file:{data} within data.max_prompt_len={config.data.max_prompt_len}"
+    )

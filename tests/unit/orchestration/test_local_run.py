@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.config import load_recipe
 from moe_rl.run_dir import checkpoints
 from tests.unit.trainer.trainer_testing import TINY_MODEL_OVERRIDES
 
@@ -52,11 +53,54 @@ def test_an_offline_recipe_runs_the_offline_loop_and_saves_its_run(tmp_path, cap
     assert sorted(step for step, _ in checkpoints(run)) == [1, 2]
     written = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert written == records
-    assert "mode: offline" in (run / "config.yaml").read_text()
+    written = load_recipe(run / "config.yaml")
+    assert written.run.mode == "offline" and written.model.vocab_size == 64  # every override in it
     code, records, err = _main(args, capsys)
     assert (code, records) == (2, [])
     assert err.startswith(f"error: run directory {run} already holds a run (checkpoints of steps [1, 2])")
     assert len(err.splitlines()) == 1
+    code, records, _ = _main(["--force-new", *args[:-4], "run.steps=1", *args[-4:]], capsys)
+    assert (code, [r["step"] for r in records]) == (0, [0])  # the run started over
+    assert sorted(step for step, _ in checkpoints(run)) == [0]
+
+
+def test_the_command_reads_its_recipe_and_overrides_from_its_command_line():
+    """As a command (`sys.argv`): a bad override is one line naming it, exit code 2."""
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable,
+        "-m",
+        "moe_rl.orchestration.local",
+        str(REPO / "recipes" / "tiny_moe.yaml"),
+        "run.steps=0",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("error: ") and "run.steps=0 must be > 0" in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args", [[], ["--force-new"], ["-x", "recipes/tiny_moe.yaml"]])
+def test_a_command_line_without_a_recipe_is_told_its_usage(args, capsys):
+    from moe_rl.orchestration.local import USAGE, main
+
+    assert main(args) == 2
+    assert capsys.readouterr().err == USAGE
+
+
+def test_a_run_of_fewer_steps_than_the_recipes_stops_there_offline_too(tmp_path):
+    """`LocalRun.run(n)` and `LocalRun.step(i)` take the recipe's loop (offline here) up to where
+    they are asked, not to `run.steps`."""
+    from moe_rl.orchestration.local import LocalRun
+    from moe_rl.orchestration.preflight import load_checked
+
+    overrides = [*TINY_MODEL_OVERRIDES, "run.steps=4", "data.offline_batches=1", "rollout.batch_size=16"]
+    local = LocalRun(load_checked(REPO / "recipes" / "tiny_moe_dgo.yaml", overrides), run_dir=tmp_path)
+    assert [r["step"] for r in local.run(2)] == [0, 1]
+    record = local.step(2)
+    assert record["step"] == 2 and record["offline/epoch"] == 2
 
 
 def test_an_offline_run_without_a_run_directory_is_told_where_its_data_would_go():
