@@ -10,7 +10,7 @@ other than one whole-model rank need the Ray trainer group.
 
     python -m moe_rl.orchestration.local [--force-new] RECIPE [overrides...]   # one JSON line a step
 
-writes its run directory as `moe-rl train` does (`main`).
+As a command it writes its run directory as `moe-rl train` does (`main`).
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ class LocalRun:
     def __init__(self, config: RecipeConfig, inputs: RunInputs | None = None, run_dir: Path | None = None):
         """``run_dir``: the run's directory, taken already (`main`): its checkpoints, at the recipe's
         `run.checkpoint_every` and after the last step, and the offline data a run generates; None:
-        a run that saves nothing (an offline run then needs `data.trajectories`)."""
+        a run that saves nothing (an offline run then needs its data given: `data.trajectories`, or
+        `moe-rl sft`'s demonstrations)."""
         from moe_rl.orchestration.stages import Stages, Workers
 
         if config.parallel.trainer_world_size != 1 or config.rollout.engine != Engine.MEGATRON:
