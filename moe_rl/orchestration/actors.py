@@ -26,11 +26,14 @@ from typing import Any
 import ray
 import torch
 
+from moe_rl.config.run_plan import RunPlan
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.sync_plan import SyncPlan
 from moe_rl.device import process_device
 from moe_rl.log import LOG_DIR_ENV
 from moe_rl.orchestration.engine_host import EngineHost
 from moe_rl.orchestration.placement import PROCESS_ENV
+from moe_rl.orchestration.trainer_host import TrainerHost
 from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 from moe_rl.weight_sync.transport import Receiver
@@ -81,69 +84,42 @@ def device_key() -> tuple[str, str | None]:
 
 
 class TrainerRank:
-    """One rank of the trainer group (see the module docstring)."""
+    """One rank of the trainer group (see the module docstring): a
+    `moe_rl.orchestration.trainer_host.TrainerHost` once the rank has joined the group's world."""
 
-    def __init__(self, config: RecipeConfig, rank: int, world_size: int, threads: int):
+    def __init__(self, config: RecipeConfig, rank: int, world_size: int, threads: int, sync: SyncPlan):
+        """``sync``: the run's weight-sync plan, decided by the driver."""
         _setup_process(config, threads, f"trainer{rank}")
-        self.config, self.rank, self.world_size = config, rank, world_size
-        self.worker = None
-        self._sender = None  # this rank's side of weight syncs (transport, buffers, arena), kept
+        self.config, self.rank, self.world_size, self.sync = config, rank, world_size, sync
+        self.host: TrainerHost | None = None
         self._engine_places: dict[Any, tuple[str, str | None] | None] = {}  # engine handle -> `device_key`
-        self._prepared: dict = {}  # handle -> the batch its π_old pass prepared (`old_logp` / `train`)
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def address(self) -> tuple[str, int]:
         """Where the group's torch.distributed store listens (asked of rank 0)."""
         return ray.util.get_node_ip_address(), _free_port()
 
     def init(self, master_addr: str, master_port: int) -> dict[str, int]:
-        """Join the group's world and build the worker (all ranks at once); returns the layout."""
+        """Join the group's world and build the rank (all ranks at once); returns the layout."""
         os.environ.update(
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",  # Ray shows each rank its own GPU only
         )  # fmt: skip
-        from moe_rl.trainer.worker import TrainerWorker
-
-        self.worker = TrainerWorker(self.config)
-        info = self.worker.info
+        self.host = TrainerHost(self.config, self.sync, self.rank, host=ray.util.get_node_ip_address())
+        info = self.host.worker.info
         return {"rank": info.rank, "dp_rank": info.dp_rank, "dp_size": info.dp_size, "pp_rank": info.pp_rank}
 
     def old_logp(self, part, handle: int) -> dict[str, float]:
         """The π_old pass on this rank's `moe_rl.orchestration.rank_parts.RankPart` (its shard fetched
-        by reference); the prepared batch is kept under ``handle`` until `train` takes it."""
-        from moe_rl.trainer.batch import TrainerBatch
-
-        shard = ray.get(part.trajectories, timeout=RAY_TIMEOUT_S)
-        prepared = self.worker.old_logp(
-            TrainerBatch.of_share(shard, part.advantages, part.share, part.zvp_signs)
-        )
-        self._prepared = {handle: prepared}  # a new step's batch replaces one never trained on
-        return prepared.metrics
+        by reference), kept under ``handle`` until `train` takes it."""
+        return self.host.old_logp(ray.get(part.trajectories, timeout=RAY_TIMEOUT_S), part, handle)
 
     def train(self, handle: int) -> dict[str, float]:
-        """One optimizer step per mini-batch of the batch prepared under ``handle``."""
-        prepared = self._prepared.pop(handle, None)
-        if prepared is None:
-            raise RuntimeError(f"trainer rank {self.rank}: no batch prepared under handle {handle}")
-        return self.worker.train(prepared)
+        return self.host.train(handle)
 
     def stream_weights(self, engines: Sequence[Any], target: SyncTarget, whole: bool = True) -> SyncReport:
-        """Send this rank's part of a sync to ``target`` of every engine (`moe_rl.weight_sync.sender.
-        RankSender`, by the run's `moe_rl.config.sync_plan.SyncPlan`: on the device route only to the
-        engines that share this rank's GPU). This rank's part of the sync's report (with the indices
-        of engines that died on the way)."""
-        if self._sender is None:
-            from moe_rl.config.sync_plan import sync_plan
-            from moe_rl.weight_sync.sender import RankSender
-
-            c = self.config
-            plan = sync_plan(c, next(self.worker.model.parameters()).device.type)
-            self._sender = RankSender(
-                self.worker.model, c.quant, c.model.num_layers, plan, self.rank,
-                host=ray.util.get_node_ip_address(), vllm_workers=c.rollout.tensor_parallel_size, lora=c.lora,
-            )  # fmt: skip
+        """Send this rank's part of a sync to ``target`` of every engine (on the device route only to
+        the engines that share this rank's GPU). This rank's part of the sync's report (with the
+        indices of engines that died on the way)."""
         places = {i: self._place_of(engine) for i, engine in enumerate(engines)}
         here = device_key()
         receivers = {
@@ -152,11 +128,9 @@ class TrainerRank:
                 key=engine, near=places[i][0] == here[0],
             )
             for i, engine in enumerate(engines)
-            if places[i] is not None and (not self._sender.plan.same_device or places[i] == here)
+            if places[i] is not None and (not self.sync.same_device or places[i] == here)
         }  # fmt: skip
-        with self.worker.weights_resident():  # parameters released for a generation come back for it
-            reference = SyncTarget(target) == SyncTarget.REFERENCE
-            report = self._sender.send(receivers, reference, RAY_TIMEOUT_S, whole)
+        report = self.host.send(receivers, target, RAY_TIMEOUT_S, whole)
         report.dead |= {i for i, place in places.items() if place is None}
         return report
 
@@ -173,53 +147,42 @@ class TrainerRank:
         return self._engine_places[engine]
 
     def release_memory(self, params: bool) -> dict[str, float]:
-        if self._sender is not None:  # its device buffers too: the engines mapped them only for the sync
-            self._sender.release()
-        return self.worker.release_memory(params)
+        return self.host.release_memory(params)
 
     def restore_memory(self) -> dict[str, float]:
-        return self.worker.restore_memory()
+        return self.host.restore_memory()
 
     def release(self) -> None:
         """Remove this rank's shared weight-sync slots and arena file (before the actor is killed)."""
-        if self._sender is not None:
-            self._sender.close()
-        self._sender = None
+        if self.host is not None:
+            self.host.close()
 
     def save_hf(self, directory: str) -> str:
         """This group's weights as a Hugging Face folder (collective; every rank writes its own)."""
-        from moe_rl.megatron.hf_weights import save_hf_checkpoint
-        from moe_rl.megatron.model import model_config_to_hf_config
-        from moe_rl.weight_sync.outgoing import sends
-
-        hf_config = model_config_to_hf_config(self.config.model)
-        save_hf_checkpoint(self.worker.model, directory, hf_config, select=sends)
-        return directory
+        return self.host.save_hf(directory)
 
     def save_checkpoint(self, directory: str) -> str:
-        return str(self.worker.save_checkpoint(directory))
+        return self.host.save_checkpoint(directory)
 
     def load_checkpoint(self, directory: str) -> int:
-        return self.worker.load_checkpoint(directory)
+        return self.host.load_checkpoint(directory)
 
 
 class EngineActor(EngineHost):
     """One rollout engine replica as a Ray actor (see the module docstring)."""
 
     def __init__(
-        self, config: RecipeConfig, model_path: str | None, replica: int, threads: int, restarts: int = 0,
-        env_factory=None, visible_gpus: list[str] | None = None,
+        self, config: RecipeConfig, plan: RunPlan, model_path: str | None, replica: int, threads: int,
+        restarts: int = 0, env_factory=None, visible_gpus: list[str] | None = None,
     ):  # fmt: skip
-        """``visible_gpus``: the GPUs a colocated engine computes on, its own first
-        (`moe_rl.orchestration.seats.Seats.visible_gpus`), set before anything touches CUDA."""
+        """``plan``: the run's plan, decided by the driver; ``visible_gpus``: the GPUs a colocated
+        engine computes on, its own first (`moe_rl.orchestration.seats.Seats.visible_gpus`), set
+        before anything touches CUDA."""
         if visible_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
         _setup_process(config, threads, f"engine{replica}")
-        super().__init__(config, model_path, replica, restarts, env_factory)
+        super().__init__(config, plan, model_path, replica, restarts, env_factory)
         self._landed = 0  # buckets landed (`FAULTS_ENV`)
-
-    def pid(self) -> int:
-        return os.getpid()
 
     @ray.method(num_returns=2)
     def generate(self, prompts: Sequence[Any], sampling, group_ids: Sequence[int]):

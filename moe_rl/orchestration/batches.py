@@ -145,21 +145,21 @@ class Rewarder:
         """Responses of the step scored 0 because their reward call failed (`reward/failed`)."""
 
     def prepare(
-        self, parts: Sequence[TrajectoryBatch], plan: Dispatch, prompts: Sequence, version: int, dp_size: int,
+        self, batches: Sequence[TrajectoryBatch], plan: Dispatch, prompts: Sequence, version: int, dp_size: int,
         round_: int = 0, group_ids: Sequence[int] = (),
     ) -> tuple[list[TrajectoryBatch], ScoredSummary]:  # fmt: skip
-        """``(shards, summary)`` of the replicas' batches; the summary is all the driver reads.
+        """``(shards, summary)`` of the replicas' ``batches``; the summary is all the driver reads.
         With `algo.dynamic_sampling`, ``round_`` is the step's generation round (0 starts the
         step's pool) and ``group_ids`` the numbers of the step's groups; a batch not yet full
         answers with no shards and the prompts to generate next (`ScoredSummary.more`)."""
-        batch = merge(parts, plan)
+        batch = merge(batches, plan)
         scores = step_rewards(self.scorer, batch, prompts, plan.group_size)
         rewards = scores.values
         self._failed = scores.failed + (self._failed if round_ else 0)  # over the step's rounds
         scored = {"reward/failed": self._failed} if scores.counted else {}
         algo = self.config.algo
         if not algo.dynamic_sampling:
-            return self._shard(batch, rewards, version, dp_size, {**engine_metrics(parts), **scored})
+            return self._shard(batch, rewards, version, dp_size, {**engine_metrics(batches), **scored})
         r = self.config.rollout
         if round_ == 0 or self._pool is None:
             self._pool = GroupPool(r.batch_size // r.group_size, r.group_size)
@@ -171,7 +171,7 @@ class Rewarder:
         batch, sampled = self._pool.take(torch.as_tensor(list(group_ids), dtype=torch.int64))
         self._pool = None
         return self._shard(
-            batch, batch.rewards.tolist(), version, dp_size, {**engine_metrics(parts), **sampled, **scored}
+            batch, batch.rewards.tolist(), version, dp_size, {**engine_metrics(batches), **sampled, **scored}
         )
 
     def prepare_stored(

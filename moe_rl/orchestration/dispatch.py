@@ -78,6 +78,12 @@ class Generation:
     statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Per replica, what its ``generate`` reported (samples, environment counts)."""
 
+    def part(self, replica: int) -> tuple[list[Prompt], list[int]]:
+        """Replica ``replica``'s prompts and their group numbers, as the plan assigned them (empty:
+        none)."""
+        mine = self.plan.assignment[replica]
+        return [self.prompts[i] for i in mine], [self.group_ids[i] for i in mine]
+
     def batch_refs(self) -> list[Any]:
         """The replicas' batches (or their refs) in replica order, the empty ones left out."""
         return [self.refs[r][0] for r in sorted(self.refs)]

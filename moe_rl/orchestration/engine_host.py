@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from moe_rl.config.modes import Engine
+from moe_rl.config.run_plan import RunPlan
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.weight_sync.protocol import SyncTarget, WeightReceiver
 
@@ -19,12 +20,13 @@ class EngineHost:
     a sync fills (`SyncTarget`: the engine, or the probe's reference model) and the probe."""
 
     def __init__(
-        self, config: RecipeConfig, model_path: str | None, replica: int, restarts: int = 0, env_factory=None
-    ):
-        """``env_factory``: the environment maker the preflight built (`env.name`; built here when
-        not given)."""
+        self, config: RecipeConfig, plan: RunPlan, model_path: str | None, replica: int, restarts: int = 0,
+        env_factory=None,
+    ):  # fmt: skip
+        """``plan``: the run's plan, decided by the process that started the run; ``env_factory``: the
+        environment maker the preflight built (`env.name`; built here when not given)."""
         self.config, self.replica, self.restarts = config, replica, restarts
-        self.engine = make_engine(config, model_path)
+        self.engine = make_engine(config, plan, model_path)
         from moe_rl.envs.rollout import rollouts_for
 
         self.rollouts = rollouts_for(config, self.engine, env_factory)  # single- or multi-turn (`env.name`)
@@ -71,12 +73,6 @@ class EngineHost:
     def wake_up(self) -> dict[str, float]:
         return self.engine.wake_up()
 
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
-    def capabilities(self):
-        return self.engine.capabilities
-
     def _target(self, into: SyncTarget) -> WeightReceiver:
         """The receiver a sync fills: the engine, or the probe's reference model (built once)."""
         if SyncTarget(into) == SyncTarget.ENGINE:
@@ -95,8 +91,9 @@ class EngineHost:
         return mismatch_probe(self.engine, self._target(SyncTarget.REFERENCE).model, prompts, self.config)
 
 
-def make_engine(config: RecipeConfig, model_path: str | None = None):
-    """The engine of `rollout.engine`, after the capability checks for this machine."""
+def make_engine(config: RecipeConfig, plan: RunPlan, model_path: str | None = None):
+    """The engine of `rollout.engine`, after the capability checks for this machine; a vLLM engine
+    takes its weights by ``plan``'s sync route and sleeps when it releases memory."""
     from moe_rl.rollout.capabilities import check_recipe
 
     check_recipe(config)
@@ -108,4 +105,4 @@ def make_engine(config: RecipeConfig, model_path: str | None = None):
 
     if model_path is None:
         raise ValueError("rollout.engine=vllm starts from a Hugging Face folder; none was written")
-    return VLLMEngine.from_recipe(config, model_path)
+    return VLLMEngine.from_recipe(config, model_path, plan)

@@ -24,6 +24,7 @@ import ray
 
 from moe_rl.config.derived import PlacementMode, max_response_tokens
 from moe_rl.config.modes import Engine
+from moe_rl.config.run_plan import RunPlan
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, SYNC_GROUP, EngineActor, sync_call
 from moe_rl.orchestration.dispatch import Generation, dispatch
@@ -42,14 +43,17 @@ MAX_ENGINE_RESTARTS = 2
 class EnginePool:
     """Engine replicas (see the module docstring)."""
 
+    replicas: list[Replica]
+
     def __init__(
-        self, config: RecipeConfig, seats: Seats, env_factory=None,
+        self, config: RecipeConfig, seats: Seats, plan: RunPlan, env_factory=None,
         start_folder: Callable[[], str] | None = None,
     ):  # fmt: skip
         """``seats``: where replicas sit (colocated on GPUs: in the trainer's bundles, which must be
-        reserved first). ``env_factory``: the environment maker the preflight built (multi-turn).
-        ``start_folder``: gives the Hugging Face folder replicas that start from one (vLLM) load."""
-        self.config, self.seats, self.placement = config, seats, seats.placement
+        reserved first). ``plan``: the run's plan, which every replica follows. ``env_factory``: the
+        environment maker the preflight built (multi-turn). ``start_folder``: gives the Hugging Face
+        folder replicas that start from one (vLLM) load."""
+        self.config, self.seats, self.placement, self.plan = config, seats, seats.placement, plan
         self.env_factory, self.start_folder = env_factory, start_folder
         self.replicas = [Replica(r) for r in range(seats.placement.engines)]
         self._hf_folder: str | None = None
@@ -91,7 +95,7 @@ class EnginePool:
             (ray.remote(concurrency_groups=groups)(EngineActor) if groups else ray.remote(EngineActor))
             .options(**options)
             .remote(
-                self.config, model_path, replica.index, threads, replica.restarts, self.env_factory,
+                self.config, self.plan, model_path, replica.index, threads, replica.restarts, self.env_factory,
                 self.seats.visible_gpus(replica.index),
             )
         )  # fmt: skip
@@ -172,14 +176,10 @@ class EnginePool:
         return gen
 
     def _launch(self, gen: Generation, replica: Replica) -> None:
-        mine = gen.plan.assignment[replica.index]
-        if not mine:
-            return
-        gen.refs[replica.index] = replica.actor.generate.remote(
-            [gen.prompts[i] for i in mine],
-            replica_spec(self.config, gen.draw, replica.index),
-            [gen.group_ids[i] for i in mine],
-        )
+        prompts, group_ids = gen.part(replica.index)
+        if prompts:
+            spec = replica_spec(self.config, gen.draw, replica.index)
+            gen.refs[replica.index] = replica.actor.generate.remote(prompts, spec, group_ids)
 
     def collect(self, gen: Generation) -> list[Replica]:
         """Wait for each replica's part of ``gen``. A replica whose process died is restarted and

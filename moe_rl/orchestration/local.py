@@ -26,7 +26,10 @@ from typing import Any
 
 from moe_rl.config.derived import max_response_tokens
 from moe_rl.config.modes import Engine
+from moe_rl.config.run_plan import RunPlan, run_plan
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.sync_plan import SyncPlan
+from moe_rl.device import Machine, resolve_device
 from moe_rl.orchestration.batches import Rewarder
 from moe_rl.orchestration.dispatch import Generation, dispatch
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
@@ -42,41 +45,27 @@ SYNC_TIMEOUT_S = 1800.0
 
 
 class LocalTrainer:
-    """One whole-model trainer rank in this process, behind the trainer group's interface."""
+    """One whole-model trainer rank in this process (`moe_rl.orchestration.handles.TrainerHandle`)."""
 
     dp_size = world_size = 1
 
-    def __init__(self, config: RecipeConfig):
-        from moe_rl.config.sync_plan import sync_plan
-        from moe_rl.trainer.worker import TrainerWorker
-        from moe_rl.weight_sync.sender import RankSender
+    def __init__(self, config: RecipeConfig, sync: SyncPlan):
+        from moe_rl.orchestration.trainer_host import TrainerHost
 
-        self.config = config
-        self.worker = TrainerWorker(config)
-        plan = sync_plan(config, next(self.worker.model.parameters()).device.type, in_process=True)
-        self.sender = RankSender(
-            self.worker.model, config.quant, config.model.num_layers, plan, lora=config.lora
-        )
+        self.host = TrainerHost(config, sync)
         self._handles = itertools.count(1)
-        self._prepared: dict[int, Any] = {}
 
     @property
     def model(self):
-        return self.worker.model
+        return self.host.model
 
     def old_logp(self, parts: Sequence[RankPart]) -> BatchHandle:
-        from moe_rl.trainer.batch import TrainerBatch
-
         (part,) = parts
-        prepared = self.worker.old_logp(
-            TrainerBatch.of_share(part.trajectories, part.advantages, part.share, part.zvp_signs)
-        )
         handle = next(self._handles)
-        self._prepared = {handle: prepared}
-        return BatchHandle(handle, prepared.metrics)
+        return BatchHandle(handle, self.host.old_logp(part.trajectories, part, handle))
 
     def train(self, prepared: BatchHandle) -> dict[str, float]:
-        return self.worker.train(self._prepared.pop(prepared.handle))
+        return self.host.train(prepared.handle)
 
     def stream_weights(self, engines: Sequence[Any], target: SyncTarget, whole: bool = True) -> SyncReport:
         """The rank's tensors to ``target`` of each engine in this process, bucket by bucket."""
@@ -86,46 +75,43 @@ class LocalTrainer:
             i: Receiver(functools.partial(engine.receive_bucket, into=target))
             for i, engine in enumerate(engines)
         }
-        with self.worker.weights_resident():  # parameters released for a generation come back for it
-            reference = SyncTarget(target) == SyncTarget.REFERENCE
-            return self.sender.send(receivers, reference, SYNC_TIMEOUT_S, whole)
+        return self.host.send(receivers, target, SYNC_TIMEOUT_S, whole)
 
     def release_memory(self, params: bool) -> dict[str, float]:
-        return self.worker.release_memory(params)
+        return self.host.release_memory(params)
 
     def restore_memory(self) -> dict[str, float]:
-        return self.worker.restore_memory()
+        return self.host.restore_memory()
 
     def save_hf(self, directory: str) -> str:
-        from moe_rl.megatron.hf_weights import save_hf_checkpoint
-        from moe_rl.megatron.model import model_config_to_hf_config
-
-        save_hf_checkpoint(self.worker.model, directory, model_config_to_hf_config(self.config.model))
-        return directory
+        return self.host.save_hf(directory)
 
     def save_checkpoint(self, directory: str) -> None:
-        self.worker.save_checkpoint(directory)
+        self.host.save_checkpoint(directory)
 
     def load_checkpoint(self, directory: str) -> int:
-        return self.worker.load_checkpoint(directory)
+        return self.host.load_checkpoint(directory)
 
     def shutdown(self) -> None:
-        self.sender.close()
+        self.host.close()
 
 
 class LocalEngines:
-    """One Megatron engine in this process, behind the engine pool's interface."""
+    """One Megatron engine in this process (`moe_rl.orchestration.handles.EnginesHandle`)."""
 
-    def __init__(self, config: RecipeConfig, env_factory=None):
+    replicas: list[Replica]
+
+    def __init__(self, config: RecipeConfig, plan: RunPlan, env_factory=None):
         from moe_rl.orchestration.engine_host import EngineHost
 
         self.config = config
-        self.host = EngineHost(config, None, 0, env_factory=env_factory)
+        self.host = EngineHost(config, plan, None, 0, env_factory=env_factory)
         self.replicas = [Replica(0, actor=self.host)]
-        self.restarts = 0  # one process: nothing dies apart
 
-    def spawn(self) -> None:
-        return None
+    @property
+    def restarts(self) -> int:
+        """Nothing dies apart in one process."""
+        return 0
 
     def start(self) -> None:
         return None
@@ -134,12 +120,19 @@ class LocalEngines:
         n = self.config.rollout.group_size
         plan = dispatch([len(p.ids) for p in prompts], n, max_response_tokens(self.config), 1)
         gen = Generation(plan, prompts, draw, group_ids)
-        batch, status = self.host.generate(prompts, replica_spec(self.config, draw, 0), group_ids)
-        gen.refs[0], gen.statuses[0] = (batch, status), status
+        self.regenerate(gen, self.replicas)
         return gen
 
     def collect(self, gen: Generation) -> list[Replica]:
         return []  # generated already; no replica restarted
+
+    def regenerate(self, gen: Generation, replicas: list[Replica]) -> None:
+        """Generate ``gen``'s prompts (of the one replica) now."""
+        for replica in replicas:
+            prompts, group_ids = gen.part(replica.index)
+            spec = replica_spec(self.config, gen.draw, replica.index)
+            batch, status = replica.actor.generate(prompts, spec, group_ids)
+            gen.refs[replica.index], gen.statuses[replica.index] = (batch, status), status
 
     def begin(self, version: int, replicas: list[Replica], target: SyncTarget) -> Begun:
         for replica in replicas:
@@ -152,7 +145,7 @@ class LocalEngines:
             finished.received = replica.actor.finish_weight_update(version, target)
         return finished
 
-    def probe(self, prompts) -> dict[str, float | str]:
+    def probe(self, prompts: list) -> dict[str, float | str]:
         return self.host.probe(prompts)
 
     def sleep(self, replicas: list[Replica] | None = None) -> Answers:
@@ -173,7 +166,8 @@ class LocalRun:
         `run.checkpoint_every` and after the last step, and the offline data a run generates; None:
         a run that saves nothing (an offline run then needs its data given: `data.trajectories`, or
         `moe-rl sft`'s demonstrations)."""
-        from moe_rl.orchestration.stages import Stages, Workers
+        from moe_rl.orchestration.handles import Workers
+        from moe_rl.orchestration.stages import Stages
 
         if config.parallel.trainer_world_size != 1 or config.rollout.engine != Engine.MEGATRON:
             raise ValueError(
@@ -183,10 +177,10 @@ class LocalRun:
             )
         self.config, self.run_dir = config, run_dir
         inputs = inputs or build_inputs(config)
-        self.trainer = LocalTrainer(config)  # first, as in a one-rank run: the trainer's seed
-        workers = Workers(
-            self.trainer, LocalEngines(config, inputs.env_factory), Rewarder(config, inputs.scorer)
-        )
+        plan = run_plan(config, resolve_device(config.run.device, Machine.detect()), in_process=True)
+        self.trainer = LocalTrainer(config, plan.sync)  # first, as in a one-rank run: the trainer's seed
+        engines = LocalEngines(config, plan, inputs.env_factory)
+        workers = Workers(self.trainer, engines, Rewarder(config, inputs.scorer), plan)
         self.stages = Stages(config, run_dir, workers, inputs)
         self.stages.start()
 

@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,16 +28,15 @@ import torch
 from moe_rl import run_dir
 from moe_rl.algo import registry
 from moe_rl.algo.modes import Objective
-from moe_rl.config.derived import releases_memory
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
-from moe_rl.device import Machine, resolve_device
 from moe_rl.diagnostics.budget import staleness_metrics
 from moe_rl.envs.rollout import env_metrics
 from moe_rl.offload import GIB
 from moe_rl.orchestration.advantages import step_advantages, step_zero_variance
 from moe_rl.orchestration.batches import ScoredSummary
 from moe_rl.orchestration.dispatch import Generation
+from moe_rl.orchestration.handles import EnginesHandle, RewarderHandle, TrainerHandle, Workers
 from moe_rl.orchestration.offline import read_offline
 from moe_rl.orchestration.preflight import RunInputs
 from moe_rl.orchestration.rank_parts import BatchHandle, rank_parts
@@ -60,22 +60,6 @@ def driver_readings(answer: dict[str, float]) -> dict[str, float]:
 
 
 @dataclass
-class Workers:
-    """A run's trainer, engines and rewarder, behind the handles the stages use (the Ray ones:
-    `moe_rl.orchestration.workers`; the one-process ones: `moe_rl.orchestration.local`)."""
-
-    trainer: Any
-    engines: Any
-    rewarder: Any
-
-    def shutdown(self) -> None:
-        self.engines.shutdown()
-        self.trainer.shutdown()
-        with contextlib.suppress(AttributeError):
-            self.rewarder.shutdown()
-
-
-@dataclass
 class Rounds:
     """A step's generation rounds (of a `Purpose`: a training step's, an evaluation's, an offline
     batch's), the one in flight: its replicas' work (`generation`), its prompts and its number.
@@ -88,6 +72,13 @@ class Rounds:
     generation: Generation
     prompts: list[Prompt]
     round: int = 0
+    regenerated: int = 0
+    """Prompts generated again over the rounds, because their replica died (`Stages.collect`)."""
+    reward_s: float = 0.0
+    """Seconds the reward worker took over the rounds (`Stages.reward`)."""
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/regenerated_prompts": self.regenerated, "time/reward_s": self.reward_s}
 
 
 @dataclass(frozen=True)
@@ -102,10 +93,12 @@ class Waiting:
 
 @dataclass
 class Rollout:
-    """A scored rollout batch: its data-parallel shards (on Ray: in the object store) and its summary."""
+    """A scored rollout batch: its data-parallel shards (on Ray: in the object store), its summary
+    and, for a batch to train on, its metrics (rewards, lengths, versions)."""
 
     shards: list[Any]
     summary: ScoredSummary
+    metrics: dict[str, Any] = field(default_factory=dict)
 
     @property
     def trainable(self) -> bool:
@@ -120,7 +113,9 @@ class Stages:
         """``run_dir``: where checkpoints and dumps go (None for a run that writes neither)."""
         self.config, self.run_dir = config, None if run_dir is None else Path(run_dir)
         self.workers = workers
-        self.trainer, self.engines, self.rewarder = workers.trainer, workers.engines, workers.rewarder
+        self.trainer: TrainerHandle = workers.trainer
+        self.engines: EnginesHandle = workers.engines
+        self.rewarder: RewarderHandle = workers.rewarder
         self.sync = WeightSync(self.trainer, self.engines)
         self.source = inputs.prompt_source
         self.offline_data = inputs.offline_data
@@ -128,8 +123,8 @@ class Stages:
         a = config.algo
         self.estimator = registry.bind_step_advantage(a.objective, a.advantage, a.dgo_beta)
         """The driver's part of each step's advantages, bound once (`registry.bind_step_advantage`)."""
-        self.releases = releases_memory(config, resolve_device(config.run.device, Machine.detect()))
-        """Colocated phases give memory back (`cluster.release_memory`)."""
+        self.releases = workers.plan.releases_memory
+        """Colocated phases give memory back (`cluster.release_memory`), as the run's plan says."""
         self.waiting: Waiting | None = None
         """The phase running the user's code the driver waits for now (None: none)."""
 
@@ -197,36 +192,39 @@ class Stages:
     def _groups(self) -> int:
         return self.config.rollout.batch_size // self.config.rollout.group_size
 
-    def wake_engines(self, metrics: dict[str, Any]) -> None:
+    def wake_engines(self) -> dict[str, Any]:
         """Colocated (`cluster.release_memory`): the trainer's optimizer state and gradients (and
         parameters, with `cluster.offload_params`) leave device memory; the engines take theirs
-        again."""
+        again. Its memory metrics."""
         if not self.releases:
-            return
+            return {}
         released = self.trainer.release_memory(self.config.cluster.offload_params)
         awake = self.engines.wake_up()
         self.sync.bring_up(awake.restarted, self.state.version)  # new processes, awake
-        metrics["memory/trainer_released_gib"] = released["released_bytes"] / GIB
-        metrics["memory/trainer_generate_gib"] = released["resident_bytes"] / GIB
-        metrics["memory/trainer_weights_gib"] = released["weights_bytes"] / GIB
-        metrics["memory/trainer_releases"] = 1
-        metrics.update(driver_readings(released) | driver_readings(awake.most))  # on CUDA
+        return {
+            "memory/trainer_released_gib": released["released_bytes"] / GIB,
+            "memory/trainer_generate_gib": released["resident_bytes"] / GIB,
+            "memory/trainer_weights_gib": released["weights_bytes"] / GIB,
+            "memory/trainer_releases": 1,
+            **driver_readings(released), **driver_readings(awake.most),  # on CUDA
+        }  # fmt: skip
 
-    def collect(self, rounds: Rounds, metrics: dict[str, Any]) -> list[Any]:
+    def collect(self, rounds: Rounds) -> list[Any]:
         """The round's batches, one per replica with prompts (refs on Ray). A replica that died is
-        restarted, brought to the current weights and generates its prompts again."""
-        generation, regenerated = rounds.generation, 0
+        restarted, brought to the current weights and generates its prompts again (counted in
+        ``rounds``)."""
+        generation = rounds.generation
         while restarted := self.engines.collect(generation):
             self.sync.bring_up(restarted, self.state.version)
             self.engines.regenerate(generation, restarted)
-            regenerated += sum(len(generation.plan.assignment[replica.index]) for replica in restarted)
-        metrics["rollout/regenerated_prompts"] = metrics.get("rollout/regenerated_prompts", 0) + regenerated
+            rounds.regenerated += sum(len(generation.plan.assignment[replica.index]) for replica in restarted)
         return generation.batch_refs()
 
-    def reward(self, rounds: Rounds, batches: list[Any], metrics: dict[str, Any]) -> Rollout:
+    def reward(self, rounds: Rounds, batches: list[Any]) -> Rollout:
         """The reward worker merges the round's ``batches`` in prompt order, scores every response,
         validates the batch, checks its staleness and shards it (with dynamic sampling, over the
-        step's pool of groups). A batch to train on brings its metrics: rewards, lengths, versions."""
+        step's pool of groups); its time is counted in ``rounds``. A batch to train on brings its
+        metrics: rewards, lengths, versions."""
         t0 = time.perf_counter()
         responses = len(rounds.prompts) * self.config.rollout.group_size
         with self._waiting(f"the reward worker to score {responses} responses of step {rounds.step} "
@@ -235,10 +233,10 @@ class Stages:
                 batches, rounds.generation.plan, rounds.prompts, self.state.version, self.trainer.dp_size,
                 rounds.round, [rounds.step * self._groups + i for i in range(self._groups)],
             )  # fmt: skip
-        metrics["time/reward_s"] = metrics.get("time/reward_s", 0.0) + time.perf_counter() - t0
+        rounds.reward_s += time.perf_counter() - t0
         batch = Rollout(shards, summary)
         if batch.trainable:
-            metrics.update(self._batch_metrics(rounds, summary))
+            batch.metrics = self._batch_metrics(rounds, summary)
         return batch
 
     @contextlib.contextmanager
@@ -266,27 +264,29 @@ class Stages:
             "reward/max": float(rewards.max()),
         }
 
-    def sleep_engines(self, metrics: dict[str, Any]) -> None:
+    def sleep_engines(self) -> dict[str, Any]:
         """Colocated: the engines give their memory back (`cluster.engine_sleep_level`); the trainer
-        takes what it released."""
+        takes what it released. Its memory metrics."""
         if not self.releases:
-            return
+            return {}
         asleep = self.engines.sleep()
         while asleep.restarted:  # new processes, awake: the current weights, then asleep too
             self.sync.bring_up(asleep.restarted, self.state.version)
             asleep = asleep.merged(self.engines.sleep(asleep.restarted))
         self.trainer.restore_memory()
-        metrics["memory/engine_generate_gib"] = asleep.most.get("peak_bytes", 0.0) / GIB  # a generation's
-        metrics["memory/engine_asleep_gib"] = asleep.most.get("resident_bytes", 0.0) / GIB
-        metrics["memory/engine_sleeps"] = 1
-        metrics.update(driver_readings(asleep.most))
+        return {
+            "memory/engine_generate_gib": asleep.most.get("peak_bytes", 0.0) / GIB,  # a generation's
+            "memory/engine_asleep_gib": asleep.most.get("resident_bytes", 0.0) / GIB,
+            "memory/engine_sleeps": 1,
+            **driver_readings(asleep.most),
+        }
 
     # ------------------------------------------------------------------ training
-    def advantages(self, rollout: Rollout, metrics: dict[str, Any]) -> torch.Tensor:
-        """Per-sample advantages; for DGO the sample weights exp(r/β)/mean_group exp(r/β). Warns once
-        when no group's rewards have varied for `FLAT_REWARD_STEPS` steps in a row."""
+    def advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Per-sample advantages (for DGO the sample weights exp(r/β)/mean_group exp(r/β)) and their
+        metrics. Warns once when no group's rewards have varied for `FLAT_REWARD_STEPS` steps in a
+        row."""
         adv, found = step_advantages(self.estimator, rollout.summary.rewards, rollout.summary.group_ids)
-        metrics.update(found)
         dgo = self.config.algo.objective == Objective.DGO  # sample weights, never all 0
         flat = not dgo and found.get("advantage/zero_variance_group_share", 0.0) >= 1.0
         self.state.flat_steps = self.state.flat_steps + 1 if flat else 0
@@ -298,34 +298,35 @@ class Stages:
                 "task's difficulty, or turn on algo.zero_variance_shaping", FLAT_REWARD_STEPS,
                 float(rewards.mean()), float(rewards.min()), float(rewards.max()),
             )  # fmt: skip
-        return adv
+        return adv, found
 
-    def old_logp(self, rollout: Rollout, advantages: torch.Tensor, metrics: dict[str, Any]) -> BatchHandle:
+    def old_logp(self, rollout: Rollout, advantages: torch.Tensor) -> tuple[BatchHandle, dict[str, Any]]:
         """π_old on every trainer rank, each on its own part of the batch: its shard (fetched by
-        reference), its samples' advantages and, under RL-ZVP, their zero-variance signs."""
+        reference), its samples' advantages and, under RL-ZVP, their zero-variance signs. The
+        prepared batch's handle, and the pass's metrics (the mismatch diagnostics among them)."""
         t0 = time.perf_counter()
         summary = rollout.summary
         signs = step_zero_variance(self.config, summary.rewards, summary.group_ids)
         prepared = self.trainer.old_logp(rank_parts(summary.plan, rollout.shards, advantages, signs))
-        metrics.update(prepared.metrics)
-        metrics["time/old_logp_s"] = time.perf_counter() - t0
-        return prepared
+        return prepared, {**prepared.metrics, "time/old_logp_s": time.perf_counter() - t0}
 
-    def train(self, prepared: BatchHandle, metrics: dict[str, Any]) -> None:
-        """One optimizer step per mini-batch of the batch ``prepared`` on every rank."""
+    def train(self, prepared: BatchHandle) -> dict[str, Any]:
+        """One optimizer step per mini-batch of the batch ``prepared`` on every rank; its metrics."""
         t0 = time.perf_counter()
-        metrics.update(self.trainer.train(prepared))
-        metrics["time/train_s"] = time.perf_counter() - t0
+        found = self.trainer.train(prepared)
+        return {**found, "time/train_s": time.perf_counter() - t0}
 
-    def sync_weights(self, version: int, metrics: dict[str, Any]) -> None:
+    def sync_weights(self, version: int) -> dict[str, Any]:
         """Stream the new weights to every engine replica (bucket by bucket, quantized per recipe);
-        the engines hold ``version`` then."""
+        the engines hold ``version`` then. The sync's metrics."""
         t0 = time.perf_counter()
         report = self.sync.run(version)
         self.state.version = version
-        metrics.update(report.metrics())
-        metrics["time/sync_s"] = time.perf_counter() - t0
-        metrics["rollout/engine_restarts"] = self.engines.restarts
+        return {
+            **report.metrics(),
+            "time/sync_s": time.perf_counter() - t0,
+            "rollout/engine_restarts": self.engines.restarts,
+        }
 
     def end_step(self, step: int) -> None:
         """``step`` is done: a checkpoint from now on holds the state after it."""
@@ -337,17 +338,18 @@ class Stages:
             folder = self.run_dir / "trajectories" / f"step_{step:06d}"
             self.rewarder.dump(str(folder), step, rollout.summary.scored)
 
-    def maybe_probe(self, step: int, metrics: dict[str, Any]) -> None:
+    def maybe_probe(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Every `logging.diagnose_every` steps, right after a sync: the engine-vs-trainer mismatch
         at equal weights on fresh prompts (a stream of its own; never trained on), and the mismatch
-        budget (`moe_rl.diagnostics.budget`) with what staleness added to the step's batch."""
+        budget (`moe_rl.diagnostics.budget`) with what staleness added to the step's batch, whose
+        ``metrics`` it reads. Its metrics (none on other steps)."""
         every = self.config.logging.diagnose_every
         if not every or (step + 1) % every:
-            return
+            return {}
         prompts = self._probe_source.next_batch(self._groups)
         self.sync.run(self.state.version, SyncTarget.REFERENCE, self.engines.replicas[:1])  # full precision
-        metrics.update(self.engines.probe(prompts))
-        metrics.update(staleness_metrics(metrics))
+        found = self.engines.probe(prompts)
+        return {**found, **staleness_metrics({**metrics, **found})}
 
     @functools.cached_property
     def _probe_source(self):

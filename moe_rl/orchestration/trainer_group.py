@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.sync_plan import SyncPlan
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, TrainerRank
 from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
 from moe_rl.orchestration.seats import Seats
@@ -31,10 +32,11 @@ log = logging.getLogger("moe_rl.driver")
 class TrainerGroup:
     """Rank actors of one Megatron world (see the module docstring)."""
 
-    def __init__(self, config: RecipeConfig, seats: Seats):
+    def __init__(self, config: RecipeConfig, seats: Seats, sync: SyncPlan):
         """Seat and start the rank actors; `form` waits for them to form the world (meanwhile
         the caller may start other actors: engines build their models while ranks build theirs).
-        The group releases ``seats`` when it shuts down (after the engines)."""
+        The group releases ``seats`` when it shuts down (after the engines). ``sync``: the run's
+        weight-sync plan, which every rank follows."""
         self.config, self.seats = config, seats
         placement = seats.placement
         world = placement.trainer_ranks
@@ -42,17 +44,16 @@ class TrainerGroup:
         threads = placement.threads("trainer", os.cpu_count() or 1)
         actor = ray.remote(TrainerRank)
         self.ranks = [
-            actor.options(**seats.trainer_options(i)).remote(config, i, world, threads) for i in range(world)
+            actor.options(**seats.trainer_options(i)).remote(config, i, world, threads, sync)
+            for i in range(world)
         ]
         self.layout: list[dict[str, int]] = []
-        self.dp_size = 0
         self._handles = 0
 
     def form(self) -> None:
         """Wait until every rank has joined the world and built its model part."""
         address, port = ray.get(self.ranks[0].address.remote(), timeout=RAY_TIMEOUT_S)
         self.layout = self._all("init", address, port)
-        self.dp_size = self.layout[0]["dp_size"]
         log.info(
             "trainer group: %d rank(s), data-parallel size %d, store %s:%d",
             len(self.ranks),
@@ -65,6 +66,11 @@ class TrainerGroup:
         """Call ``method`` on every rank at once; every rank's answer."""
         refs = [getattr(rank, method).remote(*args) for rank in self.ranks]
         return ray.get(refs, timeout=RAY_TIMEOUT_S)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (known once the group has formed)."""
+        return self.layout[0]["dp_size"]
 
     @property
     def world_size(self) -> int:

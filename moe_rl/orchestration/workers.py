@@ -1,17 +1,9 @@
-"""The workers of a run behind three handles, so the stages (`moe_rl.orchestration.stages`) run
-the same whatever runs them:
-
-* the trainer: ``old_logp(parts) -> BatchHandle``, ``train(BatchHandle)``, ``stream_weights``, checkpoints,
-  ``save_hf``, ``dp_size`` / ``world_size`` — the Ray trainer group
-  (`moe_rl.orchestration.trainer_group.TrainerGroup`) or one rank in this process;
-* the engines: ``generate`` / ``collect``, the sync's ``begin`` / ``finish``, ``probe``, restarts — the
-  Ray engine pool (`moe_rl.orchestration.engine_pool.EnginePool`) or one engine in this process;
-* the rewarder: ``prepare`` / ``prepare_stored`` / ``dump`` — the reward worker as a Ray actor
-  (`RayRewarder`) or `moe_rl.orchestration.batches.Rewarder` in this process.
-
-On Ray, batches stay in the object store: the engines' batches and the rank shards are object
-references, which only the rewarder and the trainer ranks resolve. In one process they are the
-batches themselves (`moe_rl.orchestration.local`).
+"""The Ray backend of a run's workers (`moe_rl.orchestration.handles`): the trainer group
+(`moe_rl.orchestration.trainer_group.TrainerGroup`), the engine pool
+(`moe_rl.orchestration.engine_pool.EnginePool`) and the reward worker as an actor (`RayRewarder`),
+placed by the driver (`ray_workers`), which decides the run's plan (`moe_rl.config.run_plan`) once
+and hands it to every rank and replica. Batches stay in the object store: the engines' batches and
+the rank shards are object references, which only the reward worker and the trainer ranks resolve.
 """
 
 from __future__ import annotations
@@ -20,22 +12,26 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import ray
 
 from moe_rl.config.derived import PlacementMode
+from moe_rl.config.run_plan import run_plan
 from moe_rl.config.schema import RecipeConfig
-from moe_rl.config.sync_plan import sync_plan
+from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.device import Machine
 from moe_rl.orchestration.actors import PROGRESS_GROUP, RAY_TIMEOUT_S, RewardActor
 from moe_rl.orchestration.batches import ScoredSummary
+from moe_rl.orchestration.dispatch import Dispatch
 from moe_rl.orchestration.engine_pool import EnginePool
+from moe_rl.orchestration.handles import Workers
 from moe_rl.orchestration.placement import ROLLOUT_NODE, TRAINER_NODE, plan_placement
 from moe_rl.orchestration.preflight import RunInputs
 from moe_rl.orchestration.seats import Seats
-from moe_rl.orchestration.stages import Workers
 from moe_rl.orchestration.trainer_group import TrainerGroup
 from moe_rl.rewards.pool import PROGRESS_S
+from moe_rl.rewards.tasks import Prompt
 
 log = logging.getLogger("moe_rl.driver")
 
@@ -49,15 +45,18 @@ class RayRewarder:
         self.actor = actor.options(num_cpus=0).remote(config, scorer)
 
     def prepare(
-        self, batch_refs: list, plan, prompts, version: int, dp_size: int, round_: int = 0,
-        group_ids: Sequence[int] = (),
+        self, batches: Sequence[Any], plan: Dispatch, prompts: Sequence[Prompt], version: int, dp_size: int,
+        round_: int = 0, group_ids: Sequence[int] = (),
     ) -> tuple[list, ScoredSummary]:  # fmt: skip
+        """``batches``: the replicas' batches by reference."""
         shards, summary = self.actor.prepare.remote(
-            batch_refs, plan, prompts, version, dp_size, round_, group_ids
+            batches, plan, prompts, version, dp_size, round_, group_ids
         )
         return self._resolved(shards, summary)
 
-    def prepare_stored(self, batch, version: int, dp_size: int) -> tuple[list, ScoredSummary]:
+    def prepare_stored(
+        self, batch: TrajectoryBatch, version: int, dp_size: int
+    ) -> tuple[list, ScoredSummary]:
         shards, summary = self.actor.prepare_stored.remote(ray.put(batch), version, dp_size)
         return self._resolved(shards, summary)
 
@@ -93,18 +92,19 @@ def ray_workers(config: RecipeConfig, run_dir: Path, inputs: RunInputs) -> Worke
     """Place and start the trainer group, the reward worker and the engine pool on the Ray cluster
     (engines build their models while the trainer ranks build theirs)."""
     placement = plan_placement(config, Machine.detect(), node_roles=_node_roles())
+    plan = run_plan(config, placement.device)  # decided here, once: every rank and replica follows it
     colocated = placement.mode == PlacementMode.COLOCATED
     log.info(
         "placement on %s, %s: %d trainer rank(s) %s, %d engine(s) %s, nodes by role: %s", placement.device,
         placement.mode, placement.trainer_ranks, placement.trainer_bundle(), placement.engines,
         placement.engine_bundle(colocated), "yes" if placement.node_roles else "no",
     )  # fmt: skip
-    log.info("weight sync: %s", sync_plan(config, placement.device).describe())  # what every rank follows
+    log.info("weight sync: %s", plan.sync.describe())
     seats = Seats(placement)
-    trainer = TrainerGroup(config, seats)
+    trainer = TrainerGroup(config, seats, plan.sync)
     rewarder = RayRewarder(config, inputs.scorer)
     start_folder = lambda: trainer.save_hf(str(Path(run_dir) / "hf_start"))  # noqa: E731 (vLLM loads it)
-    engines = EnginePool(config, seats, inputs.env_factory, start_folder)
+    engines = EnginePool(config, seats, plan, inputs.env_factory, start_folder)
     engines.spawn()  # engines build their models while the trainer ranks build theirs
     trainer.form()
-    return Workers(trainer, engines, rewarder)
+    return Workers(trainer, engines, rewarder, plan)

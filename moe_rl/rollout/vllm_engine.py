@@ -61,10 +61,10 @@ import torch
 from vllm import SamplingParams
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from moe_rl.config.derived import releases_memory, routing_trace_bytes
+from moe_rl.config.derived import routing_trace_bytes
 from moe_rl.config.modes import Engine, LoraTarget, SyncRoute
+from moe_rl.config.run_plan import RunPlan, run_plan
 from moe_rl.config.schema import LoraConfig, QuantConfig, RecipeConfig
-from moe_rl.config.sync_plan import sends_adapters, sync_plan
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.vllm_convert import from_vllm_outputs
 from moe_rl.rollout.capabilities import (
@@ -180,10 +180,14 @@ class VLLMEngine:
 
     @classmethod
     def from_recipe(
-        cls, config: RecipeConfig, model_path: str | Path, machine: Machine | None = None
-    ) -> VLLMEngine:
-        """An engine for a recipe; refuses (``ValueError``) what the engine cannot do on this machine."""
-        return cls(model_path, **recipe_settings(config, check_recipe(config, machine)))
+        cls, config: RecipeConfig, model_path: str | Path, plan: RunPlan | None = None,
+        machine: Machine | None = None,
+    ) -> VLLMEngine:  # fmt: skip
+        """An engine for a recipe, by the run's ``plan`` (`moe_rl.config.run_plan`; None: an engine
+        outside a run, by the plan of the recipe on this machine); refuses (``ValueError``) what the
+        engine cannot do on this machine."""
+        caps = check_recipe(config, machine)
+        return cls(model_path, **recipe_settings(config, caps, plan or run_plan(config, caps.device)))
 
     # ---- protocol ------------------------------------------------------------------------------
     @property
@@ -485,8 +489,9 @@ class VllmAdapters:
         }
 
 
-def recipe_settings(config: RecipeConfig, caps: EngineCapabilities) -> dict[str, Any]:
-    """The `VLLMEngine` settings of a recipe on an engine of ``caps`` (everything but the model)."""
+def recipe_settings(config: RecipeConfig, caps: EngineCapabilities, plan: RunPlan) -> dict[str, Any]:
+    """The `VLLMEngine` settings of a recipe on an engine of ``caps`` (everything but the model), by
+    the run's ``plan``: its sync route, and vLLM's sleep mode where colocated phases release memory."""
     if config.rollout.engine != Engine.VLLM:
         raise ValueError(f"rollout.engine='{config.rollout.engine}': VLLMEngine serves rollout.engine=vllm")
     r = config.rollout
@@ -504,9 +509,9 @@ def recipe_settings(config: RecipeConfig, caps: EngineCapabilities) -> dict[str,
         "enable_prefix_caching": config.env.name is not None,
         # the routed experts of this engine's share of a rollout batch (prompts are spread over engines)
         "routing_store_bytes": -(-routing_trace_bytes(config) // r.num_engines) if routing else None,
-        "sync_route": sync_plan(config, caps.device).route,
-        "sleep_mode": releases_memory(config, caps.device),
-        "lora": config.lora if sends_adapters(config) else None,
+        "sync_route": plan.sync.route,
+        "sleep_mode": plan.releases_memory,
+        "lora": config.lora if plan.sync.adapters else None,
     }
 
 

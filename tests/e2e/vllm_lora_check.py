@@ -31,6 +31,7 @@ import torch
 
 
 def main(recipe: str, overrides: list[str]) -> dict:
+    from moe_rl.config.run_plan import run_plan
     from moe_rl.device import Machine
     from moe_rl.megatron.hf_weights import iter_hf_weights, save_hf_checkpoint
     from moe_rl.megatron.lora import adapted_linears, trains
@@ -73,7 +74,7 @@ def main(recipe: str, overrides: list[str]) -> dict:
     expected.append(deltas())
     teardown_parallel()
 
-    settings = recipe_settings(config, engine_capabilities("vllm", "cuda"))
+    settings = recipe_settings(config, engine_capabilities("vllm", "cuda"), run_plan(config, "cuda"))
     # what the CPU build cannot do, and nothing LoRA touches, is left to the GPU: device, R3, KSM
     cpu = {**settings, "device": "cpu", "return_routing": False, "return_sampling_mask": False}
     engine = VLLMEngine(folder, in_process=True, **cpu)

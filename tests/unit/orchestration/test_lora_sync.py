@@ -68,13 +68,15 @@ def test_a_restarted_engine_is_brought_up_with_everything_and_a_partial_sync_nee
 
     local, _ = _run("adapters", steps=1)
     engines, sync, version = local.stages.engines, local.stages.sync, local.stages.state.version
-    fresh = EngineHost(local.config, None, 0)  # a new process: the recipe's random weights, no base
+    fresh = EngineHost(
+        local.config, local.stages.workers.plan, None, 0
+    )  # a new process: the recipe's random weights, no base
     fresh.begin_weight_update(version)
     report = local.trainer.stream_weights([fresh], "engine", whole=False)  # what a holding engine takes
     assert report.adapters_only and report.bytes > 0
     with pytest.raises(ValueError, match="weight sync incomplete: .* never arrived"):
         fresh.finish_weight_update(version)
-    fresh = EngineHost(local.config, None, 0)
+    fresh = EngineHost(local.config, local.stages.workers.plan, None, 0)
     engines.host, engines.replicas[0].actor = fresh, fresh
     sync.bring_up(engines.replicas, version)
     theirs = fresh.engine.model.state_dict()

@@ -70,12 +70,15 @@ def test_a_new_run_starts_before_step_0_at_policy_version_0_with_nothing_counted
 
 
 def _flat_stages():
+    from moe_rl.config.run_plan import run_plan
     from moe_rl.orchestration.batches import ScoredSummary
+    from moe_rl.orchestration.handles import Workers
     from moe_rl.orchestration.preflight import RunInputs
-    from moe_rl.orchestration.stages import Rollout, Stages, Workers
+    from moe_rl.orchestration.stages import Rollout, Stages
 
     config = load_checked(TINY)
-    stages = Stages(config, None, Workers(None, None, None), RunInputs(build_prompt_source(config)))
+    workers = Workers(None, None, None, run_plan(config, "cpu"))
+    stages = Stages(config, None, workers, RunInputs(build_prompt_source(config)))
     groups = torch.arange(4).repeat_interleave(2)
 
     def rollout(rewards: list[float]) -> Rollout:
@@ -99,7 +102,7 @@ def test_the_flat_reward_count_runs_over_flat_steps_in_a_row_and_warns_once_at_i
     warned = []
     for step, rewards in enumerate([FLAT, FLAT, VARIED] + [FLAT] * (FLAT_REWARD_STEPS + 2)):
         caplog.clear()
-        stages.advantages(rollout(rewards), {})
+        stages.advantages(rollout(rewards))
         warned += [(step, r.getMessage()) for r in caplog.records if "rewards have varied" in r.getMessage()]
         if step == 2:
             assert stages.state.flat_steps == 0

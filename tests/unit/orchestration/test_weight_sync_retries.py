@@ -15,6 +15,7 @@ import ray
 
 from moe_rl.config.derived import PlacementMode
 from moe_rl.config.loader import load_recipe
+from moe_rl.config.run_plan import run_plan
 from moe_rl.orchestration.engine_pool import EnginePool
 from moe_rl.orchestration.placement import Placement
 from moe_rl.orchestration.seats import Seats
@@ -81,9 +82,9 @@ def local_ray():
 
 
 def _sync(breaks: list[int]) -> tuple[WeightSync, EnginePool, Streams]:
-    pool = EnginePool(
-        load_recipe(TINY), Seats(Placement("cpu", 1, 0.0, len(breaks), 0.0, False, PlacementMode.COLOCATED))
-    )
+    config = load_recipe(TINY)
+    seats = Seats(Placement("cpu", 1, 0.0, len(breaks), 0.0, False, PlacementMode.COLOCATED))
+    pool = EnginePool(config, seats, run_plan(config, "cpu"))
     for replica, n in zip(pool.replicas, breaks, strict=True):
         replica.actor = Engine.remote(replica.index, n)
     streams = Streams()
@@ -127,7 +128,12 @@ def test_an_engine_restarted_during_an_adapter_only_sync_takes_everything_again(
     """Once both engines hold the base, a sync carries only what trains (a LoRA run's adapters).
     Engine 1 dies in such a sync: its new process holds nothing, so the coordinator streams it the
     whole model; the next sync is adapters-only again for both."""
-    pool = _Pool(load_recipe(TINY), Seats(Placement("cpu", 1, 0.0, 2, 0.0, False, PlacementMode.COLOCATED)))
+    config = load_recipe(TINY)
+    pool = _Pool(
+        config,
+        Seats(Placement("cpu", 1, 0.0, 2, 0.0, False, PlacementMode.COLOCATED)),
+        run_plan(config, "cpu"),
+    )
     for replica in pool.replicas:
         replica.actor = Engine.remote(replica.index, 0)
     streams = Streams()

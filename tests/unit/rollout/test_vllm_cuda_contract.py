@@ -21,6 +21,7 @@ vllm = pytest.importorskip("vllm")
 import vllm.config.vllm as vllm_config_module  # noqa: E402
 
 from moe_rl.config.derived import routing_trace_bytes  # noqa: E402
+from moe_rl.config.run_plan import run_plan  # noqa: E402
 from moe_rl.device import Machine  # noqa: E402
 from moe_rl.megatron.model import model_config_to_hf_config  # noqa: E402
 from moe_rl.orchestration.preflight import load_checked  # noqa: E402
@@ -60,7 +61,8 @@ def _kwargs(recipe: str, overrides: list[str], machine: Machine, tmp_path: Path)
     folder = tmp_path / "model"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model_config_to_hf_config(config.model, dtype="bfloat16")))
-    return llm_kwargs(folder, **recipe_settings(config, check_recipe(config, machine))), config
+    caps = check_recipe(config, machine)
+    return llm_kwargs(folder, **recipe_settings(config, caps, run_plan(config, caps.device))), config
 
 
 SHIPPED = sorted(
@@ -229,7 +231,7 @@ def test_routed_experts_without_prefix_caching_are_refused_by_vllm(tmp_path):
 )
 def test_what_vllm_cannot_capture_routing_with_is_refused_before_it_starts(extra, ours, theirs, tmp_path):
     kwargs, config = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, *R3_KSM], H100, tmp_path)
-    settings = recipe_settings(config, check_recipe(config, H100))
+    settings = recipe_settings(config, check_recipe(config, H100), run_plan(config, "cuda"))
     with pytest.raises(ValueError, match=ours):
         llm_kwargs(kwargs["model"], **settings, engine_kwargs=extra)
     if theirs is not None:  # the same rule as vLLM's own

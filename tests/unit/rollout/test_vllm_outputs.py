@@ -251,7 +251,7 @@ def test_engine_refuses_what_vllm_cpu_cannot_do_before_starting(tmp_path):
     config = RecipeConfig()
     config.rollout.engine, config.algo.routing_replay, config.model.head_dim = "vllm", "r3", 32
     with pytest.raises(ValueError, match="needed by algo.routing_replay=r3"):
-        VLLMEngine.from_recipe(config, tmp_path, Machine(cuda=False))
+        VLLMEngine.from_recipe(config, tmp_path, machine=Machine(cuda=False))
 
 
 def test_in_process_engine_refuses_a_process_with_a_distributed_group(tmp_path):

@@ -155,7 +155,7 @@ def test_the_engine_samples_from_the_merged_policy_step_after_step():
         [*TINY_MODEL_OVERRIDES, *LORA, "rollout.quant=bf16", "rollout.batch_size=16", "rollout.group_size=4"],
     )
     run = LocalRun(config)
-    model = run.trainer.worker.model
+    model = run.trainer.model
     base = {
         k: v.detach().clone()
         for k, v in model.state_dict().items()
