@@ -226,7 +226,7 @@ def constraint_checks(config: RecipeConfig, paths: bool = True) -> list[Rule]:
     against the machine the recipe describes: the recipe's own consistency and the engine's
     capabilities as one row each (with the engine's warnings), the rewards', the trainer's and
     placement's rules one by one with their numbers."""
-    sections = {section.component: section for section in preflight(config, paths=paths)}
+    sections = {section.component: section for section in preflight(config, paths=paths).sections}
     recipe = sections["recipe"]
     if recipe.broken is not None:
         return [Rule("recipe", False, recipe.error() or "")]

@@ -27,12 +27,16 @@ LOG_FILE = "logs/train.log"
 
 def check_machine(config: RecipeConfig, machine=None, paths: bool = True) -> RunInputs | None:
     """Every component's rules (`moe_rl.orchestration.preflight.check`), against the machine the
-    run runs on (default: this one, seen as `machine_here` sees it, which hides the GPUs from a
-    run.device=cpu run before torch looks for CUDA): a refusal is a `ConfigError` like any other
-    bad recipe."""
+    run runs on (default: `here`): a refusal is a `ConfigError` like any other bad recipe."""
     from moe_rl.orchestration.preflight import check
 
-    return check(config, machine or (lambda: machine_here(config.run.device)), paths)
+    return check(config, machine or here(config), paths)
+
+
+def here(config: RecipeConfig):
+    """This machine as a run of ``config`` sees it (`machine_here`, which hides the GPUs from a
+    run.device=cpu run before torch looks for CUDA), detected only when a rule needs it."""
+    return lambda: machine_here(config.run.device)
 
 
 def train(
@@ -75,18 +79,16 @@ def train(
 
 
 def _preflight(config: RecipeConfig) -> RunInputs:
-    """Every rule and every input read and checked once, before the run directory is touched."""
-    try:
-        inputs = check_machine(config)
-        if inputs is None:  # nothing a user gave (a synthetic task): built here
-            from moe_rl.orchestration.preflight import build_inputs
+    """Every rule and every input read and checked once, before the run directory is touched
+    (`moe_rl.orchestration.preflight.run_inputs`)."""
+    from moe_rl.orchestration.preflight import run_inputs
 
-            inputs = build_inputs(config)
+    try:
+        return run_inputs(config, here(config))
     except KeyboardInterrupt:
         raise KeyboardInterrupt(
             "interrupted during the preflight (the recipe's rules and inputs): nothing was started or written"
         ) from None
-    return inputs
 
 
 def _run(config: RecipeConfig, run_dir: Path, resume: bool, inputs: RunInputs) -> int:

@@ -22,7 +22,7 @@ from moe_rl.log import progress
 from moe_rl.orchestration.actors import start_ray
 from moe_rl.orchestration.loop import run_loop
 from moe_rl.orchestration.metrics import MetricsSink, run_summary
-from moe_rl.orchestration.preflight import RunInputs, build_inputs
+from moe_rl.orchestration.preflight import RunInputs
 from moe_rl.orchestration.stages import Stages, Waiting
 from moe_rl.orchestration.workers import ray_workers
 from moe_rl.run_dir import Resume, read_metrics, sealed
@@ -76,13 +76,11 @@ class StopRequest:
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # wakes a blocked wait too
 
 
-def run(
-    config: RecipeConfig, run_dir: Path, resume: Resume | None = None, inputs: RunInputs | None = None
-) -> int:
+def run(config: RecipeConfig, run_dir: Path, inputs: RunInputs, resume: Resume | None = None) -> int:
     """Train `config` in `run_dir`, or continue it from where ``resume`` says; returns the exit code
-    (0 done, 130 interrupted). ``inputs``: what the preflight built
-    (`moe_rl.orchestration.preflight.build_inputs`; built here when not given). A summary of the run
-    (rewards, mismatch, checkpoints, what to run next) ends it, stopped or not."""
+    (0 done, 130 interrupted). ``inputs``: what the preflight read
+    (`moe_rl.orchestration.preflight.run_inputs`). A summary of the run (rewards, mismatch,
+    checkpoints, what to run next) ends it, stopped or not."""
     t0 = time.monotonic()
     with contextlib.ExitStack() as running:  # what started is shut down at the end, however it ends
         stages, sink, start = start_run(config, run_dir, resume, inputs, running)
@@ -101,7 +99,7 @@ def run(
 
 
 def start_run(
-    config: RecipeConfig, run_dir: Path, resume: Resume | None, inputs: RunInputs | None,
+    config: RecipeConfig, run_dir: Path, resume: Resume | None, inputs: RunInputs,
     running: contextlib.ExitStack,
 ) -> tuple[Stages, MetricsSink, int]:  # fmt: skip
     """Ray (started here, or joined), the workers, the engines at the starting weights, and the first
@@ -113,7 +111,6 @@ def start_run(
         if not ray.is_initialized():
             running.callback(ray.shutdown, wait_for_processes=True)
         start_ray(config, run_dir / "logs")
-        inputs = inputs or build_inputs(config)
         stages = Stages(config, run_dir, ray_workers(config, run_dir, inputs), inputs)
         running.callback(stages.shutdown)
         sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)

@@ -162,10 +162,11 @@ class LocalRun:
     """The loop of `moe-rl train` in this process (see the module docstring)."""
 
     def __init__(self, config: RecipeConfig, inputs: RunInputs | None = None, run_dir: Path | None = None):
-        """``run_dir``: the run's directory, taken already (`main`): its checkpoints, at the recipe's
-        `run.checkpoint_every` and after the last step, and the offline data a run generates; None:
-        a run that saves nothing (an offline run then needs its data given: `data.trajectories`, or
-        `moe-rl sft`'s demonstrations)."""
+        """``inputs``: what the preflight read (`moe_rl.orchestration.preflight.run_inputs`; None: a
+        caller that ran no preflight, built here). ``run_dir``: the run's directory, taken already
+        (`main`): its checkpoints, at the recipe's `run.checkpoint_every` and after the last step, and
+        the offline data a run generates; None: a run that saves nothing (an offline run then needs
+        its data given: `data.trajectories`, or `moe-rl sft`'s demonstrations)."""
         from moe_rl.orchestration.handles import Workers
         from moe_rl.orchestration.stages import Stages
 
@@ -176,7 +177,7 @@ class LocalRun:
                 f"rollout.engine={config.rollout.engine} (use `moe-rl train`, on Ray)"
             )
         self.config, self.run_dir = config, run_dir
-        inputs = inputs or build_inputs(config)
+        inputs = build_inputs(config) if inputs is None else inputs
         plan = run_plan(config, resolve_device(config.run.device, Machine.detect()), in_process=True)
         self.trainer = LocalTrainer(config, plan.sync)  # first, as in a one-rank run: the trainer's seed
         engines = LocalEngines(config, plan, inputs.env_factory)
@@ -214,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     `run.name`, taken as `moe-rl train` takes it: one that holds a run is refused, unless
     ``--force-new`` starts it over): its recipe, its metrics, its checkpoints; one JSON record a step
     on stdout. A user's mistake is one line on stderr and exit code 2."""
-    from moe_rl.config.loader import to_yaml
+    from moe_rl.config.loader import load_recipe, to_yaml
+    from moe_rl.device import machine_here
     from moe_rl.errors import user_error_of
     from moe_rl.log import setup_logging
     from moe_rl.orchestration.metrics import MetricsSink
-    from moe_rl.orchestration.preflight import load_checked
+    from moe_rl.orchestration.preflight import run_inputs
     from moe_rl.run_dir import RunLock, take_new
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -228,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(USAGE)
         return 2
     try:
-        config = load_checked(args[0], args[1:])
+        config = load_recipe(args[0], args[1:])
+        inputs = run_inputs(
+            config, lambda: machine_here(config.run.device)
+        )  # read once, before anything starts
         setup_logging(config.logging.level)
         run_dir = Path(config.run.output_dir) / config.run.name
         with RunLock(run_dir):
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name
             )
             try:
-                for record in LocalRun(config, run_dir=run_dir).run():
+                for record in LocalRun(config, inputs, run_dir).run():
                     record = sink.log(record.pop("step"), record)
                     sys.stdout.write(json.dumps(record) + "\n")
                     sys.stdout.flush()

@@ -17,9 +17,10 @@ Each rule lives with the component that enforces it at run time and is returned 
 
 `preflight` returns them by component; `moe-rl plan` prints them, and `config check`, `submit`,
 `diagnose` and `train` enforce them (`check`, `load_checked`), so all of them refuse the same
-recipes with the same line. ``train`` also builds the run's inputs here (`build_inputs`: the
-prompt stream, stored trajectories, the reward function or environment), so bad data fails in
-seconds, and hands what it built to the run: nothing is built or read twice.
+recipes with the same line. The preflight also reads what a user gave as the run will read it
+(`build_inputs`: the prompt stream, stored trajectories, the reward function or environment), so bad
+data fails in seconds, and returns what it read (`Preflight.inputs`); a run that starts here takes
+its inputs from `run_inputs`, so nothing is built or read twice.
 
 `config check`, `plan` and `submit` check against the machine the recipe describes
 (`target_machine`); `train` and `diagnose`, which run the recipe here, against this machine
@@ -36,7 +37,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moe_rl.config.loader import load_recipe
 from moe_rl.config.modes import Attention, Family, RunMode
@@ -50,6 +51,12 @@ from moe_rl.rewards.registry import reward_rules
 from moe_rl.rollout.capabilities import engine_rules
 from moe_rl.rules import Rule
 from moe_rl.trainer.rules import trainer_rules
+
+if TYPE_CHECKING:
+    from moe_rl.data.trajectory import TrajectoryBatch
+    from moe_rl.envs.base import Environment
+    from moe_rl.rewards.datasets import PromptSource
+    from moe_rl.rewards.registry import RewardScorer
 
 log = logging.getLogger("moe_rl.preflight")
 
@@ -112,23 +119,22 @@ SKIP_PATHS = "--skip-path-checks"
 """The command-line flag that leaves the input paths to the machines that run the job."""
 
 
-def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs] | None = None) -> list[Rule]:
+def input_rules(config: RecipeConfig, paths: bool = True) -> tuple[list[Rule], RunInputs | None]:
     """The files a run reads, as this machine sees them (relative paths from where the command
     runs): the dataset of `data.task`, the stored trajectories of `data.trajectories`, the model
     checkpoint of `model.hf_path` (a folder with ``config.json`` and ``*.safetensors``, of an
     architecture the trainer converts: `moe_rl.megatron.rules.checkpoint_rule`); a real dataset
     without `model.hf_path` is warned about (the model would start from random weights).
-    When they are there, what a user gave is read as the run will read it (`_read_rule`).
-    ``paths=False``: none is looked at (they exist only where the job runs)."""
+    When they are there, what a user gave is read as the run will read it (`_read_rule`): the rules,
+    and the inputs read (None: none was). ``paths=False``: none is looked at (they exist only where
+    the job runs)."""
     if not paths:
-        return [
-            Rule(
-                "input paths",
-                True,
-                f"not checked ({SKIP_PATHS}): the files, and the code a recipe names, are left to the "
-                "machines the job runs on",
-            )
-        ]
+        skipped = Rule(
+            "input paths", True,
+            f"not checked ({SKIP_PATHS}): the files, and the code a recipe names, are left to the machines "
+            "the job runs on",
+        )  # fmt: skip
+        return [skipped], None
     here = f"as seen from {Path.cwd()}; {SKIP_PATHS} if it exists only where the job runs"
     rules = []
     source = config.data.source
@@ -174,13 +180,15 @@ def input_rules(config: RecipeConfig, paths: bool = True, built: list[RunInputs]
         rules.append(rule)
         if rule.ok:  # what the folder holds: the Megatron layer says what it converts
             rules.append(checkpoint_rule(config.model, folder))
+    inputs = None
     if reads_user_inputs(config) and not any(rule.broken for rule in rules):
-        rules.append(_read_rule(config, built))
+        read, inputs = _read_rule(config)
+        rules.append(read)
     if config.model.init_from is not None:
         rules.append(_init_rule(config.model.init_from, here))
     if config.teacher.path is not None:
         rules += _teacher_rules(config, here)
-    return rules or [Rule("input paths", True, "the recipe reads no files")]
+    return rules or [Rule("input paths", True, "the recipe reads no files")], inputs
 
 
 def _teacher_rules(config: RecipeConfig, here: str) -> list[Rule]:
@@ -225,21 +233,19 @@ def reads_user_inputs(config: RecipeConfig) -> bool:
     return config.data.source.is_file or reward or any(g is not None for g in given)
 
 
-def _read_rule(config: RecipeConfig, built: list[RunInputs] | None) -> Rule:
+def _read_rule(config: RecipeConfig) -> tuple[Rule, RunInputs | None]:
     """Read the inputs as the run will (`build_inputs`): every dataset row tokenized and measured,
     every stored trajectory validated, the reward function imported, one environment built. The
-    inputs read are kept in ``built`` for the run that asked."""
+    rule, and the inputs read (None: they could not be)."""
     try:
         inputs = build_inputs(config)
     except UserError as exc:
-        return Rule("inputs read", False, str(exc))
+        return Rule("inputs read", False, str(exc)), None
     except OSError as exc:
         fault = user_error_of(exc)
         if fault is None:
             raise
-        return Rule("inputs read", False, str(fault))
-    if built is not None:
-        built.append(inputs)
+        return Rule("inputs read", False, str(fault)), None
     read = []
     if config.data.source.is_file:
         read.append(
@@ -253,7 +259,7 @@ def _read_rule(config: RecipeConfig, built: list[RunInputs] | None) -> Rule:
         read.append(f"env.name={config.env.name} built with env.kwargs")
     elif ":" in config.data.reward:
         read.append(f"data.reward={config.data.reward} imported")
-    return Rule("inputs read", True, "; ".join(read))
+    return Rule("inputs read", True, "; ".join(read)), inputs
 
 
 def _missing(path: Path) -> bool:
@@ -281,14 +287,26 @@ def _path_rule(name: str, key: str, path: Path, kind: str, here: str) -> Rule:
     return Rule(name, True, f"{key}: found")
 
 
+class _Inputs:
+    """The ``inputs`` component: its rules (`input_rules`), and what they read."""
+
+    def __init__(self, config: RecipeConfig, paths: bool):
+        self.config, self.paths = config, paths
+        self.read: RunInputs | None = None
+
+    def __call__(self) -> list[Rule]:
+        rules, self.read = input_rules(self.config, self.paths)
+        return rules
+
+
 def _components(
-    config: RecipeConfig, machine: Callable[[], Machine], paths: bool = True, built: list | None = None
+    config: RecipeConfig, machine: Callable[[], Machine], inputs: _Inputs
 ) -> dict[str, Callable[[], list[Rule]]]:
     """The components asked, in order, and their rules; the ones after ``recipe`` assume a
     consistent recipe."""
     return {
         "recipe": lambda: recipe_rules(config),
-        "inputs": lambda: input_rules(config, paths, built),
+        "inputs": inputs,
         "reward": lambda: reward_rules(config),
         "trainer": lambda: trainer_rules(config),
         "engine": lambda: engine_rules(config, machine()),
@@ -296,41 +314,55 @@ def _components(
     }
 
 
+@dataclass(frozen=True)
+class Preflight:
+    """What the preflight found: every component asked, with its rules, and the run's inputs where
+    it read them."""
+
+    sections: tuple[Section, ...]
+    inputs: RunInputs | None
+    """What the ``inputs`` rules read (`build_inputs`); None when the recipe reads nothing a user
+    gave, the paths were not checked, or a rule refused them."""
+
+
 def preflight(
-    config: RecipeConfig,
-    machine: MachineSpec = None,
-    stop_at_first: bool = False,
-    paths: bool = True,
-    built: list[RunInputs] | None = None,
-) -> list[Section]:
+    config: RecipeConfig, machine: MachineSpec = None, stop_at_first: bool = False, paths: bool = True
+) -> Preflight:
     """Every component's rules on ``config`` against ``machine`` (default: `target_machine`), in
     `_components` order. A recipe that is not consistent in itself gets only its ``recipe`` section
     (the others assume it is). ``stop_at_first``: stop after the first section that refuses it, so
     a machine given as a function is not detected for a recipe refused before a rule needs it.
-    ``paths``: check the input paths and read what they hold (`input_rules`); the inputs read go
-    into ``built``."""
+    ``paths``: check the input paths and read what they hold (`input_rules`)."""
     sections: list[Section] = []
-    for component, rules in _components(config, _machine(config, machine), paths, built).items():
+    inputs = _Inputs(config, paths)
+    for component, rules in _components(config, _machine(config, machine), inputs).items():
         section = Section(component, tuple(rules()))
         sections.append(section)
         if section.broken is not None and (stop_at_first or component == "recipe"):
             break
-    return sections
+    return Preflight(tuple(sections), inputs.read)
 
 
 def check(config: RecipeConfig, machine: MachineSpec = None, paths: bool = True) -> RunInputs | None:
     """Enforce every component's rules: raise `ConfigError` with the first refusal (the components
     after it are not asked); log the warnings of those asked. Returns the inputs the check read
-    (None when the recipe reads nothing a user gave, or ``paths`` is off): a run uses them as they
-    are rather than reading them twice."""
-    built: list[RunInputs] = []
-    for section in preflight(config, machine, stop_at_first=True, paths=paths, built=built):
+    (`Preflight.inputs`)."""
+    found = preflight(config, machine, stop_at_first=True, paths=paths)
+    for section in found.sections:
         error = section.error()
         if error is not None:
             raise ConfigError(error)
         for rule in section.warnings:
             log.warning("%s", rule.detail)
-    return built[0] if built else None
+    return found.inputs
+
+
+def run_inputs(config: RecipeConfig, machine: MachineSpec = None) -> RunInputs:
+    """The preflight of a run that starts here: every rule enforced, the input paths checked
+    (`check`), and the run's inputs: those the check read, or, for a recipe that reads nothing a
+    user gave (a synthetic task), the ones built now."""
+    inputs = check(config, machine)
+    return build_inputs(config) if inputs is None else inputs
 
 
 def load_checked(
@@ -348,10 +380,11 @@ class RunInputs:
     to the run: the prompt stream, the stored trajectories of an offline run (validated against
     the model), and the scorer of `data.reward` or the environment factory of `env.name`."""
 
-    prompt_source: Any
-    offline_data: Any = None
-    scorer: Any = None
-    env_factory: Any = None
+    prompt_source: PromptSource
+    offline_data: TrajectoryBatch | None = None
+    scorer: RewardScorer | None = None
+    """What scores responses (None with an environment, whose rewards are in the batch)."""
+    env_factory: Callable[[], Environment] | None = None
 
 
 def build_inputs(config: RecipeConfig) -> RunInputs:

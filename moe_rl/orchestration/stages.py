@@ -43,7 +43,7 @@ from moe_rl.orchestration.rank_parts import BatchHandle, rank_parts
 from moe_rl.orchestration.run_state import RunState
 from moe_rl.orchestration.sampling import Draw, Purpose, sampling_seed
 from moe_rl.orchestration.weight_sync import WeightSync
-from moe_rl.rewards.registry import build_prompt_source
+from moe_rl.rewards.datasets import PromptSource
 from moe_rl.rewards.tasks import Prompt
 from moe_rl.weight_sync.protocol import SyncTarget
 
@@ -352,11 +352,9 @@ class Stages:
         return {**found, **staleness_metrics({**metrics, **found})}
 
     @functools.cached_property
-    def _probe_source(self):
-        """The probe's prompt stream, seeded apart from the training prompts."""
-        source = build_prompt_source(self.config)
-        source.rng.seed(sampling_seed(self.config.run.seed, Purpose.PROBE, 0))
-        return source
+    def _probe_source(self) -> PromptSource:
+        """The probe's prompt stream over the run's prompts, seeded apart from the training prompts."""
+        return self.source.stream(sampling_seed(self.config.run.seed, Purpose.PROBE, 0))
 
     # ------------------------------------------------------------------ offline (DGO)
     def offline_dataset(self) -> list[TrajectoryBatch] | None:

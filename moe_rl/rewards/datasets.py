@@ -12,6 +12,7 @@ fails is an error naming the tokenizer. The rules on the keys alone live in
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -325,6 +326,13 @@ class PromptSource:
         if self.synthetic is not None:
             return self.synthetic.make(n, self.rng)
         return [self._next_record() for _ in range(n)]
+
+    def stream(self, seed: int) -> PromptSource:
+        """Another stream over the same prompts (the records read once), seeded with ``seed`` and
+        drawn apart from this one."""
+        other = copy.copy(self)
+        other.rng, other._order = random.Random(seed), []
+        return other
 
     def state(self) -> dict:
         """Resumable state (the RNG and the current epoch order)."""

@@ -416,9 +416,12 @@ def test_the_inputs_rule_says_every_prompt_of_a_dataset_file_was_read(tmp_path):
         REPO / "recipes" / "tiny_moe.yaml",
         [f"data.task=file:{data}", "model.vocab_size=320", "data.reward=exact_match"],
     )
-    rule = _read_rule(config, None)
+    rule, inputs = _read_rule(config)
     assert (
         rule.ok
         and rule.values
         == f"every prompt of file:{data} within data.max_prompt_len={config.data.max_prompt_len}"
     )
+    assert [ids for ids, _ in inputs.prompt_source.records] == [
+        tuple(inputs.prompt_source.tokenizer.encode_prompt(text, None)) for text in ("1+1=", "2+2=")
+    ]
