@@ -373,7 +373,7 @@ def report(times, workers, samples: int, all_batches, size: str, config, cuda: b
     if cuda:
         print(f"peak GPU memory allocated (all workers): {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     timed = "stack" if "stack" in times else "base"
-    phases = workers[timed].step_time_breakdown()
+    phases = dict(workers[timed].timer.seconds)  # seconds per phase since the worker started
     total = sum(w for w, _ in times[timed])
     note = " (host timers: on cuda they see kernel launches, not the kernels)" if cuda else ""
     print(f"{timed} worker phase timers (wall, share of its timed steps){note}:")

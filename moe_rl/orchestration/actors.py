@@ -32,6 +32,7 @@ from moe_rl.config.sync_plan import SyncPlan
 from moe_rl.device import process_device
 from moe_rl.log import LOG_DIR_ENV
 from moe_rl.orchestration.engine_host import EngineHost
+from moe_rl.orchestration.faults import Faults
 from moe_rl.orchestration.placement import PROCESS_ENV
 from moe_rl.orchestration.trainer_host import TrainerHost
 from moe_rl.weight_sync.protocol import SyncTarget
@@ -41,11 +42,6 @@ from moe_rl.weight_sync.transport import Receiver
 log = logging.getLogger(__name__)
 
 RAY_TIMEOUT_S = 1800.0
-FAULTS_ENV = "MOE_RL_FAULTS"
-"""Fault injection for tests of the restart rule: ``die_in_generate=R@K`` makes the first process
-of engine replica R exit (as a crash would) inside its K-th ``generate`` call, ``die_in_sync=R@K``
-as it lands the K-th bucket it receives (over all syncs); the replica restarted after it runs
-normally."""
 
 
 def _setup_process(config: RecipeConfig, threads: int, name: str) -> None:
@@ -181,37 +177,15 @@ class EngineActor(EngineHost):
         if visible_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
         _setup_process(config, threads, f"engine{replica}")
-        super().__init__(config, plan, model_path, replica, restarts, env_factory)
-        self._landed = 0  # buckets landed (`FAULTS_ENV`)
+        super().__init__(config, plan, model_path, replica, restarts, env_factory, Faults(replica, restarts))
 
     @ray.method(num_returns=2)
     def generate(self, prompts: Sequence[Any], sampling, group_ids: Sequence[int]):
         """``(batch, status)``: the driver waits on the small status, the batch goes on by reference."""
-        self._generates += 1
-        if self.restarts == 0:
-            _maybe_fail("die_in_generate", self.replica, self._generates)
         return super().generate(prompts, sampling, group_ids)
-
-    def _land(self, bucket, into):
-        self._landed += 1
-        if self.restarts == 0:
-            _maybe_fail("die_in_sync", self.replica, self._landed)
-        return super()._land(bucket, into)
 
     def device_key(self) -> tuple[str, str | None]:
         return device_key()
-
-
-def _maybe_fail(fault: str, replica: int, call: int) -> None:
-    spec = os.environ.get(FAULTS_ENV, "")
-    for item in filter(None, spec.split(",")):
-        kind, _, where = item.partition("=")
-        target, _, at = where.partition("@")
-        if kind == fault and int(target) == replica and int(at) == call:
-            log.error(
-                "fault injection (%s=%s): engine replica %d exits (%s)", FAULTS_ENV, spec, replica, fault
-            )
-            os._exit(1)
 
 
 PROGRESS_GROUP = "progress"
@@ -262,7 +236,7 @@ found the user's modules on (a reward function, an environment), which the actor
 
 def carried_env() -> dict[str, str]:
     """What of this process's environment a run's actors need: the project's settings (``MOE_RL_*``,
-    e.g. `FAULTS_ENV`) and `CARRIED_ENV`. A local cluster's workers inherit it; a joined cluster's
+    e.g. `moe_rl.orchestration.faults.FAULTS_ENV`) and `CARRIED_ENV`. A local cluster's workers inherit it; a joined cluster's
     get it through the run's Ray job runtime env (`start_ray`)."""
     return {
         key: value

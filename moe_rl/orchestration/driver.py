@@ -20,10 +20,10 @@ import ray
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.log import progress
 from moe_rl.orchestration.actors import start_ray
-from moe_rl.orchestration.loop import run_loop
 from moe_rl.orchestration.metrics import MetricsSink, run_summary
 from moe_rl.orchestration.preflight import RunInputs
-from moe_rl.orchestration.stages import Stages, Waiting
+from moe_rl.orchestration.run import Run
+from moe_rl.orchestration.stages import Waiting
 from moe_rl.orchestration.workers import ray_workers
 from moe_rl.run_dir import Resume, read_metrics, sealed
 
@@ -83,12 +83,12 @@ def run(config: RecipeConfig, run_dir: Path, inputs: RunInputs, resume: Resume |
     checkpoints, what to run next) ends it, stopped or not."""
     t0 = time.monotonic()
     with contextlib.ExitStack() as running:  # what started is shut down at the end, however it ends
-        stages, sink, start = start_run(config, run_dir, resume, inputs, running)
+        job, sink, start = start_run(config, run_dir, resume, inputs, running)
         stop = StopRequest()
         stop.install()
-        stop.waiting = lambda: stages.waiting
+        stop.waiting = lambda: job.stages.waiting
         try:
-            code = train_steps(config, stages, sink, stop, start)
+            code = train_steps(config, job, sink, stop, start)
         except KeyboardInterrupt:
             waited = f" while waiting for {stop.given_up}" if stop.given_up else " at once"
             log.warning("stopped%s: no checkpoint of this step; --resume starts from the last one", waited)
@@ -101,7 +101,7 @@ def run(config: RecipeConfig, run_dir: Path, inputs: RunInputs, resume: Resume |
 def start_run(
     config: RecipeConfig, run_dir: Path, resume: Resume | None, inputs: RunInputs,
     running: contextlib.ExitStack,
-) -> tuple[Stages, MetricsSink, int]:  # fmt: skip
+) -> tuple[Run, MetricsSink, int]:  # fmt: skip
     """Ray (started here, or joined), the workers, the engines at the starting weights, and the first
     step: 0, or the one after the checkpoint ``resume`` continues from. A Ctrl-C or SIGTERM meanwhile
     stops at once (there is nothing to save yet); ``running`` shuts down what started, Ray's
@@ -111,34 +111,28 @@ def start_run(
         if not ray.is_initialized():
             running.callback(ray.shutdown, wait_for_processes=True)
         start_ray(config, run_dir / "logs")
-        stages = Stages(config, run_dir, ray_workers(config, run_dir, inputs), inputs)
-        running.callback(stages.shutdown)
+        job = Run(config, run_dir, ray_workers(config, run_dir, inputs), inputs)
+        running.callback(job.shutdown)
         sink = MetricsSink(run_dir, config.logging.tensorboard, config.logging.wandb_project, config.run.name)
         running.callback(sink.close)
-        start = stages.restore(sink, resume.checkpoint) if resume else stages.start()
+        start = job.restore(sink, resume.checkpoint) if resume else job.start()
     except KeyboardInterrupt:
         raise KeyboardInterrupt(
             "interrupted while the run started (Ray, its workers), before its first step"
         ) from None
-    return stages, sink, start
+    return job, sink, start
 
 
-def train_steps(
-    config: RecipeConfig, stages: Stages, sink: MetricsSink, stop: StopRequest, start: int
-) -> int:
+def train_steps(config: RecipeConfig, job: Run, sink: MetricsSink, stop: StopRequest, start: int) -> int:
     """The steps from ``start`` (0, or the one after the checkpoint resumed) to `run.steps` or a stop
-    request."""
+    request (`Run.steps`: each step's record is logged before its checkpoint is written)."""
     with progress(config.logging.progress) as bar:
         task = bar.add_task("RL steps", total=config.run.steps, completed=start, info="")
-        for record in run_loop(config, stages, start):
+        for record in job.steps(start):
             record = sink.log(record.pop("step"), record)
-            stages.maybe_checkpoint(record["step"])
             bar.update(task, advance=1, info=f"reward {record.get('reward/mean', 0):.3f}")
             if stop.requested:
-                stages.checkpoint()
-                log.warning(
-                    "stopped after step %d; continue with --resume %s", record["step"], stages.run_dir
-                )
+                job.checkpoint()
+                log.warning("stopped after step %d; continue with --resume %s", record["step"], job.folder)
                 return 130
-    stages.checkpoint()
     return 0

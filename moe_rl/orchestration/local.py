@@ -52,7 +52,7 @@ class LocalTrainer:
     def __init__(self, config: RecipeConfig, sync: SyncPlan):
         from moe_rl.orchestration.trainer_host import TrainerHost
 
-        self.host = TrainerHost(config, sync)
+        self.host = TrainerHost(config, sync, rank=0)
         self._handles = itertools.count(1)
 
     @property
@@ -168,7 +168,7 @@ class LocalRun:
         the offline data a run generates; None: a run that saves nothing (an offline run then needs
         its data given: `data.trajectories`, or `moe-rl sft`'s demonstrations)."""
         from moe_rl.orchestration.handles import Workers
-        from moe_rl.orchestration.stages import Stages
+        from moe_rl.orchestration.run import Run
 
         if config.parallel.trainer_world_size != 1 or config.rollout.engine != Engine.MEGATRON:
             raise ValueError(
@@ -182,29 +182,22 @@ class LocalRun:
         self.trainer = LocalTrainer(config, plan.sync)  # first, as in a one-rank run: the trainer's seed
         engines = LocalEngines(config, plan, inputs.env_factory)
         workers = Workers(self.trainer, engines, Rewarder(config, inputs.scorer), plan)
-        self.stages = Stages(config, run_dir, workers, inputs)
-        self.stages.start()
+        self.job = Run(config, run_dir, workers, inputs)
+        self.stages = self.job.stages
+        self.job.start()
 
     def step(self, step: int) -> dict[str, Any]:
         """The run's step ``step`` (`loop.run_loop`: online, or offline for ``run.mode=offline``)."""
         from moe_rl.orchestration.loop import run_loop
 
-        (record,) = run_loop(self.config, self.stages, step, step + 1)
+        (record,) = run_loop(self.config, self.stages, self.job.offline, step, step + 1)
         return record
 
     def run(self, steps: int | None = None) -> Iterator[dict[str, Any]]:
         """The run's steps up to ``steps`` (default `run.steps`), each record once its step is done;
-        with a run directory, checkpointed as `moe-rl train` does (the last step's at the end)."""
-        from moe_rl.orchestration.loop import run_loop
-
-        for record in run_loop(
-            self.config, self.stages, 0, self.config.run.steps if steps is None else steps
-        ):
-            if self.run_dir is not None:
-                self.stages.maybe_checkpoint(record["step"])
-            yield record
-        if self.run_dir is not None:
-            self.stages.checkpoint()
+        with a run directory, checkpointed as `moe-rl train` does (`Run.steps`: the last step's at
+        the end)."""
+        return self.job.steps(0, steps)
 
 
 USAGE = "usage: python -m moe_rl.orchestration.local [--force-new] RECIPE [overrides...]\n"

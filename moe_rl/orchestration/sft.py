@@ -71,10 +71,10 @@ def sft_overrides(recipe, overrides: Sequence[str]) -> list[str]:
 
 
 DEMONSTRATION = "demonstration"
+"""The engine and weight recipe a demonstration is labelled with (no engine sampled it)."""
 DEMONSTRATION_SEED_OFFSET = 104_723
 """Seed offset of the prompts demonstrations are made for: a run of the same seed (its evaluation,
 an RL run started from the SFT run) draws other prompts."""
-"""The engine and weight recipe a demonstration is labelled with (no engine sampled it)."""
 
 
 def _sample(prompt: Sequence[int], response: Sequence[int], group: int) -> Sample:

@@ -1,7 +1,9 @@
 """The stages of an RL step, each a named method the loop (`moe_rl.orchestration.loop`) calls in
-order, over what they share: the workers (trainer, engines, rewarder:
-`moe_rl.orchestration.workers`), the weight-sync coordinator, the prompt stream and the run's
-state between steps (`moe_rl.orchestration.run_state.RunState`, which checkpoints store).
+order and each returning its result and its metrics, over what they share: the workers behind
+their typed handles (`moe_rl.orchestration.handles`), the weight-sync coordinator, the prompt stream
+and the run's state between steps (`moe_rl.orchestration.run_state.RunState`, which checkpoints
+store). What is around the steps (start, restore, checkpoints, offline data) is the run's
+(`moe_rl.orchestration.run.Run`).
 
 The stages run against the workers' handles, so the Ray run and the one-process loop
 (`moe_rl.orchestration.local`) are the same loop. On Ray, rollout batches never pass through the
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -25,7 +26,6 @@ from typing import Any
 
 import torch
 
-from moe_rl import run_dir
 from moe_rl.algo import registry
 from moe_rl.algo.modes import Objective
 from moe_rl.config.schema import RecipeConfig
@@ -37,7 +37,6 @@ from moe_rl.orchestration.advantages import step_advantages, step_zero_variance
 from moe_rl.orchestration.batches import ScoredSummary
 from moe_rl.orchestration.dispatch import Generation
 from moe_rl.orchestration.handles import EnginesHandle, RewarderHandle, TrainerHandle, Workers
-from moe_rl.orchestration.offline import read_offline
 from moe_rl.orchestration.preflight import RunInputs
 from moe_rl.orchestration.rank_parts import BatchHandle, rank_parts
 from moe_rl.orchestration.run_state import RunState
@@ -110,7 +109,7 @@ class Stages:
     """Everything one run needs between steps (see the module docstring)."""
 
     def __init__(self, config: RecipeConfig, run_dir: Path | None, workers: Workers, inputs: RunInputs):
-        """``run_dir``: where checkpoints and dumps go (None for a run that writes neither)."""
+        """``run_dir``: where trajectory dumps go (None for a run that writes none)."""
         self.config, self.run_dir = config, None if run_dir is None else Path(run_dir)
         self.workers = workers
         self.trainer: TrainerHandle = workers.trainer
@@ -118,7 +117,6 @@ class Stages:
         self.rewarder: RewarderHandle = workers.rewarder
         self.sync = WeightSync(self.trainer, self.engines)
         self.source = inputs.prompt_source
-        self.offline_data = inputs.offline_data
         self.state = RunState()
         a = config.algo
         self.estimator = registry.bind_step_advantage(a.objective, a.advantage, a.dgo_beta)
@@ -127,36 +125,6 @@ class Stages:
         """Colocated phases give memory back (`cluster.release_memory`), as the run's plan says."""
         self.waiting: Waiting | None = None
         """The phase running the user's code the driver waits for now (None: none)."""
-
-    # ------------------------------------------------------------------ start / resume
-    def start(self) -> int:
-        self.engines.start()
-        self.sync.run(self.state.version)
-        return 0
-
-    def restore(self, sink, usable: run_dir.Usable | None) -> int:
-        """Continue from ``usable``, the newest complete, intact checkpoint (`run_dir.newest_usable`,
-        chosen before the run started; None: none was sealed, so from step 0); metrics and the
-        checkpoints after it are dropped or set aside only once it has loaded."""
-        folder = self.run_dir / "checkpoints"
-        if usable is None:  # e.g. a Slurm job requeued before its first checkpoint, a full disk in it
-            log.warning("--resume %s: no checkpoint yet; starting from step 0", self.run_dir)
-            start = self.start()
-            run_dir.set_aside_newer(folder, -1)  # saves that never finished
-            sink.resume_from(0)
-            return start
-        state, source = RunState.from_json(json.loads((usable.path / "driver.json").read_text()))
-        self.trainer.load_checkpoint(str(usable.path / "trainer"))
-        self.source.load_state(source)
-        self.state = state
-        self.engines.start()
-        self.sync.run(state.version)
-        run_dir.set_aside_newer(folder, state.step_done)
-        sink.resume_from(state.step_done + 1)
-        log.info(
-            "resumed from %s at step %d (policy version %d)", usable.path, state.step_done + 1, state.version
-        )
-        return state.step_done + 1
 
     # ------------------------------------------------------------------ rollout
     def generate(self, step: int, purpose: Purpose = Purpose.TRAIN) -> Rounds:
@@ -357,32 +325,6 @@ class Stages:
         return self.source.stream(sampling_seed(self.config.run.seed, Purpose.PROBE, 0))
 
     # ------------------------------------------------------------------ offline (DGO)
-    def offline_dataset(self) -> list[TrajectoryBatch] | None:
-        """Stored trajectories (`data.trajectories`, read and validated by the preflight) or the
-        `data.offline_batches` batches this run generated once (`store_offline`), in
-        `rollout.batch_size` slices; None while they are not generated."""
-        data = self.offline_data
-        if data is None:
-            if self.run_dir is None:
-                raise ValueError(
-                    "an offline run without data.trajectories keeps the data it generates in its run "
-                    "directory, and this run has none"
-                )
-            folder = self.run_dir / "offline_data"
-            if not (folder / "complete").exists():
-                return None
-            data = read_offline(self.config, folder)
-        size = self.config.rollout.batch_size
-        return [data.slice(i, i + size) for i in range(0, data.num_samples - size + 1, size)]
-
-    def store_offline(self, i: int, rollout: Rollout) -> None:
-        """``rollout``'s batch as offline batch ``i`` in `<run_dir>/offline_data` (complete after the
-        last of `data.offline_batches`)."""
-        folder = self.run_dir / "offline_data"
-        self.rewarder.dump(str(folder / f"batch_{i:04d}"), i, rollout.summary.scored)
-        if i + 1 == self.config.data.offline_batches:
-            (folder / "complete").write_text("")
-
     def offline_batch(self, dataset: list[TrajectoryBatch], step: int) -> tuple[Rollout, dict[str, Any]]:
         """The step's slice of the stored data (epochs cycle over it), sharded by the reward worker."""
         batch = dataset[step % len(dataset)]
@@ -395,34 +337,3 @@ class Stages:
             "trainer/world_size": self.trainer.world_size,
             **summary.metrics,
         }
-
-    # ------------------------------------------------------------------ checkpoints
-    def maybe_checkpoint(self, step: int) -> None:
-        """Checkpoint after `step` every `run.checkpoint_every` steps (the last step is saved anyway)."""
-        every = self.config.run.checkpoint_every
-        if every and (step + 1) % every == 0 and step + 1 < self.config.run.steps:
-            self.checkpoint()
-
-    def checkpoint(self) -> None:
-        """Trainer state + the run's state (`RunState`) after the last finished step (none
-        finished: nothing), sealed by a manifest written last (`run_dir.write_manifest`)."""
-        step = self.state.step_done
-        if step < 0:
-            return
-        run_dir.ensure_owned(self.run_dir)  # this run still holds its directory
-        name = f"step_{step:06d}"
-        folder = self.run_dir / "checkpoints"
-        ckpt = folder / name
-        if run_dir.verify(ckpt) is None:  # this step is saved already (a stop right after a checkpoint)
-            return
-        with run_dir.writing(ckpt, f"checkpoint {name}"):  # a full disk: one line naming it
-            (ckpt / run_dir.MANIFEST).unlink(missing_ok=True)  # not complete until sealed again
-            ckpt.mkdir(parents=True, exist_ok=True)
-            self.trainer.save_checkpoint(str(ckpt / "trainer"))
-            (ckpt / "driver.json").write_text(json.dumps(self.state.to_json(self.source.state())))
-            run_dir.write_manifest(ckpt)
-            run_dir.mark_latest(folder, name)
-        log.info("checkpoint %s", ckpt)
-
-    def shutdown(self) -> None:
-        self.workers.shutdown()

@@ -18,7 +18,7 @@ class TrainerHost:
     `moe_rl.weight_sync.sender.RankSender` that follows the run's sync plan, handed down by the
     process that started the run) and the batch its π_old pass prepared, until `train` takes it."""
 
-    def __init__(self, config: RecipeConfig, sync: SyncPlan, rank: int = 0, host: str | None = None):
+    def __init__(self, config: RecipeConfig, sync: SyncPlan, rank: int, host: str | None = None):
         """``host``: the address receivers on other nodes reach this rank at (None: this machine's
         name resolved). The rank's torch.distributed world is joined already, where it has one."""
         from moe_rl.trainer.worker import TrainerWorker

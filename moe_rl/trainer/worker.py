@@ -416,7 +416,3 @@ class TrainerWorker:
     def load_checkpoint(self, directory: str | Path) -> int:
         """Restore everything `save_checkpoint` wrote; returns the step."""
         return checkpoint.load(self, directory)
-
-    def step_time_breakdown(self) -> dict[str, float]:
-        """Seconds spent per phase since the worker started (forward, backward, corrections, …)."""
-        return dict(self.timer.seconds)

@@ -110,3 +110,30 @@ def test_an_offline_run_without_a_run_directory_is_told_where_its_data_would_go(
     config = load_checked(REPO / "recipes" / "tiny_moe_dgo.yaml", [*TINY_MODEL_OVERRIDES, "run.steps=1"])
     with pytest.raises(ValueError, match="keeps the data it generates in its run directory"):
         next(LocalRun(config).run())
+
+
+def test_a_colocated_step_that_releases_memory_reports_each_phase_once_and_its_rounds_counts():
+    """``cluster.release_memory=on``: the trainer releases before the generation and the engine
+    sleeps after it, once each a step, as the stages report them; the step's rounds count what they
+    did (no prompt generated again, the reward worker's time apart from the generation's); a
+    generation's status names the replica it is kept under."""
+    from moe_rl.orchestration.local import LocalRun
+    from moe_rl.orchestration.preflight import load_checked
+    from moe_rl.orchestration.sampling import Draw, Purpose
+
+    config = load_checked(
+        REPO / "recipes" / "tiny_moe.yaml",
+        [*TINY_MODEL_OVERRIDES, "cluster.release_memory=on", "rollout.batch_size=8", "rollout.group_size=4"],
+    )
+    local = LocalRun(config)
+    assert local.stages.releases and local.stages.workers.plan.releases_memory
+    record = local.step(0)
+    assert record["memory/trainer_releases"] == record["memory/engine_sleeps"] == 1
+    assert record["rollout/regenerated_prompts"] == 0
+    rounds = local.stages.generate(1)
+    assert rounds.metrics() == {"rollout/regenerated_prompts": 0, "time/reward_s": 0.0}  # none scored yet
+    engines = local.stages.engines
+    gen = engines.generate(rounds.prompts, Draw(Purpose.EVAL, 1), [0, 1])
+    assert sorted(gen.statuses) == [r.index for r in engines.replicas]
+    assert all(status["replica"] == index for index, status in gen.statuses.items())
+    local.job.shutdown()

@@ -46,7 +46,8 @@ def test_a_run_joining_a_cluster_brings_its_log_folder_settings_and_module_path(
 
     ray = pytest.importorskip("ray")
     from moe_rl.log import LOG_DIR_ENV
-    from moe_rl.orchestration.actors import FAULTS_ENV, start_ray
+    from moe_rl.orchestration.actors import start_ray
+    from moe_rl.orchestration.faults import FAULTS_ENV
 
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
     monkeypatch.setenv(FAULTS_ENV, "die_in_generate=9@9")

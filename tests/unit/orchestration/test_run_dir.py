@@ -433,11 +433,10 @@ def test_a_checkpoint_cut_by_a_full_disk_is_one_line_and_a_resume_skips_it(tmp_p
     from moe_rl.orchestration.preflight import load_checked
     from tests.unit.trainer.trainer_testing import TINY_MODEL_OVERRIDES, TINY_RECIPE
 
-    local = LocalRun(
-        load_checked(TINY_RECIPE, [*TINY_MODEL_OVERRIDES, "rollout.batch_size=16", "rollout.group_size=4"])
+    config = load_checked(
+        TINY_RECIPE, [*TINY_MODEL_OVERRIDES, "rollout.batch_size=16", "rollout.group_size=4"]
     )
-    stages = local.stages
-    stages.run_dir = tmp_path
+    local = LocalRun(config, run_dir=tmp_path)
     sink = MetricsSink(tmp_path, tensorboard=False)
     record = local.step(0)
     sink.log(record.pop("step"), record)
@@ -448,14 +447,14 @@ def test_a_checkpoint_cut_by_a_full_disk_is_one_line_and_a_resume_skips_it(tmp_p
     with monkeypatch.context() as full:
         full.setattr(shutil, "disk_usage", lambda path: usage._replace(free=3 << 20))
         with pytest.raises(EnvironmentFault) as err:
-            stages.checkpoint()
+            local.job.checkpoint()
     ckpt = tmp_path / "checkpoints" / "step_000000"
     assert str(err.value) == (
         f"{ckpt}: no space left on the device (3 MiB free) while writing checkpoint step_000000; "
         f"{rd.AFTER_A_FULL_DISK}"
     )
     assert rd.unsealed(ckpt) and rd.newest_usable(tmp_path) is None
-    assert stages.restore(sink, None) == 0
+    assert local.job.restore(sink, None) == 0
     (aside,) = [p.name for p in (tmp_path / "checkpoints").iterdir()]
     assert aside.startswith("step_000000.unusable-")
     assert read_metrics(tmp_path) == []

@@ -4,6 +4,7 @@ prompts, seeded apart, without reading the dataset again."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,24 @@ def test_the_probe_stream_draws_the_same_prompts_seeded_apart_without_reading_th
     assert probe.next_batch(8) == fresh.next_batch(8)
     assert source.state() == before  # the training stream is left where it was
     assert source.next_batch(3) == build_prompt_source(file_recipe).next_batch(3)
+
+
+def test_an_operating_system_refusal_while_reading_is_one_line_and_any_other_error_is_raised(
+    file_recipe, monkeypatch
+):
+    """A refusal of the machine's (a full disk, a permission) while the inputs are read is the
+    rule's line, naming the file; an error that is not one is the project's to see, raised."""
+
+    def refused(config):
+        raise PermissionError(errno.EACCES, "Permission denied", "/data/prompts.jsonl")
+
+    monkeypatch.setattr(preflight, "build_inputs", refused)
+    rule, inputs = preflight._read_rule(file_recipe)
+    assert (rule.ok, rule.detail, inputs) == (False, "/data/prompts.jsonl: permission denied", None)
+
+    def broken(config):
+        raise OSError(errno.EIO, "Input/output error", "/data/prompts.jsonl")
+
+    monkeypatch.setattr(preflight, "build_inputs", broken)
+    with pytest.raises(OSError, match="Input/output error"):
+        preflight._read_rule(file_recipe)
