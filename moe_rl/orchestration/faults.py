@@ -56,7 +56,7 @@ class Faults:
         (``restarts`` > 0) has none."""
         spec = os.environ.get(FAULTS_ENV, "") if spec is None else spec
         self.replica, self.spec = replica, spec
-        self.planned = [f for f in parse_faults(spec) if f.replica == replica] if restarts == 0 else []
+        self.planned = {f for f in parse_faults(spec) if f.replica == replica} if restarts == 0 else set()
         self.calls: Counter[FaultPoint] = Counter()
 
     def reached(self, point: FaultPoint) -> None:

@@ -30,12 +30,12 @@ def test_the_plan_reads_every_fault_and_refuses_one_that_does_not_read():
 
 def test_a_replica_gets_its_own_faults_from_the_environment_and_a_restarted_one_none(monkeypatch):
     monkeypatch.setenv(FAULTS_ENV, "die_in_generate=1@3,die_in_sync=0@2,die_in_sync=1@5")
-    assert Faults(1, restarts=0).planned == [Fault(FaultPoint.GENERATE, 1, 3), Fault(FaultPoint.SYNC, 1, 5)]
-    assert Faults(1, restarts=1).planned == []
-    assert Faults(1, restarts=0, spec="").planned == []
+    assert Faults(1, restarts=0).planned == {Fault(FaultPoint.GENERATE, 1, 3), Fault(FaultPoint.SYNC, 1, 5)}
+    assert Faults(1, restarts=1).planned == set()
+    assert Faults(1, restarts=0, spec="").planned == set()
     quiet = Faults(2, restarts=0)
     quiet.reached(FaultPoint.SYNC)  # nothing planned for it: nothing counted
-    assert quiet.planned == [] and not quiet.calls
+    assert quiet.planned == set() and not quiet.calls
 
 
 def test_a_process_exits_at_the_planned_call_of_the_planned_point():
