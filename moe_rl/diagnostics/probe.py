@@ -66,7 +66,7 @@ class ReferenceModel:
     def __init__(self, config: RecipeConfig):
         from moe_rl.megatron.model import build_gpt_model
         from moe_rl.megatron.parallel import init_parallel
-        from moe_rl.rollout.megatron_engine import WHOLE_MODEL
+        from moe_rl.rollout.engine import WHOLE_MODEL
         from moe_rl.weight_sync.receiver import ModelReceiver
 
         init_parallel(WHOLE_MODEL)

@@ -62,7 +62,7 @@ def _free_port() -> int:
 SYNC_GROUP = "sync"
 """The engine actors' concurrency group of weight-sync calls with in-flight updates
 (`rollout.inflight_updates`): they run in a thread of their own, beside a generation, which the
-engine parks at a token boundary for them (`moe_rl.rollout.megatron_engine.SyncGate`)."""
+engine parks at a token boundary for them (`moe_rl.rollout.sync_gate.SyncGate`)."""
 
 
 def sync_call(engine: Any, method: str, config: RecipeConfig) -> Any:

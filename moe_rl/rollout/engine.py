@@ -23,8 +23,13 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from moe_rl.config.derived import sampling_truncates
+from moe_rl.config.schema import ParallelConfig
 from moe_rl.rules import Rule
 from moe_rl.weight_sync.protocol import WeightReceiver
+
+WHOLE_MODEL = ParallelConfig()
+"""An engine process holds the whole model: no tensor, pipeline or expert parallelism, whatever
+the trainer's layout (the trainer group sends it every tensor)."""
 
 if TYPE_CHECKING:
     from moe_rl.config.schema import RecipeConfig, RolloutConfig

@@ -23,29 +23,24 @@ sampler's generator lives there (seeded from the recipe, so a seed gives the sam
 same device), and each decoding step reads its sampled tokens, log-probs, kept sets and routing
 rows back to the CPU once: the trajectories it returns are CPU tensors.
 
-`int4_awq` is activation-aware: at each sync ModelOpt's AWQ-lite searches per-channel scales on
-calibration activations (`quant.calib_tokens` tokens of the engine's most recent rollout
-sequences) in a scratch copy of the model, and the engine loads the effective dequantized weights
-`Q(W/p)·p` (`moe_rl.quant.recipes.awq_effective_weights`). The first sync has no rollout yet; its
-calibration runs at the next `generate`, on that call's prompts.
+How the rollout recipe takes the weights a sync brings (as they arrive, ModelOpt's fake
+quantization, or `int4_awq` calibrated on the engine's own rollouts) is `moe_rl.rollout.arrival`'s;
+syncs and decoding take turns at token boundaries through `moe_rl.rollout.sync_gate.SyncGate`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import logging
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from moe_rl.config.modes import QuantMethod
-from moe_rl.config.schema import ParallelConfig, RecipeConfig
-from moe_rl.config.sync_plan import WIRE_METHODS, sends_adapters
+from moe_rl.config.schema import RecipeConfig
+from moe_rl.config.sync_plan import sends_adapters
 from moe_rl.data.trajectory import Sample, TrajectoryBatch
 from moe_rl.device import check_process_device
 from moe_rl.megatron.decoding import (
@@ -54,31 +49,30 @@ from moe_rl.megatron.decoding import (
     RecomputeDecoder,
     StepOutput,
     kv_cache_unsupported,
-    pack_sequences,
 )
 from moe_rl.megatron.lora import trains
 from moe_rl.offload import DriverMemory, Offload, resident_bytes
 from moe_rl.quant.recipes import (
     QuantReport,
-    WeightQuantizer,
-    awq_effective_weights,
     check_quant_supported,
-    should_quantize,
 )
+from moe_rl.rollout.arrival import arrival_of
 from moe_rl.rollout.capabilities import engine_capabilities
-from moe_rl.rollout.engine import EngineCapabilities, SamplingSpec, check_prompts, expand_group_ids
+from moe_rl.rollout.engine import (
+    WHOLE_MODEL,
+    EngineCapabilities,
+    SamplingSpec,
+    check_prompts,
+    expand_group_ids,
+)
 from moe_rl.rollout.sampler import SampleOutput, sample
+from moe_rl.rollout.sync_gate import SyncGate
 from moe_rl.weight_sync import ipc
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.receiver import ModelReceiver, decoded
 from moe_rl.weight_sync.sender import sync_in_process
 
 log = logging.getLogger(__name__)
-
-
-WHOLE_MODEL = ParallelConfig()
-"""An engine process holds the whole model: no tensor, pipeline or expert parallelism, whatever
-the trainer's layout (the trainer group sends it every tensor)."""
 
 
 class Decoding(enum.Enum):
@@ -88,25 +82,6 @@ class Decoding(enum.Enum):
     """Prefill once, then one token per sequence per step on Megatron's static inference context."""
     RECOMPUTE = "recompute"
     """Every step re-runs every prefix (the reference for the cached path)."""
-
-
-def _calibration_chunks(sequences: Sequence[list[int]], budget: int) -> list[list[list[int]]]:
-    """Up to `budget` tokens of `sequences` (whole sequences, in order), packed ~512 tokens a chunk."""
-    if not sequences:
-        raise ValueError("int4_awq calibration needs at least one token sequence")
-    chunks: list[list[list[int]]] = [[]]
-    used = filled = 0
-    for seq in sequences:
-        seq = list(seq)[: budget - used]
-        if not seq:
-            break
-        if filled and filled + len(seq) > 512:
-            chunks.append([])
-            filled = 0
-        chunks[-1].append(seq)
-        used += len(seq)
-        filled += len(seq)
-    return chunks
 
 
 @dataclass
@@ -123,187 +98,6 @@ class _Rollout:
     spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     """``(first response token, policy version)``: the weights each part of the response was sampled
     with (more than one span when a sync landed while it was decoded, `SyncGate`)."""
-
-
-class SyncGate:
-    """Weight syncs and decoding take turns at token boundaries. A sync (`begin` ... `end`) waits
-    until no generation decodes or the one that does has parked at its next token boundary
-    (`boundary`); a generation that starts during a sync waits for its end (`decoding`). Where
-    syncs and generation run in one thread (the one-process loop, or an engine actor whose calls
-    run one at a time) a sync never meets a decoding generation and the gate only counts; with
-    in-flight updates (`rollout.inflight_updates`) the engine actor runs syncs in a thread of their
-    own, and a generation goes on after the sync with the new weights (its KV cache holds the keys
-    and values the old ones computed)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._syncing = self._decoding = self._parked = False
-        self.inflight = 0
-        """Syncs that landed while a generation was decoding (it parked for them)."""
-
-    def begin(self) -> None:
-        with self._cond:
-            self._syncing = True
-            self._cond.wait_for(lambda: not self._decoding or self._parked)
-            self.inflight += int(self._decoding)
-
-    def end(self) -> None:
-        with self._cond:
-            self._syncing = False
-            self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def decoding(self):
-        with self._cond:
-            self._cond.wait_for(lambda: not self._syncing)
-            self._decoding = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._decoding = False
-                self._cond.notify_all()
-
-    def boundary(self) -> bool:
-        """Park here while a sync runs; whether one did."""
-        with self._cond:
-            if not self._syncing:
-                return False
-            self._parked = True
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: not self._syncing)
-            self._parked = False
-            return True
-
-
-class _Arrival:
-    """How the engine's rollout recipe takes the weights a sync brings (`_arrival_of`, chosen once):
-    here, as they arrive, already the values the recipe gives (its quantized bytes decoded, or no
-    recipe). Every recipe's weights are loaded through the engine's one `ModelReceiver`, whose
-    `finish` checks the sync is complete."""
-
-    def begin(self) -> None:
-        """A sync begins."""
-
-    def take(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """What the receiver loads of ``named`` (one bucket's decoded weights)."""
-        return named
-
-    def finish(self, engine: MegatronEngine, version: int) -> dict:
-        """The sync's numbers, once every weight is loaded."""
-        return {"bytes_loaded": float(engine._receiver.bytes)}
-
-    def before_generate(self, engine: MegatronEngine, prompts: list[list[int]]) -> None:
-        """Before a generation (a recipe that calibrates on rollouts may still have to)."""
-
-    def after_generate(self, sequences: list[list[int]]) -> None:
-        """After a generation: its sequences (prompt and response)."""
-
-
-class _FakeQuantized(_Arrival):
-    """ModelOpt's fake quantization of the recipe (quantize, dequantize) on the engine's side, for a
-    recipe whose bytes do not travel quantized (NVFP4; none, which passes every weight as it is); what
-    it gives is the sync's `QuantReport`."""
-
-    def __init__(self, config: RecipeConfig):
-        self.quantizer = WeightQuantizer(config.quant, config.model.num_layers)
-        self.name = config.quant.name
-        self.report = QuantReport(self.name)
-
-    def begin(self) -> None:
-        self.report = QuantReport(self.name)
-
-    def take(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        return self.quantizer.fake_quantize(named, self.report)
-
-    def finish(self, engine: MegatronEngine, version: int) -> dict:
-        engine.last_quant_report = self.report
-        return {**super().finish(engine, version), **self.report.summary()}
-
-
-class _AwqCalibrated(_Arrival):
-    """INT4 AWQ: the weights load as they arrive (so the sync is checked complete) and a copy is kept;
-    the effective INT4 weights are calibrated on the engine's own last rollouts when the sync finishes,
-    or, before any rollout, on the prompts of the next generation."""
-
-    def __init__(self, config: RecipeConfig):
-        self.config = config
-        self.pending: dict[str, torch.Tensor] | None = None
-        self.calibration: list[list[int]] = []
-
-    def begin(self) -> None:
-        self.pending = {}
-
-    def take(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in named:
-            self.pending[name] = tensor.clone()
-            yield name, tensor
-
-    def finish(self, engine: MegatronEngine, version: int) -> dict:
-        if not self.calibration:
-            log.info("int4_awq: calibration of version %d runs at the next generate", version)
-            return {"quant/recipe": self.config.quant.name}
-        start = time.perf_counter()
-        report = self.apply(engine, self.calibration)
-        return {"seconds": time.perf_counter() - start, **report.summary()}
-
-    def before_generate(self, engine: MegatronEngine, prompts: list[list[int]]) -> None:
-        if self.pending is not None:
-            self.apply(engine, self.calibration or prompts)
-
-    def after_generate(self, sequences: list[list[int]]) -> None:
-        self.calibration = sequences
-
-    @torch.no_grad()
-    def apply(self, engine: MegatronEngine, sequences: Sequence[list[int]]) -> QuantReport:
-        """AWQ-calibrate the pending weights on `sequences` and load the effective INT4 weights."""
-        from moe_rl.megatron.forward import forward_logits
-        from moe_rl.megatron.hf_weights import hf_names_for, iter_hf_weights, load_hf_weights
-        from moe_rl.megatron.model import build_gpt_model
-        from moe_rl.megatron.replay import release_router_replay
-
-        weights, cfg = self.pending, self.config.quant
-        num_layers = self.config.model.num_layers
-        scratch = build_gpt_model(self.config.model, WHOLE_MODEL, self.config.trainer)
-        release_router_replay(scratch)
-        load_hf_weights(scratch, weights)
-        scratch.eval()
-        chunks = _calibration_chunks(sequences, cfg.calib_tokens)
-
-        def forward_loop(model):
-            for chunk in chunks:
-                forward_logits(model, pack_sequences(chunk, engine.device))
-
-        def include(name: str, weight: torch.Tensor) -> bool:
-            hf = hf_names_for(engine.model, name).hf
-            return all(should_quantize(h, weight, cfg, num_layers) for h in hf)
-
-        effective = awq_effective_weights(scratch, cfg, forward_loop, include)
-        del scratch
-        load_hf_weights(engine.model, weights)
-        params = dict(engine.model.named_parameters())
-        quantized = set()
-        for name, value in effective.items():
-            params[name].copy_(value)
-            quantized.update(hf_names_for(engine.model, name).hf)
-        report = QuantReport(cfg.name)
-        for name, sent in iter_hf_weights(engine.model):
-            report.add(name, weights[name], sent if name in quantized else None, 4)
-        self.pending = None
-        engine.last_quant_report = report
-        return report
-
-
-def _arrival_of(config: RecipeConfig) -> _Arrival:
-    """The one place the engine's handling of a recipe is chosen: AWQ calibrates here, a recipe whose
-    bytes travel quantized (`WIRE_METHODS`) loads as it arrives, the others (no recipe included, whose
-    report says what was loaded) go through ModelOpt's fake quantization here."""
-    method = config.quant.method
-    if method == QuantMethod.INT4_AWQ:
-        return _AwqCalibrated(config)
-    if method in WIRE_METHODS:
-        return _Arrival()
-    return _FakeQuantized(config)
 
 
 class MegatronEngine:
@@ -331,7 +125,7 @@ class MegatronEngine:
         self.replay = RoutingReplay(self.model) if config.model.num_experts else None
         self.decoding = self._check_decoding(decoding)
         self._receiver = ModelReceiver(self.model, trains(self.model, config.lora) if adapters else None)
-        self._arrival = _arrival_of(config)  # the recipe's handling of arriving weights
+        self._arrival = arrival_of(config)  # the recipe's handling of arriving weights
         self._incoming: int | None = None
         self.version = 0
         self.generator = torch.Generator(device=self.device).manual_seed(
@@ -438,7 +232,7 @@ class MegatronEngine:
     @torch.no_grad()
     def receive_bucket(self, bucket: Bucket) -> dict[str, float]:
         """Decode one bucket (`moe_rl.weight_sync.wire`) and load it, as the recipe takes it
-        (`_Arrival`); returns its byte count."""
+        (`moe_rl.rollout.arrival.Arrival`); returns its byte count."""
         if self._incoming is None:
             raise RuntimeError("receive_bucket before begin_weight_update")
         receiver = self._receiver
@@ -464,6 +258,11 @@ class MegatronEngine:
         self._incoming = None
         self.version = int(version)
         return self._arrival.finish(self, version)
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes the receiver loaded in the current (or last) sync."""
+        return self._receiver.bytes
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:

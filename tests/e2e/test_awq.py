@@ -15,8 +15,9 @@ from moe_rl.megatron.model import build_gpt_model
 from moe_rl.megatron.replay import release_router_replay
 from moe_rl.orchestration.preflight import load_checked
 from moe_rl.quant.recipes import WeightQuantizer, awq_effective_weights, should_quantize
+from moe_rl.rollout.arrival import calibration_chunks
 from moe_rl.rollout.engine import SamplingSpec
-from moe_rl.rollout.megatron_engine import MegatronEngine, _calibration_chunks
+from moe_rl.rollout.megatron_engine import MegatronEngine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("device")]
 
@@ -152,9 +153,9 @@ def test_first_sync_calibrates_at_generate_then_on_the_last_rollout(reference):
 
 
 def test_calibration_budget_and_errors():
-    chunks = _calibration_chunks([[1] * 300, [2] * 300, [3] * 300], budget=700)
+    chunks = calibration_chunks([[1] * 300, [2] * 300, [3] * 300], budget=700)
     assert [sum(map(len, c)) for c in chunks] == [300, 400]  # 512-token chunks, 700-token budget
     with pytest.raises(ValueError, match="at least one token sequence"):
-        _calibration_chunks([], 10)
+        calibration_chunks([], 10)
     with pytest.raises(ValueError, match="quant.calib_tokens=0"):
         recipe("quant.calib_tokens=0")

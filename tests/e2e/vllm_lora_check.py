@@ -40,7 +40,7 @@ def main(recipe: str, overrides: list[str]) -> dict:
     from moe_rl.orchestration.preflight import load_checked
     from moe_rl.quant.recipes import ADAPTER_HF
     from moe_rl.rollout.capabilities import engine_capabilities
-    from moe_rl.rollout.megatron_engine import WHOLE_MODEL
+    from moe_rl.rollout.engine import WHOLE_MODEL
     from moe_rl.rollout.vllm_engine import VLLMEngine, recipe_settings
     from moe_rl.weight_sync.outgoing import SyncPart, owned
 

@@ -47,7 +47,7 @@ def main(recipe: str, quants: list[str]) -> dict:
     from moe_rl.megatron.model import build_gpt_model, model_config_to_hf_config
     from moe_rl.megatron.parallel import init_parallel
     from moe_rl.orchestration.preflight import load_checked
-    from moe_rl.rollout.megatron_engine import WHOLE_MODEL
+    from moe_rl.rollout.engine import WHOLE_MODEL
     from moe_rl.rollout.vllm_engine import _TensorListSource, _to_engine_dtype, engine_config, llm_kwargs
     from moe_rl.weight_sync import vllm_transfer
 
