@@ -41,7 +41,8 @@ def main(recipe: str, overrides: list[str]) -> dict:
     from moe_rl.quant.recipes import ADAPTER_HF
     from moe_rl.rollout.capabilities import engine_capabilities
     from moe_rl.rollout.engine import WHOLE_MODEL
-    from moe_rl.rollout.vllm_engine import VLLMEngine, recipe_settings
+    from moe_rl.rollout.vllm_engine import VLLMEngine
+    from moe_rl.rollout.vllm_settings import recipe_settings
     from moe_rl.weight_sync.outgoing import SyncPart, owned
 
     # the recipe as on a GPU node (vLLM's CPU build is refused LoRA on MoE layers); the engine runs here

@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("vllm")
 
 from moe_rl.config.schema import LoraConfig
-from moe_rl.rollout.vllm_engine import VllmAdapters, vllm_lora_modules
+from moe_rl.rollout.vllm_adapters import VllmAdapters
+from moe_rl.rollout.vllm_settings import vllm_lora_modules
 
 O_PROJ = "model.layers.0.self_attn.o_proj"
 

@@ -26,7 +26,7 @@ from moe_rl.device import Machine  # noqa: E402
 from moe_rl.megatron.model import model_config_to_hf_config  # noqa: E402
 from moe_rl.orchestration.preflight import load_checked  # noqa: E402
 from moe_rl.rollout.capabilities import check_recipe  # noqa: E402
-from moe_rl.rollout.vllm_engine import (  # noqa: E402
+from moe_rl.rollout.vllm_settings import (  # noqa: E402
     ROUTING_STORE_MIN_BYTES,
     engine_config,
     llm_kwargs,

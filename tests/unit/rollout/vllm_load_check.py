@@ -48,7 +48,8 @@ def main(recipe: str, quants: list[str]) -> dict:
     from moe_rl.megatron.parallel import init_parallel
     from moe_rl.orchestration.preflight import load_checked
     from moe_rl.rollout.engine import WHOLE_MODEL
-    from moe_rl.rollout.vllm_engine import _TensorListSource, _to_engine_dtype, engine_config, llm_kwargs
+    from moe_rl.rollout.vllm_engine import _TensorListSource, _to_engine_dtype
+    from moe_rl.rollout.vllm_settings import engine_config, llm_kwargs
     from moe_rl.weight_sync import vllm_transfer
 
     config = load_checked(recipe, ["run.device=cpu", "rollout.engine=megatron"], Machine(cuda=False))
