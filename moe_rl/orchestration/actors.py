@@ -100,7 +100,7 @@ class TrainerRank:
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",  # Ray shows each rank its own GPU only
         )  # fmt: skip
-        self.host = TrainerHost(self.config, self.sync, self.rank, host=ray.util.get_node_ip_address())
+        self.host = TrainerHost(self.config, self.sync, host=ray.util.get_node_ip_address())
         info = self.host.worker.info
         return {"rank": info.rank, "dp_rank": info.dp_rank, "dp_size": info.dp_size, "pp_rank": info.pp_rank}
 

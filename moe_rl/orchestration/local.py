@@ -52,7 +52,7 @@ class LocalTrainer:
     def __init__(self, config: RecipeConfig, sync: SyncPlan):
         from moe_rl.orchestration.trainer_host import TrainerHost
 
-        self.host = TrainerHost(config, sync, rank=0)
+        self.host = TrainerHost(config, sync)
         self._handles = itertools.count(1)
 
     @property

@@ -18,17 +18,19 @@ class TrainerHost:
     `moe_rl.weight_sync.sender.RankSender` that follows the run's sync plan, handed down by the
     process that started the run) and the batch its π_old pass prepared, until `train` takes it."""
 
-    def __init__(self, config: RecipeConfig, sync: SyncPlan, rank: int, host: str | None = None):
+    def __init__(self, config: RecipeConfig, sync: SyncPlan, host: str | None = None):
         """``host``: the address receivers on other nodes reach this rank at (None: this machine's
         name resolved). The rank's torch.distributed world is joined already, where it has one."""
         from moe_rl.trainer.worker import TrainerWorker
         from moe_rl.weight_sync.sender import RankSender
 
-        self.config, self.rank = config, rank
+        self.config = config
         self.worker = TrainerWorker(config)
+        self.rank = self.worker.info.rank
+        """This rank in the trainer's torch.distributed world (0 in one process)."""
         c = config
         self.sender = RankSender(
-            self.worker.model, c.quant, c.model.num_layers, sync, rank, host=host,
+            self.worker.model, c.quant, c.model.num_layers, sync, self.rank, host=host,
             vllm_workers=c.rollout.tensor_parallel_size, lora=c.lora,
         )  # fmt: skip
         self._prepared: dict[int, Any] = {}

@@ -129,7 +129,7 @@ def test_a_colocated_step_that_releases_memory_reports_each_phase_once_and_its_r
     assert local.stages.releases and local.stages.workers.plan.releases_memory
     record = local.step(0)
     assert record["memory/trainer_releases"] == record["memory/engine_sleeps"] == 1
-    assert record["rollout/regenerated_prompts"] == 0
+    assert record["rollout/regenerated_prompts"] == record["rollout/engine_restarts"] == 0
     rounds = local.stages.generate(1)
     assert rounds.metrics() == {"rollout/regenerated_prompts": 0, "time/reward_s": 0.0}  # none scored yet
     engines = local.stages.engines
@@ -137,3 +137,33 @@ def test_a_colocated_step_that_releases_memory_reports_each_phase_once_and_its_r
     assert sorted(gen.statuses) == [r.index for r in engines.replicas]
     assert all(status["replica"] == index for index, status in gen.statuses.items())
     local.job.shutdown()
+
+
+def test_a_run_restored_from_its_checkpoint_goes_on_at_the_step_after_it(tmp_path):
+    """A one-process run of two steps, then a new run on its directory restored from the checkpoint
+    the first wrote at its end: it starts at step 2 with the policy version and prompt stream the
+    checkpoint holds."""
+    from moe_rl.orchestration.local import LocalRun
+    from moe_rl.orchestration.metrics import MetricsSink
+    from moe_rl.orchestration.preflight import load_checked
+    from moe_rl.run_dir import newest_usable
+
+    config = load_checked(
+        REPO / "recipes" / "tiny_moe.yaml",
+        [*TINY_MODEL_OVERRIDES, "run.steps=4", "rollout.batch_size=8", "rollout.group_size=4"],
+    )
+    first = LocalRun(config, run_dir=tmp_path)
+    assert [r["step"] for r in first.run(2)] == [0, 1]
+    stream = first.stages.source.state()
+    first.job.shutdown()
+    usable = newest_usable(tmp_path)
+    assert usable is not None and usable.path.name == "step_000001"
+    again = LocalRun(config, run_dir=tmp_path)
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    try:
+        assert again.job.restore(sink, usable) == 2
+    finally:
+        sink.close()
+    assert again.stages.state.version == 2 and again.stages.state.step_done == 1
+    assert again.stages.source.state() == stream
+    again.job.shutdown()
