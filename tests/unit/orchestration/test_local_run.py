@@ -123,11 +123,13 @@ def test_a_colocated_step_that_releases_memory_reports_each_phase_once_and_its_r
 
     config = load_checked(
         REPO / "recipes" / "tiny_moe.yaml",
-        [*TINY_MODEL_OVERRIDES, "cluster.release_memory=on", "rollout.batch_size=8", "rollout.group_size=4"],
-    )
+        [*TINY_MODEL_OVERRIDES, "cluster.release_memory=on", "rollout.batch_size=8", "rollout.group_size=4",
+         "logging.diagnose_every=1"],
+    )  # fmt: skip
     local = LocalRun(config)
     assert local.stages.releases and local.stages.workers.plan.releases_memory
     record = local.step(0)
+    assert record["probe/kl_k3"] >= 0 and record["mismatch/staleness"] == 0.0  # the probe, on a sync step
     assert record["memory/trainer_releases"] == record["memory/engine_sleeps"] == 1
     assert record["rollout/regenerated_prompts"] == record["rollout/engine_restarts"] == 0
     rounds = local.stages.generate(1)
@@ -139,10 +141,10 @@ def test_a_colocated_step_that_releases_memory_reports_each_phase_once_and_its_r
     local.job.shutdown()
 
 
-def test_a_run_restored_from_its_checkpoint_goes_on_at_the_step_after_it(tmp_path):
-    """A one-process run of two steps, then a new run on its directory restored from the checkpoint
-    the first wrote at its end: it starts at step 2 with the policy version and prompt stream the
-    checkpoint holds."""
+def test_a_run_restored_from_its_checkpoint_goes_on_at_the_step_after_it(tmp_path, caplog):
+    """A one-process run of four steps checkpointed every three (after step 2, and after its last),
+    then a new run on its directory restored from the newest checkpoint: it starts at step 4 with
+    the policy version and prompt stream the checkpoint holds, and says so."""
     from moe_rl.orchestration.local import LocalRun
     from moe_rl.orchestration.metrics import MetricsSink
     from moe_rl.orchestration.preflight import load_checked
@@ -150,20 +152,24 @@ def test_a_run_restored_from_its_checkpoint_goes_on_at_the_step_after_it(tmp_pat
 
     config = load_checked(
         REPO / "recipes" / "tiny_moe.yaml",
-        [*TINY_MODEL_OVERRIDES, "run.steps=4", "rollout.batch_size=8", "rollout.group_size=4"],
-    )
+        [*TINY_MODEL_OVERRIDES, "run.steps=5", "run.checkpoint_every=3", "rollout.batch_size=8",
+         "rollout.group_size=4"],
+    )  # fmt: skip
     first = LocalRun(config, run_dir=tmp_path)
-    assert [r["step"] for r in first.run(2)] == [0, 1]
+    assert [r["step"] for r in first.run(4)] == [0, 1, 2, 3]
+    assert sorted(step for step, _ in checkpoints(tmp_path)) == [2, 3]
     stream = first.stages.source.state()
     first.job.shutdown()
     usable = newest_usable(tmp_path)
-    assert usable is not None and usable.path.name == "step_000001"
+    assert usable is not None and usable.path.name == "step_000003"
     again = LocalRun(config, run_dir=tmp_path)
     sink = MetricsSink(tmp_path, tensorboard=False)
     try:
-        assert again.job.restore(sink, usable) == 2
+        with caplog.at_level(logging.INFO, logger="moe_rl.driver"):
+            assert again.job.restore(sink, usable) == 4
     finally:
         sink.close()
-    assert again.stages.state.version == 2 and again.stages.state.step_done == 1
+    assert f"resumed from {usable.path} at step 4 (policy version 4)" in caplog.messages
+    assert again.stages.state.version == 4 and again.stages.state.step_done == 3
     assert again.stages.source.state() == stream
     again.job.shutdown()

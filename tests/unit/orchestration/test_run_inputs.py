@@ -91,3 +91,12 @@ def test_an_operating_system_refusal_while_reading_is_one_line_and_any_other_err
     monkeypatch.setattr(preflight, "build_inputs", broken)
     with pytest.raises(OSError, match="Input/output error"):
         preflight._read_rule(file_recipe)
+
+
+def test_a_dataset_row_that_does_not_read_refuses_the_inputs_with_the_readers_line(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2="}\n')
+    config = load_recipe(TINY, [f"data.task=file:{data}", "model.vocab_size=320", "data.reward=exact_match"])
+    found = preflight.preflight(config)
+    broken = found.sections[1].broken
+    assert found.inputs is None and broken.name == "inputs read" and f"{data}: line 2" in broken.detail
