@@ -72,7 +72,7 @@ def ray_cluster() -> Iterator:
     """One Ray cluster on this machine that `moe-rl train` runs join through ``RAY_ADDRESS``, as the
     runs of a Slurm job join the job's: its processes start with the runs' process environment
     (`moe_rl.orchestration.placement.PROCESS_ENV`), and each run brings its own settings in its job's
-    runtime env (`moe_rl.orchestration.actors.start_ray`). The end-to-end tier's runs share it
+    runtime env (`moe_rl.orchestration.ray_cluster.start_ray`). The end-to-end tier's runs share it
     (tests/e2e/conftest.py), so each run pays its actors' start, not a cluster's."""
     from ray.cluster_utils import Cluster
 

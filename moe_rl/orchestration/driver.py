@@ -19,9 +19,9 @@ import ray
 
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.log import progress
-from moe_rl.orchestration.actors import start_ray
 from moe_rl.orchestration.metrics import MetricsSink, run_summary
 from moe_rl.orchestration.preflight import RunInputs
+from moe_rl.orchestration.ray_cluster import start_ray
 from moe_rl.orchestration.run import Run
 from moe_rl.orchestration.stages import Waiting
 from moe_rl.orchestration.workers import ray_workers

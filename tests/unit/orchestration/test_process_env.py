@@ -16,7 +16,7 @@ TINY = Path(__file__).resolve().parents[3] / "recipes" / "tiny_moe.yaml"
 
 def test_a_local_run_s_ray_processes_start_with_the_process_env(monkeypatch):
     ray = pytest.importorskip("ray")
-    from moe_rl.orchestration.actors import start_ray
+    from moe_rl.orchestration.ray_cluster import start_ray
 
     for key in (*PROCESS_ENV, "RAY_ADDRESS"):
         monkeypatch.delenv(key, raising=False)  # as a user's shell: restored after the test
@@ -46,8 +46,8 @@ def test_a_run_joining_a_cluster_brings_its_log_folder_settings_and_module_path(
 
     ray = pytest.importorskip("ray")
     from moe_rl.log import LOG_DIR_ENV
-    from moe_rl.orchestration.actors import start_ray
     from moe_rl.orchestration.faults import FAULTS_ENV
+    from moe_rl.orchestration.ray_cluster import start_ray
 
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
     monkeypatch.setenv(FAULTS_ENV, "die_in_generate=9@9")
