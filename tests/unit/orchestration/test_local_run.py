@@ -132,6 +132,8 @@ def test_a_colocated_step_that_releases_memory_reports_each_phase_once_and_its_r
     assert record["probe/kl_k3"] >= 0 and record["mismatch/staleness"] == 0.0  # the probe, on a sync step
     assert record["memory/trainer_releases"] == record["memory/engine_sleeps"] == 1
     assert record["rollout/regenerated_prompts"] == record["rollout/engine_restarts"] == 0
+    phases = ("time/rollout_s", "time/reward_s", "time/old_logp_s", "time/train_s", "time/sync_s")
+    assert all(record[k] >= 0 for k in phases) and sum(record[k] for k in phases) <= record["time/step_s"]
     rounds = local.stages.generate(1)
     assert rounds.metrics() == {"rollout/regenerated_prompts": 0, "time/reward_s": 0.0}  # none scored yet
     engines = local.stages.engines
