@@ -158,6 +158,8 @@ def test_a_run_restored_from_its_checkpoint_goes_on_at_the_step_after_it(tmp_pat
          "rollout.group_size=4"],
     )  # fmt: skip
     first = LocalRun(config, run_dir=tmp_path)
+    first.job.checkpoint()  # no step done: nothing to save (a trainer state before any update)
+    assert not (tmp_path / "checkpoints").exists()
     assert [r["step"] for r in first.run(4)] == [0, 1, 2, 3]
     assert sorted(step for step, _ in checkpoints(tmp_path)) == [2, 3]
     stream = first.stages.source.state()
