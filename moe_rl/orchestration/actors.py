@@ -176,7 +176,7 @@ class EngineActor(EngineHost):
         if visible_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
         _setup_process(config, threads, f"engine{replica}")
-        super().__init__(config, plan, model_path, replica, restarts, env_factory, Faults(replica, restarts))
+        super().__init__(config, plan, model_path, replica, env_factory, Faults(replica, restarts))
 
     @ray.method(num_returns=2)
     def generate(self, prompts: Sequence[Any], sampling, group_ids: Sequence[int]):

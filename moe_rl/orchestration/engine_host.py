@@ -21,19 +21,19 @@ class EngineHost:
     a sync fills (`SyncTarget`: the engine, or the probe's reference model) and the probe."""
 
     def __init__(
-        self, config: RecipeConfig, plan: RunPlan, model_path: str | None, replica: int, restarts: int = 0,
-        env_factory=None, faults: Faults | None = None,
+        self, config: RecipeConfig, plan: RunPlan, model_path: str | None, replica: int, env_factory=None,
+        faults: Faults | None = None,
     ):  # fmt: skip
         """``plan``: the run's plan, decided by the process that started the run; ``env_factory``: the
         environment maker the preflight built (`env.name`; built here when not given); ``faults``:
         the faults planned for this process (`moe_rl.orchestration.faults`; None: none)."""
-        self.config, self.replica, self.restarts = config, replica, restarts
+        self.config, self.replica = config, replica
         self.engine = make_engine(config, plan, model_path)
         from moe_rl.envs.rollout import rollouts_for
 
         self.rollouts = rollouts_for(config, self.engine, env_factory)  # single- or multi-turn (`env.name`)
         self._reference = None
-        self.faults = faults or Faults(replica, restarts, spec="")
+        self.faults = faults
         from moe_rl.weight_sync.broadcast import StreamThreads
 
         self._streams = StreamThreads()
@@ -41,7 +41,8 @@ class EngineHost:
     def generate(self, prompts: Sequence[Any], sampling, group_ids: Sequence[int]):
         """``(batch, status)`` for `moe_rl.rewards.tasks.Prompt` s (the status with the environment's
         counts of a multi-turn rollout)."""
-        self.faults.reached(FaultPoint.GENERATE)
+        if self.faults is not None:
+            self.faults.reached(FaultPoint.GENERATE)
         batch, env = self.rollouts.generate(prompts, sampling, group_ids)
         return batch, {"replica": self.replica, "samples": batch.num_samples, "env": env}
 
@@ -63,7 +64,8 @@ class EngineHost:
             return self._land(bucket, into)
 
     def _land(self, bucket, into: SyncTarget) -> dict[str, float]:
-        self.faults.reached(FaultPoint.SYNC)
+        if self.faults is not None:
+            self.faults.reached(FaultPoint.SYNC)
         return self._target(into).receive_bucket(bucket)
 
     def finish_weight_update(self, version: int, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:

@@ -105,7 +105,7 @@ class LocalEngines:
         from moe_rl.orchestration.engine_host import EngineHost
 
         self.config = config
-        self.host = EngineHost(config, plan, None, 0, env_factory=env_factory)
+        self.host = EngineHost(config, plan, None, 0, env_factory)
         self.replicas = [Replica(0, actor=self.host)]
 
     @property

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import load_recipe
+from moe_rl.config.modes import SyncRoute
 from moe_rl.run_dir import checkpoints
 from tests.unit.trainer.trainer_testing import TINY_MODEL_OVERRIDES
 
@@ -128,6 +129,7 @@ def test_a_colocated_step_that_releases_memory_reports_each_phase_once_and_its_r
     )  # fmt: skip
     local = LocalRun(config)
     assert local.stages.releases and local.stages.workers.plan.releases_memory
+    assert local.stages.workers.plan.sync.route == SyncRoute.IN_PROCESS  # one process: no transport
     record = local.step(0)
     assert record["probe/kl_k3"] >= 0 and record["mismatch/staleness"] == 0.0  # the probe, on a sync step
     assert record["memory/trainer_releases"] == record["memory/engine_sleeps"] == 1
@@ -160,7 +162,9 @@ def test_a_run_restored_from_its_checkpoint_goes_on_at_the_step_after_it(tmp_pat
     first = LocalRun(config, run_dir=tmp_path)
     first.job.checkpoint()  # no step done: nothing to save (a trainer state before any update)
     assert not (tmp_path / "checkpoints").exists()
-    assert [r["step"] for r in first.run(4)] == [0, 1, 2, 3]
+    records = list(first.run(4))
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["policy/version"] for r in records] == [0, 1, 2, 3]  # each batch of the weights it trains
     assert sorted(step for step, _ in checkpoints(tmp_path)) == [2, 3]
     stream = first.stages.source.state()
     first.job.shutdown()

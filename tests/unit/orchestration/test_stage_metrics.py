@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from moe_rl.config import load_recipe
 from moe_rl.config.run_plan import run_plan
 from moe_rl.offload import GIB
@@ -140,3 +142,54 @@ def test_a_rollouts_metrics_count_its_rounds_and_keep_the_reward_workers_time_ap
         "memory/trainer_releases", "rollout/regenerated_prompts", "time/reward_s", "reward/mean",
         "memory/engine_sleeps", "time/rollout_s",
     ]  # fmt: skip
+
+
+class Ends:
+    """A worker that says when it was shut down (and may fail doing so)."""
+
+    def __init__(self, name: str, ended: list[str], fails: bool = False) -> None:
+        self.name, self.ended, self.fails = name, ended, fails
+
+    def shutdown(self) -> None:
+        self.ended.append(self.name)
+        if self.fails:
+            raise RuntimeError(f"{self.name} failed to end")
+
+
+def test_workers_shut_down_engines_first_and_every_one_even_when_one_fails():
+    config = load_recipe(TINY)
+    ended: list[str] = []
+    workers = Workers(
+        Ends("trainer", ended), Ends("engines", ended), Ends("rewarder", ended), run_plan(config, "cpu")
+    )
+    workers.shutdown()
+    assert ended == ["engines", "trainer", "rewarder"]
+    ended.clear()
+    failing = Workers(
+        Ends("trainer", ended, fails=True),
+        Ends("engines", ended),
+        Ends("rewarder", ended),
+        run_plan(config, "cpu"),
+    )
+    with pytest.raises(RuntimeError, match="trainer failed to end"):
+        failing.shutdown()
+    assert ended == ["engines", "trainer", "rewarder"]
+
+
+def test_stored_offline_data_is_cut_into_whole_batches_and_the_rest_left_out():
+    import torch
+
+    from moe_rl.data.trajectory import Sample, TrajectoryBatch
+    from moe_rl.orchestration.offline import OfflineData
+
+    config = load_recipe(TINY, ["rollout.batch_size=8"])
+    samples = [
+        Sample(
+            prompt_ids=torch.tensor([1, 2], dtype=torch.int32), response_ids=torch.tensor([3], dtype=torch.int32),
+            rollout_logp=torch.zeros(1), reward=float(i), group_id=i, finish_reason="stop", version_spans=[(0, 0)],
+        )
+        for i in range(23)
+    ]  # fmt: skip
+    stored = TrajectoryBatch.from_samples(samples, engine="stored", quant_recipe="bf16", policy_version=0)
+    slices = OfflineData(config, None, stored, rewarder=None).dataset()
+    assert [s.rewards.tolist() for s in slices] == [[float(i) for i in range(k, k + 8)] for k in (0, 8)]
