@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl import run_dir as rd
 from moe_rl.config import load_recipe
 from moe_rl.config.modes import SyncRoute
-from moe_rl.run_dir import checkpoints
+from moe_rl.run_dir import checkpoints, read_metrics
 from tests.unit.trainer.trainer_testing import TINY_MODEL_OVERRIDES
 
 pytest.importorskip("megatron.core")
@@ -162,7 +163,14 @@ def test_a_run_restored_from_its_checkpoint_goes_on_at_the_step_after_it(tmp_pat
     first = LocalRun(config, run_dir=tmp_path)
     first.job.checkpoint()  # no step done: nothing to save (a trainer state before any update)
     assert not (tmp_path / "checkpoints").exists()
-    records = list(first.run(4))
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)  # a save cut short, never sealed
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    records = []
+    for record in first.run(4):
+        records.append(record)
+        sink.log(record["step"], {k: v for k, v in record.items() if k != "step"})
+    sink.log(4, {"reward/mean": 0.5})  # a step logged after the last checkpoint, never saved
+    sink.close()
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert [r["policy/version"] for r in records] == [0, 1, 2, 3]  # each batch of the weights it trains
     assert sorted(step for step, _ in checkpoints(tmp_path)) == [2, 3]
@@ -170,6 +178,7 @@ def test_a_run_restored_from_its_checkpoint_goes_on_at_the_step_after_it(tmp_pat
     first.job.shutdown()
     usable = newest_usable(tmp_path)
     assert usable is not None and usable.path.name == "step_000003"
+    assert rd.verify(usable.path.parent / "step_000002") is None  # saved over, sealed
     again = LocalRun(config, run_dir=tmp_path)
     sink = MetricsSink(tmp_path, tensorboard=False)
     try:
@@ -179,5 +188,6 @@ def test_a_run_restored_from_its_checkpoint_goes_on_at_the_step_after_it(tmp_pat
         sink.close()
     assert f"resumed from {usable.path} at step 4 (policy version 4)" in caplog.messages
     assert again.stages.state.version == 4 and again.stages.state.step_done == 3
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]  # the step after it dropped
     assert again.stages.source.state() == stream
     again.job.shutdown()
