@@ -119,7 +119,7 @@ class TrainerRank:
         here = device_key()
         receivers = {
             i: Receiver(
-                functools.partial(sync_call(engine, "receive_bucket", self.config).remote, into=target),
+                functools.partial(sync_call(engine, "receive", self.config).remote, into=target),
                 key=engine, near=places[i][0] == here[0],
             )
             for i, engine in enumerate(engines)

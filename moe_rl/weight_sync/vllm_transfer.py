@@ -1,6 +1,6 @@
 """Weights from the trainer's GPUs straight into vLLM engines by vLLM's own weight-transfer backends, their
 trainer sides as vLLM ships them (`VLLMNccl`, `VLLMIpc`), over the model as `TrainerSource` and the engines as
-`EngineFanOut`, whose calls an engine takes as messages of the sync (`TransferCall`). The bytes travel only on
+`EngineFanOut`, whose calls an engine takes as messages of the sync (`moe_rl.weight_sync.protocol.TransferCall`). The bytes travel only on
 CUDA; on CPU the configuration, infos, metadata and tensor order are checked against vLLM's classes.
 """
 
@@ -9,28 +9,20 @@ from __future__ import annotations
 import socket
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moe_rl.weight_sync.outgoing import Outgoing, sends, whole_model
+from moe_rl.weight_sync.protocol import (
+    TransferCall,
+    TransferFinish,
+    TransferInit,
+    TransferStart,
+    TransferUpdate,
+)
 from moe_rl.weight_sync.transport import Published, Receivers, Transport, settle
-
-
-@dataclass(frozen=True)
-class TransferCall:
-    """One of vLLM's control-plane calls (`METHODS`) as an engine process is handed it, with its argument."""
-
-    method: str
-    payload: Any = None
-
-    METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
-
-    def __post_init__(self) -> None:
-        if self.method not in self.METHODS:
-            raise ValueError(f"TransferCall.method={self.method!r}: not one of {self.METHODS}")
 
 
 class EngineLost(RuntimeError):
@@ -77,16 +69,18 @@ class EngineFanOut:
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         payloads = self.init_payloads(init_info)
-        self._call({i: TransferCall("init_weight_transfer_engine", payloads[i]) for i in self.order})
+        self._call({i: TransferInit(payloads[i]) for i in self.order})
 
     def start_weight_update(self) -> None:
-        self._call({i: TransferCall("start_weight_update") for i in self.order})
+        self._call(dict.fromkeys(self.order, TransferStart()))
 
     def update_weights(self, update_info: Any) -> None:
-        self._call({i: TransferCall("update_weights", update_info) for i in self.order})
+        self._call(dict.fromkeys(self.order, TransferUpdate(update_info)))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call({i: TransferCall("finish_weight_update", weight_version) for i in self.order})
+        """vLLM's part ends; ``weight_version`` is not handed on: each engine takes the sync's version
+        when the sync finishes."""
+        self._call(dict.fromkeys(self.order, TransferFinish()))
 
     def _call(self, calls: dict[int, TransferCall]) -> None:
         dead = settle([(i, self.receivers[i](call)) for i, call in calls.items()], self.timeout_s)

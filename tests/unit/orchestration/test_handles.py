@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.orchestration import handles, weight_sync
+from moe_rl.orchestration import handles
 from moe_rl.orchestration.batches import Rewarder
 from moe_rl.orchestration.engine_pool import EnginePool
 from moe_rl.orchestration.local import LocalEngines, LocalTrainer
 from moe_rl.orchestration.trainer_group import TrainerGroup
 from moe_rl.orchestration.workers import RayRewarder
+from moe_rl.weight_sync import coordinator
 
 BACKENDS = {
     handles.TrainerHandle: (TrainerGroup, LocalTrainer),
@@ -25,7 +26,7 @@ BACKENDS = {
 }
 """Each interface, and its Ray and one-process implementations."""
 
-ORCHESTRATION = Path(handles.__file__).parent
+PACKAGE = Path(handles.__file__).parents[1]
 CALLERS = {
     "trainer": handles.TrainerHandle,
     "engines": handles.EnginesHandle,
@@ -81,8 +82,8 @@ def test_each_backend_implements_every_verb_of_its_interface_with_the_interfaces
 def test_the_interfaces_declare_what_a_step_needs_and_extend_the_weight_syncs():
     """The trainer's and the engines' interfaces are the weight-sync coordinator's too."""
     trainer, engines = verbs(handles.TrainerHandle), verbs(handles.EnginesHandle)
-    assert set(verbs(weight_sync.WeightSender)) <= set(trainer)
-    assert set(verbs(weight_sync.WeightReceivers)) <= set(engines)
+    assert set(verbs(coordinator.SyncTrainer)) <= set(trainer)
+    assert set(verbs(coordinator.SyncEngines)) <= set(engines)
     assert {"old_logp", "train", "stream_weights", "release_memory", "save_checkpoint"} <= set(trainer)
     assert {"generate", "collect", "regenerate", "begin", "finish", "sleep", "wake_up", "probe"} <= set(
         engines
@@ -100,14 +101,20 @@ def _calls(path: Path) -> set[tuple[str, str]]:
     return found
 
 
-@pytest.mark.parametrize("module", ["stages.py", "loop.py", "weight_sync.py", "driver.py", "local.py"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "orchestration/stages.py", "orchestration/loop.py", "orchestration/driver.py", "orchestration/local.py",
+        "orchestration/run.py", "weight_sync/coordinator.py",
+    ],
+)  # fmt: skip
 def test_the_steps_code_calls_only_verbs_the_interfaces_declare(module):
-    calls = _calls(ORCHESTRATION / module)
+    calls = _calls(PACKAGE / module)
     undeclared = sorted(f"{worker}.{verb}" for worker, verb in calls if verb not in verbs(CALLERS[worker]))
     assert not undeclared, f"{module} calls verbs no interface declares: {undeclared}"
 
 
 def test_the_call_finder_sees_the_stages_calls():
     """The scan above reads what the stages call (else it would pass over any module)."""
-    calls = _calls(ORCHESTRATION / "stages.py")
+    calls = _calls(PACKAGE / "orchestration/stages.py")
     assert {("trainer", "old_logp"), ("engines", "generate"), ("rewarder", "prepare")} <= calls

@@ -143,6 +143,12 @@ def test_a_colocated_step_that_releases_memory_reports_each_phase_once_and_its_r
     gen = engines.generate(rounds.prompts, Draw(Purpose.EVAL, 1), [0, 1])
     assert sorted(gen.statuses) == [r.index for r in engines.replicas]
     assert all(status["replica"] == index for index, status in gen.statuses.items())
+    from moe_rl.weight_sync.protocol import SyncTarget, TransferStart
+
+    for into in SyncTarget:  # neither receiver of a Megatron engine's process takes vLLM's transfer
+        with pytest.raises(TypeError, match=f"the {into} of this engine process .* takes buckets, not vLLM's "
+                           "weight transfer; it was sent start_weight_update"):  # fmt: skip
+            engines.host.receive(TransferStart(), into)
     local.job.shutdown()
 
 

@@ -19,8 +19,8 @@ from moe_rl.config.run_plan import run_plan
 from moe_rl.orchestration.engine_pool import EnginePool
 from moe_rl.orchestration.placement import Placement
 from moe_rl.orchestration.seats import Seats
-from moe_rl.orchestration.weight_sync import MAX_STREAM_BREAKS, WeightSync
 from moe_rl.weight_sync.broadcast import StreamBroken
+from moe_rl.weight_sync.coordinator import MAX_STREAM_BREAKS, WeightSync
 from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 

@@ -100,7 +100,8 @@ def test_vllms_nccl_transfer_places_every_worker_of_every_engine_once(tmp_path):
     from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo
 
-    from moe_rl.weight_sync.vllm_transfer import EngineFanOut, TransferCall, VLLMNccl
+    from moe_rl.weight_sync.protocol import TransferCall, TransferInit, TransferUpdate
+    from moe_rl.weight_sync.vllm_transfer import EngineFanOut, VLLMNccl
 
     kwargs, _ = _kwargs(
         "qwen3_30b_a3b.yaml", ["rollout.tensor_parallel_size=2", "rollout.num_engines=8"], H100, tmp_path
@@ -126,14 +127,15 @@ def test_vllms_nccl_transfer_places_every_worker_of_every_engine_once(tmp_path):
     ranks = []
     for engine in (0, 1):
         (call,) = handed[engine]
-        assert call.method == "init_weight_transfer_engine"
-        info = NCCLWeightTransferInitInfo(**call.payload)
+        assert isinstance(call, TransferInit) and call.method == "init_weight_transfer_engine"
+        info = NCCLWeightTransferInitInfo(**call.init_info)
         assert asdict(info) | {"rank_offset": 0} == asdict(worker_info) | {"rank_offset": 0}
         for tp_rank in range(parallel.tensor_parallel_size):  # as `worker_init_process_group` computes it
             ranks.append(parallel.data_parallel_index * parallel.world_size + tp_rank + info.rank_offset)
     assert sorted(ranks) == [1, 2, 3, 4]
     fanout.update_weights({"names": []})
-    assert [c.method for c in handed[1]] == ["init_weight_transfer_engine", "update_weights"]
+    assert [type(c) for c in handed[1]] == [TransferInit, TransferUpdate]
+    assert handed[1][1].update_info == {"names": []}
     with pytest.raises(ValueError, match="world_size=4 but the sender and the engines' workers are 5"):
         fanout.init_payloads({"world_size": 4, "rank_offset": 1})
 
@@ -161,7 +163,7 @@ def test_vllms_ipc_transfer_hands_every_colocated_engine_the_trainers_init_info(
     fanout.init_weight_transfer_engine({"packed": trainer.packed})  # what vLLM's trainer_init sends
     for calls in handed.values():
         (call,) = calls
-        assert asdict(IPCWeightTransferInitInfo(**call.payload)) == {"packed": True}
+        assert asdict(IPCWeightTransferInitInfo(**call.init_info)) == {"packed": True}
 
 
 @pytest.mark.parametrize(

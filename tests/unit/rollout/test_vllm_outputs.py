@@ -23,7 +23,8 @@ from vllm.v1.outputs import LogprobsLists, SamplingMaskLists  # noqa: E402
 from moe_rl.data import TrajectoryError  # noqa: E402
 from moe_rl.data.vllm_convert import from_vllm_outputs  # noqa: E402
 from moe_rl.rollout.engine import SamplingSpec  # noqa: E402
-from moe_rl.rollout.vllm_engine import _LLMSyncClient, sampling_params  # noqa: E402
+from moe_rl.rollout.vllm_engine import sampling_params  # noqa: E402
+from moe_rl.rollout.vllm_receiver import _LLMSyncClient  # noqa: E402
 
 LAYERS, TOPK, EXPERTS = 2, 2, 8
 

@@ -48,7 +48,7 @@ def main(recipe: str, quants: list[str]) -> dict:
     from moe_rl.megatron.parallel import init_parallel
     from moe_rl.orchestration.preflight import load_checked
     from moe_rl.rollout.engine import WHOLE_MODEL
-    from moe_rl.rollout.vllm_engine import _TensorListSource, _to_engine_dtype
+    from moe_rl.rollout.vllm_receiver import _TensorListSource, _to_engine_dtype
     from moe_rl.rollout.vllm_settings import engine_config, llm_kwargs
     from moe_rl.weight_sync import vllm_transfer
 
@@ -136,7 +136,7 @@ def _described(tensor: torch.Tensor) -> list:
 def _streamed(model: torch.nn.Module, config) -> dict[str, dict]:
     """What a trainer rank's buckets for a CUDA vLLM engine of ``config`` carry (the ``buckets`` route
     of its sync plan: ``travelled``, name -> dtype of every entry) and what the engine decodes from
-    them (`VLLMEngine.receive_bucket`; ``decoded``: name -> [dtype, shape])."""
+    them (`moe_rl.rollout.vllm_receiver.VllmReceiver.bucket`; ``decoded``: name -> [dtype, shape])."""
     from moe_rl.config.sync_plan import sync_plan
     from moe_rl.weight_sync.buckets import BucketPacker
     from moe_rl.weight_sync.outgoing import Outgoing, owned

@@ -5,7 +5,7 @@ A sync of policy ``version`` into a `moe_rl.weight_sync.receiver.SyncTarget` of 
 the engine pool tells them it begins (`begin`), the trainer streams its buckets to them (each rank
 its own tensors, `moe_rl.weight_sync.sender.RankSender`), and the pool has each take the version
 when its last bucket has landed (`finish`). The pool answers which replicas did not take it
-(`moe_rl.orchestration.replicas`): those it restarted (a new process, without weights) and live
+(`Begun`, `Finished`): those it restarted (a new process, without weights) and live
 ones whose weight stream broke (their weights partly new). The coordinator runs the sync again for
 them, in a loop: a replica is restarted at most `moe_rl.orchestration.engine_pool.
 MAX_ENGINE_RESTARTS` times (the pool's limit), and a stream that breaks more than
@@ -19,10 +19,10 @@ the coordinator keeps one thing: which replicas hold a LoRA run's frozen base (`
 `moe_rl.config.sync_plan.SyncPlan.adapters`). A sync into replicas that all do carries only what
 trains; one into a replica that does not (new, or restarted) carries everything.
 
-It works against two small interfaces, so the Ray run and the one-process loop share it: a
-trainer that streams weights (``stream_weights(actors, target, whole) -> SyncReport``, by the run's sync
-plan) and an engine pool (``replicas``, ``begin``, ``finish`` and each replica's
-``actor``).
+It works against two small interfaces, so the Ray run and the one-process loop share it: a trainer
+that streams weights (`SyncTrainer`: ``stream_weights(actors, target, whole) -> SyncReport``, by the
+run's sync plan) and an engine pool (`SyncEngines`: ``replicas``, ``begin``, ``finish``, each
+replica a `SyncReplica` whose ``actor`` takes the messages of `moe_rl.weight_sync.protocol`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from moe_rl.orchestration.replicas import Begun, Finished, Replica
 from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
 
@@ -42,36 +42,66 @@ MAX_STREAM_BREAKS = 2
 """Syncs in a row a live replica whose weight stream broke takes again; one more break stops the run."""
 
 
-class WeightSender(Protocol):
-    """The trainer side of a sync: every rank streams what it owns to the given receivers."""
+class SyncReplica(Protocol):
+    """One engine replica as a sync sees it: its index in the pool and its process (``actor``: a Ray
+    actor, or the engine host in this process), which takes the messages of a sync."""
+
+    index: int
+    actor: Any
+
+
+@dataclass
+class Begun:
+    """The pool's answer to a sync's ``begin``: the replicas told that it begins, and those whose
+    process had died (restarted: they take the sync again)."""
+
+    began: list[SyncReplica]
+    restarted: list[SyncReplica] = field(default_factory=list)
+
+
+@dataclass
+class Finished:
+    """The pool's answer to a sync's ``finish``: what the last replica that took the version reported,
+    the replicas whose process died on the way (restarted) and the live ones whose weight stream
+    broke (``cut_off``, their weights partly new; ``error``: the last break's cause). Both take the
+    sync again."""
+
+    received: dict[str, Any] = field(default_factory=dict)
+    restarted: list[SyncReplica] = field(default_factory=list)
+    cut_off: list[SyncReplica] = field(default_factory=list)
+    error: Exception | None = None
+
+
+class SyncTrainer(Protocol):
+    """The trainer side of a sync: every rank streams what it owns to the given replicas' processes."""
 
     def stream_weights(
         self, engines: Sequence[Any], target: SyncTarget, whole: bool = True
     ) -> SyncReport: ...
 
 
-class WeightReceivers(Protocol):
+class SyncEngines(Protocol):
     """The engine side of a sync: replicas that begin, receive (through their ``actor``) and finish."""
 
-    replicas: list[Replica]
+    replicas: Sequence[SyncReplica]
 
-    def begin(self, version: int, replicas: list[Replica], target: SyncTarget) -> Begun: ...
+    def begin(self, version: int, replicas: Sequence[SyncReplica], target: SyncTarget) -> Begun: ...
 
     def finish(
-        self, version: int, replicas: list[Replica], dead: set[int], target: SyncTarget
+        self, version: int, replicas: Sequence[SyncReplica], dead: set[int], target: SyncTarget
     ) -> Finished: ...
 
 
 class WeightSync:
     """Runs syncs from ``trainer`` to ``engines`` (see the module docstring)."""
 
-    def __init__(self, trainer: WeightSender, engines: WeightReceivers):
+    def __init__(self, trainer: SyncTrainer, engines: SyncEngines):
         self.trainer, self.engines = trainer, engines
         self._holding: set[int] = set()
         """Replicas that took a whole sync since their process started (they hold the frozen base)."""
 
     def run(
-        self, version: int, target: SyncTarget = SyncTarget.ENGINE, replicas: list[Replica] | None = None
+        self, version: int, target: SyncTarget = SyncTarget.ENGINE, replicas: list[SyncReplica] | None = None
     ) -> SyncReport:
         """Sync ``version`` into ``target`` of ``replicas`` (default: every replica), until each
         has taken it."""
@@ -80,13 +110,13 @@ class WeightSync:
         report.seconds = time.perf_counter() - start
         return report
 
-    def bring_up(self, replicas: list[Replica], version: int) -> None:
+    def bring_up(self, replicas: list[SyncReplica], version: int) -> None:
         """Restarted replicas (new processes, without weights) take the engines' ``version``."""
         self._holding -= {replica.index for replica in replicas}
         if replicas:
             self._sync(replicas, version, SyncTarget.ENGINE)
 
-    def _sync(self, replicas: list[Replica], version: int, target: SyncTarget) -> SyncReport:
+    def _sync(self, replicas: list[SyncReplica], version: int, target: SyncTarget) -> SyncReport:
         """Attempts until every replica of ``replicas`` has taken the sync (see the module docstring;
         the loop ends: the pool bounds each replica's restarts, `MAX_STREAM_BREAKS` the breaks in a
         row). A sync into the probe's reference is of the engines' version, which a restarted
@@ -107,8 +137,8 @@ class WeightSync:
         return report or SyncReport(version)
 
     def _attempt(
-        self, replicas: list[Replica], version: int, target: SyncTarget
-    ) -> tuple[SyncReport, Finished, list[Replica]]:
+        self, replicas: list[SyncReplica], version: int, target: SyncTarget
+    ) -> tuple[SyncReport, Finished, list[SyncReplica]]:
         """One pass of begin, stream and finish over ``replicas``; its report, the pool's answer to
         `finish` and every replica restarted on the way."""
         begun = self.engines.begin(version, replicas, target)
