@@ -349,7 +349,7 @@ def rel(path: Path) -> str:
 
 def params(which: str) -> str:
     from moe_rl.config import load_recipe
-    from moe_rl.config.flops import count_params
+    from moe_rl.planner.flops import count_params
 
     config = load_recipe(REPO / TOOLS, list(HALF) if which == "half" else [])
     return f"{count_params(config.model).total / 1e3:.0f} k"

@@ -1,10 +1,10 @@
-"""The step-time model of `moe-rl plan` (`moe_rl.config.step_time`) against published runs, and the
+"""The step-time model of `moe-rl plan` (`moe_rl.planner.step_time`) against published runs, and the
 one command that regenerates docs/plan_model.md.
 
 Each published run is described with its own settings (model, GPUs, the trainer's and the engines'
 layout, batch, lengths, colocated or not, on-policy or off) as overrides of the shipped recipe of the
 same model; the model predicts its step (or its refit) and the tables give the ratio. The efficiency
-factors (`moe_rl.config.step_time.FITTED`) are fitted on one configuration, NeMo-RL's Qwen3-30B-A3B
+factors (`moe_rl.planner.step_time.FITTED`) are fitted on one configuration, NeMo-RL's Qwen3-30B-A3B
 on four nodes of 8 H100: its on-policy step, its one-step-off step and its refit fix the generation,
 training and sync factors (three figures, three factors); every other row is a prediction, and the
 same fit on DeepSeek-V3's configuration shows how much the choice matters. The project's own tiny
@@ -37,11 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launch.plan import make_plan  # noqa: E402
 from moe_rl.config import RecipeConfig, load_recipe  # noqa: E402
-from moe_rl.config.flops import count_params  # noqa: E402
 from moe_rl.config.modes import GpuType  # noqa: E402
-from moe_rl.config.step_time import (  # noqa: E402
+from moe_rl.planner.estimate import estimate  # noqa: E402
+from moe_rl.planner.flops import count_params  # noqa: E402
+from moe_rl.planner.step_time import (  # noqa: E402
     FITTED,
     MACHINES,
     Chip,
@@ -191,7 +191,7 @@ CALIBRATIONS = {
     ),
 }  # fmt: skip
 SHIPPED = "qwen3_30b_a3b"
-"""The calibration `moe_rl.config.step_time.FITTED` holds."""
+"""The calibration `moe_rl.planner.step_time.FITTED` holds."""
 GPUS_PER_NODE = {"h100": 8, "gb200": 4}
 
 
@@ -312,8 +312,7 @@ def chip_scale_within(run: NemoRun, eff: Efficiency, low: float = 0.5) -> float:
 @functools.cache
 def _run_inputs(run: NemoRun) -> tuple[RecipeConfig, SyncCost, float]:
     config = run_config(run)
-    plan = make_plan(config, paths=False)
-    released = plan.trainer.static if run.gen_gpus == 0 else 0.0
+    released = estimate(config).trainer.static if run.gen_gpus == 0 else 0.0
     return config, gathered_sync_cost(config, count_params(config.model), machine_of(config)), released
 
 
@@ -408,7 +407,7 @@ def tiny_measured(run_dir: Path) -> dict[str, float]:
 
 def tiny_predicted() -> StepTime:
     config = load_recipe(RECIPES / "tiny_moe.yaml")
-    return step_time(config, make_plan(config, paths=False).sync, 0.0)
+    return step_time(config, estimate(config).sync, 0.0)
 
 
 # ------------------------------------------------------------------------------------------ measure
@@ -510,20 +509,20 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def phase_table(recipe: str) -> str:
     """The plan's phase table of a shipped recipe, as markdown."""
-    plan = make_plan(load_recipe(RECIPES / f"{recipe}.yaml"), paths=False)
-    t = plan.step
+    config = load_recipe(RECIPES / f"{recipe}.yaml")
+    t = estimate(config).step
     rows = [
         [p.name, f"{p.seconds:,.1f}", "beside" if p.overlapped else f"{p.seconds / t.seconds:.0%}", p.bound,
          p.detail.replace("|", "/")]
         for p in t.phases
     ]  # fmt: skip
     rows.append(["**step**", f"**{t.seconds:,.1f}**", "", "", t.how])
-    c, r = plan.config.cluster, plan.config.rollout
+    c, r = config.cluster, config.rollout
     head = (
         f"`recipes/{recipe}.yaml`: {c.nodes} nodes of {c.gpus_per_node} {t.machine.name.upper()} "
         f"({c.trainer_nodes} trainer, {c.rollout_nodes} rollout), {r.num_engines} {r.engine} engines of TP "
-        f"{r.tensor_parallel_size} ({plan.config.quant.name}), {r.batch_size} samples of up to "
-        f"{plan.config.data.max_prompt_len + r.max_new_tokens:,} tokens, run.mode={plan.config.run.mode}"
+        f"{r.tensor_parallel_size} ({config.quant.name}), {r.batch_size} samples of up to "
+        f"{config.data.max_prompt_len + r.max_new_tokens:,} tokens, run.mode={config.run.mode}"
     )
     return head + "\n\n" + table(["phase", "s", "share", "bound", "what"], rows)
 
@@ -625,7 +624,7 @@ cluster the recipe describes: the seconds of each phase, its share of the step, 
 `moe-rl plan RECIPE --sweep KEY=V1,V2,...` prints one row per value of a key (the phases, the step,
 the slowest phase and the plan's verdict); `cluster.rollout_nodes` also moves the engines (as many
 of the recipe's TP as the nodes hold) and the node count, `cluster.trainer_nodes` the trainer's
-world size. The model is `moe_rl/config/step_time.py`; this page is generated, with every number on
+world size. The model is `moe_rl/planner/step_time.py`; this page is generated, with every number on
 it, by
 
 ```
@@ -640,7 +639,7 @@ cores; `--tiny-run RUN_DIR` reads a finished run instead; `--fit` prints the fac
 Inputs are the recipe's numbers and a table of chip constants. The longest sequence is `L =
 data.max_prompt_len + R` (`R` the response budget); a rollout's mean prompt and response are
 `cluster.mean_length_fraction` `f` of theirs (`p = f·max_prompt_len`, `r = f·R`). FLOPs are
-`moe_rl.config.flops`' (per token of the weight products, per causal query–key pair of attention);
+`moe_rl.planner.flops`' (per token of the weight products, per causal query–key pair of attention);
 bytes are `moe_rl.config.derived`'s (the rollout recipe's bytes per weight, the KV cache per token:
 MLA's latent whole on every engine GPU, GQA's heads split over its TP; the tokens the cache holds).
 

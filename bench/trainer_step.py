@@ -26,7 +26,7 @@ Sizes (``--size``):
   128, vocab 32,768, bf16, the same responses; about 2.4 B parameters, so run it with two
   workers (``--variants seq,base``).
 
-Throughput: each worker's model FLOPs per step (`moe_rl.config.flops`: the π_old forward and the
+Throughput: each worker's model FLOPs per step (`moe_rl.planner.flops`: the π_old forward and the
 training forward and backward) over its median step time, as TFLOP/s and as MFU against a square
 matrix product measured on the same device at the start of the run.
 
@@ -322,7 +322,7 @@ def report(times, workers, samples: int, all_batches, size: str, config, cuda: b
     """Prints the figures; returns the base worker's TFLOP/s."""
     import torch
 
-    from moe_rl.config.flops import model_flops
+    from moe_rl.planner.flops import model_flops
     from moe_rl.trainer.perf import sequence_lengths
 
     batches = all_batches["base"]

@@ -7,12 +7,11 @@ per token and in all). Every rule and every component that needs one of them cal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 
-from moe_rl.config.flops import ParamCounts
-from moe_rl.config.modes import Attention, Granularity, QuantMethod, ReleaseMemory, RunMode
-from moe_rl.config.schema import ModelConfig, ParallelConfig, QuantConfig, RecipeConfig
+from moe_rl.config.modes import QuantMethod, ReleaseMemory, RunMode
+from moe_rl.config.schema import ParallelConfig, QuantConfig, RecipeConfig
+from moe_rl.device import RunDevice
 
 GIB = 1024**3
 BF16 = 2
@@ -113,6 +112,14 @@ def placement_mode(config: RecipeConfig) -> PlacementMode:
     return PlacementMode.COLOCATED if config.cluster.rollout_nodes == 0 else PlacementMode.DISAGGREGATED
 
 
+def target_device(config: RecipeConfig) -> str:
+    """The device a recipe is meant for, whatever runs it: ``cuda`` when ``run.device`` says so, or
+    ``auto`` on a cluster with GPUs (``cluster.gpus_per_node > 0``); else ``cpu``."""
+    device = config.run.device
+    cuda = device == RunDevice.CUDA or (device == RunDevice.AUTO and config.cluster.gpus_per_node > 0)
+    return "cuda" if cuda else "cpu"
+
+
 def releases_memory(config: RecipeConfig, device: str) -> bool:
     """Whether colocated phases give memory back (``cluster.release_memory``) on ``device``: `on` when
     colocated; `auto` when colocated on CUDA in a synchronous run (an asynchronous one generates while
@@ -134,77 +141,3 @@ CORRECTIONS_OFF = (
 """Recipe overrides that turn every training–inference correction off: routing replay,
 keep-sampling-mask, IcePop, OPSM, TIS and rejection (the plain arm of a comparison; a run with no
 sampling policy to correct for)."""
-
-
-def quant_bytes_per_weight(q: QuantConfig) -> float:
-    """Bytes per quantized weight, scales included: fp8 1 (+ one fp32 scale per block), int8 1,
-    int4-AWQ 0.5 + an fp16 scale per 128, NVFP4 0.5 + an fp8 scale per 16; bf16 otherwise."""
-    if q.method == QuantMethod.FP8:
-        return 1.0 + (FP32 / q.block_size**2 if q.granularity == Granularity.BLOCK else 0.0)
-    if q.method == QuantMethod.INT8:
-        return 1.0
-    if q.method == QuantMethod.INT4_AWQ:
-        return 0.5 + 2 / 128
-    if q.method == QuantMethod.NVFP4:
-        return 0.5 + 1 / 16
-    return float(BF16)
-
-
-def rollout_weight_bytes(config: RecipeConfig, counts: ParamCounts) -> float:
-    """Bytes of one model copy as the engines receive it: quantized linear weights; embeddings,
-    LM head, routers, norms and the excluded first/last layers stay bf16."""
-    q = config.quant
-    kept = counts.embedding + counts.lm_head + counts.final_norm
-    kept += counts.num_layers * counts.norms_per_layer + counts.num_moe_layers * counts.router_per_layer
-    skipped = [i for i in range(counts.num_layers) if i < q.exclude_first_layers]
-    skipped += [i for i in range(counts.num_layers) if i >= counts.num_layers - q.exclude_last_layers]
-    for i in set(skipped):
-        kept += sum(counts.layer(i)) - counts.norms_per_layer
-        kept -= counts.router_per_layer if i >= counts.num_dense_layers else 0
-    return kept * BF16 + (counts.total - kept) * quant_bytes_per_weight(q)
-
-
-def rollout_expert_bytes(config: RecipeConfig, counts: ParamCounts) -> float:
-    """Bytes of the routed experts in one model copy as the engines hold it (`rollout_weight_bytes`'
-    share of them): quantized, bf16 in the excluded first/last layers."""
-    q = config.quant
-    layers = range(counts.num_dense_layers, counts.num_layers)
-    excluded = sum(
-        1 for i in layers if i < q.exclude_first_layers or i >= counts.num_layers - q.exclude_last_layers
-    )
-    per_layer = counts.num_experts * counts.expert
-    return excluded * per_layer * BF16 + (len(layers) - excluded) * per_layer * quant_bytes_per_weight(q)
-
-
-def kv_bytes_per_token(m: ModelConfig, rollout_tp: int) -> float:
-    """bf16 KV cache bytes per token on one engine GPU: GQA shards KV heads over TP (replicated
-    when TP > KV heads); MLA caches the latent (r_kv + d_rope) on every TP rank."""
-    if m.attention == Attention.MLA:
-        return m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * BF16
-    heads = max(1, m.num_key_value_heads // rollout_tp)
-    return 2 * m.num_layers * heads * m.head_dim * BF16
-
-
-@dataclass(frozen=True)
-class RolloutMemory:
-    """One engine GPU: weights, the KV budget left by `gpu_memory_utilization`, its token count."""
-
-    weights_per_gpu: float
-    budget_per_gpu: float
-    kv_per_token: float
-
-    @property
-    def kv_per_gpu(self) -> float:
-        return self.budget_per_gpu - self.weights_per_gpu
-
-    @property
-    def kv_tokens(self) -> int:
-        return max(0, int(self.kv_per_gpu // self.kv_per_token))
-
-
-def rollout_memory(config: RecipeConfig, counts: ParamCounts) -> RolloutMemory:
-    """One engine GPU's share of the weights and its KV cache (`RolloutMemory`)."""
-    r = config.rollout
-    budget = config.cluster.gpu_memory_gib * GIB * r.gpu_memory_utilization
-    weights = rollout_weight_bytes(config, counts) / r.tensor_parallel_size
-    return RolloutMemory(weights, budget, kv_bytes_per_token(config.model, r.tensor_parallel_size))

@@ -149,7 +149,7 @@ class Engine(StrEnum):
 
 class GpuType(StrEnum):
     """The chip of the cluster's nodes (``cluster.gpu_type``): what `moe-rl plan`'s step time reads
-    peak FLOP/s, memory and link bandwidths of (`moe_rl.config.step_time.MACHINES`)."""
+    peak FLOP/s, memory and link bandwidths of (`moe_rl.planner.step_time.MACHINES`)."""
 
     AUTO = "auto"
     """``cpu`` without GPUs (``cluster.gpus_per_node`` 0), else the GPU whose memory is

@@ -703,7 +703,7 @@ class ClusterConfig:
     train_mfu: float = 0.111
     """Model FLOP utilization `moe-rl plan`'s step time assumes for the π_old, reference and training
     passes, against the chip's dense peak in `trainer.precision` and outside the pipeline's bubble;
-    the default is fitted on a published run (`moe_rl.config.step_time.FITTED`, docs/plan_model.md)."""
+    the default is fitted on a published run (`moe_rl.planner.step_time.FITTED`, docs/plan_model.md)."""
     mean_length_fraction: float = 0.6
     """The mean rollout sequence (prompt and response) as a fraction of the longest
     (`data.max_prompt_len` + the response budget) that `moe-rl plan`'s step time assumes: the

@@ -39,11 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moe_rl.config.derived import target_device
 from moe_rl.config.loader import load_recipe
 from moe_rl.config.modes import Attention, Family, RunMode
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.validate import recipe_rules
-from moe_rl.device import Machine, RunDevice
+from moe_rl.device import Machine
 from moe_rl.errors import BRIEF_CHARS, ConfigError, UserError, clip, user_error_of
 from moe_rl.megatron.rules import checkpoint_rule
 from moe_rl.orchestration.placement import placement_rules
@@ -67,12 +68,9 @@ inconsistency should not wait for); or None for `target_machine`."""
 
 
 def target_machine(config: RecipeConfig) -> Machine:
-    """The machine a recipe is meant for: CUDA when ``run.device`` says so, or ``auto`` on a
-    cluster with GPUs (``cluster.gpus_per_node > 0``); compute capability unknown."""
-    device = config.run.device
-    return Machine(
-        cuda=device == RunDevice.CUDA or (device == RunDevice.AUTO and config.cluster.gpus_per_node > 0)
-    )
+    """The machine a recipe is meant for (`moe_rl.config.derived.target_device`: CUDA when
+    ``run.device`` says so, or ``auto`` on a cluster with GPUs); compute capability unknown."""
+    return Machine(cuda=target_device(config) == "cuda")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Throughput of a trainer rank: the model FLOPs of its passes (`moe_rl.config.flops`), the time
+"""Throughput of a trainer rank: the model FLOPs of its passes (`moe_rl.planner.flops`), the time
 they took, and the matrix product this device reaches, measured here (the MFU's denominator is a
 measurement on the same device in the same process, not a datasheet figure).
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.config.flops import ModelFlops, model_flops
 from moe_rl.config.schema import RecipeConfig
+from moe_rl.planner.flops import ModelFlops, model_flops
 
 MATMUL_SIZE = {"cuda": 8192, "cpu": 1024}
 """Side of the square matrices of the peak measurement, per device type."""

@@ -12,21 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import (
-    attention_params,
-    count_params,
-    make_plan,
-    node_overrides,
-    quant_bytes_per_weight,
-    rollout_weight_bytes,
-    routing_trace_bytes_per_token,
-)
+from launch.plan import make_plan, node_overrides
 from moe_rl.config import load_recipe
 from moe_rl.config.derived import GIB
-from moe_rl.config.flops import attention_weights, mlp_weights, model_flops
 from moe_rl.config.modes import Attention
 from moe_rl.config.schema import ModelConfig
 from moe_rl.orchestration.preflight import load_checked
+from moe_rl.planner.flops import attention_params, attention_weights, count_params, mlp_weights, model_flops
+from moe_rl.planner.memory import quant_bytes_per_weight, rollout_weight_bytes, routing_trace_bytes_per_token
 from moe_rl.rules import Rule
 
 REPO = Path(__file__).resolve().parents[3]
@@ -269,7 +262,7 @@ def test_a_row_that_holds_shows_its_values_not_the_advice_of_its_refusal():
 
 def test_plan_counts_attention_with_the_flops_projection_sizes():
     """One home for the projection arithmetic: a layer's attention parameters are the projections
-    `moe_rl.config.flops` counts FLOPs with, plus the norms."""
+    `moe_rl.planner.flops` counts FLOPs with, plus the norms."""
     for recipe in ("deepseek_v3", "kimi_k2", "qwen3_30b_a3b"):
         m = load_checked(RECIPES / f"{recipe}.yaml", paths=False).model
         norms = (m.q_lora_rank or 0) + m.kv_lora_rank if m.attention == Attention.MLA else 2 * m.head_dim
@@ -282,8 +275,9 @@ def test_plan_counts_attention_with_the_flops_projection_sizes():
 def test_lora_keeps_the_weights_and_drops_the_bases_gradients_and_adam_state():
     """With lora.rank > 0 the trainer GPU holds every weight plus the adapters, and gradients and
     Adam state for the adapters alone (DeepSeek-V3 as shipped: from 60 GiB a GPU to 13.5)."""
-    from launch.plan import _memory_rows, _traffic_rows, layout, trainer_memory
-    from moe_rl.config.flops import lora_param_counts
+    from launch.plan import _memory_rows, _traffic_rows
+    from moe_rl.planner.flops import lora_param_counts
+    from moe_rl.planner.memory import layout, trainer_memory
 
     full = load_recipe(REPO / "recipes" / "deepseek_v3.yaml")
     lora = load_recipe(REPO / "recipes" / "deepseek_v3.yaml", ["lora.rank=8"])
@@ -312,7 +306,8 @@ def test_a_critic_adds_its_weights_gradients_and_adam_state():
     """With algo.advantage=gae the trainer GPU also holds the critic: the policy's parameters with a
     value head (hidden_size weights) for the LM head, in the same bytes per parameter; the plan's
     memory table shows the row, the total and the colocated release include it."""
-    from launch.plan import _memory_rows, layout, released_bytes, trainer_memory
+    from launch.plan import _memory_rows
+    from moe_rl.planner.memory import layout, released_bytes, trainer_memory
 
     grpo = load_recipe(REPO / "recipes" / "qwen3_30b_a3b.yaml")
     ppo = load_recipe(REPO / "recipes" / "qwen3_30b_a3b.yaml", ["algo.advantage=gae", "rollout.group_size=1"])
@@ -364,7 +359,8 @@ def test_a_lora_run_is_shown_the_fewest_trainer_nodes_that_hold_it():
     """DeepSeek-V3 as shipped trains on 32 nodes; with LoRA 4 hold it: the frozen bf16 weights over
     32 GPUs and the activation estimate, 47.9 GiB of 80, where 2 nodes would need more than 80. A
     full-weight run gets no such row."""
-    from launch.plan import _memory_rows, lora_layout, trainer_memory
+    from launch.plan import _memory_rows, lora_layout
+    from moe_rl.planner.memory import trainer_memory
 
     lora = load_recipe(
         REPO / "recipes" / "deepseek_v3.yaml", ["lora.rank=8", "parallel.sequence_parallel=false"]

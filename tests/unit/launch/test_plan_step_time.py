@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import make_plan, released_bytes, sweep_overrides
+from launch.plan import make_plan, sweep_overrides
 from moe_rl.config import load_recipe
+from moe_rl.planner.memory import released_bytes
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = REPO / "recipes"
@@ -138,7 +139,7 @@ def _bench():
 def test_the_shipped_factors_are_the_fit_of_the_calibration_run():
     """`FITTED` is what `bench/plan_model.py --fit` gives (three significant digits), and the fit
     reproduces its three figures: the on-policy step, the one-step-off step and the refit."""
-    from moe_rl.config.step_time import FITTED
+    from moe_rl.planner.step_time import FITTED
 
     bench = _bench()
     fitted = bench.fit()
@@ -152,7 +153,7 @@ def test_the_shipped_factors_are_the_fit_of_the_calibration_run():
 
 
 def test_the_document_states_its_command_and_the_shipped_factors():
-    from moe_rl.config.step_time import FITTED
+    from moe_rl.planner.step_time import FITTED
 
     text = (REPO / "docs" / "plan_model.md").read_text()
     assert ".venv/bin/python bench/plan_model.py --write docs/plan_model.md" in text
@@ -166,7 +167,7 @@ def test_the_chip_a_missed_run_would_need_is_found_and_the_table_left_as_it_was(
     bandwidth together, `scaled_chip`) at which the model's step is half the published one; 1.0 for
     a run already within; the chip table as it was."""
     from moe_rl.config.modes import GpuType
-    from moe_rl.config.step_time import FITTED, MACHINES
+    from moe_rl.planner.step_time import FITTED, MACHINES
 
     bench = _bench()
     runs = {r.label: r for r in bench.STEPS}

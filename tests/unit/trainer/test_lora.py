@@ -181,8 +181,8 @@ def test_the_planners_count_is_the_built_models(family, head):
 
     from trainer_testing import tiny_deepseek
 
-    from moe_rl.config.flops import lora_param_counts
     from moe_rl.megatron.lora import freeze_base
+    from moe_rl.planner.flops import lora_param_counts
 
     config = tiny_recipe(*LORA, "lora.train_router=true", f"lora.train_output_layer={head}")
     if family == "deepseek_v3":

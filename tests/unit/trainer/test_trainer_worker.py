@@ -143,11 +143,11 @@ class _Clock:
 @pytest.mark.parametrize("kl", [0.0, 0.5])
 def test_a_step_reports_its_model_flop_rate(kl, monkeypatch):
     """The π_old pass counts the model FLOPs of the rank's sequences (prompt + response, as the
-    trajectories give them) with `moe_rl.config.flops`, and with a KL penalty π_ref's forward; the
+    trajectories give them) with `moe_rl.planner.flops`, and with a KL penalty π_ref's forward; the
     update reports the rate over both calls' FLOPs and seconds (timed by an exact clock), and the
     MFU against the matrix product the rank measured on its device."""
-    from moe_rl.config.flops import model_flops
     from moe_rl.data.synthetic import random_batch
+    from moe_rl.planner.flops import model_flops
     from moe_rl.trainer import worker as worker_module
     from moe_rl.trainer.batch import TrainerBatch
 

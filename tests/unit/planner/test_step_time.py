@@ -1,4 +1,4 @@
-"""The step-time model (`moe_rl.config.step_time`): every phase of a hand-sized MoE against a hand
+"""The step-time model (`moe_rl.planner.step_time`): every phase of a hand-sized MoE against a hand
 count, the overlap of an asynchronous step, the sync's route and link, the chip a recipe names, and
 the refusals (an unknown chip, a factor out of range, a KV cache that holds no sequence)."""
 
@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import ConfigError, load_recipe
-from moe_rl.config.derived import rollout_memory, rollout_weight_bytes
-from moe_rl.config.flops import count_params
 from moe_rl.config.modes import GpuType, SyncRoute
 from moe_rl.config.schema import ClusterConfig
-from moe_rl.config.step_time import (
+from moe_rl.config.sync_plan import SyncPlan, sync_plan
+from moe_rl.planner.flops import count_params
+from moe_rl.planner.memory import rollout_memory, rollout_weight_bytes
+from moe_rl.planner.step_time import (
     FITTED,
     MACHINES,
     Efficiency,
@@ -33,7 +34,6 @@ from moe_rl.config.step_time import (
     step_time,
     sync_cost,
 )
-from moe_rl.config.sync_plan import SyncPlan, sync_plan
 
 # relative only: the hand model's seconds are as small as 1e-11, below pytest.approx's default
 # absolute tolerance (1e-12), which would hide an error of a few percent
@@ -209,7 +209,7 @@ def test_an_adapter_only_sync_moves_what_trains():
     """`lora.sync=adapters`: after an engine took the base, a step's sync moves the adapters alone,
     in the trainer's bf16, through the same link as the whole model's (the hand model's 1,144
     parameters in fp32 otherwise)."""
-    from moe_rl.config.flops import lora_param_counts
+    from moe_rl.planner.flops import lora_param_counts
 
     merged = _hand("lora.rank=4", "trainer.precision=bf16")
     adapters = _hand("lora.rank=4", "trainer.precision=bf16", "lora.sync=adapters")

@@ -206,7 +206,7 @@ class ParamCounts:
 
 
 def attention_params(m: ModelConfig) -> int:
-    """Attention parameters of one layer: the projections (`moe_rl.config.flops.attention_weights`)
+    """Attention parameters of one layer: the projections (`moe_rl.planner.flops.attention_weights`)
     and their norms, Qwen3's per-head q/k norms (GQA) or the norms of MLA's query and key-value
     latents."""
     if m.attention == Attention.GQA:

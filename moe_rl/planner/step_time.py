@@ -13,17 +13,17 @@ Phases, per GPU of the part that runs them (every engine replica alike and in pa
 trainer rank alike):
 
 * **prefill** (compute): an engine's samples ``n_e = ceil(prompts / engines) · group_size`` times
-  their prompt's forward FLOPs (`moe_rl.config.flops`: ``p·per_token + p(p+1)/2·per_pair``), over
+  their prompt's forward FLOPs (`moe_rl.planner.flops`: ``p·per_token + p(p+1)/2·per_pair``), over
   its ``TP`` GPUs at the chip's dense peak (bf16; fp8 when the rollout recipe quantizes activations
   too) times ``η_gen``.
 * **decode** (memory or compute, the larger): the engine runs its samples in waves of as many
-  sequences as its KV cache holds at the mean length (``kv_tokens // (f·L)``, `derived.rollout_memory`;
+  sequences as its KV cache holds at the mean length (``kv_tokens // (f·L)``, `memory.rollout_memory`;
   none: the phase cannot run), each wave lasting the longest response (``R`` steps). A step reads the
   GPU's share of the weights in the rollout recipe's bytes, the input embedding aside, with only the
   routed experts the wave's batch sends tokens to: ``E·(1 − (1 − k/E)^b)`` of ``E`` per MoE layer
   for ``b`` sequences in flight (uniform routing; ``b`` is the wave's size times ``r/R``, as
   sequences finish). Every token reads its sequence's KV cache so far (MLA's latent whole on every
-  TP rank, GQA's heads split over TP: ``derived.kv_bytes_per_token``): ``n_e·(p·r + r²/2)`` token
+  TP rank, GQA's heads split over TP: ``memory.kv_bytes_per_token``): ``n_e·(p·r + r²/2)`` token
   reads. Time: the bytes over the HBM bandwidth times ``η_gen``, or the decode FLOPs over the peak
   times ``η_gen``, whichever is longer; plus, with ``TP`` > 1, every step's two all-reduces a layer
   of the sequences in flight (`allreduce_seconds`: NCCL's latency model, the bytes at the link's
@@ -75,19 +75,21 @@ from moe_rl.config.derived import (
     FP32,
     GIB,
     PlacementMode,
-    kv_bytes_per_token,
     longest_sequence,
     max_response_tokens,
     placement_mode,
-    rollout_expert_bytes,
-    rollout_memory,
-    rollout_weight_bytes,
 )
-from moe_rl.config.flops import ParamCounts, count_params, lora_param_counts, model_flops
 from moe_rl.config.modes import Engine, GpuType, Precision, QuantMethod, RunMode, SyncRoute
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.config.sync_plan import SyncPlan
 from moe_rl.errors import ConfigError
+from moe_rl.planner.flops import ParamCounts, count_params, lora_param_counts, model_flops
+from moe_rl.planner.memory import (
+    kv_bytes_per_token,
+    rollout_expert_bytes,
+    rollout_memory,
+    rollout_weight_bytes,
+)
 
 TERA = 1e12
 GIGA = 1e9

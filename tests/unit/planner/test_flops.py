@@ -1,4 +1,4 @@
-"""Model FLOPs (`moe_rl.config.flops`): a hand count of a small GQA MoE, of a small MLA MoE
+"""Model FLOPs (`moe_rl.planner.flops`): a hand count of a small GQA MoE, of a small MLA MoE
 with a dense first layer and a shared expert and of one without the query's low-rank path, the
 causal pair count, and the shipped recipes against their published activated parameter counts."""
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.config.flops import causal_pairs, model_flops
 from moe_rl.config.schema import ModelConfig
 from moe_rl.orchestration.preflight import load_checked
+from moe_rl.planner.flops import causal_pairs, model_flops
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 
