@@ -21,6 +21,15 @@ class Objective(StrEnum):
     REINFORCE = "reinforce"
     ESPO = "espo"
     DGO = "dgo"
+    SFT = "sft"
+    """Maximum likelihood: every sample of weight 1 (`moe-rl sft`'s demonstrations, which no sampling
+    policy wrote: their log-probs and rewards are not read)."""
+
+
+OFFLINE_OBJECTIVES = frozenset({Objective.DGO, Objective.SFT})
+"""The objectives of ``run.mode=offline``: weighted maximum likelihood of stored data, each sample's
+weight computed by the driver over the whole batch (`moe_rl.algo.registry.bind_step_advantage`), never
+all 0."""
 
 
 class Advantage(StrEnum):

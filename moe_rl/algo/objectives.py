@@ -461,6 +461,31 @@ def dgo_weights(rewards: Tensor, group_ids: Tensor, *, dgo_beta: float = 0.1) ->
     return scaled / segment_mean(scaled, ones, inverse, uniq.numel())[inverse]
 
 
+def sft_weights(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """SFT's sample weights: 1 for every sample (maximum likelihood; the rewards are not read)."""
+    check_1d("rewards", rewards)
+    check_1d("group_ids", group_ids, rewards.numel())
+    return torch.ones_like(rewards, dtype=torch.float32)
+
+
+def sft(
+    logp: Tensor,
+    loss_mask: Tensor,
+    seq_ids: Tensor,
+    *,
+    num_seqs: int,
+    aggregation: str = "seq_mean_token_sum",
+    global_denom: float | Tensor | None = None,
+    norm_len: float | None = None,
+    seq_num_tokens: Tensor | None = None,
+) -> LossOutput:
+    """SFT: `weighted_sft` with every weight 1, the negative log-likelihood of the responses."""
+    return weighted_sft(
+        logp, loss_mask, seq_ids, num_seqs=num_seqs, seq_weights=logp.new_ones(num_seqs),
+        aggregation=aggregation, global_denom=global_denom, norm_len=norm_len, seq_num_tokens=seq_num_tokens,
+    )  # fmt: skip
+
+
 def weighted_sft(
     logp: Tensor,
     loss_mask: Tensor,

@@ -16,7 +16,7 @@ never a keyword dropped at a call.
 * ``algo.objective`` with its hyper-parameters and ``algo.aggregation``: `bind_objective`, and for
   the trainer `bind_recipe_objective` (`TRAINED_AS`; a dual-clip floor <= 1 is off);
 * ``algo.advantage``: `bind_advantage` (the driver's per-response part, `DRIVER_FUNCS`; with DGO's
-  sample weights in its place for that objective, `bind_step_advantage`) and, for the
+  sample weights, or SFT's, in its place for that objective, `bind_step_advantage`) and, for the
   token-level estimators, `bind_token_advantage` (the trainer's part, `TOKEN_FUNCS`, with ``algo.gae``
   and ``algo.kl.in_reward``); ``algo.kl``: `bind_kl_loss` (`KL_AGGREGATION`); the critic's loss:
   `bind_value_loss`;
@@ -64,6 +64,7 @@ OBJECTIVE_PARAMS: dict[Objective, tuple[str, ...]] = {
     Objective.REINFORCE: (),
     Objective.ESPO: ("espo_rho", "espo_num_groups", "espo_alpha"),
     Objective.DGO: ("dgo_beta",),
+    Objective.SFT: (),
 }
 """The recipe's ``algo.*`` hyper-parameters each objective binds (the functions' keywords of the
 same names); their values, defaults included, come from the recipe."""
@@ -78,6 +79,7 @@ OBJECTIVE_INPUTS: dict[Objective, tuple[str, ...]] = {
     Objective.REINFORCE: (*_TOKENS, "advantages", "weights"),
     Objective.ESPO: (*_POLICY, "entropy", "vocab_size"),
     Objective.DGO: (*_TOKENS, "rewards", "group_ids"),
+    Objective.SFT: _TOKENS,
 }
 """The inputs each objective's function reads from a call (`OBJECTIVE_CALL`)."""
 
@@ -118,10 +120,10 @@ KL_AGGREGATION = {Aggregation.SEQ_MEAN_GROUP_MEAN: Aggregation.SEQ_MEAN_TOKEN_ME
 KL term is the mean over responses of each response's token mean (the same denominator, the count
 of responses)."""
 
-TRAINED_AS = {Objective.DGO: Objective.REINFORCE}
+TRAINED_AS = {Objective.DGO: Objective.REINFORCE, Objective.SFT: Objective.REINFORCE}
 """Objectives trained as another: DGO's loss −w_i·log π(y_i|x) is REINFORCE with A_i = w_i (the
 driver computes the weights over the whole batch, as a prompt's samples may span micro-batches,
-and passes them as advantages)."""
+and passes them as advantages); SFT's is the same with every w_i = 1."""
 
 
 def _member(field: str, value: Any, mode: type[Mode]) -> Mode:
@@ -290,10 +292,15 @@ def bind_advantage(advantage: Advantage) -> Bound:
 def bind_step_advantage(objective: Objective, advantage: Advantage, dgo_beta: float) -> Bound:
     """What the driver computes per response of a step's batch, ``f(rewards=[S], group_ids=[S]) -> [S]``:
     for ``objective`` DGO its sample weights (`moe_rl.algo.objectives.dgo_weights`, the recipe's
-    ``dgo_beta`` bound), else the driver's part of ``advantage`` (`bind_advantage`)."""
-    if _member("algo.objective", objective, Objective) == Objective.DGO:
+    ``dgo_beta`` bound), for SFT weights of 1 (`moe_rl.algo.objectives.sft_weights`), else the
+    driver's part of ``advantage`` (`bind_advantage`)."""
+    objective = _member("algo.objective", objective, Objective)
+    if objective == Objective.DGO:
         func = _load("moe_rl.algo.objectives", "dgo_weights")
         return bind(func, {"dgo_beta": dgo_beta}, ("rewards", "group_ids"), "DGO's sample weights")
+    if objective == Objective.SFT:
+        func = _load("moe_rl.algo.objectives", "sft_weights")
+        return bind(func, {}, ("rewards", "group_ids"), "SFT's sample weights")
     return bind_advantage(advantage)
 
 

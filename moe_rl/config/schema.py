@@ -386,7 +386,8 @@ class GAEConfig:
 @dataclass
 class AlgoConfig:
     objective: Objective = Objective.PPO_CLIP
-    """`ppo_clip`, `gspo`, `gspo_token`, `cispo`, `reinforce`, `espo`, `dgo`."""
+    """`ppo_clip`, `gspo`, `gspo_token`, `cispo`, `reinforce`, `espo`; offline (`run.mode=offline`):
+    `dgo`, or `sft` (maximum likelihood, every sample of weight 1: `moe-rl sft`)."""
     advantage: Advantage = Advantage.GRPO
     """Group estimators `grpo`, `dr_grpo`, `rloo`, computed by the driver per response; or
     token-level ones the trainer computes at the π_old pass and whitens over the batch: `gae` (PPO

@@ -23,6 +23,7 @@ from typing import Any
 
 from moe_rl.algo.modes import (
     GROUP_ADVANTAGES,
+    OFFLINE_OBJECTIVES,
     TOKEN_ADVANTAGES,
     Advantage,
     Aggregation,
@@ -372,9 +373,9 @@ def _check_algo(config: RecipeConfig) -> None:
         "takes token_mean, seq_mean_token_sum, seq_mean_token_mean or seq_mean_token_sum_norm",
     )
     _require(
-        (a.objective == Objective.DGO) == (config.run.mode == RunMode.OFFLINE),
-        f"algo.objective={a.objective} with run.mode={config.run.mode}: DGO is the offline objective "
-        "(run.mode=offline) and offline runs train DGO",
+        (a.objective in OFFLINE_OBJECTIVES) == (config.run.mode == RunMode.OFFLINE),
+        f"algo.objective={a.objective} with run.mode={config.run.mode}: DGO and SFT are the offline "
+        "objectives (run.mode=offline) and offline runs train one of them",
     )
     _check_token_advantages(config)
     _require(

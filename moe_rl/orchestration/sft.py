@@ -1,11 +1,11 @@
 """Supervised warm start: demonstrations, and the recipe `moe-rl sft` trains on them with.
 
 `moe-rl sft RECIPE` trains the recipe's Megatron model on demonstrations with the loss on the
-response's model-written tokens only, through the offline loop: `sft_recipe` makes the recipe an
-offline DGO run whose every demonstration is a group of its own with reward 1, so each has weight
-1 and DGO's weighted SFT is plain maximum likelihood (token-mean negative log-likelihood,
-``train/loss``). Each step evaluates fresh rollouts of the policy as any offline run does
-(``reward/mean``). The run directory and checkpoints are a training run's: `moe-rl train --resume`
+response's model-written tokens only, through the offline loop: `sft_overrides` makes the recipe an
+offline run of the SFT objective (``algo.objective=sft``: every demonstration of weight 1, maximum
+likelihood, the token-mean negative log-likelihood in ``train/loss``). No sampling policy wrote a
+demonstration, so a step reports no drift from one (``old/*``) and no stored reward. Each step
+evaluates fresh rollouts of the policy as any offline run does (``reward/mean``). The run directory and checkpoints are a training run's: `moe-rl train --resume`
 continues it, `moe-rl export` exports it, and an RL run starts from it with `--init-from RUN`
 (`model.init_from`).
 
@@ -38,7 +38,7 @@ from moe_rl.rollout.engine import SamplingSpec
 
 SFT_OVERRIDES = (
     "run.mode=offline",
-    "algo.objective=dgo",
+    "algo.objective=sft",
     "algo.aggregation=token_mean",
     *CORRECTIONS_OFF,
     "algo.zero_variance_shaping=false",
@@ -47,9 +47,10 @@ SFT_OVERRIDES = (
     "trainer.compute_entropy=false",
     "data.trajectories=null",
 )
-"""What `moe-rl sft` sets on a recipe (after the user's overrides): an offline DGO run in which
-every demonstration has weight 1, so the loss is the negative log-likelihood of the demonstrations'
-model-written tokens (token mean); nothing that compares a sampling policy with the trainer's."""
+"""What `moe-rl sft` sets on a recipe (after the user's overrides): an offline run of the SFT
+objective, every demonstration of weight 1, so the loss is the negative log-likelihood of the
+demonstrations' model-written tokens (token mean); nothing that compares a sampling policy with the
+trainer's."""
 
 
 def sft_overrides(recipe, overrides: Sequence[str]) -> list[str]:
@@ -111,7 +112,8 @@ class Demonstrator:
 
 def build_demonstrations(config) -> TrajectoryBatch:
     """The demonstrations of `sft.demonstrations` (see the module docstring), each its own group
-    with reward 1, checked against the recipe's lengths and vocabulary."""
+    (taken as a correct response: reward 1, which SFT does not read), checked against the recipe's
+    lengths and vocabulary."""
     source = config.sft.demonstrations
     kind, _, path = source.partition(":")
     if source == "env":

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from moe_rl.algo import registry
-from moe_rl.algo.modes import Objective
+from moe_rl.algo.modes import OFFLINE_OBJECTIVES, Objective
 from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.diagnostics.budget import staleness_metrics
@@ -121,8 +121,9 @@ class Stages:
         a = config.algo
         self.estimator = registry.bind_step_advantage(a.objective, a.advantage, a.dgo_beta)
         """The driver's part of each step's advantages, bound once (`registry.bind_step_advantage`)."""
-        self.releases = workers.plan.releases_memory
-        """Colocated phases give memory back (`cluster.release_memory`), as the run's plan says."""
+        self.sampled = a.objective != Objective.SFT
+        """The batches came from a sampling policy, so a step reports their drift from it (``old/*``)
+        and, offline, their stored rewards; SFT's demonstrations did not (no policy wrote them)."""
         self.waiting: Waiting | None = None
         """The phase running the user's code the driver waits for now (None: none)."""
 
@@ -164,7 +165,7 @@ class Stages:
         """Colocated (`cluster.release_memory`): the trainer's optimizer state and gradients (and
         parameters, with `cluster.offload_params`) leave device memory; the engines take theirs
         again. Its memory metrics."""
-        if not self.releases:
+        if not self.workers.plan.releases_memory:
             return {}
         released = self.trainer.release_memory(self.config.cluster.offload_params)
         awake = self.engines.wake_up()
@@ -235,7 +236,7 @@ class Stages:
     def sleep_engines(self) -> dict[str, Any]:
         """Colocated: the engines give their memory back (`cluster.engine_sleep_level`); the trainer
         takes what it released. Its memory metrics."""
-        if not self.releases:
+        if not self.workers.plan.releases_memory:
             return {}
         asleep = self.engines.sleep()
         while asleep.restarted:  # new processes, awake: the current weights, then asleep too
@@ -251,12 +252,12 @@ class Stages:
 
     # ------------------------------------------------------------------ training
     def advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Per-sample advantages (for DGO the sample weights exp(r/β)/mean_group exp(r/β)) and their
+        """Per-sample advantages (offline the sample weights: DGO's exp(r/β)/mean_group exp(r/β), SFT's 1) and their
         metrics. Warns once when no group's rewards have varied for `FLAT_REWARD_STEPS` steps in a
         row."""
         adv, found = step_advantages(self.estimator, rollout.summary.rewards, rollout.summary.group_ids)
-        dgo = self.config.algo.objective == Objective.DGO  # sample weights, never all 0
-        flat = not dgo and found.get("advantage/zero_variance_group_share", 0.0) >= 1.0
+        weights = self.config.algo.objective in OFFLINE_OBJECTIVES  # sample weights, never all 0
+        flat = not weights and found.get("advantage/zero_variance_group_share", 0.0) >= 1.0
         self.state.flat_steps = self.state.flat_steps + 1 if flat else 0
         if self.state.flat_steps == FLAT_REWARD_STEPS:
             rewards = rollout.summary.rewards
@@ -276,7 +277,8 @@ class Stages:
         summary = rollout.summary
         signs = step_zero_variance(self.config, summary.rewards, summary.group_ids)
         prepared = self.trainer.old_logp(rank_parts(summary.plan, rollout.shards, advantages, signs))
-        return prepared, {**prepared.metrics, "time/old_logp_s": time.perf_counter() - t0}
+        found = prepared.metrics if self.sampled else _without(prepared.metrics, "old/")
+        return prepared, {**found, "time/old_logp_s": time.perf_counter() - t0}
 
     def train(self, prepared: BatchHandle) -> dict[str, Any]:
         """One optimizer step per mini-batch of the batch ``prepared`` on every rank; its metrics."""
@@ -324,16 +326,21 @@ class Stages:
         """The probe's prompt stream over the run's prompts, seeded apart from the training prompts."""
         return self.source.stream(sampling_seed(self.config.run.seed, Purpose.PROBE, 0))
 
-    # ------------------------------------------------------------------ offline (DGO)
+    # ------------------------------------------------------------------ offline (DGO, SFT)
     def offline_batch(self, dataset: list[TrajectoryBatch], step: int) -> tuple[Rollout, dict[str, Any]]:
         """The step's slice of the stored data (epochs cycle over it), sharded by the reward worker."""
         batch = dataset[step % len(dataset)]
         shards, summary = self.rewarder.prepare_stored(batch, self.state.version, self.trainer.dp_size)
         rollout = Rollout(shards, summary)
+        stored = {"offline/reward_mean": float(batch.rewards.mean())} if self.sampled else {}
         return rollout, {
             "offline/epoch": step // len(dataset),
-            "offline/reward_mean": float(batch.rewards.mean()),
+            **stored,
             "policy/version": self.state.version,
             "trainer/world_size": self.trainer.world_size,
             **summary.metrics,
         }
+
+
+def _without(metrics: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {key: value for key, value in metrics.items() if not key.startswith(prefix)}

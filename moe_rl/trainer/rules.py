@@ -10,7 +10,7 @@ starts, and the preflight (`moe_rl.orchestration.preflight`) calls the same func
 
 from __future__ import annotations
 
-from moe_rl.algo.modes import Divergence, Objective, PolicyMode, TISMode
+from moe_rl.algo.modes import OFFLINE_OBJECTIVES, Divergence, Objective, PolicyMode, TISMode
 from moe_rl.config.derived import data_parallel_size, longest_sequence, response_limit_key, sampling_truncates
 from moe_rl.config.modes import LoraTarget, ReplayMode
 from moe_rl.config.schema import RecipeConfig
@@ -74,9 +74,9 @@ def _algo_rules(config: RecipeConfig) -> list[Rule]:
         Rule("zero-variance shaping has the old policy's entropy", not a.zero_variance_shaping or t.compute_entropy,
              f"algo.zero_variance_shaping={a.zero_variance_shaping} needs trainer.compute_entropy=true "
              f"(RL-ZVP shapes advantages with π_old's entropy), got {t.compute_entropy}"),
-        Rule("zero-variance shaping shapes advantages", not a.zero_variance_shaping or a.objective != Objective.DGO,
+        Rule("zero-variance shaping shapes advantages", not a.zero_variance_shaping or a.objective not in OFFLINE_OBJECTIVES,
              f"algo.zero_variance_shaping={a.zero_variance_shaping} with algo.objective={a.objective}",
-             advice="DGO trains on sample weights, not advantages; turn one of them off"),
+             advice=f"{a.objective.name} trains on sample weights, not advantages; turn one of them off"),
     ]  # fmt: skip
 
 

@@ -42,12 +42,13 @@ def test_sft_teaches_the_tool_task_and_rl_starts_from_it(tmp_path):
     )
     sft = _records(tmp_path / "sft")
     assert [r["step"] for r in sft] == list(range(40))
-    assert not any(k.startswith("old/") for r in sft for k in r)  # no sampling policy to compare with
+    # no sampling policy to compare with, and no stored reward (SFT reads none)
+    assert not any(k.startswith(("old/", "offline/reward")) for r in sft for k in r)
     # the negative log-likelihood of the demonstrations falls, the policy's own reward rises
     assert sft[-1]["train/loss"] < 0.5 * sft[0]["train/loss"]
     assert sft[0]["reward/mean"] < 0.1 and max(r["reward/mean"] for r in sft[-5:]) > 0.8
     config = (tmp_path / "sft" / "config.yaml").read_text()
-    assert "mode: offline" in config and "demonstrations: env" in config
+    assert "mode: offline" in config and "demonstrations: env" in config and "objective: sft" in config
 
     _cli(
         "train", TOOLS, "--init-from", str(tmp_path / "sft"), "run.steps=2", "trainer.lr=5.0e-4",

@@ -226,6 +226,31 @@ def test_a_steps_advantages_are_dgos_weights_for_dgo_and_the_estimators_otherwis
         registry.bind_step_advantage("dgo", Advantage.RLOO, 0.5)
 
 
+def test_sft_weighs_every_sample_1_and_trains_as_reinforce_with_advantage_1():
+    """`Objective.SFT`: the driver's weights are 1 whatever the rewards and groups; the trainer's
+    loss is REINFORCE's with those advantages, the negative log-likelihood of the responses."""
+    from moe_rl.algo.objectives import sft
+
+    rewards, groups = t([1.0, 0.0, 2.0, -3.0]), torch.tensor([0, 0, 1, 2])
+    weights = registry.bind_step_advantage(Objective.SFT, Advantage.RLOO, 0.5)
+    assert weights.values == {}
+    torch.testing.assert_close(weights(rewards=rewards, group_ids=groups), torch.ones(4))
+    algo = {"clip_eps_low": 0.2, "dgo_beta": 0.5}
+    trained = registry.bind_recipe_objective(Objective.SFT, algo, Aggregation.SEQ_MEAN_TOKEN_SUM, None)
+    reinforce = registry.bind_recipe_objective(
+        Objective.REINFORCE, algo, Aggregation.SEQ_MEAN_TOKEN_SUM, None
+    )
+    logp, mask = t([-0.5, -1.0, -2.0, -0.25, -4.0]), torch.tensor([True, True, False, True, True])
+    seq_ids, ones = torch.tensor([0, 0, 0, 1, 1]), torch.ones(5)  # each token its sample's advantage
+    call = dict(logp=logp, loss_mask=mask, seq_ids=seq_ids, num_seqs=2, weights=None)
+    out = trained(**call, advantages=ones)
+    assert out.loss_sum.item() == pytest.approx(1.5 + 4.25) and float(out.denom) == 2
+    assert out.loss_sum.item() == reinforce(**call, advantages=ones).loss_sum.item()
+    direct = sft(logp, mask, seq_ids, num_seqs=2, aggregation="seq_mean_token_sum")
+    assert direct.loss_sum.item() == out.loss_sum.item() and float(direct.denom) == 2
+    assert registry.OBJECTIVE_PARAMS[Objective.SFT] == ()
+
+
 def test_correction_stack_from_the_recipes_sections():
     stack = registry.bind_corrections(
         sections(

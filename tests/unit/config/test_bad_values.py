@@ -329,3 +329,20 @@ def test_data_task_is_read_once_into_its_kind_and_name():
     assert (synthetic.kind, synthetic.name, synthetic.is_file) == (TaskKind.SYNTHETIC, "count_up", False)
     with pytest.raises(AttributeError):  # read once, never changed
         synthetic.name = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "override", "mode"),
+    [("tiny_moe.yaml", "algo.objective=sft", "sync"), ("tiny_moe.yaml", "algo.objective=dgo", "sync"),
+     ("tiny_moe_dgo.yaml", "algo.objective=ppo_clip", "offline")],
+)  # fmt: skip
+def test_the_offline_objectives_and_the_offline_mode_go_together(recipe, override, mode):
+    objective = override.split("=")[1]
+    with pytest.raises(ConfigError, match=rf"algo.objective={objective} with run.mode={mode}: DGO and SFT are the "
+                       "offline objectives"):  # fmt: skip
+        load_checked(RECIPES / recipe, [override, "algo.aggregation=token_mean"])
+
+
+def test_an_offline_recipe_trains_sft_when_asked():
+    sft = load_checked(RECIPES / "tiny_moe_dgo.yaml", ["algo.objective=sft"])
+    assert sft.algo.objective == "sft" and sft.run.mode == "offline"

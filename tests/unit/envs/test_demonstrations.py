@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.algo.objectives import dgo_weights
+from moe_rl.algo.objectives import sft_weights
 from moe_rl.config import ConfigError
 from moe_rl.envs.calculator import CALL, END_CALL, END_RESULT, RESULT, CalculatorEnv, evaluate, tokens_to_expr
 from moe_rl.errors import EnvError, UserError
@@ -42,12 +42,12 @@ def test_the_calculator_demonstrates_a_call_then_the_result():
 def test_environment_demonstrations_are_trajectories_of_full_reward():
     config = _sft("sft.num_demonstrations=64")
     assert (
-        config.sft.demonstrations == "env" and config.run.mode == "offline" and config.algo.objective == "dgo"
+        config.sft.demonstrations == "env" and config.run.mode == "offline" and config.algo.objective == "sft"
     )
     batch = build_demonstrations(config)
     assert batch.num_samples == 64 and batch.group_ids.tolist() == list(range(64))
-    assert batch.rewards.tolist() == [1.0] * 64  # every demonstration weighs 1 (its own group)
-    assert torch.equal(dgo_weights(batch.rewards, batch.group_ids), torch.ones(64))
+    assert batch.rewards.tolist() == [1.0] * 64  # taken as correct responses (SFT does not read them)
+    assert torch.equal(sft_weights(batch.rewards, batch.group_ids), torch.ones(64))  # every one weighs 1
     for sample in batch.samples():
         prompt, response = sample.prompt_ids.tolist(), sample.response_ids.tolist()
         assert prompt[-1] == CALL

@@ -50,6 +50,7 @@ def test_an_offline_recipe_runs_the_offline_loop_and_saves_its_run(tmp_path, cap
     assert [r["step"] for r in records] == [0, 1, 2]
     assert [r["offline/epoch"] for r in records] == [0, 0, 1]  # two stored batches a epoch
     assert all("reward/mean" in r and "offline/reward_mean" in r for r in records), records[0]
+    assert all("old/kl_k3" in r for r in records)  # DGO's data came from a sampling policy: its drift
     run = tmp_path / "dgo"
     assert (run / "offline_data" / "complete").exists()
     assert sorted(step for step, _ in checkpoints(run)) == [1, 2]
@@ -129,7 +130,7 @@ def test_a_colocated_step_that_releases_memory_reports_each_phase_once_and_its_r
          "logging.diagnose_every=1"],
     )  # fmt: skip
     local = LocalRun(config)
-    assert local.stages.releases and local.stages.workers.plan.releases_memory
+    assert local.stages.workers.plan.releases_memory
     assert local.stages.workers.plan.sync.route == SyncRoute.IN_PROCESS  # one process: no transport
     record = local.step(0)
     assert record["probe/kl_k3"] >= 0 and record["mismatch/staleness"] == 0.0  # the probe, on a sync step
