@@ -30,6 +30,7 @@ RECIPES = REPO / "recipes"
         ("tiny_moe", ["run.device=cuda"], "cuda"),
         ("qwen3_30b_a3b", ["run.device=cpu"], "cpu"),
         ("tiny_moe", ["cluster.gpus_per_node=8", "run.device=auto"], "cuda"),
+        ("tiny_moe", ["cluster.gpus_per_node=1"], "cuda"),  # one GPU a node is a cluster of GPUs
     ],
 )
 def test_the_machine_a_recipe_describes_is_told_in_one_place(recipe, overrides, meant):

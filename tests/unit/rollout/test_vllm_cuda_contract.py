@@ -323,3 +323,47 @@ def test_the_weights_sent_load_into_vllms_own_model_class(recipe):
         trainer = found["held_by_trainer"]
         assert got["streamed"]["travelled"] == {name: dtype for name, (dtype, _) in trainer.items()}, quant
         assert got["streamed"]["decoded"] == trainer, quant
+
+
+def test_an_engines_default_settings_are_an_eager_engine_without_a_prefix_cache_or_sleep(tmp_path):
+    """`VllmSettings()`: what an engine built outside a recipe starts vLLM with (a bench, an export
+    check); the settings a value that does not change once made."""
+    import dataclasses
+
+    from moe_rl.rollout.vllm_settings import VllmSettings
+
+    settings = VllmSettings(device="cuda")
+    kwargs = llm_kwargs(tmp_path, settings)
+    assert (kwargs["max_model_len"], kwargs["enforce_eager"], kwargs["enable_prefix_caching"]) == (
+        512,
+        True,
+        False,
+    )
+    assert (kwargs["dtype"], kwargs["seed"], kwargs["tensor_parallel_size"]) == ("bfloat16", 0, 1)
+    assert kwargs["weight_transfer_config"] == {"backend": "ipc"} and "enable_sleep_mode" not in kwargs
+    assert llm_kwargs(tmp_path, VllmSettings(device="cpu"))["dtype"] == "float32"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.max_model_len = 64
+
+
+def test_a_recipes_settings_ask_only_what_the_engine_can_return_and_size_its_routing_store(tmp_path):
+    """`recipe_settings`: routing and sampling masks only where the engine returns them; the routed
+    experts' store holds this engine's share of a batch's routing, in whole bytes."""
+    from moe_rl.config.derived import routing_trace_bytes
+    from moe_rl.rollout.capabilities import engine_capabilities
+    from moe_rl.rollout.vllm_settings import VllmSettings
+
+    _, config = _kwargs("tiny_moe_vllm.yaml", [*TINY_CUDA, *R3_KSM], H100, tmp_path)
+    on_gpu = recipe_settings(config, check_recipe(config, H100), run_plan(config, "cuda"))
+    assert on_gpu.return_routing and on_gpu.return_sampling_mask
+    store, trace = on_gpu.routing_store_bytes, routing_trace_bytes(config)
+    engines = config.rollout.num_engines
+    assert isinstance(store, int) and engines * (store - 1) < trace <= engines * store
+    on_cpu = recipe_settings(config, engine_capabilities("vllm", "cpu"), run_plan(config, "cpu"))
+    assert (
+        not on_cpu.return_routing and not on_cpu.return_sampling_mask and on_cpu.routing_store_bytes is None
+    )
+    import torch
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"  # a device not given is this machine's
+    assert VllmSettings().resolved().device == here

@@ -57,6 +57,10 @@ class _RecordingLLM:
     def set_weight_version(self, version):
         self.calls.append(("set_weight_version", version))
 
+    def add_lora(self, request):
+        self.calls.append(("add_lora", request.lora_name))
+        return True
+
 
 @pytest.fixture
 def checkpoint(tmp_path):
@@ -81,7 +85,7 @@ WEIGHTS = {
 }
 
 
-def _buckets(names):
+def _buckets(names, weights=WEIGHTS):
     """One bucket per tensor of ``names`` as a bf16 sender writes them (`moe_rl.weight_sync.wire`)."""
     from moe_rl.config.schema import QuantConfig
     from moe_rl.weight_sync.buckets import BucketPacker
@@ -89,7 +93,7 @@ def _buckets(names):
     from tests.unit.weight_sync.sync_testing import detach
 
     encoder = WireEncoder(QuantConfig(name="bf16", method="none"), num_layers=2)
-    groups = [encoder.lazy_group([(name, WEIGHTS[name])]) for name in names]
+    groups = [encoder.lazy_group([(name, weights[name])]) for name in names]
     return [
         detach(bucket)
         for group in groups
@@ -215,3 +219,45 @@ def test_only_the_vllm_engine_takes_vllms_transfer():
     assert issubclass(VLLMEngine, TransferReceiver) and issubclass(VLLMEngine, WeightReceiver)
     assert not issubclass(MegatronEngine, TransferReceiver) and issubclass(MegatronEngine, WeightReceiver)
     assert not issubclass(ReferenceModel, TransferReceiver)
+
+
+def test_an_adapter_only_sync_into_an_engine_holding_the_base_needs_no_layer_and_is_labelled(checkpoint):
+    """``lora.sync=adapters`` on CUDA, once the engine holds the base: a sync of adapters alone
+    reloads no layer, hands vLLM's LoRA the adapters and labels the version (no base went by IPC,
+    which would have labelled it); one that brings no adapters is refused."""
+    from moe_rl.config.schema import LoraConfig
+    from moe_rl.rollout.vllm_adapters import VllmAdapters
+
+    llm = _RecordingLLM()
+    adapters = VllmAdapters(LoraConfig(rank=2), str(checkpoint))
+    adapters.holds_base = True  # a sync brought the base before
+    receiver = VllmReceiver(lambda: llm, checkpoint, SyncRoute.BUCKETS, "cuda", "bfloat16", False, adapters)
+    lora = {
+        "model.layers.0.mlp.w.lora_A.weight": torch.ones(2, 2),
+        "model.layers.0.mlp.w.lora_B.weight": torch.zeros(2, 2),
+    }
+    receiver.begin(4)
+    for bucket in _buckets(lora, lora):
+        receiver.bucket(bucket)
+    stats = receiver.finish(4)
+    assert not receiver.base_arrived and stats["adapters_bytes"] > 0
+    assert llm.calls == [("add_lora", "policy_v4"), ("set_weight_version", "4")]
+    receiver.begin(5)
+    with pytest.raises(ValueError, match="a sync into an engine with LoRA adapters brought none"):
+        receiver.finish(5)
+
+
+def test_tensors_sharing_storage_are_written_to_the_reload_file_apart(tmp_path):
+    """A layer whose tensors share storage (tied weights, views of one buffer) still goes to vLLM's
+    workers by file: safetensors refuses shared tensors, so each later one is copied; the first is not."""
+    from safetensors.torch import load_file, save_file
+
+    from moe_rl.rollout.vllm_receiver import _unshared
+
+    buffer = torch.arange(8.0)
+    first, second, own = buffer[:4], buffer[4:], torch.ones(3)
+    out = _unshared([("a", first), ("b", second), ("c", own)])
+    assert out["a"] is first and out["c"] is own and out["b"] is not second
+    assert torch.equal(out["b"], second)
+    save_file(out, str(tmp_path / "layer.safetensors"))
+    assert torch.equal(load_file(str(tmp_path / "layer.safetensors"))["b"], torch.arange(4.0, 8.0))
