@@ -120,3 +120,36 @@ def test_a_colocated_gpu_holds_each_phases_share(overrides, generating, engine_t
     assert (phases.trainer_training, phases.engine_training) == (65.0, engine_training)
     assert phases.generate == generating + 50.0 and phases.train == 65.0 + engine_training
     assert phases.peak == max(phases.generate, phases.train)
+
+
+def _activation_config(pp: int = 1, recompute: bool = False) -> RecipeConfig:
+    """A GQA MoE of hand size: hidden 16, 2 heads and 1 KV head of 8, 2 layers (the first dense, MLP
+    32), 4 experts of 8 (top-2) and 1 shared, a vocabulary of 10; micro-batches of 64 tokens; 8
+    sequences of up to 24 + 8 tokens a step."""
+    config = RecipeConfig()
+    m = config.model
+    m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim = 16, 2, 1, 8
+    m.num_layers, m.first_k_dense_layers, m.ffn_hidden_size, m.moe_ffn_hidden_size = 2, 1, 32, 8
+    m.num_experts, m.moe_router_topk, m.num_shared_experts, m.vocab_size = 4, 2, 1, 10
+    p = config.parallel
+    p.tensor_model_parallel_size = p.context_parallel_size = p.expert_model_parallel_size = 1
+    p.expert_tensor_parallel_size, p.pipeline_model_parallel_size, p.trainer_world_size = 1, pp, pp
+    config.trainer.max_tokens_per_microbatch, config.trainer.num_mini_batches = 64, 1
+    config.trainer.recompute_activations = recompute
+    config.rollout.batch_size, config.rollout.max_new_tokens, config.data.max_prompt_len = 8, 8, 24
+    return config
+
+
+def test_activations_by_hand():
+    """Per token, attention keeps 2·16 + (2 + 2·1)·8 + 2·8 = 80 elements; the dense MLP 16 + 3·32 =
+    112; the MoE MLP 2·4 (router) + 2·(16 + 3·8) (routed) + 1·(16 + 3·8) (shared) = 128. Logits and
+    their gradient: 2·64·10 fp32. One stage: (80 + 112 + 80 + 128)·64 tokens·2 bytes + 5,120 =
+    56,320; with recompute each layer keeps its input (2 layers·16) and one layer (the MoE one, 208)
+    is recomputed at a time: (32 + 208)·64·2 + 5,120 = 35,840. Two stages (4 micro-batches of 64
+    tokens, two in flight): stage 0's dense layer, 2·192·64·2 = 49,152, above half of it plus the
+    logits."""
+    from moe_rl.planner.memory import activation_bytes
+
+    assert activation_bytes(_activation_config()) == 56_320
+    assert activation_bytes(_activation_config(recompute=True)) == 35_840
+    assert activation_bytes(_activation_config(pp=2)) == 49_152
