@@ -106,6 +106,27 @@ def test_a_run_of_fewer_steps_than_the_recipes_stops_there_offline_too(tmp_path)
     assert record["step"] == 2 and record["offline/epoch"] == 2
 
 
+def test_an_sft_step_reports_no_drift_and_no_stored_reward(tmp_path):
+    """``algo.objective=sft`` trains the stored batch with every weight 1 and reports neither a drift
+    from a sampling policy (``old/*``) nor the batch's stored reward: it names none; DGO's step, from
+    the same recipe, reports both (`test_an_offline_recipe_runs_the_offline_loop_and_saves_its_run`)."""
+    from moe_rl.orchestration.local import LocalRun
+    from moe_rl.orchestration.preflight import load_checked
+
+    overrides = [
+        *TINY_MODEL_OVERRIDES,
+        "algo.objective=sft",
+        "data.offline_batches=1",
+        "rollout.batch_size=16",
+    ]
+    local = LocalRun(load_checked(REPO / "recipes" / "tiny_moe_dgo.yaml", overrides), run_dir=tmp_path)
+    record = local.step(0)
+    assert not [key for key in record if key.startswith(("old/", "offline/reward"))], sorted(record)
+    assert record["offline/epoch"] == 0 and record["train/loss"] > 0 and "reward/mean" in record
+    assert "time/old_logp_s" in record  # the π_old pass ran; only its drift is not reported
+    local.job.shutdown()
+
+
 def test_an_offline_run_without_a_run_directory_is_told_where_its_data_would_go():
     from moe_rl.orchestration.local import LocalRun
     from moe_rl.orchestration.preflight import load_checked
