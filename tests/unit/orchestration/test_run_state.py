@@ -69,14 +69,14 @@ def test_a_new_run_starts_before_step_0_at_policy_version_0_with_nothing_counted
     )
 
 
-def _flat_stages():
+def _flat_stages(recipe: Path = TINY, *overrides: str):
     from moe_rl.config.run_plan import run_plan
     from moe_rl.orchestration.batches import ScoredSummary
     from moe_rl.orchestration.handles import Workers
     from moe_rl.orchestration.preflight import RunInputs
     from moe_rl.orchestration.stages import Rollout, Stages
 
-    config = load_checked(TINY)
+    config = load_checked(recipe, list(overrides))
     workers = Workers(None, None, None, run_plan(config, "cpu"))
     stages = Stages(config, None, workers, RunInputs(build_prompt_source(config)))
     groups = torch.arange(4).repeat_interleave(2)
@@ -109,3 +109,15 @@ def test_the_flat_reward_count_runs_over_flat_steps_in_a_row_and_warns_once_at_i
     assert [step for step, _ in warned] == [2 + FLAT_REWARD_STEPS]
     assert f"for {FLAT_REWARD_STEPS} steps in a row (reward/mean 1.000, min 1.000, max 1.000)" in warned[0][1]
     assert stages.state.flat_steps == FLAT_REWARD_STEPS + 2
+
+
+def test_no_flat_reward_warning_for_an_offline_objective(caplog):
+    """An offline objective's sample weights are never all 0: however flat the stored rewards, nothing
+    counts and nothing warns."""
+    from moe_rl.orchestration.stages import FLAT_REWARD_STEPS
+
+    stages, rollout = _flat_stages(TINY.parent / "tiny_moe_dgo.yaml", "algo.objective=sft")
+    for _ in range(FLAT_REWARD_STEPS + 1):
+        stages.advantages(rollout(FLAT))
+    assert stages.state.flat_steps == 0
+    assert not [r for r in caplog.records if "rewards have varied" in r.getMessage()]
