@@ -96,6 +96,8 @@ def test_an_engine_gpu_holds_its_share_of_the_weights_and_the_kv_cache_left_over
     assert memory.kv_per_token == kv_bytes_per_token(config.model, 2)
     assert memory.kv_tokens == int((GIB / 2 - 496) // memory.kv_per_token)
     assert RolloutMemory(10.0, 5.0, 1.0).kv_tokens == 0  # weights beyond the budget leave no cache
+    with pytest.raises(AttributeError):
+        memory.kv_per_token = 0.0  # a value
 
 
 @pytest.mark.parametrize(
@@ -153,3 +155,45 @@ def test_activations_by_hand():
     assert activation_bytes(_activation_config()) == 56_320
     assert activation_bytes(_activation_config(recompute=True)) == 35_840
     assert activation_bytes(_activation_config(pp=2)) == 49_152
+
+
+def test_activations_by_hand_with_mla_and_with_tensor_parallelism():
+    """MLA (2 heads of 4 + 2 rope dims, values of 4, a KV latent of 8, no query latent): attention
+    keeps 2·16 + (2·6) + (8 + 2 + 2·(4 + 4)) + 2·6 + 2·4 = 90 elements a token, so one stage is
+    (90 + 112 + 90 + 128)·64·2 + 5,120 = 58,880. TP 2 (sequence parallel) halves the layers' and the
+    logits' share: (40 + 56 + 40 + 64)·64·2 + 2,560 = 28,160."""
+    from moe_rl.planner.memory import activation_bytes
+
+    mla = _activation_config()
+    m = mla.model
+    m.attention, m.kv_lora_rank, m.q_lora_rank = Attention.MLA, 8, None
+    m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 4, 2, 4
+    assert activation_bytes(mla) == 58_880
+    tp = _activation_config()
+    tp.parallel.tensor_model_parallel_size, tp.parallel.trainer_world_size = 2, 2
+    assert activation_bytes(tp) == 28_160
+
+
+def test_a_trainer_gpu_holds_its_share_of_the_experts_and_all_of_its_dense_weights():
+    """EP 2 x ETP 2 over 4 GPUs: each holds a quarter of the 240 expert weights and every one of the
+    466 others (embedding, head, norms, attention, the dense MLP, routers)."""
+    from moe_rl.planner.memory import trainer_memory
+
+    config = RecipeConfig()
+    p = config.parallel
+    p.tensor_model_parallel_size = p.pipeline_model_parallel_size = p.context_parallel_size = 1
+    p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.trainer_world_size = 2, 2, 4
+    memory = trainer_memory(config, COUNTS)
+    assert memory.params == 466 + 240 // 4 and memory.adapters == 0 and memory.critic == memory.teacher == 0.0
+    with pytest.raises(AttributeError):
+        memory.params = 0  # a value
+
+
+def test_a_dense_model_keeps_no_routing_trace():
+    from moe_rl.planner.memory import routing_trace_bytes_per_token
+
+    assert routing_trace_bytes_per_token(ModelConfig(num_experts=0)) == 0
+    assert (
+        routing_trace_bytes_per_token(ModelConfig(num_layers=3, first_k_dense_layers=1, num_experts=1))
+        == 2 * 2
+    )
