@@ -187,6 +187,12 @@ def test_a_trainer_gpu_holds_its_share_of_the_experts_and_all_of_its_dense_weigh
     assert memory.params == 466 + 240 // 4 and memory.adapters == 0 and memory.critic == memory.teacher == 0.0
     with pytest.raises(AttributeError):
         memory.params = 0  # a value
+    from moe_rl.planner.memory import layout
+
+    lay = layout(config)
+    assert (lay.ep, lay.etp, lay.dp, lay.expert_dp) == (2, 2, 4, 1)
+    with pytest.raises(AttributeError):
+        lay.ep = 1
 
 
 def test_a_dense_model_keeps_no_routing_trace():
